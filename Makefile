@@ -1,0 +1,67 @@
+# eagleforge: one command per pipeline stage, all reading one config and one run directory.
+#
+#   make extract train              the embedded default (SmolLM2-135M on the CPU), end to end
+#   make test                       the test suite (CPU; GPU tests skip with a reason)
+#   make extract train CONFIG=configs/kimi_k25_pilot.yaml RUN=runs/kimi
+#   make train OVERRIDES="train.lr=1e-4 train.epochs=2"
+#
+# Each target first installs what it needs into .venv (a stamp file makes the second call instant).
+
+PYTHON ?= python3
+VENV ?= .venv
+RUN ?= runs/default
+CONFIG ?=
+OVERRIDES ?=
+# The CPU build of torch; set TORCH_SPEC= (empty) to keep a torch that is already installed.
+TORCH_SPEC ?= torch==2.13.0
+
+PY := $(VENV)/bin/python
+ARGS := $(if $(CONFIG),--config $(CONFIG)) run_dir=$(RUN) $(OVERRIDES)
+STAMP := $(VENV)/.installed
+
+.PHONY: install data extract vocab train eval plan test test-fast bench-extract-cpu bench-extract bench-loss bench-train clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(if $(TORCH_SPEC),$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)")
+	$(PY) -m pip install -q -e ".[test,plots]"
+	touch $(STAMP)
+
+data: $(STAMP)
+	$(PY) -m eagleforge.data $(ARGS)
+
+extract: data
+	$(PY) -m eagleforge.extract $(ARGS)
+
+vocab: $(STAMP)
+	$(PY) -m eagleforge.vocab $(ARGS)
+
+train: vocab
+	$(PY) -m eagleforge.train $(ARGS)
+
+eval: $(STAMP)
+	$(PY) -m eagleforge.eval $(ARGS)
+
+plan: $(STAMP)
+	$(PY) -m eagleforge.extract.native.plan $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra tests
+
+bench-extract-cpu: $(STAMP)
+	$(PY) benchmarks/bench_extract_cpu.py
+
+bench-extract: $(STAMP)
+	$(PY) benchmarks/bench_extract.py
+
+bench-loss: $(STAMP)
+	$(PY) benchmarks/bench_loss.py
+
+bench-train: $(STAMP)
+	$(PY) benchmarks/bench_train.py
+
+clean:
+	rm -rf $(RUN)

