@@ -1,0 +1,38 @@
+"""Shared fixtures. Tests run on a 2-core CPU: keep models tiny unless a test needs SmolLM2."""
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; the CPU path of the same logic is tested elsewhere")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model, tokenizer) of the embedded SmolLM2-135M-Instruct, float32, CPU."""
+    from eagleforge.config import TargetConfig
+    from eagleforge.target import load_target
+
+    return load_target(TargetConfig(device="cpu"))
+
+
+@pytest.fixture
+def tiny_llama_config():
+    """A tiny random Llama config with odd sizes (hidden 48, 3 heads, 7 layers, vocab 211)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=211, hidden_size=48, intermediate_size=80, num_hidden_layers=7,
+        num_attention_heads=3, num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, pad_token_id=0, eos_token_id=2, bos_token_id=1,
+    )
