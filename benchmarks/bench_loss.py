@@ -1,0 +1,316 @@
+"""Benchmark: the EAGLE-3 soft cross-entropy, forward + backward, ours vs the peers, one run.
+
+Issue 7's table at the Kimi-K2.5 draft shape (H = 7168, Vd = 32000) for T = 8192 and 32768,
+with the anchor's peers (../shared/anchors/anchor_loss.py) run side by side in the same process:
+
+    naive_torch                       public trainers' way: fp32 softmax of both [T, Vd] logits
+    liger_fused_linear_jsd_beta0      Liger-Kernel's fused linear JSD, beta 0 (forward KL)
+    liger_fused_linear_kldiv_given_probs  Liger's fused linear KL-div, fp32 probabilities given
+    ours_single_step                  fused_soft_cross_entropy (teacher lse given: once per sequence)
+    ours_teacher_lse                  teacher_logsumexp alone (its share per step is 1/K)
+    *_ttt7                            K = 7 TTT steps with the teacher shared, per-step cost = ms / 7
+                                      (naive: probabilities once + 7 steps; Liger KL: the same;
+                                      ours: fused_soft_cross_entropy_ttt, teacher logits once)
+
+Per case: median ms of forward + backward (triton.testing.do_bench), peak memory above the
+inputs (inputs = hidden states, heads and, where a method needs them, precomputed teacher
+probabilities or lse), the same peak less the gradient outputs (grad of hidden states and head,
+which every method must return), and the loss relative to naive (a correctness check). The bf16
+matmul rate is measured in the same run and gives the floors (3 or 4 matmuls of 2 T H Vd).
+
+    make bench-loss                                      # = python benchmarks/bench_loss.py
+    python benchmarks/bench_loss.py --tokens 8192 --chunks 2048 4096 --json out.json
+    python benchmarks/bench_loss.py --cpu-check          # tiny shapes on the CPU: checks the script
+
+On the H200 device machine (liger-kernel carried as a wheel in .whl/, carry [".whl"]):
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/liger_kernel-*.whl \
+      && PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 benchmarks/bench_loss.py --json $OUT/bench_loss.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("bench_loss")
+
+
+def load_soft_ce():
+    """eagleforge.kernels.soft_ce, or the file beside this script when the package is not installed
+    (the device machine runs from a bare checkout; soft_ce.py imports nothing from eagleforge)."""
+    try:
+        from eagleforge.kernels import soft_ce
+        return soft_ce
+    except ImportError:
+        path = Path(__file__).resolve().parents[1] / "kernels" / "soft_ce.py"
+        spec = importlib.util.spec_from_file_location("eagleforge_soft_ce", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        return module
+
+
+soft_ce = load_soft_ce()
+
+
+class Timer:
+    """do_bench on CUDA; perf_counter median on the CPU (--cpu-check)."""
+
+    def __init__(self, device: torch.device, rep_ms: int):
+        self.device, self.rep_ms = device, rep_ms
+
+    def median_ms(self, fn) -> float:
+        if self.device.type == "cuda":
+            import triton.testing
+
+            return float(triton.testing.do_bench(fn, warmup=25, rep=self.rep_ms, return_mode="median"))
+        fn()
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+
+def peak_above_inputs(fn, device: torch.device) -> float | None:
+    """GiB allocated at the peak of one call, above what was allocated before it."""
+    if device.type != "cuda":
+        fn()
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def make_inputs(tokens: int, hidden: int, vocab: int, steps: int, device, dtype):
+    """The anchor's inputs (same scales), plus K draft hidden states for the TTT cases."""
+    torch.manual_seed(0)
+    hd = (torch.randn(tokens, hidden, device=device, dtype=dtype) * 0.5).requires_grad_()
+    wd = (torch.randn(vocab, hidden, device=device, dtype=dtype) * hidden**-0.5).requires_grad_()
+    ht = torch.randn(tokens, hidden, device=device, dtype=dtype) * 0.5
+    wt = torch.randn(vocab, hidden, device=device, dtype=dtype) * hidden**-0.5
+    hds = [(torch.randn(tokens, hidden, device=device, dtype=dtype) * 0.5).requires_grad_() for _ in range(steps)]
+    return hd, wd, ht, wt, hds
+
+
+def run_cases(tokens, hidden, vocab, steps, chunks, device, dtype, timer, with_liger):
+    hd, wd, ht, wt, hds = make_inputs(tokens, hidden, vocab, steps, device, dtype)
+    params = [hd, wd, *hds]
+    grad_gib = (hd.numel() * hd.element_size() + wd.numel() * wd.element_size()) / 2**30
+    ones = torch.ones(tokens, device=device)
+    mean_w = ones / tokens  # the anchor's loss is a mean over tokens
+    ttt_w = torch.ones(steps, tokens, device=device) / tokens
+    for j in range(steps):
+        ttt_w[j, tokens - 1 - j :] = 0  # step j's last 1 + j rows have no teacher
+    results, losses = {}, {}
+
+    def case(name, fn, n_steps=1, grad_outputs_gib=grad_gib, is_loss=True):
+        def step():
+            for p in params:
+                p.grad = None
+            return fn()
+
+        for p in params:
+            p.grad = None
+        peak = peak_above_inputs(step, device)
+        out = step()
+        if out is not None:
+            losses[name] = float(out)
+        ms = timer.median_ms(step)
+        row = {"ms": round(ms, 3), "ms_per_step": round(ms / n_steps, 3)}
+        if peak is not None:
+            row["peak_GiB_over_inputs"] = round(peak, 3)
+            row["peak_GiB_over_inputs_and_grads"] = round(peak - grad_outputs_gib, 3)
+        if is_loss and name in losses and "naive_torch" in losses and n_steps == 1:
+            row["loss_rel_to_naive"] = float(f"{losses[name] / losses['naive_torch'] - 1:.2e}")
+        results[name] = row
+        log.info("T=%d %-40s %s", tokens, name, row)
+
+    def naive():
+        with torch.no_grad():
+            pt = torch.softmax((ht @ wt.T).float(), -1)
+        logp = torch.log_softmax((hd @ wd.T).float(), -1)
+        loss = -(pt * logp).sum(-1).mean()
+        loss.backward()
+        return loss.detach()
+
+    case("naive_torch", naive)
+
+    with torch.no_grad():
+        lse = soft_ce.teacher_logsumexp(ht, wt)
+    for chunk in chunks:
+        def ours(chunk=chunk):
+            loss, _ = soft_ce.fused_soft_cross_entropy(hd, wd, ht, wt, lse, mean_w, chunk_tokens=chunk)
+            loss.backward()
+            return loss.detach()
+
+        case(f"ours_single_step_chunk{chunk}", ours)
+    case("ours_teacher_lse", lambda: soft_ce.teacher_logsumexp(ht, wt).sum(), grad_outputs_gib=0.0, is_loss=False)
+
+    if with_liger:
+        try:
+            from liger_kernel.transformers import LigerFusedLinearJSD
+
+            jsd = LigerFusedLinearJSD(jsd_beta=0.0)
+
+            def liger_jsd():
+                loss = jsd(hd, wd, ht, wt, None)
+                loss.backward()
+                return loss.detach()
+
+            case("liger_fused_linear_jsd_beta0", liger_jsd)
+        except Exception as exc:  # report and go on: the peers must not stop our measurement
+            results["liger_jsd_error"] = repr(exc)[:300]
+            log.warning("liger JSD: %s", results["liger_jsd_error"])
+        try:
+            from liger_kernel.transformers import LigerFusedLinearKLDivLoss
+
+            kl = LigerFusedLinearKLDivLoss()
+            with torch.no_grad():
+                probs = torch.softmax((ht @ wt.T).float(), -1)  # an input here, [T, Vd] fp32
+
+            def liger_kl():
+                loss = kl(hd, wd, probs)
+                loss.backward()
+                return loss.detach()
+
+            case("liger_fused_linear_kldiv_given_probs", liger_kl)
+            del probs
+
+            def liger_kl_ttt():  # probabilities computed once, shared by the K steps
+                with torch.no_grad():
+                    shared = torch.softmax((ht @ wt.T).float(), -1)
+                total = 0.0
+                for h in hds:
+                    loss = kl(h, wd, shared)
+                    loss.backward()
+                    total += loss.detach()
+                return total
+
+            case(f"liger_kldiv_ttt{steps}_probs_once", liger_kl_ttt, n_steps=steps, grad_outputs_gib=steps_grad_gib(hds, wd))
+        except Exception as exc:
+            results["liger_kl_error"] = repr(exc)[:300]
+            log.warning("liger KL-div: %s", results["liger_kl_error"])
+
+    def naive_ttt():  # probabilities once, then K steps each with its own [T, Vd] fp32 graph
+        with torch.no_grad():
+            pt = torch.softmax((ht @ wt.T).float(), -1)
+        loss = sum(-(pt * torch.log_softmax((h @ wd.T).float(), -1)).sum(-1).mean() for h in hds)
+        loss.backward()
+        return loss.detach()
+
+    case(f"naive_torch_ttt{steps}_probs_once", naive_ttt, n_steps=steps, grad_outputs_gib=steps_grad_gib(hds, wd))
+
+    for chunk in chunks:
+        def ours_ttt(chunk=chunk):
+            loss, _, _ = soft_ce.fused_soft_cross_entropy_ttt(hds, wd, ht, wt, ttt_w, chunk_tokens=chunk)
+            loss.backward()
+            return loss.detach()
+
+        case(f"ours_ttt{steps}_chunk{chunk}", ours_ttt, n_steps=steps, grad_outputs_gib=steps_grad_gib(hds, wd))
+    results["ours_vs_reference"] = check_ours(hds, wd, ht, wt, ttt_w, lse, hd, mean_w, chunks[0])
+    return results
+
+
+def steps_grad_gib(hds, wd) -> float:
+    return sum(h.numel() * h.element_size() for h in hds) / 2**30 + wd.numel() * wd.element_size() / 2**30
+
+
+def check_ours(hds, wd, ht, wt, ttt_w, lse, hd, mean_w, chunk) -> dict:
+    """Relative loss differences: ours (both entry points) vs the plain-torch reference (fp32) on
+    the first 1024 rows (the reference materializes [rows, Vd] in fp32)."""
+    rows = min(1024, hd.shape[0])
+    with torch.no_grad():
+        ref, _ = soft_ce.reference_soft_cross_entropy(hd[:rows], wd, ht[:rows], wt, lse[:rows], mean_w[:rows])
+        ours, _ = soft_ce.fused_soft_cross_entropy(hd[:rows], wd, ht[:rows], wt, lse[:rows], mean_w[:rows], chunk_tokens=chunk)
+        ref_ttt = soft_ce.reference_soft_cross_entropy_ttt([h[:rows] for h in hds], wd, ht[:rows], wt, ttt_fix(ttt_w, rows))[0]
+        ours_ttt = soft_ce.fused_soft_cross_entropy_ttt([h[:rows] for h in hds], wd, ht[:rows], wt, ttt_fix(ttt_w, rows), chunk_tokens=chunk)[0]
+    return {"single_step_rel": float(f"{ours.item() / ref.item() - 1:.2e}"), "ttt_rel": float(f"{ours_ttt.item() / ref_ttt.item() - 1:.2e}")}
+
+
+def ttt_fix(ttt_w, rows):
+    """weight [K, rows] with the rows past the last teacher zeroed, for a prefix of `rows` rows."""
+    w = ttt_w[:, :rows].clone()
+    for j in range(w.shape[0]):
+        w[j, rows - 1 - j :] = 0
+    return w
+
+
+def matmul_tflops(device, dtype, timer, size: int) -> float:
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    ms = timer.median_ms(lambda: a @ b)
+    return 2 * size**3 / ms / 1e9
+
+
+def floors(tokens, hidden, vocab, steps, tflops) -> dict:
+    one_ms = 2 * tokens * hidden * vocab / tflops / 1e9
+    return {"floor_ms_4gemm": round(4 * one_ms, 3), "floor_ms_3gemm": round(3 * one_ms, 3),
+            f"floor_ms_per_step_teacher_shared_{steps}": round((3 + 1 / steps) * one_ms, 3)}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--steps", type=int, default=7, help="TTT steps sharing one teacher")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[2048, 4096], help="our chunk_tokens values to time")
+    parser.add_argument("--rep-ms", type=int, default=300, help="do_bench measuring time per case")
+    parser.add_argument("--no-liger", action="store_true")
+    parser.add_argument("--cpu-check", action="store_true", help="tiny shapes on the CPU, to check the script")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    if args.cpu_check:
+        device, dtype = torch.device("cpu"), torch.float32
+        args.tokens, args.hidden, args.vocab, args.chunks = [96, 61], 40, 997, [32]
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("bench_loss.py needs a CUDA GPU (H200 for the issue's table); --cpu-check runs tiny shapes on the CPU")
+        device, dtype = torch.device("cuda"), torch.bfloat16
+    timer = Timer(device, args.rep_ms)
+    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+           "triton_path": soft_ce.resolve_backend("auto", device)}
+    try:
+        import liger_kernel  # noqa: F401
+
+        env["liger_kernel"] = getattr(liger_kernel, "__version__", "installed")
+        with_liger = device.type == "cuda" and not args.no_liger
+    except ImportError:
+        env["liger_kernel"] = None
+        with_liger = False
+        if device.type == "cuda" and not args.no_liger:
+            log.warning("liger_kernel not importable: its rows are skipped (carry the wheel: see the docstring)")
+    result = {"env": env, "shape": {"hidden": args.hidden, "vocab": args.vocab, "steps": args.steps}}
+    tflops = matmul_tflops(device, dtype, timer, 8192 if device.type == "cuda" else 256)
+    result["matmul_tflops"] = round(tflops, 1)
+    for tokens in args.tokens:
+        table = run_cases(tokens, args.hidden, args.vocab, args.steps, args.chunks, device, dtype, timer, with_liger)
+        table.update(floors(tokens, args.hidden, args.vocab, args.steps, tflops))
+        result[f"T={tokens}"] = table
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print(json.dumps(result, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()

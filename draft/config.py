@@ -1,0 +1,234 @@
+"""Eagle3Config: the sizes of the EAGLE-3 draft and its export config.json (DESIGN section 6).
+
+The draft is one Llama decoder layer whatever the target is. Its sizes default to the target's
+(hidden, heads, kv heads, head_dim, intermediate, norm eps, RoPE, max positions, vocabulary), read
+from the target's HF config:
+
+- Llama-like configs: the plain fields.
+- DeepSeek-V3 / Kimi-K2.5 (MLA, `text_config` wrapper for Kimi): MLA has no plain kv heads, so
+  the draft gets as many kv heads as query heads and head_dim = v_head_dim (Kimi: hidden 7168,
+  64 heads, 64 kv heads, head_dim 128, intermediate 18432 = the dense layer's MLP).
+
+Aux layer ids are kept in the project's convention (0-indexed decoder layers whose OUTPUT is
+captured); config.json stores vLLM's convention (input of layer i + 1), i.e. ids + 1.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+DRAFT_ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+# Keys of the RoPE dict that transformers >= 5 folds into rope_parameters but that config.json
+# carries at top level (rope_theta) or that are redundant (type is the old name of rope_type).
+_ROPE_TOP_LEVEL_KEYS = ("rope_theta",)
+
+
+@dataclass
+class Eagle3Config:
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int  # the target's vocabulary (embed_tokens rows, t2d length)
+    draft_vocab_size: int  # lm_head rows, d2t length
+    target_hidden_size: int  # width of ONE aux state; fc maps k * target_hidden_size -> hidden_size
+    aux_layer_ids: list[int] = field(default_factory=list)  # project convention (output of layer i)
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # HF style, with "rope_type"; None = plain RoPE
+    max_position_embeddings: int = 4096
+    target_num_layers: int = 0  # 0 = unknown (config.json does not carry it)
+
+    def __post_init__(self):
+        self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
+        self.rope_scaling = copy.deepcopy(self.rope_scaling)  # never share a dict that others mutate
+        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "intermediate_size", "vocab_size", "draft_vocab_size", "target_hidden_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"Eagle3Config.{name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"Eagle3Config: num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(
+                f"Eagle3Config: draft_vocab_size {self.draft_vocab_size} exceeds vocab_size {self.vocab_size}"
+            )
+        if not self.aux_layer_ids:
+            raise ValueError("Eagle3Config.aux_layer_ids is empty: the draft needs at least one aux layer")
+        if self.aux_layer_ids != sorted(set(self.aux_layer_ids)) or self.aux_layer_ids[0] < 0:
+            raise ValueError(f"Eagle3Config.aux_layer_ids must be distinct, ascending and >= 0, got {self.aux_layer_ids}")
+        if self.target_num_layers and self.aux_layer_ids[-1] >= self.target_num_layers:
+            raise ValueError(
+                f"Eagle3Config.aux_layer_ids {self.aux_layer_ids} exceed the target's {self.target_num_layers} layers"
+            )
+
+    @property
+    def num_aux_layers(self) -> int:
+        return len(self.aux_layer_ids)
+
+    @property
+    def fc_in_features(self) -> int:
+        return self.num_aux_layers * self.target_hidden_size
+
+    # ------------------------------------------------------------------ from the target
+
+    @classmethod
+    def from_target_config(cls, target_config, draft_vocab_size: int, aux_layer_ids, **overrides) -> "Eagle3Config":
+        """Draft sizes derived from the target's HF config (a PretrainedConfig or its dict).
+
+        `overrides` are Eagle3Config fields; a value of 0 or None means "derive from the target"
+        (so DraftConfig's 0 defaults pass straight through).
+        """
+        text = _text_config(target_config)
+        get = (lambda key, default=None: text.get(key, default)) if isinstance(text, dict) else (
+            lambda key, default=None: getattr(text, key, default))
+        hidden = _required(get, "hidden_size")
+        heads = _required(get, "num_attention_heads")
+        is_mla = get("kv_lora_rank") is not None
+        if is_mla:
+            # MLA: every query head has its own (decompressed) key/value head; the draft is plain
+            # multi-head attention at the target's value head width.
+            kv_heads = heads
+            head_dim = get("v_head_dim") or get("qk_nope_head_dim") or hidden // heads
+        else:
+            kv_heads = get("num_key_value_heads") or heads
+            head_dim = get("head_dim") or hidden // heads
+        rope_theta, rope_scaling = _rope_from_target(get)
+        derived = dict(
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=_required(get, "intermediate_size"),
+            vocab_size=_required(get, "vocab_size"),
+            draft_vocab_size=int(draft_vocab_size),
+            target_hidden_size=hidden,
+            aux_layer_ids=list(aux_layer_ids),
+            rms_norm_eps=float(get("rms_norm_eps", 1e-5) or 1e-5),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(get("max_position_embeddings", 4096) or 4096),
+            target_num_layers=int(get("num_hidden_layers", 0) or 0),
+        )
+        known = {f.name for f in fields(cls)}
+        for key, value in overrides.items():
+            if key not in known:
+                raise ValueError(f"Eagle3Config.from_target_config: unknown override {key!r} (fields: {sorted(known)})")
+            if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0):
+                continue
+            derived[key] = value
+        return cls(**derived)
+
+    # ------------------------------------------------------------------ config.json
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The export's config.json (DESIGN section 6), aux ids in vLLM's convention (ids + 1)."""
+        out: dict[str, Any] = {
+            "architectures": [DRAFT_ARCHITECTURE],
+            "model_type": "llama",
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": 1,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": copy.deepcopy(self.rope_scaling),
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "tie_word_embeddings": False,
+            "attention_bias": False,
+            "torch_dtype": "bfloat16",
+            "eagle_aux_hidden_state_layer_ids": [i + 1 for i in self.aux_layer_ids],
+        }
+        if self.target_hidden_size != self.hidden_size:
+            out["target_hidden_size"] = self.target_hidden_size
+        return out
+
+    @classmethod
+    def from_hf_dict(cls, config: dict[str, Any], source: str = "config.json") -> "Eagle3Config":
+        """Inverse of to_hf_dict. `source` names the file in error messages."""
+        arch = config.get("architectures") or []
+        if DRAFT_ARCHITECTURE not in arch:
+            raise ValueError(f"{source}: architectures is {arch!r}, expected [{DRAFT_ARCHITECTURE!r}]")
+        if config.get("num_hidden_layers", 1) != 1:
+            raise ValueError(f"{source}: num_hidden_layers is {config['num_hidden_layers']!r}, an EAGLE-3 draft has 1")
+        if "eagle_config" in config:
+            raise ValueError(f"{source}: has an eagle_config; this loader expects top-level eagle_aux_hidden_state_layer_ids")
+        missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size",
+                               "eagle_aux_hidden_state_layer_ids") if k not in config]
+        if missing:
+            raise ValueError(f"{source}: missing keys {missing}")
+        hidden = int(config["hidden_size"])
+        heads = int(config["num_attention_heads"])
+        rope_theta = config.get("rope_theta")
+        rope_scaling = config.get("rope_scaling")
+        if rope_theta is None and isinstance(config.get("rope_parameters"), dict):
+            # Saved by transformers >= 5: theta and scaling live in rope_parameters.
+            rope_theta, rope_scaling = _split_rope_parameters(config["rope_parameters"])
+        return cls(
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            intermediate_size=int(config["intermediate_size"]),
+            vocab_size=int(config["vocab_size"]),
+            draft_vocab_size=int(config.get("draft_vocab_size") or config["vocab_size"]),
+            target_hidden_size=int(config.get("target_hidden_size") or hidden),
+            aux_layer_ids=[int(i) - 1 for i in config["eagle_aux_hidden_state_layer_ids"]],
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=copy.deepcopy(rope_scaling),
+            max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+        )
+
+
+def _text_config(target_config):
+    """The language model's config: Kimi-K2.5 wraps it as text_config."""
+    if isinstance(target_config, dict):
+        return target_config.get("text_config") or target_config
+    return getattr(target_config, "text_config", None) or target_config
+
+
+def _required(get, key: str) -> int:
+    value = get(key)
+    if value is None:
+        raise ValueError(f"target config has no {key!r}: cannot derive the draft's size (set it as an override)")
+    return int(value)
+
+
+def _split_rope_parameters(params: dict) -> tuple[float, dict | None]:
+    """transformers >= 5 rope_parameters -> (rope_theta, rope_scaling or None)."""
+    params = dict(params)
+    theta = float(params.pop("rope_theta", 10000.0))
+    params.pop("type", None)  # legacy alias of rope_type
+    if params.get("rope_type", "default") == "default" and set(params) <= {"rope_type", "partial_rotary_factor"}:
+        return theta, None
+    return theta, params
+
+
+def _rope_from_target(get) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) of a target config, old (v4) or new (v5 rope_parameters) style."""
+    params = get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params:
+        return _split_rope_parameters(params)
+    theta = float(get("rope_theta", 10000.0) or 10000.0)
+    scaling = get("rope_scaling")
+    if not scaling:
+        return theta, None
+    scaling = dict(scaling)
+    if "rope_type" not in scaling and "type" in scaling:
+        scaling["rope_type"] = scaling["type"]
+    scaling.pop("type", None)
+    scaling.pop("rope_theta", None)
+    return theta, (None if scaling.get("rope_type") == "default" and len(scaling) == 1 else scaling)

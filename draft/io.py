@@ -1,0 +1,147 @@
+"""Export and load of the draft in the format vLLM and SGLang load unchanged (DESIGN section 6).
+
+    out_dir/config.json          Eagle3Config.to_hf_dict()
+    out_dir/model.safetensors    EXPORT_TENSOR_NAMES, bf16 unless noted, metadata {"format": "pt"}
+
+No embed_tokens (both engines use the target's), no "model." prefix, no other keys: vLLM rejects
+unknown names. Written atomically: a temporary sibling directory, fsynced, then renamed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import Eagle3Config
+from .model import Eagle3Draft
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+# name -> (shape as a function of the config, dtype or None for the export dtype, required).
+EXPORT_TENSOR_NAMES: dict[str, tuple] = {
+    "midlayer.self_attn.q_proj.weight": (lambda c: (c.num_attention_heads * c.head_dim, 2 * c.hidden_size), None, True),
+    "midlayer.self_attn.k_proj.weight": (lambda c: (c.num_key_value_heads * c.head_dim, 2 * c.hidden_size), None, True),
+    "midlayer.self_attn.v_proj.weight": (lambda c: (c.num_key_value_heads * c.head_dim, 2 * c.hidden_size), None, True),
+    "midlayer.self_attn.o_proj.weight": (lambda c: (c.hidden_size, c.num_attention_heads * c.head_dim), None, True),
+    "midlayer.mlp.gate_proj.weight": (lambda c: (c.intermediate_size, c.hidden_size), None, True),
+    "midlayer.mlp.up_proj.weight": (lambda c: (c.intermediate_size, c.hidden_size), None, True),
+    "midlayer.mlp.down_proj.weight": (lambda c: (c.hidden_size, c.intermediate_size), None, True),
+    "midlayer.input_layernorm.weight": (lambda c: (c.hidden_size,), None, True),
+    "midlayer.hidden_norm.weight": (lambda c: (c.hidden_size,), None, True),
+    "midlayer.post_attention_layernorm.weight": (lambda c: (c.hidden_size,), None, True),
+    "fc.weight": (lambda c: (c.hidden_size, c.fc_in_features), None, True),
+    "norm.weight": (lambda c: (c.hidden_size,), None, True),
+    "lm_head.weight": (lambda c: (c.draft_vocab_size, c.hidden_size), None, True),
+    # Present exactly when the draft vocabulary is smaller than the target's.
+    "d2t": (lambda c: (c.draft_vocab_size,), torch.int64, False),
+    # Optional (SGLang and vLLM ignore / accept it); written whenever d2t is.
+    "t2d": (lambda c: (c.vocab_size,), torch.bool, False),
+}
+
+
+def expected_tensors(config: Eagle3Config, dtype: torch.dtype = torch.bfloat16) -> dict[str, tuple[tuple, torch.dtype]]:
+    """{name: (shape, dtype)} an export of `config` holds (d2t/t2d only when Vd < V)."""
+    out = {}
+    for name, (shape, tensor_dtype, required) in EXPORT_TENSOR_NAMES.items():
+        if required or config.draft_vocab_size < config.vocab_size:
+            out[name] = (tuple(shape(config)), tensor_dtype or dtype)
+    return out
+
+
+def export_state_dict(draft: Eagle3Draft, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """The export's tensors, contiguous, on the CPU."""
+    state = draft.state_dict()
+    out = {}
+    for name, (_, tensor_dtype) in expected_tensors(draft.config, dtype).items():
+        out[name] = state[name].detach().to("cpu", tensor_dtype).contiguous()
+    return out
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_draft(draft: Eagle3Draft, out_dir, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write config.json + model.safetensors to out_dir atomically (replacing what is there)."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    weights = tmp / WEIGHTS_FILE
+    save_file(export_state_dict(draft, dtype), str(weights), metadata={"format": "pt"})
+    config_path = tmp / CONFIG_FILE
+    config_path.write_text(json.dumps(draft.config.to_hf_dict(), indent=2) + "\n")
+    for path in (weights, config_path):
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    # Swap in: the old export (if any) is moved aside first, so out_dir is never half written.
+    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+    if out_dir.exists():
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(out_dir.parent)
+    log.info("exported the draft to %s", out_dir)
+    return out_dir
+
+
+def load_draft(path, embed_tokens: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> Eagle3Draft:
+    """An Eagle3Draft from an export directory.
+
+    embed_tokens: the target's input embedding, a [V, H] tensor or an nn.Embedding; None leaves
+    the draft's embed_tokens random (attach it later with draft.set_embed_tokens).
+    """
+    path = Path(path)
+    config_path, weights = path / CONFIG_FILE, path / WEIGHTS_FILE
+    for file in (config_path, weights):
+        if not file.is_file():
+            raise FileNotFoundError(f"draft export {path}: missing {file.name}")
+    try:
+        hf = json.loads(config_path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{config_path}: not valid JSON ({err})") from None
+    config = Eagle3Config.from_hf_dict(hf, source=str(config_path))
+    with safe_open(str(weights), framework="pt") as f:
+        names = set(f.keys())
+        allowed = set(EXPORT_TENSOR_NAMES)
+        unknown, missing = names - allowed, {n for n, v in EXPORT_TENSOR_NAMES.items() if v[2]} - names
+        if unknown or missing:
+            raise ValueError(f"{weights}: unknown tensors {sorted(unknown)}, missing tensors {sorted(missing)}")
+        tensors = {name: f.get_tensor(name) for name in names}
+    for name, tensor in tensors.items():
+        shape = tuple(EXPORT_TENSOR_NAMES[name][0](config))
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"{weights}: {name} has shape {tuple(tensor.shape)}, config.json implies {shape}")
+    draft = Eagle3Draft(config)
+    params = {n: t for n, t in tensors.items() if n not in ("d2t", "t2d")}
+    result = draft.load_state_dict(params, strict=False)
+    assert set(result.missing_keys) <= {"embed_tokens.weight", "d2t", "t2d"}, f"not loaded: {result.missing_keys}"
+    if "d2t" in tensors:
+        t2d = tensors.get("t2d")
+        if t2d is None:
+            t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+            t2d[torch.arange(config.draft_vocab_size) + tensors["d2t"].long()] = True
+        draft.set_vocab_map(tensors["d2t"], t2d)
+    elif config.draft_vocab_size < config.vocab_size:
+        raise ValueError(f"{weights}: draft_vocab_size {config.draft_vocab_size} < vocab_size {config.vocab_size} but no d2t")
+    if embed_tokens is not None:
+        weight = getattr(embed_tokens, "weight", embed_tokens)  # nn.Embedding or its weight
+        draft.set_embed_tokens(weight.detach().to("cpu", torch.float32))
+    return draft.to(device=device, dtype=dtype)

@@ -1,0 +1,353 @@
+"""The EAGLE-3 draft: one Llama decoder layer over [token embedding ; fused target state].
+
+    embed_tokens [V, H] (the target's, frozen)      fc [H, k*Ht] (fuses the k aux states)
+    midlayer:  x = cat(input_layernorm(embed(token)), hidden_norm(h))          (B, T, 2H)
+               h = h + o_proj(attn(q/k/v_proj(x), RoPE))                      (B, T, H)
+               h = h + mlp(post_attention_layernorm(h))                       (B, T, H)  -> fed back
+    norm(h) -> lm_head [Vd, H] -> draft logits; draft id i is target id i + d2t[i].
+
+Training-time test (forward_ttt), K steps over a sequence of T rows:
+    step j, row t: token input_ids[t+1+j] (0 past the end), predicts token t+2+j, RoPE position
+    t+j; hidden = fc(aux[t]) at j = 0, else the un-normed midlayer output of step j-1 at row t;
+    attention sees step-0 keys at rows <= t and the keys of steps 1..j at row t only.
+Serving (KV cache, batch 1 is enough): new_cache, extend (verified rows), propose (k target
+ids by greedy chain from the last row; the chain's KV entries are discarded), rollback.
+
+Example:
+    from eagleforge import draft
+    model = draft.load_draft("RUN/draft", embed_tokens=target.get_input_embeddings().weight)
+    cache = model.new_cache()
+    model.extend(cache, aux_hidden_states, next_tokens)   # [1, n, k*Ht], [1, n]
+    proposal = model.propose(cache, 5)                     # [1, 5] target token ids
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import repeat_kv, ttt_attention
+from .config import Eagle3Config
+
+
+class RMSNorm(nn.Module):
+    """Llama RMSNorm: normalize in fp32, cast back, then scale (as transformers and vLLM)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_parameters(config: Eagle3Config) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim/2] fp32, attention_scaling) for the config's rope_theta/rope_scaling."""
+    with torch.device("cpu"):  # also when the model is built under a meta/cuda device context
+        return _rope_parameters(config)
+
+
+def _rope_parameters(config: Eagle3Config) -> tuple[torch.Tensor, float]:
+    dim = config.head_dim
+    scaling = config.rope_scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        return inv_freq.float(), 1.0
+    # Scaled variants (linear, llama3, yarn, ...): transformers' definitions, which vLLM matches.
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"rope_scaling.rope_type {rope_type!r} is not supported (known: {sorted(ROPE_INIT_FUNCTIONS)})")
+    hf = LlamaConfig(
+        hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads, head_dim=dim,
+        max_position_embeddings=config.max_position_embeddings,
+        rope_theta=config.rope_theta, rope_scaling={**scaling, "rope_type": rope_type},
+    )
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
+    return inv_freq.float(), float(attention_scaling)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.scale = d ** -0.5
+        self.q_proj = nn.Linear(2 * h, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, T, 2H]; cos/sin [B or 1, T, D] -> q [B, Hq, T, D], k/v [B, Hkv, T, D] (RoPE applied)."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = cos[:, None].to(q.dtype), sin[:, None].to(q.dtype)  # [B, 1, T, D]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        return q, k, v
+
+    def out(self, attn: torch.Tensor) -> torch.Tensor:
+        """[B, Hq, T, D] -> [B, T, H]."""
+        b, _, t, _ = attn.shape
+        return self.o_proj(attn.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+class Eagle3MLP(nn.Module):
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """The `midlayer`. Split in two halves around the attention, which TTT and serving do differently."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Eagle3Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = Eagle3MLP(config)
+
+    def qkv(self, embeds, hidden, cos, sin):
+        """embeds, hidden [B, T, H] -> q, k, v of cat(norm(embeds), norm(hidden)) [B, T, 2H]."""
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        return self.self_attn.qkv(x, cos, sin)
+
+    def finish(self, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """attn [B, Hq, T, D], hidden [B, T, H] (un-normed input) -> un-normed output [B, T, H]."""
+        h = hidden + self.self_attn.out(attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+@dataclass
+class DraftCache:
+    """Serving state: step-0 keys/values (RoPE applied) and un-normed step-0 outputs of the rows so far."""
+
+    keys: torch.Tensor  # [B, Hkv, L, D]
+    values: torch.Tensor  # [B, Hkv, L, D]
+    hidden: torch.Tensor  # [B, L, H], un-normed midlayer output of each row at step 0
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[2]
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(config.fc_in_features, config.hidden_size, bias=False)
+        self.midlayer = Eagle3DecoderLayer(config)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        # Identity vocabulary map until set_vocab_map: draft id i is target id i.
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        t2d[: config.draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+        # A plain fp32 tensor, not a buffer: module.to(bfloat16) must not round the frequencies.
+        self.inv_freq, self.attention_scaling = rope_parameters(config)
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------ setup
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Linear weights ~ N(0, std) (transformers' Llama init), norms 1; embed_tokens untouched."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def set_embed_tokens(self, weight: torch.Tensor) -> None:
+        """Copy the target's input embedding [V, H] into the frozen embed_tokens."""
+        if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):
+            raise ValueError(f"embed_tokens: expected shape {tuple(self.embed_tokens.weight.shape)}, got {tuple(weight.shape)}")
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(weight)
+
+    def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """d2t int64 [Vd] (target id = i + d2t[i]), t2d bool [V]; checked against each other."""
+        cfg = self.config
+        if tuple(d2t.shape) != (cfg.draft_vocab_size,) or tuple(t2d.shape) != (cfg.vocab_size,):
+            raise ValueError(f"vocab map: expected d2t [{cfg.draft_vocab_size}] and t2d [{cfg.vocab_size}], "
+                             f"got {tuple(d2t.shape)} and {tuple(t2d.shape)}")
+        target_ids = torch.arange(cfg.draft_vocab_size, device=d2t.device) + d2t.long()
+        if target_ids.min() < 0 or target_ids.max() >= cfg.vocab_size or not t2d.bool()[target_ids].all() \
+                or int(t2d.sum()) != cfg.draft_vocab_size:
+            raise ValueError("vocab map: d2t and t2d disagree (d2t must map onto exactly the ids where t2d is true)")
+        self.d2t.copy_(d2t.long())
+        self.t2d.copy_(t2d.bool())
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft vocabulary ids -> target vocabulary ids (int64, same shape)."""
+        return draft_ids + self.d2t[draft_ids]
+
+    # ------------------------------------------------------------------ math shared by TTT and serving
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B or 1, T] -> cos, sin [B or 1, T, D] in fp32 (non-interleaved halves)."""
+        inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[..., None] * inv_freq  # [.., T, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+
+    def fuse(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
+        """aux [B, T, k*Ht] -> fc(aux) [B, T, H] in the model's dtype."""
+        if aux_hidden_states.shape[-1] != self.fc.in_features:
+            raise ValueError(f"aux_hidden_states: last dim {aux_hidden_states.shape[-1]}, expected "
+                             f"{self.fc.in_features} (= {self.config.num_aux_layers} aux layers x {self.config.target_hidden_size})")
+        return self.fc(aux_hidden_states.to(self.fc.weight.dtype))
+
+    def logits(self, normed_hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] (output of norm) -> draft logits [..., Vd]."""
+        return self.lm_head(normed_hidden)
+
+    # ------------------------------------------------------------------ training-time test
+
+    def forward_ttt(self, aux_hidden_states: torch.Tensor, input_ids: torch.Tensor, ttt_steps: int,
+                    attention: str = "auto") -> list[torch.Tensor]:
+        """Unrolled TTT: a list of `ttt_steps` NORMED hidden states [B, T, H] (inputs of lm_head).
+
+        aux_hidden_states [B, T, k*Ht], input_ids [B, T] (row t = position t of the sequence).
+        Step j, row t: fed token input_ids[t+1+j] (id 0 past the end) and predicts token t+2+j;
+        hidden input fc(aux[t]) at j = 0, else the un-normed output of step j-1 at row t; RoPE
+        position t+j; attends to step-0 keys at rows <= t and steps 1..j keys at row t only.
+        """
+        b, t = input_ids.shape
+        if aux_hidden_states.shape[:2] != (b, t):
+            raise ValueError(f"forward_ttt: aux_hidden_states {tuple(aux_hidden_states.shape)} and input_ids "
+                             f"{tuple(input_ids.shape)} disagree on [B, T]")
+        if ttt_steps < 1:
+            raise ValueError(f"forward_ttt: ttt_steps must be >= 1, got {ttt_steps}")
+        hidden = self.fuse(aux_hidden_states)  # [B, T, H]
+        rows = torch.arange(t, device=input_ids.device)[None]  # [1, T]
+        keys, values, normed = [], [], []
+        for j in range(ttt_steps):
+            tokens = F.pad(input_ids[:, 1 + j:], (0, min(1 + j, t)), value=0)  # [B, T]: token t+1+j
+            cos, sin = self.rope(rows + j)
+            q, k, v = self.midlayer.qkv(self.embed_tokens(tokens), hidden, cos, sin)
+            keys.append(k)
+            values.append(v)
+            attn = ttt_attention(q, keys, values, self.midlayer.self_attn.scale, mode=attention)
+            hidden = self.midlayer.finish(attn, hidden)  # un-normed, fed to step j+1
+            normed.append(self.norm(hidden))
+        return normed
+
+    # ------------------------------------------------------------------ serving
+
+    def new_cache(self, batch_size: int = 1) -> DraftCache:
+        attn = self.midlayer.self_attn
+        w = self.fc.weight
+        kv = torch.zeros(batch_size, attn.num_kv_heads, 0, attn.head_dim, dtype=w.dtype, device=w.device)
+        return DraftCache(keys=kv, values=kv.clone(),
+                          hidden=torch.zeros(batch_size, 0, self.config.hidden_size, dtype=w.dtype, device=w.device))
+
+    @torch.no_grad()
+    def extend(self, cache: DraftCache, aux_hidden_states: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        """Append n verified rows: row i is fed fc(aux[i]) and next_tokens[i] (the token after it).
+
+        aux_hidden_states [B, n, k*Ht], next_tokens [B, n]; RoPE positions continue from the
+        cache length; each new row attends to all cached rows and the new rows up to itself.
+        """
+        b, n = next_tokens.shape
+        if aux_hidden_states.shape[:2] != (b, n) or cache.keys.shape[0] != b:
+            raise ValueError(f"extend: aux_hidden_states {tuple(aux_hidden_states.shape)}, next_tokens "
+                             f"{tuple(next_tokens.shape)} and cache batch {cache.keys.shape[0]} disagree")
+        start = cache.length
+        hidden = self.fuse(aux_hidden_states)  # [B, n, H]
+        positions = torch.arange(start, start + n, device=hidden.device)[None]  # [1, n]
+        cos, sin = self.rope(positions)
+        q, k, v = self.midlayer.qkv(self.embed_tokens(next_tokens), hidden, cos, sin)
+        cache.keys = torch.cat([cache.keys, k], dim=2)
+        cache.values = torch.cat([cache.values, v], dim=2)
+        key_pos = torch.arange(start + n, device=hidden.device)
+        mask = key_pos[None, :] <= positions[0, :, None]  # [n, L+n]
+        attn = self._attend(q, cache.keys, cache.values, mask)
+        cache.hidden = torch.cat([cache.hidden, self.midlayer.finish(attn, hidden)], dim=1)
+
+    def _attend(self, q, keys, values, mask=None) -> torch.Tensor:
+        """Plain attention for serving: q [B, Hq, n, D] over keys/values [B, Hkv, L, D]."""
+        n_rep = q.shape[1] // keys.shape[1]
+        return F.scaled_dot_product_attention(q, repeat_kv(keys, n_rep), repeat_kv(values, n_rep),
+                                              attn_mask=mask, scale=self.midlayer.self_attn.scale)
+
+    def _chain_step(self, cache: DraftCache, chain_kv: list, hidden: torch.Tensor, token: torch.Tensor,
+                    step: int) -> torch.Tensor:
+        """One chain step j >= 1 from the last cached row: hidden [B, 1, H] (un-normed output of
+        step j-1), token [B, 1]; position (L - 1) + j; attends to all cached rows plus the chain's
+        own keys of steps 1..j (appended to chain_kv). Returns the un-normed output [B, 1, H]."""
+        positions = torch.full((1, 1), cache.length - 1 + step, device=hidden.device)
+        cos, sin = self.rope(positions)
+        q, k, v = self.midlayer.qkv(self.embed_tokens(token), hidden, cos, sin)
+        chain_kv.append((k, v))
+        keys = torch.cat([cache.keys] + [kk for kk, _ in chain_kv], dim=2)
+        values = torch.cat([cache.values] + [vv for _, vv in chain_kv], dim=2)
+        return self.midlayer.finish(self._attend(q, keys, values), hidden)
+
+    @torch.no_grad()
+    def chain(self, cache: DraftCache, tokens: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced chain from the last row: step j (1..m) is fed tokens[:, j-1] (TARGET
+        ids) and its own step j-1 hidden. Returns the normed hidden states [B, 1 + m, H] of
+        steps 0..m (step 0 = the cached row). The cache is left as it was."""
+        if cache.length == 0:
+            raise ValueError("chain: the cache is empty; extend it with at least one verified row first")
+        hidden = cache.hidden[:, -1:]
+        out, chain_kv = [self.norm(hidden)], []
+        for j in range(1, tokens.shape[1] + 1):
+            hidden = self._chain_step(cache, chain_kv, hidden, tokens[:, j - 1:j], j)
+            out.append(self.norm(hidden))
+        return torch.cat(out, dim=1)
+
+    @torch.no_grad()
+    def propose(self, cache: DraftCache, k: int) -> torch.Tensor:
+        """k greedy draft tokens as TARGET ids [B, k], chained from the last cached row.
+
+        Token 1 is the argmax of the last row's step-0 output; token j+1 comes from chain step j,
+        fed its own hidden and its own token j at position (L - 1) + j. The cache is unchanged.
+        """
+        if cache.length == 0:
+            raise ValueError("propose: the cache is empty; extend it with at least one verified row first")
+        if k < 1:
+            raise ValueError(f"propose: k must be >= 1, got {k}")
+        hidden = cache.hidden[:, -1:]  # [B, 1, H]
+        token = self.to_target_ids(self.logits(self.norm(hidden)).argmax(-1))  # [B, 1]
+        proposals, chain_kv = [token], []
+        for j in range(1, k):
+            hidden = self._chain_step(cache, chain_kv, hidden, token, j)
+            token = self.to_target_ids(self.logits(self.norm(hidden)).argmax(-1))
+            proposals.append(token)
+        return torch.cat(proposals, dim=1)
+
+    def rollback(self, cache: DraftCache, n_rows: int) -> None:
+        """Drop the last n_rows rows of the cache (e.g. rows extended past a rejected token)."""
+        if not 0 <= n_rows <= cache.length:
+            raise ValueError(f"rollback: n_rows must be in [0, {cache.length}], got {n_rows}")
+        keep = cache.length - n_rows
+        cache.keys, cache.values = cache.keys[:, :, :keep], cache.values[:, :, :keep]
+        cache.hidden = cache.hidden[:, :keep]

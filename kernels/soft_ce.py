@@ -1,0 +1,585 @@
+"""Fused linear soft cross-entropy for EAGLE-3 (DESIGN section 5, ARCHITECTURE "Loss").
+
+For N positions, the draft head W [Vd, H] and the target's head rows of the draft vocabulary
+U [Vd, H]:
+
+    z_n = draft_hidden_n @ W.T                     draft logits                     [N, Vd]
+    u_n = teacher_hidden_n @ U.T                   target logits, restricted        [N, Vd]
+    p_n = exp(u_n - teacher_lse_n)                 target distribution over Vd
+    CE_n = -sum_v p_nv * log_softmax(z_n)_v
+    loss = sum_n weight_n * CE_n
+
+Gradient (the teacher is a constant), with S_n = sum_v p_nv (1 up to rounding, kept so the
+gradient is exactly that of the formula) and q_n = softmax(z_n):
+
+    G_n = dloss/dz_n = weight_n * (q_n * S_n - p_n)                                  [N, Vd]
+    dloss/ddraft_hidden = G @ W        dloss/dW = G.T @ draft_hidden
+
+Three implementations, same numbers:
+- `reference_*`: plain torch, materializes [N, Vd] in fp32 (the ground truth for tests).
+- torch path (CPU default): chunks over tokens; per chunk the logits come from matmuls in the
+  input dtype and the softmax / gradient factor is plain torch in fp32.
+- Triton path (CUDA default), a HYBRID: the four matmuls per chunk are cuBLAS (torch.mm into
+  preallocated [C, Vd] buffers, no copies), and one Triton kernel per chunk does the
+  online-softmax pass over Vd blocks (lse, argmax, CE) and writes G in place over the logits.
+  Per chunk only two [C, Vd] buffers in the input dtype exist, never [N, Vd] in fp32.
+
+Like Liger-Kernel's fused linear losses, the gradients are computed during the forward and the
+backward only scales them by the upstream gradient.
+
+`fused_soft_cross_entropy_ttt` is the multi-step form: all K TTT steps in one call with the
+teacher logits computed ONCE per chunk of positions and reused by every step (step j's row t
+has the teacher of position t + shift + j), so a TTT step costs three matmuls, not four, and
+the teacher lse needs no separate pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+try:  # Triton is optional: the CPU path and CPU machines run without it.
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - depends on the machine
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+# Budget for the per-chunk [C, Vd] buffers. GPU: two buffers in the input dtype (logits, then the
+# gradient factor in place; teacher logits); 256 MiB in all gives C = 2048 at Vd = 32000 bf16.
+GPU_CHUNK_BYTES = 256 * 2**20
+# CPU: the torch row pass makes about six fp32 [C, Vd] temporaries; 2^22 elements = 16 MiB each.
+CPU_CHUNK_ELEMENTS = 2**22
+
+
+# ----------------------------------------------------------------------------------------------
+# Plain-torch references (materialize [N, Vd] in fp32: tests only)
+# ----------------------------------------------------------------------------------------------
+
+
+def reference_teacher_logsumexp(teacher_hidden: torch.Tensor, teacher_head: torch.Tensor) -> torch.Tensor:
+    """[T, H] x [Vd, H] -> [T] fp32, all in fp32."""
+    return torch.logsumexp(teacher_hidden.float() @ teacher_head.float().T, dim=-1)
+
+
+def reference_soft_cross_entropy(
+    draft_hidden: torch.Tensor,
+    draft_head: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_head: torch.Tensor,
+    teacher_lse: torch.Tensor,
+    weight: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The formula verbatim in fp32 with autograd: (loss scalar, draft argmax [N] int64)."""
+    z = draft_hidden.float() @ draft_head.float().T  # [N, Vd]
+    with torch.no_grad():
+        p = torch.exp(teacher_hidden.float() @ teacher_head.float().T - teacher_lse.float()[:, None])
+    ce = -(p * torch.log_softmax(z, dim=-1)).sum(-1)  # [N]
+    return (weight.float() * ce).sum(), z.detach().argmax(-1)
+
+
+def reference_soft_cross_entropy_ttt(
+    draft_hiddens: Sequence[torch.Tensor],
+    draft_head: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_head: torch.Tensor,
+    weight: torch.Tensor,
+    teacher_shift: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K steps of `reference_soft_cross_entropy`; step j's row n has the teacher row n + shift + j
+    (rows past the end have none and must carry weight 0). -> (loss, step_losses [K], argmax [K, N])."""
+    n_rows = teacher_hidden.shape[0]
+    lse = reference_teacher_logsumexp(teacher_hidden, teacher_head)
+    losses, argmaxes = [], []
+    for j, hidden in enumerate(draft_hiddens):
+        idx = (torch.arange(n_rows, device=hidden.device) + teacher_shift + j).clamp(max=n_rows - 1)
+        loss, argmax = reference_soft_cross_entropy(hidden, draft_head, teacher_hidden[idx], teacher_head, lse[idx], weight[j])
+        losses.append(loss)
+        argmaxes.append(argmax)
+    step_losses = torch.stack(losses)
+    return step_losses.sum(), step_losses.detach(), torch.stack(argmaxes)
+
+
+# ----------------------------------------------------------------------------------------------
+# Row pass: given one chunk of logits, lse / argmax / CE and the gradient factor G in place
+# ----------------------------------------------------------------------------------------------
+
+
+def _rows_torch(logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_lse: torch.Tensor, weight: torch.Tensor):
+    """Torch row pass. logits [c, Vd] (overwritten with G in its dtype), teacher_logits [c, Vd],
+    teacher_lse [c] fp32, weight [c] fp32 -> (weight * CE [c] fp32, argmax [c] int64).
+    Rows with weight 0 give 0 loss and G = 0 whatever their inputs (no 0 * inf = nan)."""
+    z = logits.float()  # [c, Vd]; a view when logits are fp32, G is built before it is written
+    p = torch.exp(teacher_logits.float() - teacher_lse[:, None])  # [c, Vd]
+    lse = torch.logsumexp(z, dim=-1)  # [c]
+    p_sum = p.sum(-1)  # [c]
+    ce = -(p * (z - lse[:, None])).sum(-1)  # [c]
+    argmax = z.argmax(-1)
+    keep = weight != 0
+    loss_rows = torch.where(keep, weight * ce, torch.zeros_like(ce))
+    grad = (torch.exp(z - lse[:, None]) * p_sum[:, None] - p) * weight[:, None]  # [c, Vd]
+    logits.copy_(torch.where(keep[:, None], grad, torch.zeros_like(grad)))
+    return loss_rows, argmax
+
+
+def _lse_torch(teacher_logits: torch.Tensor) -> torch.Tensor:
+    """[c, Vd] -> [c] fp32."""
+    return torch.logsumexp(teacher_logits.float(), dim=-1)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _soft_ce_rows_kernel(
+        z_ptr, t_ptr, tlse_ptr, w_ptr, loss_ptr, argmax_ptr,
+        z_stride, t_stride, vocab,
+        BLOCK: tl.constexpr,
+    ):
+        """One program per row. Pass 1 over Vd blocks: online max / sum-exp of z (draft lse),
+        sum of p (S) and the first argmax. Pass 2: CE = -sum p (z - lse) and
+        G = w (exp(z - lse) S - p), written over z in z's dtype."""
+        row = tl.program_id(0).to(tl.int64)
+        z_row = z_ptr + row * z_stride
+        t_row = t_ptr + row * t_stride
+        tlse = tl.load(tlse_ptr + row)
+        w = tl.load(w_ptr + row)
+        offs = tl.arange(0, BLOCK)
+
+        m = float("-inf")  # running max of z
+        l = 0.0  # running sum of exp(z - m)
+        p_sum = 0.0
+        best = float("-inf")
+        best_idx = 0
+        for start in range(0, vocab, BLOCK):
+            cols = start + offs
+            mask = cols < vocab
+            z = tl.load(z_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+            t = tl.load(t_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+            p_sum += tl.sum(tl.exp(t - tlse), axis=0)  # masked lanes: exp(-inf) = 0
+            blk_max = tl.max(z, axis=0)
+            blk_arg = tl.argmax(z, axis=0)
+            best_idx = tl.where(blk_max > best, start + blk_arg, best_idx)  # strict: first max wins
+            best = tl.maximum(best, blk_max)
+            m_new = tl.maximum(m, blk_max)
+            l = l * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+            m = m_new
+        lse = m + tl.log(l)
+
+        keep = w != 0.0
+        ce = 0.0
+        for start in range(0, vocab, BLOCK):
+            cols = start + offs
+            mask = cols < vocab
+            z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
+            t = tl.load(t_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+            p = tl.exp(t - tlse)
+            ce += tl.sum(tl.where(mask, p * (lse - z), 0.0), axis=0)
+            g = (tl.exp(z - lse) * p_sum - p) * w
+            g = tl.where(keep, g, 0.0)
+            tl.store(z_row + cols, g.to(z_ptr.dtype.element_ty), mask=mask)
+        tl.store(loss_ptr + row, tl.where(keep, w * ce, 0.0))
+        tl.store(argmax_ptr + row, best_idx.to(tl.int64))
+
+    @triton.jit
+    def _row_lse_kernel(t_ptr, out_ptr, t_stride, vocab, BLOCK: tl.constexpr):
+        """One program per row: out = logsumexp(t_row) in fp32, online over Vd blocks."""
+        row = tl.program_id(0).to(tl.int64)
+        t_row = t_ptr + row * t_stride
+        offs = tl.arange(0, BLOCK)
+        m = float("-inf")
+        l = 0.0
+        for start in range(0, vocab, BLOCK):
+            cols = start + offs
+            t = tl.load(t_row + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(t, axis=0))
+            l = l * tl.exp(m - m_new) + tl.sum(tl.exp(t - m_new), axis=0)
+            m = m_new
+        tl.store(out_ptr + row, m + tl.log(l))
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _launch_config(vocab: int) -> tuple[int, int]:
+    """(BLOCK, num_warps): Vd blocks of up to 4096 lanes, 16 fp32 values per thread at 8 warps."""
+    block = min(4096, triton.next_power_of_2(vocab))
+    return block, (8 if block >= 2048 else 4)
+
+
+def _check_triton_rows(logits, teacher_logits, teacher_lse, weight) -> None:
+    if not HAS_TRITON:
+        raise RuntimeError("backend='triton' needs the triton package (pip install 'eagleforge[gpu]')")
+    if not (logits.is_cuda or _interpreting()):
+        raise ValueError(f"triton soft-CE: logits on {logits.device}, need CUDA (or TRITON_INTERPRET=1 on the CPU)")
+    if logits.shape != teacher_logits.shape:
+        raise ValueError(f"triton soft-CE: logits {tuple(logits.shape)} != teacher logits {tuple(teacher_logits.shape)}")
+    if logits.stride(-1) != 1 or teacher_logits.stride(-1) != 1:
+        raise ValueError(f"triton soft-CE: Vd must be the contiguous dim, strides {logits.stride()} / {teacher_logits.stride()}")
+    rows = logits.shape[0]
+    for name, t in (("teacher_lse", teacher_lse), ("weight", weight)):
+        if t.shape != (rows,) or t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"triton soft-CE: {name} must be contiguous fp32 [{rows}], got {t.dtype} {tuple(t.shape)}")
+
+
+def _rows_triton(logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_lse: torch.Tensor, weight: torch.Tensor):
+    """Triton row pass, same contract as `_rows_torch`."""
+    _check_triton_rows(logits, teacher_logits, teacher_lse, weight)
+    rows, vocab = logits.shape
+    loss_rows = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    argmax = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows == 0:
+        return loss_rows, argmax
+    block, warps = _launch_config(vocab)
+    _soft_ce_rows_kernel[(rows,)](
+        logits, teacher_logits, teacher_lse, weight, loss_rows, argmax,
+        logits.stride(0), teacher_logits.stride(0), vocab, BLOCK=block, num_warps=warps,
+    )
+    return loss_rows, argmax
+
+
+def _lse_triton(teacher_logits: torch.Tensor) -> torch.Tensor:
+    if not HAS_TRITON:
+        raise RuntimeError("backend='triton' needs the triton package (pip install 'eagleforge[gpu]')")
+    if teacher_logits.stride(-1) != 1:
+        raise ValueError(f"triton lse: Vd must be the contiguous dim, strides {teacher_logits.stride()}")
+    rows, vocab = teacher_logits.shape
+    out = torch.empty(rows, dtype=torch.float32, device=teacher_logits.device)
+    if rows:
+        block, warps = _launch_config(vocab)
+        _row_lse_kernel[(rows,)](teacher_logits, out, teacher_logits.stride(0), vocab, BLOCK=block, num_warps=warps)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Dispatch, preconditions, chunk sizes
+# ----------------------------------------------------------------------------------------------
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """'auto' -> 'triton' on CUDA when triton imports, else 'torch'."""
+    if backend not in BACKENDS:
+        raise ValueError(f"soft-CE backend {backend!r}: expected one of {BACKENDS}")
+    if backend == "auto":
+        return "triton" if (device.type == "cuda" and HAS_TRITON) else "torch"
+    return backend
+
+
+def _row_fns(backend: str):
+    return (_rows_triton, _lse_triton) if backend == "triton" else (_rows_torch, _lse_torch)
+
+
+def default_chunk_tokens(vocab: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Rows per chunk so the [C, Vd] buffers stay inside the budget (multiple of 128 on GPU)."""
+    if device.type == "cuda":
+        per_row = 2 * vocab * torch.empty((), dtype=dtype).element_size()
+        return max(128, GPU_CHUNK_BYTES // per_row // 128 * 128)
+    return max(16, CPU_CHUNK_ELEMENTS // vocab)
+
+
+def _check_pair(hidden: torch.Tensor, head: torch.Tensor, hname: str, wname: str) -> None:
+    if hidden.dim() != 2 or head.dim() != 2:
+        raise ValueError(f"{hname} must be [N, H] and {wname} [Vd, H], got {tuple(hidden.shape)} and {tuple(head.shape)}")
+    if hidden.shape[1] != head.shape[1]:
+        raise ValueError(f"{hname} {tuple(hidden.shape)} and {wname} {tuple(head.shape)} differ in H")
+    if hidden.dtype != head.dtype:
+        raise ValueError(f"{hname} is {hidden.dtype} but {wname} is {head.dtype}: cast one (matmuls run in the input dtype)")
+    if hidden.device != head.device:
+        raise ValueError(f"{hname} on {hidden.device} but {wname} on {head.device}")
+
+
+def _check_vector(t: torch.Tensor, name: str, rows: int, device: torch.device) -> None:
+    if t.shape != (rows,) or t.dtype != torch.float32:
+        raise ValueError(f"{name} must be fp32 [{rows}], got {t.dtype} {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} on {t.device}, inputs on {device}")
+
+
+def _check_chunk(chunk_tokens: int) -> None:
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+
+
+# ----------------------------------------------------------------------------------------------
+# teacher_logsumexp
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def teacher_logsumexp(
+    teacher_hidden: torch.Tensor,
+    teacher_head: torch.Tensor,
+    *,
+    chunk_tokens: int | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """logsumexp of the restricted target logits, [T, H] x [Vd, H] -> [T] fp32, no gradient.
+
+    Once per sequence: every TTT step reuses it (the teacher of step j, row t is position t+1+j).
+    The logits are a matmul in the input dtype, the lse is fp32."""
+    _check_pair(teacher_hidden, teacher_head, "teacher_hidden", "teacher_head")
+    backend = resolve_backend(backend, teacher_hidden.device)
+    _, lse_fn = _row_fns(backend)
+    n_rows, vocab = teacher_hidden.shape[0], teacher_head.shape[0]
+    chunk = chunk_tokens or default_chunk_tokens(vocab, teacher_head.dtype, teacher_hidden.device)
+    _check_chunk(chunk)
+    out = torch.empty(n_rows, dtype=torch.float32, device=teacher_hidden.device)
+    buf = torch.empty(min(chunk, n_rows), vocab, dtype=teacher_head.dtype, device=teacher_hidden.device)
+    for s in range(0, n_rows, chunk):
+        e = min(n_rows, s + chunk)
+        tb = buf[: e - s]
+        torch.mm(teacher_hidden[s:e], teacher_head.T, out=tb)  # [c, Vd]
+        out[s:e] = lse_fn(tb)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Single step: fused_soft_cross_entropy
+# ----------------------------------------------------------------------------------------------
+
+
+def _one_chunk(h, draft_head, teacher_logits, teacher_lse, weight, zbuf, rows_fn, grad_h_out, grad_head, first):
+    """Draft logits, row pass, both gradient matmuls for one chunk of rows h [c, H].
+    -> (loss_rows [c], argmax [c]); grad_head accumulated in place (beta 0 on the first chunk)."""
+    zb = zbuf[: h.shape[0]]
+    torch.mm(h, draft_head.T, out=zb)  # [c, Vd] draft logits
+    loss_rows, argmax = rows_fn(zb, teacher_logits, teacher_lse, weight)  # zb := G [c, Vd]
+    if grad_h_out is not None:
+        torch.mm(zb, draft_head, out=grad_h_out)  # [c, Vd] x [Vd, H]
+    if grad_head is not None:
+        grad_head.addmm_(zb.T, h, beta=0.0 if first else 1.0)  # [Vd, c] x [c, H]
+    return loss_rows, argmax
+
+
+@torch.no_grad()
+def _soft_ce_forward(draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight,
+                     need_grad_h, need_grad_head, chunk, backend):
+    """(loss fp32 scalar, argmax [N], grad_hidden [N, H] | None, grad_head [Vd, H] | None)."""
+    rows_fn, _ = _row_fns(backend)
+    n_rows, vocab = draft_hidden.shape[0], draft_head.shape[0]
+    dev = draft_hidden.device
+    loss_rows = torch.empty(n_rows, dtype=torch.float32, device=dev)
+    argmax = torch.empty(n_rows, dtype=torch.int64, device=dev)
+    grad_h = torch.empty_like(draft_hidden) if need_grad_h else None
+    # empty: the first chunk's addmm has beta 0; zeros only when there is no chunk (N = 0)
+    grad_head = (torch.empty_like(draft_head) if n_rows else torch.zeros_like(draft_head)) if need_grad_head else None
+    c_max = max(1, min(chunk, n_rows))
+    zbuf = torch.empty(c_max, vocab, dtype=draft_head.dtype, device=dev)
+    tbuf = torch.empty(c_max, vocab, dtype=teacher_head.dtype, device=dev)
+    for i, s in enumerate(range(0, n_rows, chunk)):
+        e = min(n_rows, s + chunk)
+        tb = tbuf[: e - s]
+        torch.mm(teacher_hidden[s:e], teacher_head.T, out=tb)  # [c, Vd] teacher logits
+        loss_rows[s:e], argmax[s:e] = _one_chunk(
+            draft_hidden[s:e], draft_head, tb, teacher_lse[s:e], weight[s:e], zbuf, rows_fn,
+            grad_h[s:e] if grad_h is not None else None, grad_head, i == 0,
+        )
+    return loss_rows.sum(), argmax, grad_h, grad_head
+
+
+def _scale(grad: torch.Tensor | None, upstream: torch.Tensor) -> torch.Tensor | None:
+    """grad * upstream, without a pass over grad when upstream is exactly 1 (the usual case)."""
+    if grad is None:
+        return None
+    if bool(upstream == 1):
+        return grad
+    return (grad.float() * upstream).to(grad.dtype)
+
+
+class _FusedSoftCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight, chunk, backend):
+        loss, argmax, grad_h, grad_head = _soft_ce_forward(
+            draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight,
+            ctx.needs_input_grad[0], ctx.needs_input_grad[1], chunk, backend,
+        )
+        ctx.save_for_backward(grad_h, grad_head)
+        ctx.mark_non_differentiable(argmax)
+        return loss, argmax
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_argmax):
+        grad_h, grad_head = ctx.saved_tensors
+        return _scale(grad_h, grad_loss), _scale(grad_head, grad_loss), None, None, None, None, None, None
+
+
+def fused_soft_cross_entropy(
+    draft_hidden: torch.Tensor,
+    draft_head: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_head: torch.Tensor,
+    teacher_lse: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    chunk_tokens: int | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss = sum_n weight_n * CE_n, fp32 scalar; draft argmax [N] int64).
+
+    draft_hidden [N, H] and draft_head [Vd, H] get gradients; teacher_hidden [N, H],
+    teacher_head [Vd, H], teacher_lse [N] fp32 (from `teacher_logsumexp`) and weight [N] fp32
+    are constants. Never holds more than `chunk_tokens` x Vd logits. Rows with weight 0 give 0
+    loss and 0 gradient even if their teacher is not finite. backend: auto | torch | triton."""
+    _check_pair(draft_hidden, draft_head, "draft_hidden", "draft_head")
+    _check_pair(teacher_hidden, teacher_head, "teacher_hidden", "teacher_head")
+    n_rows, vocab = draft_hidden.shape[0], draft_head.shape[0]
+    if teacher_hidden.shape[0] != n_rows or teacher_head.shape[0] != vocab:
+        raise ValueError(f"teacher_hidden {tuple(teacher_hidden.shape)} / teacher_head {tuple(teacher_head.shape)} "
+                         f"do not match draft_hidden {tuple(draft_hidden.shape)} / draft_head {tuple(draft_head.shape)}")
+    if teacher_hidden.device != draft_hidden.device:
+        raise ValueError(f"teacher on {teacher_hidden.device}, draft on {draft_hidden.device}")
+    _check_vector(teacher_lse, "teacher_lse", n_rows, draft_hidden.device)
+    _check_vector(weight, "weight", n_rows, draft_hidden.device)
+    backend = resolve_backend(backend, draft_hidden.device)
+    chunk = chunk_tokens or default_chunk_tokens(vocab, draft_head.dtype, draft_hidden.device)
+    _check_chunk(chunk)
+    args = (draft_hidden, draft_head, teacher_hidden.detach(), teacher_head.detach(),
+            teacher_lse.detach().contiguous(), weight.detach().contiguous())
+    if torch.is_grad_enabled() and (draft_hidden.requires_grad or draft_head.requires_grad):
+        return _FusedSoftCE.apply(*args, chunk, backend)
+    loss, argmax, _, _ = _soft_ce_forward(*args, False, False, chunk, backend)  # no gradient work
+    return loss, argmax
+
+
+# ----------------------------------------------------------------------------------------------
+# All TTT steps at once, teacher shared: fused_soft_cross_entropy_ttt
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def _ttt_forward(draft_hiddens, draft_head, teacher_hidden, teacher_head, weight, shift,
+                 need_grad_h, need_grad_head, chunk, backend):
+    """-> (step_losses [K] fp32, argmax [K, N], grads_h list of [N, H] | None, grad_head | None).
+
+    Loop over chunks of teacher positions [s0, s1): teacher logits and their lse once, then for
+    each step j the draft rows [s0 - d, s1 - d) with d = shift + j (their teachers are exactly
+    that chunk): draft logits, row pass, both gradient matmuls. Rows n >= N - d of step j have
+    no teacher: they get argmax only, and must have weight 0."""
+    rows_fn, lse_fn = _row_fns(backend)
+    k_steps, n_rows, vocab = len(draft_hiddens), teacher_hidden.shape[0], draft_head.shape[0]
+    dev = teacher_hidden.device
+    loss_rows = torch.zeros(k_steps, n_rows, dtype=torch.float32, device=dev)
+    argmax = torch.empty(k_steps, n_rows, dtype=torch.int64, device=dev)
+    grads_h = [torch.zeros_like(h) if need_grad_h[j] else None for j, h in enumerate(draft_hiddens)]
+    grad_head = torch.zeros_like(draft_head) if need_grad_head else None
+    c_max = max(1, min(chunk, n_rows))
+    zbuf = torch.empty(c_max, vocab, dtype=draft_head.dtype, device=dev)
+    tbuf = torch.empty(c_max, vocab, dtype=teacher_head.dtype, device=dev)
+    first = True
+    for s0 in range(0, n_rows, chunk):
+        s1 = min(n_rows, s0 + chunk)
+        tb = tbuf[: s1 - s0]
+        torch.mm(teacher_hidden[s0:s1], teacher_head.T, out=tb)  # [c, Vd], once for all steps
+        lse = lse_fn(tb)  # [c]
+        for j, hidden in enumerate(draft_hiddens):
+            d = shift + j
+            r0, r1 = max(0, s0 - d), s1 - d  # draft rows whose teacher lies in [s0, s1)
+            if r1 <= r0:
+                continue
+            t0 = r0 + d - s0
+            gh = grads_h[j][r0:r1] if grads_h[j] is not None else None
+            loss_rows[j, r0:r1], argmax[j, r0:r1] = _one_chunk(
+                hidden[r0:r1], draft_head, tb[t0 : t0 + r1 - r0], lse[t0 : t0 + r1 - r0],
+                weight[j, r0:r1].contiguous(), zbuf, rows_fn, gh, grad_head, first,
+            )
+            first = False
+    for j, hidden in enumerate(draft_hiddens):  # rows without a teacher: argmax only
+        tail = max(0, n_rows - shift - j)
+        if tail < n_rows:
+            argmax[j, tail:] = (hidden[tail:] @ draft_head.T).argmax(-1)
+    return loss_rows.sum(-1), argmax, grads_h, grad_head
+
+
+class _FusedSoftCETTT(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, draft_head, teacher_hidden, teacher_head, weight, shift, chunk, backend, *draft_hiddens):
+        step_losses, argmax, grads_h, grad_head = _ttt_forward(
+            draft_hiddens, draft_head, teacher_hidden, teacher_head, weight, shift,
+            ctx.needs_input_grad[7:], ctx.needs_input_grad[0], chunk, backend,
+        )
+        ctx.save_for_backward(grad_head, *grads_h)
+        ctx.mark_non_differentiable(step_losses, argmax)
+        return step_losses.sum(), step_losses, argmax
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_steps, grad_argmax):
+        grad_head, *grads_h = ctx.saved_tensors
+        return (_scale(grad_head, grad_loss), None, None, None, None, None, None,
+                *(_scale(g, grad_loss) for g in grads_h))
+
+
+def fused_soft_cross_entropy_ttt(
+    draft_hiddens: Sequence[torch.Tensor],
+    draft_head: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_head: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    teacher_shift: int = 1,
+    chunk_tokens: int | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """All K TTT steps in one call, the teacher logits computed once per position.
+
+    draft_hiddens: K tensors [N, H] (step j's normed draft states, rows = flat positions);
+    teacher_hidden [N, H]: the target's final hidden state at each flat position;
+    weight [K, N] fp32. Step j's row n is scored against teacher row n + teacher_shift + j
+    (ARCHITECTURE: shift 1); rows with n + shift + j >= N have no teacher and must have weight 0.
+    Returns (loss = sum over steps of sum_n weight_jn CE_jn, differentiable; step_losses [K]
+    fp32, detached; draft argmax [K, N] int64). Same numbers as K calls of
+    `fused_soft_cross_entropy` with shifted teacher rows, at 3 matmuls per step instead of 4."""
+    if len(draft_hiddens) == 0:
+        raise ValueError("draft_hiddens is empty: need one [N, H] tensor per TTT step")
+    _check_pair(teacher_hidden, teacher_head, "teacher_hidden", "teacher_head")
+    n_rows, vocab = teacher_hidden.shape[0], draft_head.shape[0] if draft_head.dim() == 2 else -1
+    for j, hidden in enumerate(draft_hiddens):
+        _check_pair(hidden, draft_head, f"draft_hiddens[{j}]", "draft_head")
+        if hidden.shape[0] != n_rows or hidden.device != teacher_hidden.device:
+            raise ValueError(f"draft_hiddens[{j}] {tuple(hidden.shape)} on {hidden.device} does not match "
+                             f"teacher_hidden {tuple(teacher_hidden.shape)} on {teacher_hidden.device}")
+    if teacher_head.shape[0] != vocab:
+        raise ValueError(f"teacher_head {tuple(teacher_head.shape)} and draft_head {tuple(draft_head.shape)} differ in Vd")
+    k_steps = len(draft_hiddens)
+    if weight.shape != (k_steps, n_rows) or weight.dtype != torch.float32 or weight.device != teacher_hidden.device:
+        raise ValueError(f"weight must be fp32 [{k_steps}, {n_rows}] on {teacher_hidden.device}, "
+                         f"got {weight.dtype} {tuple(weight.shape)} on {weight.device}")
+    if teacher_shift < 0:
+        raise ValueError(f"teacher_shift must be >= 0, got {teacher_shift}")
+    for j in range(k_steps):
+        tail = max(0, n_rows - teacher_shift - j)
+        if tail < n_rows and bool((weight[j, tail:] != 0).any()):
+            raise ValueError(f"weight[{j}, {tail}:] must be 0: those rows' teacher (row n + {teacher_shift} + {j}) "
+                             f"lies past the last of {n_rows} rows")
+    backend = resolve_backend(backend, teacher_hidden.device)
+    chunk = chunk_tokens or default_chunk_tokens(vocab, draft_head.dtype, teacher_hidden.device)
+    _check_chunk(chunk)
+    args = (draft_head, teacher_hidden.detach(), teacher_head.detach(), weight.detach(), teacher_shift, chunk, backend)
+    if torch.is_grad_enabled() and (draft_head.requires_grad or any(h.requires_grad for h in draft_hiddens)):
+        return _FusedSoftCETTT.apply(*args, *draft_hiddens)
+    step_losses, argmax, _, _ = _ttt_forward(draft_hiddens, *args[:5], [False] * k_steps, False, chunk, backend)
+    return step_losses.sum(), step_losses, argmax
+
+
+def matmul_flops_per_step(n_rows: int, hidden: int, vocab: int, shared_teacher_steps: int = 1) -> float:
+    """FLOPs of one step: 3 matmuls (draft logits, grad hidden, grad head) + the teacher logits
+    matmul, shared over `shared_teacher_steps` steps. For the benchmark's floors."""
+    one = 2.0 * n_rows * hidden * vocab
+    return 3 * one + one / max(1, shared_teacher_steps)
+
+
+__all__ = [
+    "HAS_TRITON", "BACKENDS", "resolve_backend", "default_chunk_tokens",
+    "teacher_logsumexp", "fused_soft_cross_entropy", "fused_soft_cross_entropy_ttt",
+    "reference_teacher_logsumexp", "reference_soft_cross_entropy", "reference_soft_cross_entropy_ttt",
+    "matmul_flops_per_step",
+]

@@ -1,0 +1,129 @@
+"""TTT attention: the masked reference against a per-row definition, and the fast paths
+(SDPA + log-sum-exp merge, flex_attention) against the reference, values and gradients."""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from eagleforge.draft import attention as A
+
+# (batch, query heads, kv heads, rows T, head dim, TTT steps so far)
+SHAPES = [
+    (1, 2, 2, 1, 8, 1),
+    (2, 6, 2, 13, 16, 4),  # GQA, odd T, batch > 1
+    (3, 4, 1, 7, 12, 7),  # MQA, the full 7 TTT steps
+    (2, 3, 3, 29, 10, 3),
+]
+
+
+def _inputs(b, hq, hkv, t, d, steps, dtype=torch.float32, grad=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *shape: (torch.randn(*shape, generator=g) * 1.5).to(dtype).requires_grad_(grad)  # noqa: E731
+    q = mk(b, hq, t, d)
+    keys = [mk(b, hkv, t, d) for _ in range(steps)]
+    values = [mk(b, hkv, t, d) for _ in range(steps)]
+    return q, keys, values
+
+
+def _per_row_definition(q, keys, values, scale):
+    """Straight from the definition: row t at step j sees step-0 rows <= t and steps 1..j at row t."""
+    b, hq, t, d = q.shape
+    n_rep = hq // keys[0].shape[1]
+    out = torch.empty(b, hq, t, d, dtype=torch.float64)
+    for bi in range(b):
+        for h in range(hq):
+            g = h // n_rep
+            for row in range(t):
+                ks = [keys[0][bi, g, s] for s in range(row + 1)] + [k[bi, g, row] for k in keys[1:]]
+                vs = [values[0][bi, g, s] for s in range(row + 1)] + [v[bi, g, row] for v in values[1:]]
+                scores = torch.stack([q[bi, h, row].double() @ k.double() for k in ks]) * scale
+                probs = torch.softmax(scores, dim=0)
+                out[bi, h, row] = sum(p * v.double() for p, v in zip(probs, vs))
+    return out
+
+
+@pytest.mark.parametrize("shape", SHAPES[:3])
+def test_reference_matches_definition(shape):
+    q, keys, values = _inputs(*shape, seed=1)
+    scale = shape[4] ** -0.5
+    ref = A.ttt_attention_reference(q, keys, values, scale)
+    torch.testing.assert_close(ref.double(), _per_row_definition(q, keys, values, scale), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_sdpa_matches_reference_values_and_gradients(shape):
+    q, keys, values = _inputs(*shape, grad=True, seed=2)
+    scale = 1 / math.sqrt(shape[4])
+    upstream = torch.randn(shape[0], shape[1], shape[3], shape[4], generator=torch.Generator().manual_seed(3))
+    leaves = [q, *keys, *values]
+
+    ref = A.ttt_attention_reference(q, keys, values, scale)
+    ref_grads = torch.autograd.grad((ref * upstream).sum(), leaves)
+    fast = A.ttt_attention_sdpa(q, keys, values, scale)
+    fast_grads = torch.autograd.grad((fast * upstream).sum(), leaves)
+
+    torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+    for i, (gf, gr) in enumerate(zip(fast_grads, ref_grads)):
+        torch.testing.assert_close(gf, gr, atol=1e-5, rtol=1e-5, msg=lambda m, i=i: f"gradient of leaf {i}: {m}")
+
+
+def test_auto_is_fast_and_equal_on_cpu():
+    q, keys, values = _inputs(2, 4, 2, 11, 8, 3, seed=4)
+    out = A.ttt_attention(q, keys, values, 0.3, mode="auto")
+    torch.testing.assert_close(out, A.ttt_attention_sdpa(q, keys, values, 0.3), atol=0, rtol=0)
+    torch.testing.assert_close(out, A.ttt_attention(q, keys, values, 0.3, mode="reference"), atol=1e-5, rtol=1e-5)
+
+
+def test_sdpa_bf16_close_to_fp32_reference():
+    q, keys, values = _inputs(2, 4, 2, 17, 16, 4, seed=5)
+    ref = A.ttt_attention_reference(q, keys, values, 0.25)
+    fast = A.ttt_attention_sdpa(q.bfloat16(), [k.bfloat16() for k in keys], [v.bfloat16() for v in values], 0.25)
+    assert fast.dtype == torch.bfloat16
+    torch.testing.assert_close(fast.float(), ref, atol=5e-2, rtol=5e-2)
+
+
+def test_causal_lse_chunked_matches_full():
+    g = torch.Generator().manual_seed(6)
+    q, k = torch.randn(2, 3, 23, 8, generator=g), torch.randn(2, 3, 23, 8, generator=g)
+    scores = (q @ k.transpose(-1, -2)) * 0.4
+    scores = scores.masked_fill(~torch.ones(23, 23, dtype=torch.bool).tril(), float("-inf"))
+    torch.testing.assert_close(A.causal_lse_chunked(q, k, 0.4, chunk=5), scores.logsumexp(-1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(A._causal_lse_value(q, k, 0.4), scores.logsumexp(-1), atol=1e-5, rtol=1e-5)
+
+
+def test_flex_mask_matches_reference_eager_cpu():
+    """The flex block mask is the reference mask (eager flex on the CPU; compiled on CUDA)."""
+    q, keys, values = _inputs(2, 4, 2, 9, 16, 3, seed=7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = A.ttt_attention_flex(q, keys, values, 0.25, compiled=False)
+    torch.testing.assert_close(out, A.ttt_attention_reference(q, keys, values, 0.25), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_flex_compiled_matches_reference_cuda():
+    q, keys, values = _inputs(2, 8, 2, 300, 64, 4, seed=8)
+    q, keys, values = q.cuda(), [k.cuda() for k in keys], [v.cuda() for v in values]
+    for t in [q, *keys, *values]:
+        t.requires_grad_(True)
+    ref = A.ttt_attention_reference(q, keys, values, 0.125)
+    out = A.ttt_attention(q, keys, values, 0.125, mode="auto")
+    torch.testing.assert_close(out, ref, atol=2e-4, rtol=2e-4)
+    g_ref = torch.autograd.grad(ref.square().sum(), [q, *keys, *values])
+    g_out = torch.autograd.grad(out.square().sum(), [q, *keys, *values])
+    for a, b in zip(g_out, g_ref):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
+
+
+def test_bad_inputs_raise():
+    q, keys, values = _inputs(1, 3, 2, 5, 8, 2)
+    with pytest.raises(ValueError, match="mode"):
+        A.ttt_attention(q, keys, values, 0.3, mode="nope")
+    q3, keys3, values3 = _inputs(1, 3, 3, 5, 8, 2)
+    with pytest.raises(ValueError):
+        A.ttt_attention_reference(q3, keys3, values3[:1], 0.3)
+    q4, _, _ = _inputs(1, 4, 3, 5, 8, 1)
+    with pytest.raises(ValueError):
+        A.ttt_attention_sdpa(q4, keys3, values3, 0.3)

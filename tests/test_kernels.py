@@ -1,0 +1,281 @@
+"""eagleforge.kernels.soft_ce against a plain-torch reference written here (fp32, autograd).
+
+Runs the torch path in-process; the Triton path runs the same tests in a subprocess under
+TRITON_INTERPRET=1 on the CPU (skipped with a reason where triton is missing), and on CUDA in
+the tests marked gpu.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from eagleforge.kernels import soft_ce
+
+INNER = os.environ.get("EAGLEFORGE_TRITON_INNER") == "1"  # set by test_triton_interpreter's subprocess
+BACKEND = "triton" if INNER else "torch"
+
+# dtype -> (loss relative tolerance, gradient relative-norm tolerance). bf16: the matmuls run in
+# bf16 and the logits are rounded to bf16 (as the trainer's GPU path does); the reference is fp32.
+TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 4e-2)}
+SHAPES = [(37, 72, 1000), (37, 72, 997), (5, 16, 33)]  # (N, H, Vd): odd N and H, Vd not a power of 2
+
+
+def plain_soft_ce(h, w_draft, t, w_teacher, weight):
+    """Independent reference: the DESIGN formula in fp32, log_softmax teacher, autograd."""
+    z = h.float() @ w_draft.float().T
+    with torch.no_grad():
+        log_p = torch.log_softmax(t.float() @ w_teacher.float().T, dim=-1)
+    return (weight * -(log_p.exp() * torch.log_softmax(z, -1)).sum(-1)).sum(), z.detach()
+
+
+def make_inputs(n, h, vocab, dtype, seed, device="cpu"):
+    """Fresh random inputs with logits of std ~3 (a peaked, realistic softmax)."""
+    gen = torch.Generator().manual_seed(seed)
+    scale = 3 * h ** -0.5
+
+    def rnd(*shape, s=1.0):
+        return (torch.randn(*shape, generator=gen) * s).to(dtype).to(device)
+
+    draft_hidden = rnd(n, h).requires_grad_()
+    draft_head = rnd(vocab, h, s=scale).requires_grad_()
+    teacher_hidden, teacher_head = rnd(n, h), rnd(vocab, h, s=scale)
+    weight = torch.rand(n, generator=gen).to(device)
+    weight[torch.rand(n, generator=gen).to(device) < 0.3] = 0  # masked rows
+    return draft_hidden, draft_head, teacher_hidden, teacher_head, weight
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def run_both(inputs, upstream, chunk, backend=BACKEND):
+    h, w_d, t, w_t, weight = inputs
+    lse = soft_ce.teacher_logsumexp(t, w_t, chunk_tokens=chunk, backend=backend)
+    loss, argmax = soft_ce.fused_soft_cross_entropy(h, w_d, t, w_t, lse, weight, chunk_tokens=chunk, backend=backend)
+    (loss * upstream).backward()
+    ours = (loss.detach(), argmax, h.grad.clone(), w_d.grad.clone())
+    h.grad = w_d.grad = None
+    ref_loss, ref_logits = plain_soft_ce(h, w_d, t, w_t, weight)
+    (ref_loss * upstream).backward()
+    ref = (ref_loss.detach(), ref_logits, h.grad.clone(), w_d.grad.clone())
+    h.grad = w_d.grad = None
+    return ours, ref
+
+
+def check_argmax(argmax, ref_logits, dtype):
+    """The chosen index holds the row maximum (exact in fp32; within bf16 logit rounding)."""
+    chosen = ref_logits.gather(1, argmax[:, None])[:, 0]
+    best = ref_logits.max(-1).values
+    if dtype == torch.float32:
+        assert torch.equal(argmax, ref_logits.argmax(-1)), "argmax differs from the reference"
+    else:
+        slack = 2 * 2**-8 * best.abs() + 1e-3
+        assert bool((best - chosen <= slack).all()), f"argmax off by {(best - chosen).max().item()}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("chunk", [10, 4096], ids=["chunk10", "onechunk"])
+def test_loss_grads_argmax(dtype, shape, chunk):
+    inputs = make_inputs(*shape, dtype, seed=sum(shape) * 7 + chunk + (dtype == torch.bfloat16))
+    (loss, argmax, gh, gw), (rloss, rlogits, rgh, rgw) = run_both(inputs, upstream=1.0, chunk=chunk)
+    loss_tol, grad_tol = TOLERANCES[dtype]
+    assert abs(loss.item() - rloss.item()) <= loss_tol * abs(rloss.item()), (loss.item(), rloss.item())
+    assert gh.dtype == dtype and gw.dtype == dtype
+    assert rel_err(gh, rgh) < grad_tol, rel_err(gh, rgh)
+    assert rel_err(gw, rgw) < grad_tol, rel_err(gw, rgw)
+    check_argmax(argmax, rlogits, dtype)
+
+
+@pytest.mark.parametrize("upstream", [2.5, -0.3])
+def test_non_unit_upstream_gradient(upstream):
+    inputs = make_inputs(37, 72, 997, torch.float32, seed=11)
+    (loss, _, gh, gw), (rloss, _, rgh, rgw) = run_both(inputs, upstream=upstream, chunk=16)
+    assert rel_err(gh, rgh) < 1e-5 and rel_err(gw, rgw) < 1e-5
+    assert torch.allclose(loss, rloss, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_all_masked(dtype):
+    h, w_d, t, w_t, weight = make_inputs(37, 72, 1000, dtype, seed=5)
+    weight = torch.zeros_like(weight)
+    (loss, argmax, gh, gw), (_, rlogits, _, _) = run_both((h, w_d, t, w_t, weight), upstream=1.0, chunk=8)
+    assert loss.item() == 0.0
+    assert torch.count_nonzero(gh) == 0 and torch.count_nonzero(gw) == 0
+    check_argmax(argmax, rlogits, dtype)
+
+
+def test_masked_rows_with_nonfinite_teacher_are_ignored():
+    """A weight-0 row whose teacher lse is inf/nan (e.g. a padding row) must not poison the loss."""
+    h, w_d, t, w_t, weight = make_inputs(37, 72, 997, torch.float32, seed=7)
+    weight[[2, 9]] = 0
+    lse = soft_ce.teacher_logsumexp(t, w_t, backend=BACKEND)
+    bad = lse.clone()
+    bad[2], bad[9] = float("-inf"), float("nan")
+    loss, _ = soft_ce.fused_soft_cross_entropy(h, w_d, t, w_t, bad, weight, chunk_tokens=10, backend=BACKEND)
+    loss.backward()
+    ref_loss, _ = plain_soft_ce(h, w_d, t, w_t, weight)
+    assert torch.isfinite(h.grad).all() and torch.isfinite(w_d.grad).all()
+    assert torch.allclose(loss, ref_loss, rtol=1e-5)
+    assert torch.count_nonzero(h.grad[[2, 9]]) == 0
+
+
+def test_inexact_teacher_lse_follows_the_formula():
+    """p = exp(u - teacher_lse) as given, even when it does not sum to 1 (S = e^-0.2 here)."""
+    h, w_d, t, w_t, weight = make_inputs(19, 24, 997, torch.float32, seed=23)
+    lse = torch.logsumexp(t @ w_t.T, -1) + 0.2
+    loss, _ = soft_ce.fused_soft_cross_entropy(h, w_d, t, w_t, lse, weight, chunk_tokens=5, backend=BACKEND)
+    loss.backward()
+    ours = (h.grad.clone(), w_d.grad.clone())
+    h.grad = w_d.grad = None
+    p = torch.exp(t @ w_t.T - lse[:, None])
+    ref = (weight * -(p * torch.log_softmax(h @ w_d.T, -1)).sum(-1)).sum()
+    ref.backward()
+    assert torch.allclose(loss, ref, rtol=1e-5)
+    assert rel_err(ours[0], h.grad) < 1e-5 and rel_err(ours[1], w_d.grad) < 1e-5
+
+
+def test_grad_to_one_input_only_and_no_grad():
+    h, w_d, t, w_t, weight = make_inputs(29, 40, 501, torch.float32, seed=3)
+    lse = soft_ce.reference_teacher_logsumexp(t, w_t)
+    h_const = h.detach()
+    loss, _ = soft_ce.fused_soft_cross_entropy(h_const, w_d, t, w_t, lse, weight, chunk_tokens=7, backend=BACKEND)
+    loss.backward()
+    ref_loss, _ = plain_soft_ce(h_const, w_d.detach().requires_grad_(), t, w_t, weight)
+    assert torch.allclose(loss, ref_loss, rtol=1e-5)
+    with torch.no_grad():
+        loss2, _ = soft_ce.fused_soft_cross_entropy(h, w_d, t, w_t, lse, weight, backend=BACKEND)
+    assert not loss2.requires_grad and torch.allclose(loss2, ref_loss, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_teacher_logsumexp(dtype):
+    _, _, t, w_t, _ = make_inputs(41, 24, 997, dtype, seed=13)
+    lse = soft_ce.teacher_logsumexp(t, w_t, chunk_tokens=6, backend=BACKEND)
+    ref = torch.logsumexp(t.float() @ w_t.float().T, -1)
+    assert lse.dtype == torch.float32 and lse.shape == (41,)
+    assert torch.allclose(lse, ref, atol=1e-5 if dtype == torch.float32 else 5e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("chunk", [6, 4096], ids=["chunk6", "onechunk"])
+def test_ttt_shared_teacher(dtype, chunk):
+    """All steps at once == K shifted single-step calls of the plain reference, loss and grads."""
+    n, hid, vocab, k_steps, shift = 31, 40, 333, 4, 1
+    gen = torch.Generator().manual_seed(17 + chunk)
+    scale = 3 * hid ** -0.5
+    hiddens = [torch.randn(n, hid, generator=gen).to(dtype).requires_grad_() for _ in range(k_steps)]
+    w_d = (torch.randn(vocab, hid, generator=gen) * scale).to(dtype).requires_grad_()
+    t = torch.randn(n, hid, generator=gen).to(dtype)
+    w_t = (torch.randn(vocab, hid, generator=gen) * scale).to(dtype)
+    weight = torch.rand(k_steps, n, generator=gen)
+    for j in range(k_steps):
+        weight[j, n - shift - j :] = 0  # no teacher past the end
+    weight[1, 3:7] = 0
+    loss, step_losses, argmax = soft_ce.fused_soft_cross_entropy_ttt(
+        hiddens, w_d, t, w_t, weight, teacher_shift=shift, chunk_tokens=chunk, backend=BACKEND)
+    (loss * 1.5).backward()
+    ours = [h.grad.clone() for h in hiddens] + [w_d.grad.clone()]
+    for x in hiddens + [w_d]:
+        x.grad = None
+    ref_steps, ref_logits = [], []
+    for j, h in enumerate(hiddens):
+        rows = (torch.arange(n) + shift + j).clamp(max=n - 1)
+        step_loss, logits = plain_soft_ce(h, w_d, t[rows], w_t, weight[j])
+        ref_steps.append(step_loss)
+        ref_logits.append(logits)
+    (torch.stack(ref_steps).sum() * 1.5).backward()
+    loss_tol, grad_tol = TOLERANCES[dtype]
+    assert torch.allclose(step_losses, torch.stack(ref_steps).detach(), rtol=loss_tol)
+    assert abs(loss.item() - sum(s.item() for s in ref_steps)) <= loss_tol * abs(loss.item())
+    for ours_g, x in zip(ours, hiddens + [w_d]):
+        assert rel_err(ours_g, x.grad) < grad_tol, rel_err(ours_g, x.grad)
+    for j in range(k_steps):
+        check_argmax(argmax[j], ref_logits[j], dtype)
+
+
+def test_ttt_rejects_weight_without_teacher():
+    hiddens = [torch.randn(9, 8) for _ in range(2)]
+    w = torch.randn(50, 8)
+    weight = torch.ones(2, 9)
+    with pytest.raises(ValueError, match=r"weight\[0, 8:\] must be 0"):
+        soft_ce.fused_soft_cross_entropy_ttt(hiddens, w, torch.randn(9, 8), w, weight, backend=BACKEND)
+
+
+def test_preconditions_name_the_values():
+    h, w_d, t, w_t, weight = make_inputs(7, 8, 21, torch.float32, seed=1)
+    lse = torch.zeros(7)
+    with pytest.raises(ValueError, match="draft_hidden is torch.bfloat16 but draft_head is torch.float32"):
+        soft_ce.fused_soft_cross_entropy(h.detach().bfloat16(), w_d, t, w_t, lse, weight)
+    with pytest.raises(ValueError, match=r"weight must be fp32 \[7\], got torch.float64"):
+        soft_ce.fused_soft_cross_entropy(h, w_d, t, w_t, lse, weight.double())
+    with pytest.raises(ValueError, match=r"teacher_lse must be fp32 \[7\], got torch.float32 \(6,\)"):
+        soft_ce.fused_soft_cross_entropy(h, w_d, t, w_t, lse[:6], weight)
+    with pytest.raises(ValueError, match="differ in H"):
+        soft_ce.fused_soft_cross_entropy(h, w_d[:, :5], t, w_t, lse, weight)
+    with pytest.raises(ValueError, match="backend 'cuda'"):
+        soft_ce.fused_soft_cross_entropy(h, w_d, t, w_t, lse, weight, backend="cuda")
+
+
+@pytest.mark.skipif(INNER, reason="this is the outer test")
+def test_triton_interpreter():
+    """The Triton path on the CPU: this file's tests again, in a subprocess under TRITON_INTERPRET=1."""
+    if not soft_ce.HAS_TRITON:
+        pytest.skip("triton is not installed (pip install triton): the interpreter cannot run here")
+    env = dict(os.environ, TRITON_INTERPRET="1", EAGLEFORGE_TRITON_INNER="1", OMP_NUM_THREADS="1")
+    # The interpreter runs kernels in numpy, about 100x slower: a subset of the cases.
+    select = "not onechunk and not 5x16x33 and not 37x72x1000 and not test_triton_interpreter and not gpu"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", select],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA: the Triton path at realistic sizes against the fp32 reference (skipped on the CPU)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab", [32000, 4093])
+def test_triton_cuda_bf16(vocab):
+    inputs = make_inputs(1531, 512, vocab, torch.bfloat16, seed=vocab, device="cuda")
+    inputs = tuple(x.detach().requires_grad_(x.requires_grad) for x in inputs)
+    (loss, argmax, gh, gw), (rloss, rlogits, rgh, rgw) = run_both(inputs, upstream=0.7, chunk=512, backend="triton")
+    loss_tol, grad_tol = TOLERANCES[torch.bfloat16]
+    assert abs(loss.item() - rloss.item()) <= loss_tol * abs(rloss.item())
+    assert rel_err(gh, rgh) < grad_tol and rel_err(gw, rgw) < grad_tol, (rel_err(gh, rgh), rel_err(gw, rgw))
+    check_argmax(argmax, rlogits, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_triton_cuda_ttt_matches_single_steps():
+    n, hid, vocab, k_steps = 1000, 256, 8191, 7
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hiddens = [torch.randn(n, hid, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_() for _ in range(k_steps)]
+    w_d = (torch.randn(vocab, hid, device="cuda", generator=gen) * 0.2).bfloat16().requires_grad_()
+    t = torch.randn(n, hid, device="cuda", generator=gen, dtype=torch.bfloat16)
+    w_t = (torch.randn(vocab, hid, device="cuda", generator=gen) * 0.2).bfloat16()
+    weight = torch.rand(k_steps, n, device="cuda", generator=gen)
+    for j in range(k_steps):
+        weight[j, n - 1 - j :] = 0
+    loss, _, _ = soft_ce.fused_soft_cross_entropy_ttt(hiddens, w_d, t, w_t, weight, chunk_tokens=384)
+    loss.backward()
+    ours = [h.grad.clone() for h in hiddens] + [w_d.grad.clone()]
+    for x in hiddens + [w_d]:
+        x.grad = None
+    lse = soft_ce.teacher_logsumexp(t, w_t)
+    total = 0
+    for j, h in enumerate(hiddens):
+        rows = (torch.arange(n, device="cuda") + 1 + j).clamp(max=n - 1)
+        total = total + soft_ce.fused_soft_cross_entropy(h, w_d, t[rows], w_t, lse[rows], weight[j])[0]
+    total.backward()
+    assert abs(loss.item() - total.item()) <= 1e-3 * abs(total.item())
+    for ours_g, x in zip(ours, hiddens + [w_d]):
+        assert rel_err(ours_g, x.grad) < 2e-2
