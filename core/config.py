@@ -99,8 +99,9 @@ class TrainConfig:
     grad_clip: float = 0.5
     ttt_steps: int = 7
     step_weight_decay: float = 0.8
-    attention: str = "auto"  # auto | reference | fast
+    attention: str = "auto"  # auto | reference | fast | sdpa | flex
     loss: str = "auto"  # auto | reference | fused
+    loss_chunk_tokens: int = 0  # rows per chunk in the fused loss; 0 = automatic
     holdout_samples: int = 32  # the last samples of the shards, never trained on
     log_every: int = 10
     save_every: int = 200
@@ -217,7 +218,7 @@ _CHOICES = {
     "target.expert_layout": ("ep", "tp"),
     "data.overlong": ("truncate", "drop"),
     "extract.storage_dtype": ("bfloat16", "float16", "float32", "float8_e4m3fn"),
-    "train.attention": ("auto", "reference", "fast"),
+    "train.attention": ("auto", "reference", "fast", "sdpa", "flex"),
     "train.loss": ("auto", "reference", "fused"),
 }
 
