@@ -41,6 +41,8 @@ class TargetConfig:
     # native backend only: tensor-parallel group size and routed-expert layout ("ep" or "tp").
     tp: int = 1
     expert_layout: str = "ep"
+    # native backend: GPU memory the planner assumes; 0 = the device's real size.
+    gpu_memory_gib: float = 0.0
 
 
 @dataclass

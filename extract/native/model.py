@@ -1,0 +1,402 @@
+"""DeepSeek-V3 / Kimi-K2.5 forward math for extraction (prefill only, no KV cache).
+
+Communication-free: every cut across ranks is a layer from parallel.py (column/row-parallel
+linears, vocab-parallel embedding and head, the block all-reduce), so this file reads as
+single-GPU code. Module and parameter names are transformers' DeepseekV3ForCausalLM names
+(`model.layers.3.self_attn.q_b_proj.weight`), so the checkpoint maps onto it name for name,
+except the routed experts, which are stacked per layer (`RoutedExperts`).
+
+Shapes: B batch, T tokens, H hidden, n local heads (heads / tp), E_l local experts, I_l local
+intermediate. The forward returns the final-normed state at ALL positions, and the decoder
+layers are `model.layers` (an nn.ModuleList) with `model.norm` after them, so capture hooks
+see every position of every layer.
+
+Numerics follow transformers (the reference the tests compare against), which matches
+DeepSeek's own inference code: RMSNorm in fp32, router in fp32, YaRN frequencies in fp32,
+softmax scale qk_head_dim^-0.5 * mscale^2, and q_a/kv_a layernorm eps 1e-6 (`latent_norm_eps`;
+vLLM uses the config's rms_norm_eps there instead, 1e-5 for Kimi-K2.5: a difference far below
+bf16 resolution since the latent's mean square is many orders above either eps).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import int4
+from .parallel import (
+    AllReduce,
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    expert_partition,
+)
+
+
+@dataclass
+class ModelArgs:
+    """The language model's shape, from a deepseek_v3 text config (see `from_config`)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    first_k_dense_replace: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    rms_norm_eps: float = 1e-6
+    latent_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict = field(default_factory=dict)
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @classmethod
+    def from_config(cls, text_config: dict, source: str = "config.json") -> "ModelArgs":
+        """Read a deepseek_v3 text config dict; refuse what this backend does not compute."""
+        checks = {"hidden_act": "silu", "scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+        for key, expected in checks.items():
+            value = text_config.get(key, expected)
+            if value != expected:
+                raise ValueError(f"{source}: {key} = {value!r} is not supported by the native backend (expects {expected!r})")
+        if text_config.get("attention_bias", False):
+            raise ValueError(f"{source}: attention_bias = true is not supported by the native backend")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs = {k: text_config[k] for k in fields if k in text_config and k not in ("rope_scaling", "latent_norm_eps")}
+        required = [k for k, f in fields.items() if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        missing = [k for k in required if k not in kwargs]
+        if missing:
+            raise ValueError(f"{source}: missing keys {missing} in the text config")
+        rope = dict(text_config.get("rope_scaling") or text_config.get("rope_parameters") or {})
+        if "rope_theta" in rope and "rope_theta" not in text_config:
+            kwargs["rope_theta"] = rope["rope_theta"]
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "yarn"):
+            raise ValueError(f"{source}: rope_scaling type {rope_type!r} is not supported (default or yarn)")
+        kwargs["rope_scaling"] = rope if rope_type == "yarn" else {}
+        if kwargs.get("n_group") is None:
+            kwargs["n_group"] = 1
+        if kwargs.get("topk_group") is None:
+            kwargs["topk_group"] = 1
+        return cls(**kwargs)
+
+
+# ---------------------------------------------------------------------------- RoPE (YaRN)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_inv_freq(args: ModelArgs) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [rope_dim/2] fp32, cos/sin scale), YaRN as DeepSeek-V3 and transformers."""
+    dim, base = args.qk_rope_head_dim, args.rope_theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)  # wavelength / 2pi, [dim/2]
+    rope = args.rope_scaling
+    if not rope:
+        return 1.0 / pos_freqs, 1.0
+    factor = rope["factor"]
+    original = rope["original_max_position_embeddings"]
+    beta_fast, beta_slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        # the dimension whose wavelength makes `rotations` turns over the original context
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    # ramp 0 (high frequencies): extrapolate (keep); ramp 1 (low frequencies): interpolate by
+    # `factor`. Written in the reference's operation order so fp32 rounding matches it bit for bit.
+    keep = 1 - ramp
+    inv_freq = 1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
+    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    return inv_freq, float(attention_factor)
+
+
+def softmax_scale(args: ModelArgs) -> float:
+    """qk_head_dim^-0.5, times mscale^2 under YaRN (mscale = 0.1 * mscale_all_dim * ln(factor) + 1)."""
+    scale = args.qk_head_dim ** -0.5
+    mscale_all_dim = args.rope_scaling.get("mscale_all_dim", 0) if args.rope_scaling else 0
+    if mscale_all_dim:
+        scale *= _yarn_mscale(args.rope_scaling["factor"], mscale_all_dim) ** 2
+    return scale
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (2i, 2i+1) of x [B, T, h, d] by angles cos/sin [T, d/2]; layout kept interleaved."""
+    x_even, x_odd = x[..., 0::2], x[..., 1::2]
+    cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, d/2] broadcasts over heads
+    return torch.stack((x_even * cos - x_odd * sin, x_odd * cos + x_even * sin), dim=-1).flatten(-2)
+
+
+# ---------------------------------------------------------------------------- layers
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+        self.eps = eps
+        self.shard_spec: dict = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class MLA(nn.Module):
+    """Multi-head latent attention, this rank's heads; o_proj all-reduces (one per block)."""
+
+    def __init__(self, args: ModelArgs, tp: TensorParallel, dtype: torch.dtype):
+        super().__init__()
+        self.args = args
+        heads = args.num_attention_heads
+        if heads % tp.size:
+            raise ValueError(f"num_attention_heads = {heads} cannot be split over tp = {tp.size} ranks; choose a tp that divides it")
+        self.n_local_heads = heads // tp.size
+        H, qk, what = args.hidden_size, args.qk_head_dim, "num_attention_heads"
+        if args.q_lora_rank:
+            self.q_a_proj = ReplicatedLinear(H, args.q_lora_rank, dtype)
+            self.q_a_layernorm = RMSNorm(args.q_lora_rank, args.latent_norm_eps, dtype)
+            self.q_b_proj = ColumnParallelLinear(args.q_lora_rank, heads * qk, tp, dtype, what, unit=qk)
+        else:
+            self.q_proj = ColumnParallelLinear(H, heads * qk, tp, dtype, what, unit=qk)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(H, args.kv_lora_rank + args.qk_rope_head_dim, dtype)
+        self.kv_a_layernorm = RMSNorm(args.kv_lora_rank, args.latent_norm_eps, dtype)
+        kv_unit = args.qk_nope_head_dim + args.v_head_dim
+        self.kv_b_proj = ColumnParallelLinear(args.kv_lora_rank, heads * kv_unit, tp, dtype, what, unit=kv_unit)
+        self.o_proj = RowParallelLinear(heads * args.v_head_dim, H, tp, dtype, what, reduce=True, unit=args.v_head_dim)
+        self.scale = softmax_scale(args)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        a, n = self.args, self.n_local_heads
+        B, T, _ = x.shape
+        if a.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        q_nope, q_rope = q.view(B, T, n, a.qk_head_dim).split([a.qk_nope_head_dim, a.qk_rope_head_dim], -1)
+        # [B, T, H] -> latent [B, T, kv_lora] + one shared rope key [B, T, 1, rope]
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, a.qk_rope_head_dim], -1)
+        k_rope = apply_rope_interleaved(k_rope.unsqueeze(2), cos, sin)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, T, n, a.qk_nope_head_dim + a.v_head_dim)
+        k_nope, v = kv.split([a.qk_nope_head_dim, a.v_head_dim], -1)
+        q = torch.cat([q_nope, apply_rope_interleaved(q_rope, cos, sin)], -1)
+        k = torch.cat([k_nope, k_rope.expand(-1, -1, n, -1)], -1)
+        # [B, n, T, d]; right padding only, so a causal mask is all a batch needs
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.scale
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, n * a.v_head_dim))
+
+
+class MLP(nn.Module):
+    """SiLU-gated MLP cut along its intermediate dim; `reduce` = all-reduce its output here."""
+
+    def __init__(self, dim: int, intermediate: int, tp: TensorParallel, dtype: torch.dtype, reduce: bool, what: str):
+        super().__init__()
+        self.gate_proj = ColumnParallelLinear(dim, intermediate, tp, dtype, what)
+        self.up_proj = ColumnParallelLinear(dim, intermediate, tp, dtype, what)
+        self.down_proj = RowParallelLinear(intermediate, dim, tp, dtype, what, reduce=reduce)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """noaux_tc: sigmoid scores; the correction bias only chooses experts (per group first)."""
+
+    def __init__(self, args: ModelArgs, dtype: torch.dtype):
+        super().__init__()
+        self.args = args
+        self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.hidden_size, dtype=dtype), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(args.n_routed_experts, dtype=torch.float32), requires_grad=False)
+        self.shard_spec: dict = {}
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] -> (weights [N, k] fp32, expert ids [N, k])."""
+        a = self.args
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E]
+        choice = scores + self.e_score_correction_bias
+        if a.n_group > 1:
+            # a group's score is the sum of its two best experts; keep the best topk_group groups
+            grouped = choice.view(x.shape[0], a.n_group, -1)
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [N, G]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(a.topk_group, dim=-1).indices, True)
+            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
+        ids = choice.topk(a.num_experts_per_tok, dim=-1).indices
+        weights = scores.gather(1, ids)  # from the unbiased scores
+        if a.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * a.routed_scaling_factor, ids
+
+
+class RoutedExperts(nn.Module):
+    """This rank's routed experts, stacked: ids [start, end), intermediate slice [i0, i1).
+
+    INT4 (`quantized`): gate/up packed int32 [E_l, I_l, H/8] + bf16 scales [E_l, I_l, H/32],
+    down packed [E_l, H, I_l/8] + scales [E_l, H, I_l/32]. Else plain weights of the model dtype.
+    """
+
+    PROJS = ("gate_proj", "up_proj", "down_proj")
+
+    def __init__(self, args: ModelArgs, tp: TensorParallel, layout: str, dtype: torch.dtype, quantized: bool):
+        super().__init__()
+        (self.start, self.end), (self.i0, self.i1) = expert_partition(
+            args.n_routed_experts, args.moe_intermediate_size, tp, layout, int4.GROUP_SIZE if quantized else 1
+        )
+        self.quantized, self.dtype = quantized, dtype
+        E, H, I = self.end - self.start, args.hidden_size, self.i1 - self.i0
+        shapes = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
+        for proj, (rows, cols) in shapes.items():
+            if quantized:
+                self.register_buffer(f"{proj}_packed", torch.empty(E, rows, cols // int4.PACK_FACTOR, dtype=torch.int32))
+                self.register_buffer(f"{proj}_scale", torch.empty(E, rows, cols // int4.GROUP_SIZE, dtype=torch.bfloat16))
+            else:
+                self.register_buffer(f"{proj}_weight", torch.empty(E, rows, cols, dtype=dtype))
+
+    def weight(self, proj: str, local_expert: int) -> torch.Tensor:
+        """One expert's [out, in] weight in the compute dtype (dequantized just in time)."""
+        if self.quantized:
+            packed = getattr(self, f"{proj}_packed")[local_expert]
+            return int4.dequantize_int4(packed, getattr(self, f"{proj}_scale")[local_expert], self.dtype)
+        return getattr(self, f"{proj}_weight")[local_expert]
+
+
+def routed_experts_forward(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: RoutedExperts) -> torch.Tensor:
+    """x [N, H], router weights/ids [N, k] -> this rank's partial sum [N, H] (fp32 or wider).
+
+    The one place the expert matmuls happen: tokens are sorted by expert, each local expert's
+    weights are dequantized and applied to its tokens. A fused INT4 MoE kernel replaces this.
+    """
+    acc = torch.promote_types(x.dtype, torch.float32)  # bf16 experts accumulate in fp32
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=acc, device=x.device)
+    flat_ids = ids.flatten()  # [N*k]
+    order = flat_ids.argsort(stable=True)
+    counts = torch.bincount(flat_ids, minlength=experts.end).tolist()
+    tokens = order // ids.shape[1]  # the token of each sorted (token, slot) pair
+    begin = sum(counts[: experts.start])
+    for local, count in enumerate(counts[experts.start:experts.end]):
+        if count == 0:
+            continue
+        rows = order[begin:begin + count]
+        token = tokens[begin:begin + count]
+        h = x[token]
+        h = F.silu(F.linear(h, experts.weight("gate_proj", local))) * F.linear(h, experts.weight("up_proj", local))
+        y = F.linear(h, experts.weight("down_proj", local))
+        out.index_add_(0, token, y.to(acc) * weights.flatten()[rows].unsqueeze(-1).to(acc))
+        begin += count
+    return out
+
+
+class MoE(nn.Module):
+    """Routed experts (this rank's share) + the shared expert, summed, then one all-reduce."""
+
+    def __init__(self, args: ModelArgs, tp: TensorParallel, layout: str, dtype: torch.dtype, quantized: bool):
+        super().__init__()
+        self.gate = Router(args, dtype)
+        self.experts = RoutedExperts(args, tp, layout, dtype, quantized)
+        shared = args.moe_intermediate_size * args.n_shared_experts
+        self.shared_experts = MLP(args.hidden_size, shared, tp, dtype, reduce=False, what="shared expert intermediate size")
+        self.reduce = AllReduce(tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])  # [B*T, H]
+        weights, ids = self.gate(flat)
+        routed = routed_experts_forward(flat, weights, ids, self.experts)
+        y = (routed + self.shared_experts(flat).to(routed.dtype)).to(x.dtype)
+        return self.reduce(y).view(shape)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_id: int, tp: TensorParallel, layout: str, dtype: torch.dtype, quantized: bool):
+        super().__init__()
+        self.self_attn = MLA(args, tp, dtype)
+        if layer_id >= args.first_k_dense_replace:
+            self.mlp = MoE(args, tp, layout, dtype, quantized)
+        else:
+            self.mlp = MLP(args.hidden_size, args.intermediate_size, tp, dtype, reduce=True, what="intermediate_size")
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekV3TextModel(nn.Module):
+    """Embedding, decoder layers, final norm: the `model.` part of the checkpoint."""
+
+    def __init__(self, args: ModelArgs, tp: TensorParallel, layout: str, dtype: torch.dtype, quantized: bool):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp, dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(args, i, tp, layout, dtype, quantized) for i in range(args.num_hidden_layers)
+        )
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        inv_freq, self.rope_scale = rope_inv_freq(args)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, T] (right-padded) -> final-normed hidden states [B, T, H], all positions."""
+        x = self.embed_tokens(input_ids)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device, dtype=torch.float32)
+        angles = positions[:, None] * self.inv_freq.float()[None, :]  # [T, rope/2], fp32 like the reference
+        cos, sin = (angles.cos() * self.rope_scale).to(x.dtype), (angles.sin() * self.rope_scale).to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x)
+
+
+class DeepseekV3ForExtraction(nn.Module):
+    """`model` + a vocab-parallel `lm_head` used only for the target's greedy token."""
+
+    def __init__(self, args: ModelArgs, tp: TensorParallel, layout: str = "ep", dtype: torch.dtype = torch.bfloat16, quantized: bool = True):
+        super().__init__()
+        self.args, self.tp, self.layout, self.quantized = args, tp, layout, quantized
+        self.model = DeepseekV3TextModel(args, tp, layout, dtype, quantized)
+        self.lm_head = VocabParallelHead(args.vocab_size, args.hidden_size, tp, dtype)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids)
+
+    def greedy_tokens(self, normed_hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> [N] int32: argmax of the full-vocabulary logits."""
+        return self.lm_head.argmax(normed_hidden)

@@ -1,0 +1,259 @@
+"""Parallel layers and process groups: the only file of the native backend that communicates.
+
+Layout (DESIGN section 4 and 9): the world is split into groups of `tp` consecutive ranks.
+Inside a group, tensor parallelism cuts every layer so that each rank holds 1/tp of it:
+
+    embedding        vocab-parallel: a contiguous range of token rows, masked lookup, all-reduce
+    q_b, kv_b        column-parallel (whole heads per rank), no communication
+    o_proj           row-parallel, one all-reduce per attention block
+    q_a, kv_a, norms, router        replicated
+    dense MLP, shared expert        gate/up column-parallel, down row-parallel (no reduce here)
+    routed experts   "ep": a contiguous range of whole experts per rank (uneven when the count
+                     does not divide); "tp": every expert, sliced along the intermediate dim
+    MoE / MLP block  one all-reduce of (routed + shared) partial sums
+    lm_head          vocab-parallel rows; the argmax is combined across ranks
+
+After each block all-reduce every rank of a group holds the same hidden states, so hooks on any
+rank see the full tensors. Groups are independent replicas (data parallelism): each extracts its
+own slice of the samples. With one process nothing here communicates (`TensorParallel()`).
+
+Modules record which slice of the checkpoint tensor they hold in `shard_spec`
+({param name: (dim, start, end, full size)}); the loader reads exactly that slice.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+def split_range(n: int, rank: int, size: int) -> tuple[int, int]:
+    """Contiguous [start, end) of n items for `rank` of `size`; the first n % size ranks get one more."""
+    base, extra = divmod(n, size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+def even_range(n: int, rank: int, size: int, what: str, multiple: int = 1) -> tuple[int, int]:
+    """Like split_range, but the split must be even (and a multiple of `multiple`): else ValueError."""
+    if n % size or (n // size) % multiple:
+        need = f" into multiples of {multiple}" if multiple > 1 else ""
+        raise ValueError(f"{what} = {n} cannot be split evenly over tp = {size} ranks{need}; choose a tp that divides it")
+    return rank * (n // size), (rank + 1) * (n // size)
+
+
+@dataclass
+class TensorParallel:
+    """One rank's view of its tensor-parallel group; size 1 = no communication at all."""
+
+    size: int = 1
+    rank: int = 0
+    group: object = None  # torch.distributed ProcessGroup when size > 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.size == 1:
+            return [x]
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return parts
+
+
+class AllReduce(nn.Module):
+    """Sums partial outputs over the group: the single reduction of an MLP/MoE block."""
+
+    def __init__(self, tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(x)
+
+
+class ReplicatedLinear(nn.Linear):
+    """Every rank holds the whole weight (q_a, kv_a, router)."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
+        super().__init__(in_features, out_features, bias=False, dtype=dtype)
+        self.shard_spec: dict = {}
+
+
+class ColumnParallelLinear(nn.Linear):
+    """Output features [start, end) of the full weight [out, in]; no communication."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TensorParallel, dtype: torch.dtype, what: str, unit: int = 1):
+        # `unit`: outputs that must stay together on one rank (a head's dims, an INT4 group).
+        start, end = even_range(out_features // unit, tp.rank, tp.size, what)
+        super().__init__(in_features, (end - start) * unit, bias=False, dtype=dtype)
+        self.shard_spec = {"weight": (0, start * unit, end * unit, out_features)}
+
+
+class RowParallelLinear(nn.Linear):
+    """Input features [start, end) of the full weight [out, in]; optionally all-reduces its output."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TensorParallel, dtype: torch.dtype, what: str, reduce: bool, unit: int = 1):
+        start, end = even_range(in_features // unit, tp.rank, tp.size, what)
+        super().__init__((end - start) * unit, out_features, bias=False, dtype=dtype)
+        self.shard_spec = {"weight": (1, start * unit, end * unit, in_features)}
+        self.tp = tp
+        self.reduce = reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return self.tp.all_reduce(y) if self.reduce else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token rows [start, end) of the embedding; other ranks' tokens give zeros, then all-reduce."""
+
+    def __init__(self, vocab_size: int, dim: int, tp: TensorParallel, dtype: torch.dtype):
+        super().__init__()
+        self.start, self.end = split_range(vocab_size, tp.rank, tp.size)
+        self.weight = nn.Parameter(torch.empty(self.end - self.start, dim, dtype=dtype), requires_grad=False)
+        self.shard_spec = {"weight": (0, self.start, self.end, vocab_size)}
+        self.tp = tp
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # [B, T] -> [B, T, H]
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        y = F.embedding(local.masked_fill(outside, 0), self.weight)
+        y = y.masked_fill(outside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(y)
+
+
+def expert_partition(n_experts: int, intermediate: int, tp: TensorParallel, layout: str, group_size: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(expert range, intermediate range) owned by this rank for routed experts.
+
+    "ep": a contiguous range of whole experts (uneven when tp does not divide the count; a rank
+    with no expert is refused). "tp": all experts, intermediate slice a multiple of the INT4 group.
+    """
+    if layout == "ep":
+        if n_experts < tp.size:
+            raise ValueError(f"target.expert_layout = ep: {n_experts} routed experts cannot give each of tp = {tp.size} ranks one; use expert_layout = tp")
+        return split_range(n_experts, tp.rank, tp.size), (0, intermediate)
+    if layout == "tp":
+        return (0, n_experts), even_range(intermediate, tp.rank, tp.size, "moe_intermediate_size (expert_layout = tp)", group_size)
+    raise ValueError(f"target.expert_layout must be 'ep' or 'tp', got {layout!r}")
+
+
+class VocabParallelHead(nn.Module):
+    """lm_head rows [start, end) of [V, H]; only its greedy token is needed, combined across ranks."""
+
+    def __init__(self, vocab_size: int, dim: int, tp: TensorParallel, dtype: torch.dtype):
+        super().__init__()
+        self.start, self.end = split_range(vocab_size, tp.rank, tp.size)
+        self.weight = nn.Parameter(torch.empty(self.end - self.start, dim, dtype=dtype), requires_grad=False)
+        self.shard_spec = {"weight": (0, self.start, self.end, vocab_size)}
+        self.tp = tp
+
+    @torch.no_grad()
+    def argmax(self, hidden: torch.Tensor, chunk_tokens: int = 1024) -> torch.Tensor:
+        """Full-vocabulary greedy token [N] int32 from normed hidden [N, H].
+
+        Chunked over tokens so [N, V/tp] logits never exist at once; ties go to the lowest token
+        id, as torch.argmax over the full vocabulary would.
+        """
+        out = torch.empty(hidden.shape[0], dtype=torch.int32, device=hidden.device)
+        for begin in range(0, hidden.shape[0], chunk_tokens):
+            logits = F.linear(hidden[begin:begin + chunk_tokens], self.weight).float()  # [n, V/tp]
+            index = logits.argmax(-1, keepdim=True)  # first maximum = lowest id
+            best = logits.gather(-1, index).squeeze(-1)
+            index = index.squeeze(-1) + self.start
+            if self.tp.size > 1:
+                bests = torch.stack(self.tp.all_gather(best))  # [tp, n]; rank order = vocab order
+                indices = torch.stack(self.tp.all_gather(index))
+                winner = bests.argmax(0, keepdim=True)  # first rank with the maximum = lowest id
+                index = indices.gather(0, winner).squeeze(0)
+            out[begin:begin + chunk_tokens] = index.to(torch.int32)
+        return out
+
+
+@dataclass
+class ParallelState:
+    """Where this process sits: global rank, its data-parallel group and its tensor-parallel view."""
+
+    world_size: int = 1
+    rank: int = 0
+    num_groups: int = 1
+    group_index: int = 0
+    tp: TensorParallel = field(default_factory=TensorParallel)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    initialized_here: bool = False
+
+    @property
+    def is_group_leader(self) -> bool:
+        return self.tp.rank == 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_parallel(tp_size: int, device: str = "auto") -> ParallelState:
+    """Join torchrun's world (or stay single-process) and build the tensor-parallel groups.
+
+    NCCL on CUDA, gloo on CPU. Ranks [g*tp, (g+1)*tp) form group g.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size % tp_size:
+        raise ValueError(f"target.tp = {tp_size} does not divide the world size {world_size} (torchrun --nproc-per-node x --nnodes)")
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    if world_size == 1:
+        return ParallelState(device=dev)
+    initialized_here = not dist.is_initialized()
+    if initialized_here:
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=60))
+    return _state_from_world(tp_size, dev, initialized_here)
+
+
+def _state_from_world(tp_size: int, device: torch.device, initialized_here: bool) -> ParallelState:
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    num_groups = world_size // tp_size
+    my_group = None
+    for g in range(num_groups):  # every rank must take part in creating every group
+        group = dist.new_group(list(range(g * tp_size, (g + 1) * tp_size)))
+        if rank // tp_size == g:
+            my_group = group
+    tp = TensorParallel(size=tp_size, rank=rank % tp_size, group=my_group)
+    return ParallelState(world_size, rank, num_groups, rank // tp_size, tp, device, initialized_here)
+
+
+def barrier(state: ParallelState) -> None:
+    if state.world_size > 1:
+        dist.barrier()
+
+
+def gather_objects(state: ParallelState, obj) -> list:
+    """Every rank's `obj` (small, JSON-like), on every rank, in rank order."""
+    if state.world_size == 1:
+        return [obj]
+    out = [None] * state.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def shutdown(state: ParallelState) -> None:
+    if state.initialized_here and dist.is_initialized():
+        dist.destroy_process_group()

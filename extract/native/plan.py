@@ -1,0 +1,232 @@
+"""Memory planner for the native backend: bytes per GPU by component, and whether it fits.
+
+    make plan CONFIG=configs/kimi_k25_pilot.yaml
+    python -m eagleforge.extract.native.plan --config configs/kimi_k25_b300.yaml target.tp=16
+
+Reads the target's config.json (target.path); when that directory does not exist on this machine
+(planning before downloading 595 GB), it plans the built-in Kimi-K2.5 text config of DESIGN
+section 9 and says so. Prints the configured layout in detail, then the grid tp 4/8/16 x expert
+layouts ep/tp against common GPU sizes. Extraction calls `check_fits` before loading anything and
+refuses to start, saying by how much, when the largest rank's share does not fit.
+
+Weights: what each rank holds (parallel.py): vocab-parallel embedding and head, heads split over
+tp, q_a/kv_a/norms/router replicated, dense and shared MLPs split, routed experts INT4 packed
+(0.5 byte per weight + a bf16 scale per 32) either as whole experts (ep, the rank with the most
+experts counts) or sliced along the intermediate dim (tp). Activations: an estimate for one
+forward of `extract.batch_tokens` tokens (the largest transient of a layer plus the residual
+stream and the captured states), and a fixed runtime reserve (CUDA context, NCCL buffers,
+allocator fragmentation).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ...config import Config, UserInputError, run_main
+from . import int4
+from .model import ModelArgs
+from .parallel import split_range
+
+log = logging.getLogger(__name__)
+
+GIB = 1 << 30
+RUNTIME_RESERVE_BYTES = 4 * GIB  # CUDA context ~0.6 GiB, NCCL ~1 GiB, allocator fragmentation
+ARGMAX_CHUNK_TOKENS = 1024
+GPU_SIZES_GB = {"96 GB (RTX PRO 6000)": 96e9, "141 GB (H200)": 141e9, "288 GB (B300)": 288e9}
+
+# DESIGN section 9 (Kimi-K2.5 text_config), used when target.path is not on this machine.
+KIMI_K25_TEXT_CONFIG = dict(
+    model_type="deepseek_v3", vocab_size=163840, hidden_size=7168, intermediate_size=18432,
+    moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=64, num_key_value_heads=64,
+    n_shared_experts=1, n_routed_experts=384, num_experts_per_tok=8, n_group=1, topk_group=1,
+    first_k_dense_replace=1, routed_scaling_factor=2.827, norm_topk_prob=True, scoring_func="sigmoid",
+    topk_method="noaux_tc", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+    v_head_dim=128, hidden_act="silu", rms_norm_eps=1e-5, rope_theta=50000.0, max_position_embeddings=262144,
+    rope_scaling={"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                  "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+    tie_word_embeddings=False, attention_bias=False, num_nextn_predict_layers=0,
+)
+
+
+def count_parameters(a: ModelArgs) -> dict[str, int]:
+    """Parameters of the language model by component (INT4 values count as parameters)."""
+    H, heads = a.hidden_size, a.num_attention_heads
+    q = (H * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * heads * a.qk_head_dim) if a.q_lora_rank else H * heads * a.qk_head_dim
+    attention = q + H * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank \
+        + a.kv_lora_rank * heads * (a.qk_nope_head_dim + a.v_head_dim) + heads * a.v_head_dim * H
+    moe_layers = a.num_hidden_layers - a.first_k_dense_replace
+    return {
+        "embedding": a.vocab_size * H,
+        "lm_head": 0 if a.tie_word_embeddings else a.vocab_size * H,
+        "attention": a.num_hidden_layers * attention,
+        "norms": a.num_hidden_layers * 2 * H + H,
+        "dense_mlp": a.first_k_dense_replace * 3 * H * a.intermediate_size,
+        "router": moe_layers * (a.n_routed_experts * H + a.n_routed_experts),
+        "shared_experts": moe_layers * 3 * H * a.moe_intermediate_size * a.n_shared_experts,
+        "routed_experts": moe_layers * a.n_routed_experts * 3 * H * a.moe_intermediate_size,
+    }
+
+
+@dataclass
+class MemoryPlan:
+    tp: int
+    expert_layout: str
+    components: dict = field(default_factory=dict)  # name -> bytes on the fullest rank
+
+    @property
+    def weights_bytes(self) -> int:
+        return sum(v for k, v in self.components.items() if not k.startswith(("activations", "runtime")))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.components.values())
+
+
+def _int4_bytes(rows: int, cols: int) -> int:
+    # packed nibbles + one bf16 scale per group + the int64 [2] weight_shape
+    return rows * cols // 2 + rows * (cols // int4.GROUP_SIZE) * 2 + 16
+
+
+def plan_memory(a: ModelArgs, tp: int, expert_layout: str, quantized: bool = True, dtype_bytes: int = 2,
+                batch_tokens: int = 8192, max_length: int = 2048, aux_layers: int = 3) -> MemoryPlan:
+    """Bytes per GPU by component for the rank holding the most (uneven expert ranges)."""
+    if a.num_attention_heads % tp:
+        raise ValueError(f"num_attention_heads = {a.num_attention_heads} cannot be split over tp = {tp}")
+    H, b = a.hidden_size, dtype_bytes
+    heads = a.num_attention_heads // tp
+    moe_layers = a.num_hidden_layers - a.first_k_dense_replace
+    vocab_rows = split_range(a.vocab_size, 0, tp)[1]  # rank 0 holds the largest range
+    replicated_attn = H * (a.q_lora_rank or 0) + (a.q_lora_rank or 0) + H * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank
+    q_out = heads * a.qk_head_dim * (a.q_lora_rank or H)
+    split_attn = q_out + a.kv_lora_rank * heads * (a.qk_nope_head_dim + a.v_head_dim) + heads * a.v_head_dim * H
+    if expert_layout == "ep":
+        experts, inter = split_range(a.n_routed_experts, 0, tp)[1], a.moe_intermediate_size
+    else:
+        experts, inter = a.n_routed_experts, a.moe_intermediate_size // tp
+    per_expert = (2 * _int4_bytes(inter, H) + _int4_bytes(H, inter)) if quantized else 3 * H * inter * b
+    c = {
+        "embedding": vocab_rows * H * b,
+        "lm_head": vocab_rows * H * b,
+        "attention (replicated q_a, kv_a, norms)": a.num_hidden_layers * (replicated_attn + 2 * H) * b,
+        "attention (split q_b, kv_b, o_proj)": a.num_hidden_layers * split_attn * b,
+        "dense MLP": a.first_k_dense_replace * 3 * H * (a.intermediate_size // tp) * b,
+        "router (bf16 weight, fp32 bias)": moe_layers * a.n_routed_experts * (H * b + 4),
+        "shared experts": moe_layers * 3 * H * (a.moe_intermediate_size * a.n_shared_experts // tp) * b,
+        "routed experts (" + ("INT4" if quantized else "bf16") + ")": moe_layers * experts * per_expert,
+    }
+    c["activations"] = _activation_bytes(a, tp, expert_layout, b, batch_tokens, max_length, aux_layers)
+    c["runtime reserve"] = RUNTIME_RESERVE_BYTES
+    return MemoryPlan(tp, expert_layout, c)
+
+
+def _activation_bytes(a: ModelArgs, tp: int, layout: str, b: int, T: int, max_length: int, k: int) -> int:
+    """Peak transient bytes of one forward of T tokens: residual + captured states + the largest layer part."""
+    H, heads = a.hidden_size, a.num_attention_heads // tp
+    seq = min(max_length, T)
+    residual = 4 * T * H * b  # residual stream, normed input, block output, all-reduce buffer
+    captured = (k + 1) * T * H * b
+    qkv = T * heads * (2 * a.qk_head_dim + 2 * a.v_head_dim + a.qk_nope_head_dim + a.v_head_dim) * b
+    scores = T * heads * seq * 4  # fp32 scores if the attention kernel materializes them
+    attention = qkv + scores + T * ((a.q_lora_rank or 0) + a.kv_lora_rank) * b
+    inter = a.moe_intermediate_size if layout == "ep" else a.moe_intermediate_size // tp
+    moe = T * a.n_routed_experts * 4 * 3 + T * H * (4 + b) + T * inter * b * 3 \
+        + 3 * H * inter * b + T * a.moe_intermediate_size * a.n_shared_experts // tp * b * 3
+    dense = T * (a.intermediate_size // tp) * b * 3
+    argmax = ARGMAX_CHUNK_TOKENS * math.ceil(a.vocab_size / tp) * 4 * 2
+    return residual + captured + max(attention, moe, dense, argmax)
+
+
+def format_plan(plan: MemoryPlan, gpu_bytes: float | None = None) -> str:
+    lines = [f"tp = {plan.tp}, expert_layout = {plan.expert_layout}: bytes per GPU (fullest rank)"]
+    for name, value in plan.components.items():
+        lines.append(f"  {name:<42} {value / GIB:9.2f} GiB")
+    lines.append(f"  {'weights':<42} {plan.weights_bytes / GIB:9.2f} GiB")
+    lines.append(f"  {'total':<42} {plan.total_bytes / GIB:9.2f} GiB ({plan.total_bytes / 1e9:.1f} GB)")
+    if gpu_bytes:
+        spare = gpu_bytes - plan.total_bytes
+        verdict = f"fits, {spare / GIB:.1f} GiB spare" if spare >= 0 else f"does NOT fit: short by {-spare / GIB:.1f} GiB"
+        lines.append(f"  on a {gpu_bytes / GIB:.1f} GiB GPU: {verdict}")
+    return "\n".join(lines)
+
+
+def format_grid(a: ModelArgs, quantized: bool, dtype_bytes: int, batch_tokens: int, max_length: int, k: int) -> str:
+    header = f"{'layout':<16}{'weights GiB':>12}{'total GiB':>11}" + "".join(f"{name:>24}" for name in GPU_SIZES_GB)
+    lines = [header]
+    for tp in (4, 8, 16):
+        for layout in ("ep", "tp"):
+            try:
+                plan = plan_memory(a, tp, layout, quantized, dtype_bytes, batch_tokens, max_length, k)
+            except ValueError as err:
+                lines.append(f"tp {tp:<3} {layout:<8} not possible: {err}")
+                continue
+            cells = "".join(f"{('fits, ' if size >= plan.total_bytes else 'short ') + f'{(size - plan.total_bytes) / GIB:+.1f}':>24}"
+                            for size in GPU_SIZES_GB.values())
+            lines.append(f"tp {tp:<3} {layout:<8}{plan.weights_bytes / GIB:>12.1f}{plan.total_bytes / GIB:>11.1f}{cells}")
+    return "\n".join(lines)
+
+
+def target_args(cfg: Config) -> tuple[ModelArgs, bool, str]:
+    """(model args, quantized experts, where they came from) for the planner."""
+    from .loader import check_quantization, text_config_of
+
+    path = Path(cfg.target.path) if cfg.target.path else None
+    if path is None or not (path / "config.json").is_file():
+        note = f"{path}/config.json not found here: planning the built-in Kimi-K2.5 config (DESIGN section 9)"
+        return ModelArgs.from_config(KIMI_K25_TEXT_CONFIG, "built-in Kimi-K2.5 config"), True, note
+    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    text, _ = text_config_of(config, str(path / "config.json"))
+    quantized = check_quantization(config, text, str(path / "config.json"))
+    return ModelArgs.from_config(text, str(path / "config.json")), quantized, str(path / "config.json")
+
+
+def _dtype_bytes(cfg: Config) -> int:
+    return {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.target.dtype]
+
+
+def _aux_count(cfg: Config) -> int:
+    return len(cfg.extract.aux_layers) or 3
+
+
+def check_fits(cfg: Config, a: ModelArgs, quantized: bool, gpu_bytes: int) -> MemoryPlan:
+    """Raise UserInputError, naming the shortfall, when this layout does not fit `gpu_bytes`."""
+    plan = plan_memory(a, cfg.target.tp, cfg.target.expert_layout, quantized, _dtype_bytes(cfg),
+                       cfg.extract.batch_tokens, cfg.data.max_length, _aux_count(cfg))
+    if plan.total_bytes > gpu_bytes:
+        raise UserInputError(
+            f"target.tp = {cfg.target.tp}, target.expert_layout = {cfg.target.expert_layout}: needs "
+            f"{plan.total_bytes / GIB:.1f} GiB per GPU ({plan.weights_bytes / GIB:.1f} GiB weights) but the GPU has "
+            f"{gpu_bytes / GIB:.1f} GiB: short by {(plan.total_bytes - gpu_bytes) / GIB:.1f} GiB. Use a larger tp, a "
+            f"smaller extract.batch_tokens, or see `make plan CONFIG=...`"
+        )
+    return plan
+
+
+def main(cfg: Config) -> None:
+    a, quantized, source = target_args(cfg)
+    print(f"target: {source}")
+    params = count_parameters(a)
+    print(f"language model parameters: {sum(params.values()) / 1e12:.3f}T "
+          f"(routed experts {params['routed_experts'] / 1e12:.3f}T)")
+    gpu_gib = getattr(cfg.target, "gpu_memory_gib", 0.0)
+    gpu_bytes = gpu_gib * GIB if gpu_gib else None
+    if gpu_bytes is None:
+        import torch
+
+        gpu_bytes = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+    try:
+        plan = plan_memory(a, cfg.target.tp, cfg.target.expert_layout, quantized, _dtype_bytes(cfg),
+                           cfg.extract.batch_tokens, cfg.data.max_length, _aux_count(cfg))
+    except ValueError as err:
+        raise UserInputError(f"target.tp = {cfg.target.tp}: {err}") from None
+    print(f"\nconfigured layout, {cfg.extract.batch_tokens} tokens per forward:")
+    print(format_plan(plan, gpu_bytes))
+    print("\nall layouts (total incl. activations and reserve; +spare / -short in GiB):")
+    print(format_grid(a, quantized, _dtype_bytes(cfg), cfg.extract.batch_tokens, cfg.data.max_length, _aux_count(cfg)))
+
+
+if __name__ == "__main__":
+    run_main(main, "Memory per GPU of the native extraction backend for a config and parallel layout.")

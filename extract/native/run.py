@@ -1,0 +1,216 @@
+"""The native extraction stage: Kimi-K2.5 / DeepSeek-V3 under torchrun, tensor parallel per group.
+
+    torchrun --nproc-per-node 8 -m eagleforge.extract --config configs/kimi_k25_pilot.yaml
+    torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        -m eagleforge.extract --config configs/kimi_k25_b300.yaml
+
+The world is cut into groups of `target.tp` ranks (parallel.py). Every rank loads only its slices
+(loader.py); a group runs the forward together; after each block's all-reduce all ranks of a group
+hold the same states, so the group's first rank captures them (extract/capture.py) and writes the
+group's shards (core/shards.py). Samples are cut into fixed chunks of `extract.samples_per_shard`
+in id order; chunk c belongs to group c % groups (the hf backend's rule, so shards and resume
+behave the same). Rank 0 merges the groups' manifest parts at the end.
+
+Input: RUN/data/samples.jsonl from the data stage, or, when that file is absent, the pre-tokenized
+JSONL named by data.source ({"input_ids": [...], "loss_mask": [...]}, loss_mask optional), read
+directly so a Kimi run needs no tokenizer on the extraction nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ...config import Config, UserInputError, save_config
+from ...shards import ShardWriter, load_manifest, merge_manifests
+from ...target import default_aux_layers, target_path, torch_dtype
+from ..capture import HiddenStateCapture
+from ..hf import _is_finite, _report, batch_by_tokens
+from .loader import build_model, load_weights, read_checkpoint_info
+from .model import DeepseekV3ForExtraction
+from .parallel import ParallelState, barrier, gather_objects, init_parallel, shutdown
+from .plan import GIB, check_fits, format_plan
+
+log = logging.getLogger(__name__)
+
+
+def extract_native(cfg: Config) -> dict | None:
+    """Extract every sample into RUN/hidden/ with the native backend; rank 0 returns the manifest."""
+    state = init_parallel(cfg.target.tp, cfg.target.device)
+    if not state.is_main:
+        logging.getLogger("eagleforge").setLevel(logging.WARNING)  # logs from rank 0 only
+    try:
+        return _extract(cfg, state)
+    finally:
+        shutdown(state)
+
+
+def load_samples_native(cfg: Config) -> list[dict]:
+    """Rows {"id", "input_ids", "loss_mask"} in id order: the data stage's file, else data.source."""
+    path = cfg.run / "data" / "samples.jsonl"
+    if not path.is_file() and cfg.data.source.endswith(".jsonl") and Path(cfg.data.source).is_file():
+        path = Path(cfg.data.source)
+    if not path.is_file():
+        raise FileNotFoundError(f"{cfg.run / 'data' / 'samples.jsonl'}: no samples (run the data stage, or set data.source to a pre-tokenized JSONL)")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise UserInputError(f"{path} line {line_no}: not JSON ({err.msg})") from None
+            ids = row.get("input_ids") if isinstance(row, dict) else None
+            if not isinstance(ids, list) or not ids:
+                raise UserInputError(f"{path} line {line_no}: no 'input_ids' list (the native backend reads token ids)")
+            mask = row.get("loss_mask", [1] * len(ids))
+            if len(mask) != len(ids):
+                raise UserInputError(f"{path} line {line_no}: {len(ids)} input_ids but {len(mask)} loss_mask entries")
+            rows.append({"id": int(row.get("id", line_no - 1)), "input_ids": ids, "loss_mask": mask})
+    rows.sort(key=lambda r: r["id"])
+    if len({r["id"] for r in rows}) != len(rows):
+        raise UserInputError(f"{path}: sample ids are not unique")
+    return rows
+
+
+def _aux_layers(cfg: Config, num_layers: int) -> list[int]:
+    aux = sorted(int(i) for i in cfg.extract.aux_layers) or default_aux_layers(num_layers)
+    if len(set(aux)) != len(aux) or not all(0 <= i < num_layers for i in aux):
+        raise UserInputError(f"config key 'extract.aux_layers' = {cfg.extract.aux_layers}: ids must be distinct, in [0, {num_layers})")
+    return aux
+
+
+def _header(cfg: Config, info, aux_layers: list[int]) -> dict:
+    a = info.args
+    tokenizer_config = info.path / "tokenizer_config.json"
+    chat_template = None
+    if tokenizer_config.is_file():
+        chat_template = json.loads(tokenizer_config.read_text(encoding="utf-8")).get("chat_template")
+    return {
+        "target": {"path": str(info.path), "architecture": info.architecture, "num_layers": a.num_hidden_layers,
+                   "hidden_size": a.hidden_size, "vocab_size": a.vocab_size},
+        "aux_layer_ids": aux_layers,
+        "tokenizer": str(info.path),
+        "chat_template": chat_template,
+        "max_length": cfg.data.max_length,
+        "has_target_argmax": bool(cfg.extract.write_target_argmax),
+    }
+
+
+def _check_memory(cfg: Config, info, state: ParallelState) -> None:
+    """Refuse to start when the planner says the layout does not fit this GPU."""
+    gpu_gib = getattr(cfg.target, "gpu_memory_gib", 0.0)
+    if gpu_gib:
+        gpu_bytes = int(gpu_gib * GIB)
+    elif state.device.type == "cuda":
+        gpu_bytes = torch.cuda.get_device_properties(state.device).total_memory
+    else:
+        return
+    plan = check_fits(cfg, info.args, info.quantized_experts, gpu_bytes)
+    if state.is_main:
+        log.info("memory plan:\n%s", format_plan(plan, gpu_bytes))
+
+
+def _extract(cfg: Config, state: ParallelState) -> dict | None:
+    start_s = time.perf_counter()
+    info = read_checkpoint_info(target_path(cfg.target))
+    _check_memory(cfg, info, state)
+    if state.is_main:
+        save_config(cfg, cfg.run / "config.yaml")
+    samples = load_samples_native(cfg)
+    aux_layers = _aux_layers(cfg, info.args.num_hidden_layers)
+    model = build_model(info, state.tp, cfg.target.expert_layout, torch_dtype(cfg.target.dtype), state.device)
+    stats = load_weights(model, info, show_progress=state.is_main)
+    log.info("rank 0 read %.2f GiB in %d tensors", stats.bytes_read / GIB, stats.tensors_read)
+    size = cfg.extract.samples_per_shard
+    chunks = [samples[i:i + size] for i in range(0, len(samples), size)]
+    mine = [c for c in range(len(chunks)) if c % state.num_groups == state.group_index]
+    writer = None
+    todo = None
+    if state.is_group_leader:
+        writer = ShardWriter(cfg.run / "hidden", _header(cfg, info, aux_layers), cfg.extract.storage_dtype,
+                             group=state.group_index if state.num_groups > 1 else None)
+        todo = [c for c in mine if not writer.is_complete(c, [row["id"] for row in chunks[c]])]
+    # the group's other ranks follow their leader's list (collectives need the same forwards)
+    todo = gather_objects(state, todo)[state.group_index * state.tp.size]
+    log.info("%d samples in %d chunks, %d groups of tp %d (%s experts); group 0 has %d chunks to do; aux layers %s",
+             len(samples), len(chunks), state.num_groups, state.tp.size, cfg.target.expert_layout, len(todo), aux_layers)
+    total_tokens = sum(len(row["input_ids"]) for c in todo for row in chunks[c])
+    with HiddenStateCapture(model.model.layers, aux_layers, model.model.norm) as capture, \
+            tqdm(total=total_tokens, unit="tok", unit_scale=True, desc="extract", disable=not state.is_main) as progress:
+        for c in todo:
+            written, ids, skipped = extract_chunk(model, capture, chunks[c], cfg, state, progress)
+            if writer is not None:
+                if skipped:
+                    log.warning("chunk %d: skipped %d samples with NaN/Inf hidden states: %s", c, len(skipped), skipped)
+                writer.write_shard(c, written, ids, skipped)
+    barrier(state)
+    if not state.is_main:
+        return None
+    hidden_dir = cfg.run / "hidden"
+    manifest = merge_manifests(hidden_dir) if state.num_groups > 1 else load_manifest(hidden_dir)
+    _report(manifest, hidden_dir, 0, time.perf_counter() - start_s)
+    return manifest
+
+
+@torch.inference_mode()
+def forward_batch(model: DeepseekV3ForExtraction, capture: HiddenStateCapture, input_ids: list[list[int]],
+                  device: torch.device, write_target_argmax: bool, keep: bool = True) -> list[dict[str, torch.Tensor] | None]:
+    """One right-padded forward (causal, so padding never reaches real tokens); per sample, CPU states.
+
+    `keep` = False (a group's non-leader ranks): take part in the forward and the argmax, copy nothing.
+    """
+    lengths = [len(ids) for ids in input_ids]
+    tokens = torch.zeros(len(input_ids), max(lengths), dtype=torch.long)
+    valid = torch.zeros(tokens.shape, dtype=torch.bool)
+    for b, ids in enumerate(input_ids):
+        tokens[b, :lengths[b]] = torch.tensor(ids, dtype=torch.long)
+        valid[b, :lengths[b]] = True
+    capture.clear()
+    model(tokens.to(device))
+    aux, last = capture.aux_hidden_states, capture.last_hidden_state  # [B, T, k*H], [B, T, H]
+    # a collective over the group's vocabulary shards: every rank calls it
+    argmax = model.greedy_tokens(last[valid.to(device)]) if write_target_argmax else None  # [sum n]
+    capture.clear()
+    if not keep:
+        return [None] * len(lengths)
+    out, start = [], 0
+    for b, n in enumerate(lengths):
+        sample = {"aux_hidden_states": aux[b, :n].cpu(), "last_hidden_state": last[b, :n].cpu()}
+        if argmax is not None:
+            sample["target_argmax"] = argmax[start:start + n].cpu()
+        start += n
+        out.append(sample)
+    return out
+
+
+def extract_chunk(model, capture, chunk: list[dict], cfg: Config, state: ParallelState,
+                  progress: tqdm | None = None) -> tuple[list[dict], list[int], list[int]]:
+    """(samples to write, their ids, skipped ids) of one chunk, in id order; all ranks of a group call it."""
+    lengths = [len(row["input_ids"]) for row in chunk]
+    results: list[dict | None] = [None] * len(chunk)
+    for positions in batch_by_tokens(lengths, cfg.extract.batch_tokens):
+        states = forward_batch(model, capture, [chunk[j]["input_ids"] for j in positions], state.device,
+                               cfg.extract.write_target_argmax, keep=state.is_group_leader)
+        for j, sample in zip(positions, states):
+            results[j] = sample
+        if progress is not None:
+            progress.update(sum(lengths[j] for j in positions))
+    if not state.is_group_leader:
+        return [], [], []
+    written, ids, skipped = [], [], []
+    for row, sample in zip(chunk, results):
+        if not _is_finite(sample):
+            skipped.append(int(row["id"]))
+            continue
+        sample["input_ids"] = torch.tensor(row["input_ids"], dtype=torch.int32)
+        sample["loss_mask"] = torch.tensor(row["loss_mask"], dtype=torch.uint8)
+        written.append(sample)
+        ids.append(int(row["id"]))
+    return written, ids, skipped
