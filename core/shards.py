@@ -1,0 +1,410 @@
+"""Hidden-state shards (DESIGN section 4): a crash-safe writer and a memory-mapped reader.
+
+A shard is one safetensors file holding many samples packed end to end, no padding:
+
+    input_ids          int32          [N]
+    loss_mask          uint8          [N]
+    aux_hidden_states  storage dtype  [N, k*H]   the k aux layers concatenated, ascending order
+    last_hidden_state  storage dtype  [N, H]     after the target's final norm
+    sample_offsets     int64          [S+1]      sample i is rows offsets[i]:offsets[i+1]
+    target_argmax      int32          [N]        optional: full-vocabulary greedy next token
+
+Shard index = chunk index. The extractor cuts the samples (in id order) into fixed chunks of
+`samples_per_shard`; chunk c becomes shard c, so a killed and resumed run, or a run with a
+different number of processes, produces the same shards. A single process writes
+`shard-{c:05d}.safetensors`; data-parallel group g writes `shard-g{g}-{c:05d}.safetensors`
+(c is still the global chunk index, so a shard's name says which samples it holds).
+
+Crash safety: a shard is written under `.tmp-<name>`, fsynced, renamed, and only then listed in a
+manifest, itself written as tmp + fsync + rename (+ fsync of the directory). A shard file that
+no manifest lists is garbage from a killed run and is rewritten on resume.
+
+Concurrency (the choice): a single process writes `manifest.json` after each shard. Group g
+never touches `manifest.json`; it writes its own part `manifest-g{g}.json` after each shard, so
+concurrent groups never clobber each other's records. At the end, under a barrier, rank 0
+merges every part (and any shards already in `manifest.json`) into `manifest.json`. The reader
+accepts `manifest.json`, the parts, or both (the union of their shards, each file once), so a
+multi-group run killed before the merge is still readable and resumable. Parts are kept after
+the merge: they are small and they are what resume reads.
+
+manifest.json:
+
+    {"format_version": 1,
+     "target": {"path", "architecture", "num_layers", "hidden_size", "vocab_size"},
+     "aux_layer_ids": [1, 14, 26], "aux_layer_convention": AUX_LAYER_CONVENTION,
+     "vllm_aux_layer_ids": [2, 15, 27],
+     "storage_dtype": "bfloat16", "has_target_argmax": true,
+     "tokenizer": ..., "chat_template": ..., "max_length": 2048,
+     "shards": [{"file", "index", "group", "samples", "tokens", "bytes", "sha256",
+                 "sample_ids": [...], "skipped_ids": [...]}]}
+
+`skipped_ids` are samples of the chunk that were not written (NaN/Inf states); the chunk is
+complete when sample_ids + skipped_ids are exactly its ids.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from .config import UserInputError
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+AUX_LAYER_CONVENTION = (
+    "output of 0-indexed decoder layer i = transformers hidden_states[i+1]; vLLM input-of-layer ids = i+1"
+)
+STORAGE_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
+# Header keys that must agree between a run and the shards already on disk (resume, parts).
+_HEADER_KEYS = ("format_version", "target", "aux_layer_ids", "storage_dtype", "has_target_argmax")
+_TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state", "target_argmax")
+_PART_RE = re.compile(r"^manifest-g(\d+)\.json$")
+MAX_OPEN_SHARDS = 64  # per reader and process
+
+
+def shard_name(index: int, group: int | None = None) -> str:
+    return f"shard-{index:05d}.safetensors" if group is None else f"shard-g{group}-{index:05d}.safetensors"
+
+
+def file_sha256(path: Path, block_bytes: int = 1 << 24) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(block_bytes):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # the only way to read it is to set it; put it straight back
+    os.umask(mask)
+    return mask
+
+
+def _fsync_dir(path: Path) -> None:
+    # The rename itself is durable only once the directory entry is on disk (POSIX).
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".tmp-{path.name}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise UserInputError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("shards"), list):
+        raise UserInputError(f"{path}: not a shard manifest (no 'shards' list)")
+    return data
+
+
+def _check_header(expected: dict, found: dict, path: Path) -> None:
+    for key in _HEADER_KEYS:
+        if key in expected and key in found and expected[key] != found[key]:
+            raise UserInputError(
+                f"{path}: '{key}' is {found[key]!r} on disk but {expected[key]!r} in this run; "
+                f"use a new run directory or delete {path.parent}"
+            )
+
+
+def load_manifest(hidden_dir: str | os.PathLike) -> dict:
+    """manifest.json and/or the per-group parts merged: one header, the union of their shards.
+
+    Shards are ordered by (chunk index, file name). Raises FileNotFoundError when there is no
+    manifest at all and UserInputError when headers disagree or a sample id appears twice.
+    """
+    hidden_dir = Path(hidden_dir)
+    paths = [hidden_dir / MANIFEST] if (hidden_dir / MANIFEST).is_file() else []
+    paths += sorted(p for p in hidden_dir.glob("manifest-g*.json") if _PART_RE.match(p.name))
+    if not paths:
+        raise FileNotFoundError(f"{hidden_dir / MANIFEST}: no shard manifest (run the extract stage first)")
+    merged: dict | None = None
+    shards: dict[str, dict] = {}
+    for path in paths:
+        data = _read_json(path)
+        if merged is None:
+            merged = {k: v for k, v in data.items() if k != "shards"}
+        _check_header(merged, data, path)
+        for entry in data["shards"]:
+            shards.setdefault(entry["file"], entry)
+    assert merged is not None
+    merged["shards"] = sorted(shards.values(), key=lambda e: (e["index"], e["file"]))
+    _check_unique_ids(merged["shards"], hidden_dir)
+    return merged
+
+
+def _check_unique_ids(entries: list[dict], hidden_dir: Path) -> None:
+    owner: dict[int, str] = {}
+    for entry in entries:
+        for sample_id in entry["sample_ids"]:
+            if sample_id in owner:
+                raise UserInputError(
+                    f"{hidden_dir}: sample id {sample_id} is in both {owner[sample_id]} and {entry['file']} "
+                    f"(shards of two different runs in one directory?)"
+                )
+            owner[sample_id] = entry["file"]
+
+
+def merge_manifests(hidden_dir: str | os.PathLike) -> dict:
+    """Rank 0, after a barrier: write manifest.json listing every shard of every group."""
+    hidden_dir = Path(hidden_dir)
+    merged = load_manifest(hidden_dir)
+    _write_json_atomic(hidden_dir / MANIFEST, merged)
+    return merged
+
+
+class ShardWriter:
+    """Writes shards of one process group and keeps its manifest (or manifest part) current.
+
+    `header`: target (dict), aux_layer_ids (project convention), tokenizer, chat_template,
+    max_length, has_target_argmax; the writer adds format_version, the convention, the vLLM ids
+    and storage_dtype. `group`: None for a single process, else the data-parallel group id.
+    Existing shards in `hidden_dir` are checked against the header (resume).
+    """
+
+    def __init__(self, hidden_dir: str | os.PathLike, header: dict, storage_dtype: str = "bfloat16",
+                 group: int | None = None):
+        if storage_dtype not in STORAGE_DTYPES:
+            raise ValueError(f"storage_dtype must be one of {list(STORAGE_DTYPES)}, got {storage_dtype!r}")
+        self.hidden_dir = Path(hidden_dir)
+        self.hidden_dir.mkdir(parents=True, exist_ok=True)
+        self.group = group
+        self.storage_dtype = storage_dtype
+        aux = sorted(int(i) for i in header["aux_layer_ids"])  # concatenation order of aux_hidden_states
+        self.header = {
+            "format_version": FORMAT_VERSION,
+            **{k: v for k, v in header.items() if k != "shards"},
+            "aux_layer_ids": aux,
+            "aux_layer_convention": AUX_LAYER_CONVENTION,
+            "vllm_aux_layer_ids": [i + 1 for i in aux],
+            "storage_dtype": storage_dtype,
+        }
+        self.manifest_path = self.hidden_dir / (MANIFEST if group is None else f"manifest-g{group}.json")
+        self.entries: list[dict] = []  # this writer's manifest (or part)
+        self.known: dict[int, dict] = {}  # chunk index -> entry, from every manifest on disk
+        self._load_existing()
+
+    def _load_existing(self) -> None:
+        if self.manifest_path.is_file():
+            own = _read_json(self.manifest_path)
+            _check_header(self.header, own, self.manifest_path)
+            self.entries = [e for e in own["shards"] if self._on_disk(e)]
+        try:
+            everything = load_manifest(self.hidden_dir)
+        except FileNotFoundError:
+            return
+        _check_header(self.header, everything, self.hidden_dir / MANIFEST)
+        self.known = {e["index"]: e for e in everything["shards"] if self._on_disk(e)}
+
+    def _on_disk(self, entry: dict) -> bool:
+        path = self.hidden_dir / entry["file"]
+        return path.is_file() and path.stat().st_size == entry["bytes"]
+
+    def is_complete(self, index: int, sample_ids: Iterable[int]) -> bool:
+        """True when chunk `index` is already on disk holding exactly `sample_ids` (resume)."""
+        entry = self.known.get(index)
+        if entry is None:
+            return False
+        on_disk = sorted(entry["sample_ids"] + entry.get("skipped_ids", []))
+        if on_disk != sorted(int(i) for i in sample_ids):
+            raise UserInputError(
+                f"{self.hidden_dir / entry['file']}: holds sample ids {on_disk[:8]}... but chunk {index} of this "
+                f"run's data is {sorted(sample_ids)[:8]}...; the data changed since extraction (use a new run directory)"
+            )
+        return True
+
+    def write_shard(self, index: int, samples: list[dict[str, torch.Tensor]], sample_ids: list[int],
+                    skipped_ids: Iterable[int] = ()) -> dict:
+        """Pack `samples` (dicts of [n] / [n, D] tensors) into shard `index`; returns its entry."""
+        if len(samples) != len(sample_ids):
+            raise ValueError(f"shard {index}: {len(samples)} samples but {len(sample_ids)} sample ids")
+        tensors = self._pack(samples)
+        name = shard_name(index, self.group)
+        final = self.hidden_dir / name
+        tmp = self.hidden_dir / f".tmp-{name}"
+        # One metadata key only: safetensors keeps metadata in a hash map whose order varies
+        # between processes, and resumed runs must write byte-identical shards.
+        self._save(tensors, tmp, {"format": "pt"})
+        os.replace(tmp, final)
+        _fsync_dir(self.hidden_dir)
+        entry = {
+            "file": name, "index": int(index), "group": self.group,
+            "samples": len(samples), "tokens": int(tensors["input_ids"].numel()),
+            "bytes": final.stat().st_size, "sha256": file_sha256(final),
+            "sample_ids": [int(i) for i in sample_ids], "skipped_ids": [int(i) for i in skipped_ids],
+        }
+        self.entries = [e for e in self.entries if e["index"] != index] + [entry]
+        self.entries.sort(key=lambda e: e["index"])
+        self.known[index] = entry
+        _write_json_atomic(self.manifest_path, {**self.header, "shards": self.entries})
+        return entry
+
+    def _save(self, tensors: dict[str, torch.Tensor], tmp: Path, metadata: dict) -> None:
+        from safetensors.torch import save_file
+
+        try:
+            save_file(tensors, str(tmp), metadata=metadata)
+            # save_file creates the file 0600; give it the umask's usual permissions (readable by
+            # the training job's user or group, like the manifest).
+            os.chmod(tmp, 0o666 & ~_umask())
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # never leave a partial shard behind
+            raise
+
+    def _pack(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Concatenate samples end to end; cast hidden states to the storage dtype."""
+        dtype = STORAGE_DTYPES[self.storage_dtype]
+        with_argmax = bool(self.header.get("has_target_argmax", False))
+        lengths = [int(s["input_ids"].numel()) for s in samples]
+        for i, s in enumerate(samples):
+            for key in ("aux_hidden_states", "last_hidden_state", "loss_mask"):
+                if s[key].shape[0] != lengths[i]:
+                    raise ValueError(f"sample {i}: {key} has {s[key].shape[0]} rows, input_ids has {lengths[i]}")
+        offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
+        offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
+        out = {
+            "input_ids": self._cat(samples, "input_ids", torch.int32, (0,)),
+            "loss_mask": self._cat(samples, "loss_mask", torch.uint8, (0,)),
+            "aux_hidden_states": self._cat_hidden(samples, "aux_hidden_states", dtype),
+            "last_hidden_state": self._cat_hidden(samples, "last_hidden_state", dtype),
+            "sample_offsets": offsets,
+        }
+        if with_argmax:
+            out["target_argmax"] = self._cat(samples, "target_argmax", torch.int32, (0,))
+        return out
+
+    @staticmethod
+    def _cat(samples: list[dict], key: str, dtype: torch.dtype, empty_shape: tuple) -> torch.Tensor:
+        if not samples:
+            return torch.zeros(empty_shape, dtype=dtype)
+        return torch.cat([s[key].reshape(-1).to("cpu", dtype) for s in samples]).contiguous()
+
+    def _cat_hidden(self, samples: list[dict], key: str, dtype: torch.dtype) -> torch.Tensor:
+        if not samples:
+            width = self.header.get("target", {}).get("hidden_size", 0)
+            width *= len(self.header["aux_layer_ids"]) if key == "aux_hidden_states" else 1
+            return torch.zeros((0, width), dtype=dtype)
+        parts = [s[key].to("cpu") for s in samples]
+        if dtype == torch.float8_e4m3fn:
+            # A cast to float8 does not saturate (out-of-range values become NaN): clamp first.
+            limit = torch.finfo(dtype).max
+            parts = [p.float().clamp(-limit, limit) for p in parts]
+        return torch.cat([p.to(dtype) for p in parts]).contiguous()
+
+
+class ShardReader:
+    """Random access to the samples of a hidden-state directory, memory-mapped.
+
+    Checks on open that every shard named in the manifest exists with its recorded byte size
+    (and sha256 when `verify_checksums`); raises UserInputError naming the file otherwise.
+    Files are opened lazily with safetensors' safe_open (mmap) and rows are sliced, so only the
+    requested sample is read. Safe to use in DataLoader workers (handles are per process).
+    """
+
+    def __init__(self, hidden_dir: str | os.PathLike, verify_checksums: bool = False):
+        self.hidden_dir = Path(hidden_dir)
+        self.manifest = load_manifest(self.hidden_dir)
+        self.shards = self.manifest["shards"]
+        for entry in self.shards:
+            self._verify(entry, verify_checksums)
+        counts = [e["samples"] for e in self.shards]
+        self._starts = [0]
+        for n in counts:
+            self._starts.append(self._starts[-1] + n)
+        self._handles: dict[int, Any] = {}
+        self._offsets: dict[int, list[int]] = {}
+        self._pid = os.getpid()
+
+    def _verify(self, entry: dict, verify_checksums: bool) -> None:
+        path = self.hidden_dir / entry["file"]
+        if not path.is_file():
+            raise UserInputError(f"{path}: shard listed in the manifest is missing")
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            raise UserInputError(f"{path}: shard is {size} bytes, the manifest records {entry['bytes']} (truncated?)")
+        if verify_checksums:
+            digest = file_sha256(path)
+            if digest != entry["sha256"]:
+                raise UserInputError(f"{path}: sha256 {digest} does not match the manifest's {entry['sha256']} (corrupt)")
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def _handle(self, shard: int):
+        from safetensors import safe_open
+
+        if os.getpid() != self._pid:  # forked worker: do not share the parent's mmaps
+            self._handles, self._pid = {}, os.getpid()
+        if shard not in self._handles:
+            if len(self._handles) >= MAX_OPEN_SHARDS:  # bound open files and mappings: drop the oldest
+                self._handles.pop(next(iter(self._handles)))
+            self._handles[shard] = safe_open(str(self.hidden_dir / self.shards[shard]["file"]), framework="pt")
+        return self._handles[shard]
+
+    def _shard_offsets(self, shard: int) -> list[int]:
+        if shard not in self._offsets:
+            offsets = self._handle(shard).get_tensor("sample_offsets").tolist()
+            if len(offsets) != self.shards[shard]["samples"] + 1:
+                raise UserInputError(
+                    f"{self.hidden_dir / self.shards[shard]['file']}: {len(offsets) - 1} samples, "
+                    f"the manifest records {self.shards[shard]['samples']}"
+                )
+            self._offsets[shard] = offsets
+        return self._offsets[shard]
+
+    def locate(self, i: int) -> tuple[int, int]:
+        """(shard position, sample position within the shard) of global sample i."""
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sample {i} out of range for {len(self)} samples in {self.hidden_dir}")
+        i %= len(self)
+        shard = bisect.bisect_right(self._starts, i) - 1
+        return shard, i - self._starts[shard]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        shard, j = self.locate(i)
+        offsets = self._shard_offsets(shard)
+        begin, end = offsets[j], offsets[j + 1]
+        f = self._handle(shard)
+        keys = set(f.keys())
+        return {key: f.get_slice(key)[begin:end] for key in _TENSORS if key in keys}
+
+    def sample_lengths(self) -> list[int]:
+        lengths: list[int] = []
+        for shard in range(len(self.shards)):
+            offsets = self._shard_offsets(shard)
+            lengths += [b - a for a, b in zip(offsets[:-1], offsets[1:])]
+        return lengths
+
+    def sample_ids(self) -> list[int]:
+        return [i for entry in self.shards for i in entry["sample_ids"]]
+
+    def close(self) -> None:
+        self._handles.clear()

@@ -1,0 +1,28 @@
+"""`python -m eagleforge.extract --config F key=value`: target forward with hooks -> RUN/hidden/.
+
+    python -m eagleforge.extract run_dir=runs/x                        # one process
+    torchrun --nproc-per-node 8 -m eagleforge.extract run_dir=runs/x   # data parallel (hf: 1 rank = 1 group)
+    torchrun --nnodes 4 --nproc-per-node 8 -m eagleforge.extract --config configs/kimi_k25_b300.yaml
+
+target.backend=hf runs any transformers causal LM (extract/hf.py); target.backend=native runs
+the DeepSeek-V3 / Kimi-K2.5 tensor-parallel backend (extract/native/).
+"""
+
+from __future__ import annotations
+
+from ..config import Config, run_main
+
+
+def main(cfg: Config) -> None:
+    if cfg.target.backend == "native":
+        from .native import extract_native  # imported lazily: heavy, and only for that backend
+
+        extract_native(cfg)
+        return
+    from .hf import extract_hf
+
+    extract_hf(cfg)
+
+
+if __name__ == "__main__":
+    run_main(main, "Extract target hidden states into RUN/hidden/ (DESIGN section 4).")

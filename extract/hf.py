@@ -1,0 +1,269 @@
+"""The hf extraction backend: any transformers causal LM, hooks, sharded safetensors.
+
+    python -m eagleforge.extract run_dir=runs/x                       # one process
+    torchrun --nproc-per-node 8 -m eagleforge.extract run_dir=runs/x  # 8 data-parallel groups
+
+Samples (RUN/data/samples.jsonl, id order) are cut into fixed chunks of
+`extract.samples_per_shard`; chunk c is shard c and belongs to group c % world_size (each rank
+is a group here, tp = 1). Within a chunk, samples are sorted by length and batched up to
+`extract.batch_tokens` padded tokens, right padded with an attention mask; the base model
+(`model.model`) runs under HiddenStateCapture, so neither the full logits nor all L + 1 hidden
+states are ever materialized. `target_argmax` comes from the captured final state through the
+lm_head, a few rows at a time. Because a chunk's batches depend only on the chunk, a killed and
+resumed run (or a run on another number of processes) writes the same shards; resume skips the
+chunks the manifests already list.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..config import Config, UserInputError, save_config
+from ..shards import ShardWriter, load_manifest, merge_manifests
+from ..target import decoder_layers, default_aux_layers, final_norm, load_target, resolve_device, target_path, text_config
+from .capture import HiddenStateCapture
+
+log = logging.getLogger(__name__)
+
+# Rows of last_hidden_state per lm_head matmul for target_argmax: keeps the transient logits
+# chunk at about 2**24 elements (64 MiB fp32) whatever the vocabulary (341 rows for SmolLM2's
+# 49152, 102 for Kimi's 163840: still large matmuls).
+ARGMAX_CHUNK_ELEMENTS = 1 << 24
+
+
+def init_distributed(device: torch.device) -> tuple[int, int, bool]:
+    """(rank, world_size, initialized_here); joins the torchrun process group when WORLD_SIZE > 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1, False
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), False
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend)
+    return dist.get_rank(), dist.get_world_size(), True
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _load_samples(run_dir: Path) -> list[dict]:
+    """RUN/data/samples.jsonl rows {"id", "input_ids", "loss_mask"} in id order, checked."""
+    from ..data import load_samples
+
+    samples = sorted(load_samples(run_dir), key=lambda row: int(row["id"]))
+    seen = set()
+    for row in samples:
+        sample_id = int(row["id"])
+        if sample_id in seen:
+            raise UserInputError(f"{run_dir / 'data' / 'samples.jsonl'}: sample id {sample_id} appears twice")
+        seen.add(sample_id)
+        n, m = len(row["input_ids"]), len(row["loss_mask"])
+        if n == 0 or n != m:
+            raise UserInputError(
+                f"{run_dir / 'data' / 'samples.jsonl'}: sample {sample_id} has {n} input_ids and {m} loss_mask entries"
+            )
+    return samples
+
+
+def batch_by_tokens(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Positions grouped into batches of at most `batch_tokens` padded tokens, longest first.
+
+    Sorting by length keeps padding small; a sample longer than the budget gets a batch alone.
+    Deterministic: ties keep their input order.
+    """
+    order = sorted(range(len(lengths)), key=lambda j: (-lengths[j], j))
+    batches: list[list[int]] = []
+    for j in order:
+        # Sorted longest first, so the batch's padded length is its first sample's length.
+        if batches and lengths[batches[-1][0]] * (len(batches[-1]) + 1) <= batch_tokens:
+            batches[-1].append(j)
+        else:
+            batches.append([j])
+    return batches
+
+
+@torch.inference_mode()
+def forward_batch(model, capture: HiddenStateCapture, input_ids: list[list[int]], pad_id: int,
+                  device: torch.device, write_target_argmax: bool) -> list[dict[str, torch.Tensor]]:
+    """One right-padded forward of the base model; per sample, its unpadded states on the CPU.
+
+    Returns dicts with aux_hidden_states [n, k*H], last_hidden_state [n, H] (compute dtype) and
+    target_argmax [n] int32 when asked.
+    """
+    lengths = [len(ids) for ids in input_ids]
+    batch, width = len(input_ids), max(lengths)
+    tokens = torch.full((batch, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((batch, width), dtype=torch.long)
+    for b, ids in enumerate(input_ids):
+        tokens[b, : lengths[b]] = torch.tensor(ids, dtype=torch.long)
+        mask[b, : lengths[b]] = 1
+    capture.clear()
+    # The base model (model.model for Llama): the decoder stack without the lm_head, so no
+    # [B, T, V] logits are computed.
+    base = getattr(model, "base_model", model)
+    base(input_ids=tokens.to(device), attention_mask=mask.to(device), use_cache=False)
+    aux, last = capture.aux_hidden_states, capture.last_hidden_state  # [B, T, k*H], [B, T, H]
+    valid = mask.to(device).bool()
+    argmax = _target_argmax(model, last[valid]) if write_target_argmax else None  # [sum n]
+    capture.clear()
+    # One device-to-host copy per tensor, then per-sample views (no-ops on the CPU).
+    aux, last = aux.cpu(), last.cpu()
+    argmax = argmax.cpu() if argmax is not None else None
+    out, start = [], 0
+    for b, n in enumerate(lengths):
+        sample = {"aux_hidden_states": aux[b, :n], "last_hidden_state": last[b, :n]}
+        if argmax is not None:
+            sample["target_argmax"] = argmax[start : start + n]
+        start += n
+        out.append(sample)
+    return out
+
+
+def _target_argmax(model, last_hidden: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary greedy next token, [N, H] -> [N] int32, in row chunks of the lm_head."""
+    head = model.get_output_embeddings()
+    if head is None:
+        raise UserInputError(f"{type(model).__name__} has no output embeddings: set extract.write_target_argmax=false")
+    rows = max(1, ARGMAX_CHUNK_ELEMENTS // head.weight.shape[0])
+    # Logit scaling or soft-capping some models apply after the head is monotonic: same argmax.
+    parts = [head(last_hidden[i : i + rows]).argmax(-1) for i in range(0, last_hidden.shape[0], rows)]
+    if not parts:
+        return torch.zeros(0, dtype=torch.int32, device=last_hidden.device)
+    return torch.cat(parts).to(torch.int32)
+
+
+def _header(cfg: Config, model, tokenizer, aux_layers: list[int]) -> dict:
+    config = text_config(model.config)
+    architectures = getattr(model.config, "architectures", None) or [type(model).__name__]
+    return {
+        "target": {
+            "path": str(target_path(cfg.target)),
+            "architecture": architectures[0],
+            "num_layers": int(config.num_hidden_layers),
+            "hidden_size": int(config.hidden_size),
+            "vocab_size": int(config.vocab_size),
+        },
+        "aux_layer_ids": aux_layers,
+        "tokenizer": getattr(tokenizer, "name_or_path", "") if tokenizer is not None else "",
+        "chat_template": getattr(tokenizer, "chat_template", None) if tokenizer is not None else None,
+        "max_length": cfg.data.max_length,
+        "has_target_argmax": bool(cfg.extract.write_target_argmax),
+    }
+
+
+def _aux_layers(cfg: Config, num_layers: int) -> list[int]:
+    aux = [int(i) for i in cfg.extract.aux_layers] or default_aux_layers(num_layers)
+    bad = [i for i in aux if not 0 <= i < num_layers]
+    if bad or len(set(aux)) != len(aux):
+        raise UserInputError(
+            f"config key 'extract.aux_layers' = {cfg.extract.aux_layers}: ids must be distinct, in [0, {num_layers})"
+        )
+    return sorted(aux)
+
+
+def _is_finite(sample: dict[str, torch.Tensor]) -> bool:
+    return bool(torch.isfinite(sample["aux_hidden_states"]).all() and torch.isfinite(sample["last_hidden_state"]).all())
+
+
+def extract_chunk(model, capture, chunk: list[dict], cfg: Config, pad_id: int, device: torch.device,
+                  progress: tqdm | None = None) -> tuple[list[dict], list[int], list[int]]:
+    """(samples to write, their ids, skipped ids) for one chunk, samples in id order."""
+    lengths = [len(row["input_ids"]) for row in chunk]
+    results: list[dict | None] = [None] * len(chunk)
+    for positions in batch_by_tokens(lengths, cfg.extract.batch_tokens):
+        states = forward_batch(model, capture, [chunk[j]["input_ids"] for j in positions], pad_id, device,
+                               cfg.extract.write_target_argmax)
+        for j, state in zip(positions, states):
+            results[j] = state
+        if progress is not None:
+            progress.update(sum(lengths[j] for j in positions))
+    written, ids, skipped = [], [], []
+    for row, state in zip(chunk, results):
+        if not _is_finite(state):
+            skipped.append(int(row["id"]))
+            continue
+        state["input_ids"] = torch.tensor(row["input_ids"], dtype=torch.int32)
+        state["loss_mask"] = torch.tensor(row["loss_mask"], dtype=torch.uint8)
+        written.append(state)
+        ids.append(int(row["id"]))
+    return written, ids, skipped
+
+
+def extract_hf(cfg: Config) -> dict | None:
+    """Extract every sample of RUN/data/samples.jsonl into RUN/hidden/; rank 0 returns the manifest."""
+    start_s = time.perf_counter()
+    device = resolve_device(cfg.target.device)
+    rank, world, initialized_here = init_distributed(device)
+    if device.type == "cuda" and world > 1:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    try:
+        return _extract(cfg, device, rank, world, start_s)
+    finally:
+        if initialized_here:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _extract(cfg: Config, device: torch.device, rank: int, world: int, start_s: float) -> dict | None:
+    run_dir, hidden_dir = cfg.run, cfg.run / "hidden"
+    if rank == 0:
+        save_config(cfg, run_dir / "config.yaml")
+    samples = _load_samples(run_dir)
+    model, tokenizer = load_target(cfg.target, device=device)
+    num_layers = int(text_config(model.config).num_hidden_layers)
+    aux_layers = _aux_layers(cfg, num_layers)
+    pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+    writer = ShardWriter(hidden_dir, _header(cfg, model, tokenizer, aux_layers), cfg.extract.storage_dtype,
+                         group=rank if world > 1 else None)
+    size = cfg.extract.samples_per_shard
+    chunks = [samples[i : i + size] for i in range(0, len(samples), size)]
+    # Chunk c belongs to group c % world; resume skips chunks that some manifest already lists.
+    mine = [(c, chunk) for c, chunk in enumerate(chunks) if c % world == rank]
+    todo = [(c, chunk) for c, chunk in mine if not writer.is_complete(c, [row["id"] for row in chunk])]
+    if rank == 0:
+        log.info("%d samples in %d chunks; group %d/%d has %d chunks, %d already done; aux layers %s",
+                 len(samples), len(chunks), rank, world, len(mine), len(mine) - len(todo), aux_layers)
+    total_tokens = sum(len(row["input_ids"]) for _, chunk in todo for row in chunk)
+    skipped_here = 0
+    with HiddenStateCapture(decoder_layers(model), aux_layers, final_norm(model)) as capture, \
+            tqdm(total=total_tokens, unit="tok", unit_scale=True, desc="extract", disable=rank != 0) as progress:
+        for c, chunk in todo:
+            written, ids, skipped = extract_chunk(model, capture, chunk, cfg, pad_id, device, progress)
+            if skipped:
+                log.warning("chunk %d: skipped %d samples with NaN/Inf hidden states: %s", c, len(skipped), skipped)
+            skipped_here += len(skipped)
+            writer.write_shard(c, written, ids, skipped)
+    _barrier()
+    if rank != 0:
+        return None
+    manifest = merge_manifests(hidden_dir) if world > 1 else load_manifest(hidden_dir)
+    _report(manifest, hidden_dir, skipped_here, time.perf_counter() - start_s)
+    return manifest
+
+
+def _report(manifest: dict, hidden_dir: Path, skipped_here: int, wall_s: float) -> None:
+    shards = manifest["shards"]
+    samples = sum(e["samples"] for e in shards)
+    tokens = sum(e["tokens"] for e in shards)
+    total_bytes = sum(e["bytes"] for e in shards)
+    skipped = sum(len(e.get("skipped_ids", [])) for e in shards)
+    print(
+        f"extract: {len(shards)} shards in {hidden_dir}: {samples} samples, {tokens} tokens, "
+        f"{total_bytes / max(tokens, 1):.0f} bytes/token ({total_bytes / 2**20:.1f} MiB), "
+        f"{skipped} samples skipped for NaN/Inf ({skipped_here} this run), wall time {wall_s:.1f} s",
+        flush=True,
+    )
