@@ -123,6 +123,7 @@ class EvalConfig:
     ngram_max: int = 3
     ngram_min: int = 1
     draft_path: str = ""  # empty = RUN/draft
+    check_greedy: bool = False  # also decode plainly and check both drafters' outputs equal it
 
 
 @dataclass

