@@ -155,7 +155,11 @@ def _ttt_block_mask(seq_len: int, num_steps: int, device: str):
         pos = kv_idx % seq_len
         return ((step == 0) & (pos <= q_idx)) | ((step > 0) & (pos == q_idx))
 
-    return create_block_mask(mask_mod, None, None, seq_len, num_steps * seq_len, device=device)
+    # Compiled on CUDA: the eager call materializes the whole [T, K*T] boolean mask first
+    # (7.5 GB at T = 32768, 7 steps) before reducing it to blocks.
+    return create_block_mask(
+        mask_mod, None, None, seq_len, num_steps * seq_len, device=device, _compile=device.startswith("cuda")
+    )
 
 
 def ttt_attention_flex(q, keys, values, scale: float, compiled: bool = True) -> torch.Tensor:

@@ -68,13 +68,20 @@ def run_both(inputs, upstream, chunk, backend=BACKEND):
 
 
 def check_argmax(argmax, ref_logits, dtype):
-    """The chosen index holds the row maximum (exact in fp32; within bf16 logit rounding)."""
+    """The chosen index holds the row maximum (exact in fp32; within bf16 logit error).
+
+    bf16: our argmax runs over logits rounded to bf16 (half an ulp is up to 2^-8 relative, so two
+    roundings alone reach 2 * 2^-8 * |best|) and computed by a bf16 GEMM whose own error
+    (cuBLAS may reduce split-K partial sums in bf16) comes on top: 4 * 2^-8 * |best|. The H200
+    run of 2026-11-29 saw 0.0824 at |best| ~ 10.5 (2 * 2^-8 would allow 0.082) at Vd = 4093,
+    while the Triton row pass matched the torch row pass exactly on the same logits
+    (test_triton_rows_match_torch_rows_cuda): a tolerance, not a kernel bug."""
     chosen = ref_logits.gather(1, argmax[:, None])[:, 0]
     best = ref_logits.max(-1).values
     if dtype == torch.float32:
         assert torch.equal(argmax, ref_logits.argmax(-1)), "argmax differs from the reference"
     else:
-        slack = 2 * 2**-8 * best.abs() + 1e-3
+        slack = 4 * 2**-8 * best.abs() + 1e-3
         assert bool((best - chosen <= slack).all()), f"argmax off by {(best - chosen).max().item()}"
 
 
@@ -249,9 +256,33 @@ def test_triton_cuda_bf16(vocab):
     inputs = tuple(x.detach().requires_grad_(x.requires_grad) for x in inputs)
     (loss, argmax, gh, gw), (rloss, rlogits, rgh, rgw) = run_both(inputs, upstream=0.7, chunk=512, backend="triton")
     loss_tol, grad_tol = TOLERANCES[torch.bfloat16]
-    assert abs(loss.item() - rloss.item()) <= loss_tol * abs(rloss.item())
-    assert rel_err(gh, rgh) < grad_tol and rel_err(gw, rgw) < grad_tol, (rel_err(gh, rgh), rel_err(gw, rgw))
+    numbers = (f"Vd={vocab}: loss {loss.item()} vs {rloss.item()}, grad rel err hidden {rel_err(gh, rgh):.3g} "
+               f"head {rel_err(gw, rgw):.3g}, finite {bool(torch.isfinite(gh).all())}/{bool(torch.isfinite(gw).all())}")
+    assert abs(loss.item() - rloss.item()) <= loss_tol * abs(rloss.item()), numbers
+    assert rel_err(gh, rgh) < grad_tol and rel_err(gw, rgw) < grad_tol, numbers
     check_argmax(argmax, rlogits, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab", [32000, 4093, 4096, 1000])
+def test_triton_rows_match_torch_rows_cuda(vocab):
+    """The Triton row pass against the torch row pass on the SAME bf16 CUDA logits: isolates the
+    kernel (block masking at a Vd that is not a multiple of the block, odd row strides) from the
+    rounding of the matmuls."""
+    gen = torch.Generator().manual_seed(vocab)
+    rows = 777
+    z = (torch.randn(rows, vocab, generator=gen) * 3).bfloat16().cuda()
+    t = (torch.randn(rows, vocab, generator=gen) * 3).bfloat16().cuda()
+    lse = torch.logsumexp(t.float(), -1)
+    weight = torch.rand(rows, generator=gen).cuda()
+    weight[::5] = 0
+    z_torch, z_triton = z.clone(), z.clone()
+    loss_torch, arg_torch = soft_ce._rows_torch(z_torch, t, lse, weight)
+    loss_triton, arg_triton = soft_ce._rows_triton(z_triton, t, lse, weight)
+    torch.cuda.synchronize()
+    assert torch.allclose(loss_triton, loss_torch, rtol=1e-4, atol=1e-4), (loss_triton - loss_torch).abs().max().item()
+    assert rel_err(z_triton, z_torch) < 1e-2, rel_err(z_triton, z_torch)
+    assert torch.equal(arg_triton, arg_torch), int((arg_triton != arg_torch).sum())
 
 
 @pytest.mark.gpu
