@@ -19,7 +19,7 @@ PY := $(VENV)/bin/python
 ARGS := $(if $(CONFIG),--config $(CONFIG)) run_dir=$(RUN) $(OVERRIDES)
 STAMP := $(VENV)/.installed
 
-.PHONY: install data extract vocab train eval plan test test-fast bench-extract-cpu bench-extract bench-loss bench-train clean
+.PHONY: install data extract vocab train eval plan test test-fast bench-extract-cpu bench-extract bench-moe bench-loss bench-train clean
 
 install: $(STAMP)
 
@@ -53,6 +53,9 @@ test: $(STAMP)
 
 bench-extract-cpu: $(STAMP)
 	$(PY) benchmarks/bench_extract_cpu.py
+
+bench-moe: $(STAMP)
+	$(PY) benchmarks/bench_moe.py
 
 bench-extract: $(STAMP)
 	$(PY) benchmarks/bench_extract.py

@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
+from ...kernels import int4_moe
 from . import int4
 from .parallel import (
     AllReduce,
@@ -178,6 +181,49 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+# Query rows per attention call: bounds q's transposed copy and the output buffer of one call to
+# C x heads x 192 x 2 bytes (8192 x 64 heads: 192 MiB); keys always cover the whole prefix.
+ATTENTION_CHUNK_TOKENS = 8192
+
+
+def _flash_attn_func():
+    """flash_attn.flash_attn_func when the package is installed (CUDA only), else None."""
+    try:
+        from flash_attn import flash_attn_func
+    except ImportError:
+        return None
+    return flash_attn_func
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      chunk_tokens: int | None = None) -> torch.Tensor:
+    """Causal attention over a whole prompt: q, k [B, T, n, d_qk], v [B, T, n, d_v] -> [B, T, n, d_v].
+
+    Right padding only, so a causal mask is all a batch needs. Queries go in chunks of
+    `chunk_tokens` rows; chunk [s, e) attends to keys [0, e) with the causal diagonal at its
+    bottom right (torch's causal_lower_right, which SDPA maps to flash attention). On CUDA, v is
+    zero-padded to d_qk (MLA: 128 -> 192) because the flash kernels want one head dim; the padded
+    output columns are zeros and are cut off. flash_attn's own kernel is used when installed.
+    """
+    chunk = chunk_tokens or ATTENTION_CHUNK_TOKENS
+    T, d_v = q.shape[1], v.shape[-1]
+    if q.is_cuda and d_v < q.shape[-1]:
+        v = F.pad(v, (0, q.shape[-1] - d_v))
+    flash = _flash_attn_func() if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) else None
+    out = torch.empty(q.shape[:-1] + (d_v,), dtype=q.dtype, device=q.device)
+    for s in range(0, T, chunk):
+        e = min(T, s + chunk)
+        if flash is not None:  # [B, t, n, d] layout, bottom-right causal alignment
+            part = flash(q[:, s:e], k[:, :e], v[:, :e], softmax_scale=scale, causal=True)
+        else:
+            mask = {"is_causal": True} if s == 0 else {"attn_mask": causal_lower_right(e - s, e)}
+            part = F.scaled_dot_product_attention(
+                q[:, s:e].transpose(1, 2), k[:, :e].transpose(1, 2), v[:, :e].transpose(1, 2), scale=scale, **mask
+            ).transpose(1, 2)  # [B, n, t, d] -> [B, t, n, d]
+        out[:, s:e] = part[..., :d_v]
+    return out
+
+
 class MLA(nn.Module):
     """Multi-head latent attention, this rank's heads; o_proj all-reduces (one per block)."""
 
@@ -217,11 +263,8 @@ class MLA(nn.Module):
         k_nope, v = kv.split([a.qk_nope_head_dim, a.v_head_dim], -1)
         q = torch.cat([q_nope, apply_rope_interleaved(q_rope, cos, sin)], -1)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, n, -1)], -1)
-        # [B, n, T, d]; right padding only, so a causal mask is all a batch needs
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.scale
-        )
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, n * a.v_head_dim))
+        out = prefill_attention(q, k, v, self.scale)  # [B, T, n, v_head]
+        return self.o_proj(out.reshape(B, T, n * a.v_head_dim))
 
 
 class MLP(nn.Module):
@@ -281,6 +324,7 @@ class RoutedExperts(nn.Module):
             args.n_routed_experts, args.moe_intermediate_size, tp, layout, int4.GROUP_SIZE if quantized else 1
         )
         self.quantized, self.dtype = quantized, dtype
+        self.num_experts = args.n_routed_experts
         E, H, I = self.end - self.start, args.hidden_size, self.i1 - self.i0
         shapes = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
         for proj, (rows, cols) in shapes.items():
@@ -298,12 +342,34 @@ class RoutedExperts(nn.Module):
         return getattr(self, f"{proj}_weight")[local_expert]
 
 
+# Routed-expert implementation: "auto" = the Triton W4A16 kernel for INT4 experts on CUDA in bf16,
+# else the loop below; "triton", "grouped_mm" (dequantize all, torch._grouped_mm) or "loop" force one.
+MOE_BACKEND = os.environ.get("EAGLEFORGE_MOE_BACKEND", "auto")
+
+
 def routed_experts_forward(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: RoutedExperts) -> torch.Tensor:
     """x [N, H], router weights/ids [N, k] -> this rank's partial sum [N, H] (fp32 or wider).
 
-    The one place the expert matmuls happen: tokens are sorted by expert, each local expert's
-    weights are dequantized and applied to its tokens. A fused INT4 MoE kernel replaces this.
+    The one place the expert matmuls happen. INT4 experts on CUDA go through
+    eagleforge.kernels.int4_moe (tokens sorted by expert, fused dequantize + grouped GEMM);
+    elsewhere (CPU, float64 tests, bf16 experts) `routed_experts_loop`.
     """
+    backend = MOE_BACKEND
+    if backend == "auto":
+        fast = experts.quantized and x.is_cuda and x.dtype == torch.bfloat16 and int4_moe.HAS_TRITON
+        backend = "triton" if fast else "loop"
+    if backend == "loop" or not experts.quantized:
+        return routed_experts_loop(x, weights, ids, experts)
+    packs = [getattr(experts, f"{proj}_{part}") for proj in experts.PROJS for part in ("packed", "scale")]
+    if backend == "triton":
+        return int4_moe.int4_moe(x, weights, ids, *packs, expert_start=experts.start, num_experts=experts.num_experts)
+    if backend == "grouped_mm":
+        return int4_moe.int4_moe_grouped_mm(x, weights, ids, *packs, expert_start=experts.start).float()
+    raise ValueError(f"EAGLEFORGE_MOE_BACKEND = {backend!r}: expected auto, triton, grouped_mm or loop")
+
+
+def routed_experts_loop(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: RoutedExperts) -> torch.Tensor:
+    """The plain path: tokens sorted by expert, each local expert dequantized and applied in turn."""
     acc = torch.promote_types(x.dtype, torch.float32)  # bf16 experts accumulate in fp32
     out = torch.zeros(x.shape[0], x.shape[1], dtype=acc, device=x.device)
     flat_ids = ids.flatten()  # [N*k]

@@ -1,0 +1,74 @@
+"""A Kimi-K2.5-shaped model built in memory with random weights: benchmarks need no download.
+
+Real K2.5 dimensions (DESIGN section 9): hidden 7168, 64 heads with MLA (q_lora 1536, kv_lora
+512, qk 128 + 64 rope, v 128), YaRN factor 64, vocab 163840, 384 routed experts with 8 active,
+INT4 group-32 packed experts (random nibbles, scales giving weights of std ~0.02), one shared
+expert, dense layer 0 with intermediate 18432; only the layer count is cut (default 1 dense +
+3 MoE). Weights are drawn directly on the target device, so a 4-layer model (about 37 GB with the
+embedding and head) builds in seconds on a GPU.
+
+    model = build_bench_model(kimi_args(num_layers=4), device="cuda")
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .model import DeepseekV3ForExtraction, ModelArgs
+from .parallel import TensorParallel
+
+KIMI_K25_TEXT = dict(
+    vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+    num_hidden_layers=61, num_attention_heads=64, n_routed_experts=384, n_shared_experts=1,
+    num_experts_per_tok=8, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=1536,
+    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_group=1, topk_group=1,
+    routed_scaling_factor=2.827, norm_topk_prob=True, rms_norm_eps=1e-5, rope_theta=50000.0,
+    rope_scaling={"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
+                  "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+    max_position_embeddings=262144,
+)
+
+
+def kimi_args(num_layers: int = 4, **overrides) -> ModelArgs:
+    """Kimi-K2.5's text shape with `num_layers` layers (the first `first_k_dense_replace` dense)."""
+    return ModelArgs(**{**KIMI_K25_TEXT, "num_hidden_layers": num_layers, **overrides})
+
+
+def tiny_args(num_layers: int = 3) -> ModelArgs:
+    """The same structure at toy size (CPU checks of the benchmark scripts)."""
+    return kimi_args(num_layers, vocab_size=512, hidden_size=128, intermediate_size=192, moe_intermediate_size=64,
+                     num_attention_heads=4, n_routed_experts=16, num_experts_per_tok=4, kv_lora_rank=64,
+                     q_lora_rank=96, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
+
+
+@torch.no_grad()
+def randomize_(model: DeepseekV3ForExtraction, seed: int = 0, std: float = 0.02) -> DeepseekV3ForExtraction:
+    """Fill every weight in place: normal(0, std) for matrices, random nibbles for INT4 experts.
+
+    INT4 nibbles are uniform over [-8, 7] (std about 4.6), so scales of std / 4.6 give dequantized
+    weights of std ~`std`; norms stay 1 and the router's correction bias small, so routing is
+    close to uniform over experts (the load a balanced real router sees).
+    """
+    gen = torch.Generator(device=next(model.buffers()).device).manual_seed(seed)
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if name.endswith("inv_freq") or name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+            continue
+        if t.dtype == torch.int32:  # packed nibbles: all 32 bits random
+            t.copy_(torch.randint(-2**31, 2**31 - 1, t.shape, generator=gen, device=t.device, dtype=torch.int64).to(torch.int32))
+        elif name.endswith("_scale"):
+            t.copy_(torch.rand(t.shape, generator=gen, device=t.device).mul_(0.2).add_(0.9).mul_(std / 4.6))
+        elif name.endswith("e_score_correction_bias"):
+            t.copy_(torch.randn(t.shape, generator=gen, device=t.device) * 1e-3)
+        else:
+            t.copy_(torch.randn(t.shape, generator=gen, device=t.device, dtype=torch.float32).mul_(std))
+    return model
+
+
+def build_bench_model(args: ModelArgs, device: str | torch.device = "cuda", tp: TensorParallel | None = None,
+                      layout: str = "ep", dtype: torch.dtype = torch.bfloat16, quantized: bool = True,
+                      seed: int = 0) -> DeepseekV3ForExtraction:
+    """This rank's share of a random Kimi-shaped model on `device` (eval, no grad)."""
+    with torch.device(device):
+        model = DeepseekV3ForExtraction(args, tp or TensorParallel(), layout, dtype, quantized)
+    # every rank draws the same full-model numbers for replicated weights: same seed everywhere
+    return randomize_(model.eval().requires_grad_(False), seed)
