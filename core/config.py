@@ -51,7 +51,7 @@ class DataConfig:
     # local JSONL file (chat, ShareGPT, prompt or pre-tokenized rows) or a hub dataset name.
     source: str = "stdlib"
     split: str = "train"
-    num_prompts: int = 640
+    num_prompts: int = 320
     regenerate: bool = True  # have the target answer the prompts (greedy)
     max_new_tokens: int = 160
     gen_batch_size: int = 16

