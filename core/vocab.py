@@ -1,0 +1,281 @@
+"""Vocabulary stage: the draft vocabulary and the target's head rows for it.
+
+    python -m eagleforge.vocab [--config FILE] [section.key=value ...]
+
+Counts the target token ids over the loss-masked tokens of the training samples in
+RUN/hidden/ (the last train.holdout_samples samples are held out, as in training), keeps the
+top Vd = min(vocab.draft_vocab_size, V) ids by count (ties broken by the lower id; when fewer
+than Vd ids are seen, the lowest unseen ids fill the rest), sorted ascending, and writes
+
+    RUN/vocab/vocab_map.safetensors    d2t int64 [Vd] (target_id = i + d2t[i]), t2d bool [V], counts int64 [V]
+    RUN/vocab/target_head.safetensors  lm_head [Vd, H] (target head rows of the draft vocabulary),
+                                       embed_tokens [V, H] (the target input embedding: the draft's frozen one)
+
+The head and embedding are read by tensor name from the target's safetensors files (never the
+whole model). Both files carry the identity of the shards, holdout and Vd in their metadata;
+a second run with the same inputs returns at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from .config import Config, UserInputError, run_main, save_config
+
+log = logging.getLogger(__name__)
+
+VOCAB_MAP = "vocab_map.safetensors"
+TARGET_HEAD = "target_head.safetensors"
+
+# Tensor names of the head / input embedding in HF checkpoints, most specific first
+# (Kimi-K2.5 keeps its text weights under `language_model.`).
+HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight", "model.language_model.lm_head.weight")
+EMBED_NAMES = (
+    "model.embed_tokens.weight",
+    "language_model.model.embed_tokens.weight",
+    "model.language_model.embed_tokens.weight",
+    "embed_tokens.weight",
+    "transformer.wte.weight",
+)
+
+
+# ----------------------------------------------------------------------------- vocabulary logic
+
+
+def count_tokens(token_batches, vocab_size: int) -> torch.Tensor:
+    """Counts int64 [V] of the ids in an iterable of (input_ids [n], loss_mask [n]) pairs,
+    loss-masked tokens only."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for input_ids, loss_mask in token_batches:
+        ids = input_ids.to(torch.int64)[loss_mask.to(torch.bool)]
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+            raise UserInputError(f"token id {int(ids.max())} outside the target vocabulary of {vocab_size}")
+        counts += torch.bincount(ids, minlength=vocab_size)
+    return counts
+
+
+def select_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t int64 [Vd], t2d bool [V]) from counts [V]: the top Vd ids by count, ties by lower id,
+    unseen ids in ascending order after the seen ones (= padding with the lowest unused ids),
+    then sorted ascending. Vd = min(draft_vocab_size, V)."""
+    vocab_size = counts.shape[0]
+    if draft_vocab_size < 1:
+        raise ValueError(f"vocab.draft_vocab_size must be >= 1, got {draft_vocab_size}")
+    vd = min(draft_vocab_size, vocab_size)
+    # A stable sort on -count keeps equal counts in ascending id order.
+    order = torch.sort(-counts.to(torch.int64), stable=True).indices
+    draft_ids = torch.sort(order[:vd]).values  # [Vd] ascending target ids
+    d2t = draft_ids - torch.arange(vd, dtype=torch.int64)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[draft_ids] = True
+    return d2t, t2d
+
+
+def draft_to_target_ids(d2t: torch.Tensor) -> torch.Tensor:
+    """[Vd] target ids of the draft vocabulary (target_id = i + d2t[i])."""
+    return torch.arange(d2t.shape[0], dtype=torch.int64, device=d2t.device) + d2t
+
+
+def coverage(counts: torch.Tensor, t2d: torch.Tensor) -> float:
+    """Share of the counted (loss-masked) tokens whose id is in the draft vocabulary."""
+    total = int(counts.sum())
+    return float(counts[t2d].sum()) / total if total else 0.0
+
+
+# ----------------------------------------------------------------------------- target tensors
+
+
+def _tensor_index(target_dir: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file of an HF checkpoint directory."""
+    index = target_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+        return {name: target_dir / file for name, file in weight_map.items()}
+    names: dict[str, Path] = {}
+    for file in sorted(target_dir.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            names.update({name: file for name in f.keys()})
+    return names
+
+
+def _tied(target_dir: Path) -> bool:
+    config_file = target_dir / "config.json"
+    if not config_file.is_file():
+        return False
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    text = config.get("text_config") or {}
+    return bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
+
+
+def _read(index: dict[str, Path], name: str) -> torch.Tensor:
+    with safe_open(index[name], framework="pt") as f:
+        return f.get_tensor(name)
+
+
+def read_target_head(target_dir: str | os.PathLike, target_cfg=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lm_head [V, H], embed_tokens [V, H]) of the target, read by name from its safetensors
+    files; the head falls back to the embedding when the target ties them or has no head.
+    A target without safetensors files (a GGUF) is loaded on the CPU through `target_cfg`."""
+    target_dir = Path(target_dir)
+    index = _tensor_index(target_dir) if target_dir.is_dir() else {}
+    if not index:
+        if target_cfg is None:
+            raise FileNotFoundError(f"{target_dir}: no *.safetensors files to read the target head from")
+        return _head_from_model(target_cfg)
+    embed_name = next((n for n in EMBED_NAMES if n in index), None)
+    if embed_name is None:
+        embed_name = next((n for n in index if n.endswith("embed_tokens.weight") and "vision" not in n), None)
+    if embed_name is None:
+        raise UserInputError(f"{target_dir}: no input embedding among the safetensors tensors (looked for {list(EMBED_NAMES)})")
+    embed = _read(index, embed_name)
+    head_name = next((n for n in HEAD_NAMES if n in index), None)
+    if head_name is None or _tied(target_dir):
+        log.info("target %s: lm_head tied to %s", target_dir, embed_name)
+        return embed, embed
+    return _read(index, head_name), embed
+
+
+def _head_from_model(target_cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fallback for a target without safetensors files (e.g. a GGUF): load it on the CPU."""
+    from .target import load_target
+
+    log.info("target.path %s holds no safetensors files: loading the target on the CPU to read its head", target_cfg.path)
+    model, _ = load_target(target_cfg, torch.device("cpu"))
+    embed = model.get_input_embeddings().weight.detach()
+    head = model.get_output_embeddings().weight.detach()
+    return head, embed
+
+
+# ----------------------------------------------------------------------------- the stage
+
+
+def _identity(manifest_file: Path, cfg: Config) -> str:
+    """sha256 over what the outputs depend on: the shards (names, sizes, checksums), the
+    holdout, Vd and the target."""
+    manifest = json.loads(manifest_file.read_text(encoding="utf-8"))
+    key = {
+        "shards": manifest.get("shards"),
+        "target": manifest.get("target"),
+        "holdout_samples": cfg.train.holdout_samples,
+        "draft_vocab_size": cfg.vocab.draft_vocab_size,
+        "target_path": cfg.target.path,
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _up_to_date(files: list[Path], identity: str) -> bool:
+    for file in files:
+        if not file.is_file():
+            return False
+        with safe_open(file, framework="pt") as f:
+            if (f.metadata() or {}).get("identity") != identity:
+                return False
+    return True
+
+
+def _save_atomic(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def training_sample_count(num_samples: int, holdout_samples: int, source: str) -> int:
+    """Samples used for training: all but the last `holdout_samples`."""
+    if holdout_samples < 0 or holdout_samples >= num_samples:
+        raise UserInputError(
+            f"{source}: train.holdout_samples={holdout_samples} must be >= 0 and leave training samples out of {num_samples}"
+        )
+    return num_samples - holdout_samples
+
+
+def load_vocab_map(run_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """{"d2t", "t2d", "counts"} from RUN/vocab/vocab_map.safetensors."""
+    path = Path(run_dir) / "vocab" / VOCAB_MAP
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: run `python -m eagleforge.vocab` first")
+    with safe_open(path, framework="pt") as f:
+        return {name: f.get_tensor(name) for name in ("d2t", "t2d", "counts")}
+
+
+def load_target_head(run_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """{"lm_head" [Vd, H], "embed_tokens" [V, H]} from RUN/vocab/target_head.safetensors."""
+    path = Path(run_dir) / "vocab" / TARGET_HEAD
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: run `python -m eagleforge.vocab` first")
+    with safe_open(path, framework="pt") as f:
+        return {name: f.get_tensor(name) for name in ("lm_head", "embed_tokens")}
+
+
+def build_vocab(cfg: Config) -> dict:
+    """Compute and save the vocabulary files (or reuse them); returns a small summary dict."""
+    from .shards import ShardReader
+    from .target import target_path
+
+    hidden_dir = cfg.run / "hidden"
+    manifest_file = hidden_dir / "manifest.json"
+    if not manifest_file.is_file():
+        raise FileNotFoundError(f"{manifest_file} not found: run `python -m eagleforge.extract` first")
+    out_dir = cfg.run / "vocab"
+    map_file, head_file = out_dir / VOCAB_MAP, out_dir / TARGET_HEAD
+    identity = _identity(manifest_file, cfg)
+    if _up_to_date([map_file, head_file], identity):
+        vocab = load_vocab_map(cfg.run)
+        cov = coverage(vocab["counts"], vocab["t2d"])
+        log.info("%s is up to date with the shards (Vd=%d, coverage %.4f)", map_file, vocab["d2t"].shape[0], cov)
+        return {"draft_vocab_size": int(vocab["d2t"].shape[0]), "coverage": cov, "reused": True}
+
+    reader = ShardReader(hidden_dir)
+    vocab_size = int(reader.manifest["target"]["vocab_size"])
+    n_train = training_sample_count(len(reader), cfg.train.holdout_samples, str(manifest_file))
+    counts = count_tokens(_training_tokens(reader, n_train), vocab_size)
+    d2t, t2d = select_draft_vocab(counts, cfg.vocab.draft_vocab_size)
+    cov = coverage(counts, t2d)
+
+    head, embed = read_target_head(target_path(cfg.target), cfg.target)
+    if head.shape[0] < vocab_size or embed.shape[0] < vocab_size:
+        raise UserInputError(f"target head {tuple(head.shape)} / embedding {tuple(embed.shape)} smaller than the manifest's vocab_size {vocab_size}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"identity": identity, "format": "pt"}
+    _save_atomic({"d2t": d2t, "t2d": t2d, "counts": counts}, map_file, meta)
+    _save_atomic({"lm_head": head[draft_to_target_ids(d2t)], "embed_tokens": embed[:vocab_size]}, head_file, meta)
+    seen = int((counts > 0).sum())
+    log.info(
+        "draft vocabulary: Vd=%d of V=%d (%d ids seen in %d loss-masked tokens of %d samples), coverage %.4f -> %s",
+        d2t.shape[0], vocab_size, seen, int(counts.sum()), n_train, cov, out_dir,
+    )
+    return {"draft_vocab_size": int(d2t.shape[0]), "coverage": cov, "reused": False}
+
+
+def _training_tokens(reader, n_train: int):
+    """(input_ids, loss_mask) of the first `n_train` samples, one shard at a time; reads only
+    those two tensors (DESIGN section 4), never the hidden states."""
+    first = 0  # global index of the shard's first sample
+    for entry in tqdm(reader.shards, desc="counting tokens", unit="shard", mininterval=2):
+        if first >= n_train:
+            break
+        with safe_open(str(reader.hidden_dir / entry["file"]), framework="pt") as f:
+            offsets = f.get_tensor("sample_offsets")  # [S+1]
+            end = int(offsets[min(entry["samples"], n_train - first)])
+            yield f.get_slice("input_ids")[:end], f.get_slice("loss_mask")[:end]
+        first += entry["samples"]
+
+
+def main(cfg: Config) -> None:
+    save_config(cfg, cfg.run / "config.yaml")
+    summary = build_vocab(cfg)
+    print(f"draft vocabulary: {summary['draft_vocab_size']} tokens, coverage {summary['coverage']:.4f} of loss-masked tokens")
+
+
+if __name__ == "__main__":
+    run_main(main, "Count tokens over the shards and choose the EAGLE-3 draft vocabulary.")

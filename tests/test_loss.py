@@ -1,0 +1,162 @@
+"""The reference soft cross-entropy against the formula in float64, masking, and the TTT alignment."""
+
+import pytest
+import torch
+
+from eagleforge.train import loss as loss_mod
+from eagleforge.train.loss import get_loss_fn, soft_cross_entropy, teacher_logsumexp
+
+
+def _formula(draft_hidden, draft_head, teacher_hidden, teacher_head, weight):
+    """sum_n w_n * -sum_v softmax(teacher)_v * log_softmax(draft)_v, all in float64, explicit."""
+    z = draft_hidden.double() @ draft_head.double().T
+    u = teacher_hidden.double() @ teacher_head.double().T
+    p = torch.exp(u) / torch.exp(u).sum(-1, keepdim=True)
+    log_q = z - torch.log(torch.exp(z).sum(-1, keepdim=True))
+    return (weight.double() * -(p * log_q).sum(-1)).sum(), z.argmax(-1)
+
+
+def _inputs(n, h, vd, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    draft_hidden = (torch.randn(n, h, generator=g) * scale).requires_grad_()
+    draft_head = (torch.randn(vd, h, generator=g) / h**0.5).requires_grad_()
+    teacher_hidden = torch.randn(n, h, generator=g) * 2
+    teacher_head = torch.randn(vd, h, generator=g) / h**0.5
+    weight = torch.rand(n, generator=g) * (torch.rand(n, generator=g) > 0.3)
+    return draft_hidden, draft_head, teacher_hidden, teacher_head, weight
+
+
+@pytest.mark.parametrize("n,h,vd,chunk", [(37, 24, 211, 1024), (53, 16, 97, 8), (1, 8, 3, 1024)])
+def test_loss_and_grads_match_formula(n, h, vd, chunk, monkeypatch):
+    monkeypatch.setattr(loss_mod, "CHUNK_ROWS", chunk)  # exercise several chunks and a ragged last one
+    dh, dw, th, tw, w = _inputs(n, h, vd, seed=n * 7 + vd)
+    lse = teacher_logsumexp(th, tw)
+    assert lse.dtype == torch.float32 and lse.shape == (n,)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(th.double() @ tw.double().T, -1), rtol=1e-5, atol=1e-5)
+
+    loss, argmax = soft_cross_entropy(dh, dw, th, tw, lse, w)
+    upstream = torch.rand(()) + 0.5  # a non-unit upstream gradient
+    (loss * upstream).backward()
+    grads = dh.grad.clone(), dw.grad.clone()
+
+    dh64 = dh.detach().double().requires_grad_()
+    dw64 = dw.detach().double().requires_grad_()
+    ref, ref_argmax = _formula(dh64, dw64, th, tw, w)
+    (ref * upstream.double()).backward()
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(grads[0].double(), dh64.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(grads[1].double(), dw64.grad, rtol=1e-4, atol=1e-5)
+    assert torch.equal(argmax, ref_argmax)
+
+
+def test_masked_positions_contribute_nothing():
+    dh, dw, th, tw, _ = _inputs(29, 16, 61, seed=3)
+    w = torch.rand(29) + 0.1
+    masked = torch.tensor([0, 5, 6, 17, 28])
+    w[masked] = 0
+    lse = teacher_logsumexp(th, tw)
+    loss_a, _ = soft_cross_entropy(dh, dw, th, tw, lse, w)
+    loss_a.backward()
+    ga = dh.grad.clone(), dw.grad.clone()
+
+    # Change everything at the masked rows: draft input, teacher input, teacher lse.
+    dh2 = dh.detach().clone()
+    dh2[masked] = torch.randn(len(masked), 16) * 10
+    th2, lse2 = th.clone(), lse.clone()
+    th2[masked] = torch.randn(len(masked), 16) * 10
+    lse2[masked] = torch.randn(len(masked)) * 100
+    dh2.requires_grad_()
+    dw2 = dw.detach().clone().requires_grad_()
+    loss_b, _ = soft_cross_entropy(dh2, dw2, th2, tw, lse2, w)
+    loss_b.backward()
+    torch.testing.assert_close(loss_a, loss_b, rtol=1e-6, atol=1e-6)
+    assert torch.all(dh2.grad[masked] == 0)
+    keep = torch.ones(29, dtype=torch.bool)
+    keep[masked] = False
+    torch.testing.assert_close(ga[0][keep], dh2.grad[keep], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(ga[1], dw2.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_all_masked_and_no_grad_paths():
+    dh, dw, th, tw, _ = _inputs(11, 8, 13, seed=5)
+    lse = teacher_logsumexp(th, tw)
+    loss, _ = soft_cross_entropy(dh, dw, th, tw, lse, torch.zeros(11))
+    loss.backward()
+    assert loss.item() == 0 and torch.all(dh.grad == 0) and torch.all(dw.grad == 0)
+    w = torch.rand(11)
+    with torch.no_grad():
+        loss_ng, arg_ng = soft_cross_entropy(dh, dw, th, tw, lse, w)
+    ref, ref_arg = _formula(dh.detach(), dw.detach(), th, tw, w)
+    torch.testing.assert_close(loss_ng.double(), ref, rtol=2e-5, atol=2e-5)
+    assert torch.equal(arg_ng, ref_arg)
+
+
+def test_bf16_inputs_give_grads_in_their_dtype():
+    dh, dw, th, tw, w = _inputs(19, 16, 31, seed=9)
+    dh_bf = dh.detach().bfloat16().requires_grad_()
+    lse = teacher_logsumexp(th.bfloat16(), tw)
+    loss, _ = soft_cross_entropy(dh_bf, dw, th.bfloat16(), tw, lse, w)
+    loss.backward()
+    assert dh_bf.grad.dtype == torch.bfloat16 and dw.grad.dtype == torch.float32
+    ref, _ = _formula(dh_bf.detach().float(), dw.detach(), th.bfloat16().float(), tw, w)
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_get_loss_fn_selection():
+    assert get_loss_fn("reference", "cpu") is soft_cross_entropy
+    assert get_loss_fn("auto", "cpu") is soft_cross_entropy  # the fused kernel is CUDA-only
+    with pytest.raises(ValueError, match="train.loss"):
+        get_loss_fn("nope", "cpu")
+
+
+# ----------------------------------------------------------------------------- TTT alignment
+
+
+def test_ttt_alignment_hand_made():
+    """Step j, row t must be compared with the teacher at t+1+j and masked by loss_mask[t+2+j].
+
+    The draft's hidden at (j, t) is built to be the one-hot of a code c(t + 1 + j); the teacher
+    state at position s is a (very peaked) one-hot of c(s). With draft and teacher heads both the
+    identity, only the correctly aligned comparison gives ~zero loss and full accuracy; any
+    off-by-one gives a loss of ~log(Vd) per row.
+    """
+    from eagleforge.train.loop import ttt_loss, ttt_step_rows
+
+    torch.manual_seed(0)
+    b, t_len, vd, steps = 2, 9, 16, 3
+    code = torch.randperm(vd)[: t_len + 1]  # distinct codes per position
+    sharp = 60.0
+    eye = torch.eye(vd)
+    last_hidden = torch.stack([eye[code[:t_len]] * sharp] * b)  # [B, T, Vd]: teacher at s = code[s]
+    loss_mask = torch.zeros(b, t_len, dtype=torch.bool)
+    loss_mask[0, 3:] = True
+    loss_mask[1, 5:8] = True
+    # target_argmax[s] = the target id of the token the teacher at s predicts; with d2t = 0 it is code[s]
+    target_argmax = code[:t_len].repeat(b, 1)
+    t2d = torch.ones(vd, dtype=torch.bool)
+    d2t = torch.zeros(vd, dtype=torch.int64)
+
+    hiddens = []
+    for j in range(steps):
+        pos = (torch.arange(t_len) + 1 + j).clamp(max=t_len)  # teacher position of row t
+        hiddens.append(torch.stack([eye[code[pos]] * sharp] * b).requires_grad_())
+    teacher_lse = teacher_logsumexp(last_hidden.reshape(-1, vd), eye)
+    loss, stats = ttt_loss(hiddens, eye, last_hidden, eye, teacher_lse, loss_mask, target_argmax, t2d, d2t, 0.8, soft_cross_entropy)
+    assert loss.item() < 1e-6
+    for j in range(steps):
+        rows = ttt_step_rows(loss_mask, j)
+        # rows are exactly the (b, t) with loss_mask[b, t+2+j] set
+        expected = [bb * t_len + t for bb in range(b) for t in range(t_len - 2 - j) if loss_mask[bb, t + 2 + j]]
+        assert rows.tolist() == expected
+        assert stats.n_valid[j] == len(expected) and stats.n_correct[j] == len(expected)
+
+    # Shift the draft by one position (an off-by-one): every loss-bearing row is wrong.
+    shifted = [torch.roll(h.detach(), 1, dims=1) for h in hiddens]
+    loss_bad, stats_bad = ttt_loss(shifted, eye, last_hidden, eye, teacher_lse, loss_mask, target_argmax, t2d, d2t, 0.8, soft_cross_entropy)
+    assert loss_bad.item() > 10
+    assert sum(stats_bad.n_correct) == 0
+
+    # A mask one position off from t+2+j changes which rows count.
+    rows_if_t1j = [bb * t_len + t for bb in range(b) for t in range(t_len - 1) if loss_mask[bb, t + 1]]
+    assert ttt_step_rows(loss_mask, 0).tolist() != rows_if_t1j

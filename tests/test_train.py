@@ -1,0 +1,192 @@
+"""The TTT trainer on a tiny real pipeline: random Llama target -> shards -> vocab -> train -> export."""
+
+import csv
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+from eagleforge.train.batching import collate, make_batches
+from eagleforge.train.loop import lr_lambda, simulated_acceptance_length, target_argmax_from_hidden
+from test_vocab import build_tiny_run
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These models are tiny: one thread is faster than two, and much faster on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _configure(cfg, **train):
+    cfg.vocab.draft_vocab_size = 60
+    cfg.train.ttt_steps = 3
+    cfg.train.batch_tokens = 160
+    cfg.train.lr = 3e-3
+    cfg.train.warmup_ratio = 0.05
+    cfg.train.holdout_samples = 4
+    cfg.train.log_every = 1
+    cfg.train.verify_checksums = True
+    cfg.eval.k = 2
+    for key, value in train.items():
+        setattr(cfg.train, key, value)
+    return cfg
+
+
+def _log_rows(run):
+    with open(run / "train_log.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_batches_deterministic_bounded_and_complete():
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 90, (203,), generator=g).tolist()
+    ids = list(range(180))  # the rest held out
+    a = make_batches(lengths, ids, 256, seed=3, epoch=1)
+    assert a == make_batches(lengths, ids, 256, seed=3, epoch=1)
+    assert a != make_batches(lengths, ids, 256, seed=3, epoch=2)
+    assert sorted(i for b in a for i in b) == ids
+    assert all(max(lengths[i] for i in b) * len(b) <= 256 for b in a)
+    # a sample longer than the budget forms its own batch
+    lone = make_batches([5, 400, 7], [0, 1, 2], 64, seed=0, epoch=0)
+    assert [1] in lone and sorted(i for b in lone for i in b) == [0, 1, 2]
+
+
+def test_collate_pads_with_masked_zeros():
+    s = [
+        {"input_ids": torch.tensor([4, 5, 6], dtype=torch.int32), "loss_mask": torch.tensor([0, 1, 1], dtype=torch.uint8),
+         "aux_hidden_states": torch.randn(3, 6).bfloat16(), "last_hidden_state": torch.randn(3, 2).bfloat16(),
+         "target_argmax": torch.tensor([1, 2, 3], dtype=torch.int32)},
+        {"input_ids": torch.tensor([7], dtype=torch.int32), "loss_mask": torch.tensor([1], dtype=torch.uint8),
+         "aux_hidden_states": torch.randn(1, 6).bfloat16(), "last_hidden_state": torch.randn(1, 2).bfloat16(),
+         "target_argmax": torch.tensor([9], dtype=torch.int32)},
+    ]
+    b = collate(s)
+    assert b.input_ids.tolist() == [[4, 5, 6], [7, 0, 0]]
+    assert b.loss_mask.tolist() == [[False, True, True], [True, False, False]]
+    assert b.aux_hidden_states.dtype == torch.float32 and torch.all(b.aux_hidden_states[1, 1:] == 0)
+    assert b.lengths.tolist() == [3, 1] and b.num_tokens == 4
+
+
+def test_lr_schedule_and_acceptance_formula():
+    f = lr_lambda(100, 0.1, 0.1)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(10) == pytest.approx(1.0) and f(100) == pytest.approx(0.1)
+    assert f(55) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert simulated_acceptance_length([0.5, 0.5, 1.0], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.25)
+    assert simulated_acceptance_length([0.9, 0.8], 1) == pytest.approx(1.9)
+
+
+def test_target_argmax_fallback_matches_target(tmp_path, tiny_llama_config):
+    cfg, model, samples = build_tiny_run(tmp_path, tiny_llama_config, n_samples=3, with_argmax=True)
+    last = torch.stack([s["last_hidden_state"][:9] for s in samples])  # [3, 9, H] fp32, exact
+    got = target_argmax_from_hidden(last, model.lm_head.weight.detach())
+    want = torch.stack([s["target_argmax"][:9] for s in samples]).long()
+    assert torch.equal(got, want)
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """A run trained for 24 steps with checkpoints at 8, 16, 24, shared by the tests below. The
+    shards lack target_argmax, so the trainer's fallback (full target head) is exercised too."""
+    from transformers import LlamaConfig
+
+    from eagleforge.train.__main__ import main as train_main
+    from eagleforge.vocab import main as vocab_main
+
+    config = LlamaConfig(  # conftest's tiny_llama_config (a function-scoped fixture)
+        vocab_size=211, hidden_size=48, intermediate_size=80, num_hidden_layers=7,
+        num_attention_heads=3, num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, pad_token_id=0, eos_token_id=2, bos_token_id=1,
+    )
+    tmp = tmp_path_factory.mktemp("trained")
+    cfg, model, _ = build_tiny_run(tmp, config, n_samples=28, with_argmax=False)
+    _configure(cfg, max_steps=24, save_every=8, keep_last=5)
+    vocab_main(cfg)
+    train_main(cfg)
+    return cfg, model
+
+
+def test_loss_falls_and_export_loads(trained_run):
+    torch.manual_seed(0)
+    from eagleforge.draft import EXPORT_TENSOR_NAMES, load_draft
+    from eagleforge.vocab import load_target_head
+
+    cfg, model = trained_run
+    rows = _log_rows(cfg.run)
+    assert [int(r["step"]) for r in rows] == list(range(1, 25))
+    first = sum(float(r["loss"]) for r in rows[:4]) / 4
+    last = sum(float(r["loss"]) for r in rows[-4:]) / 4
+    assert last < 0.7 * first, (first, last)
+    for key in ("lr", "grad_norm", "tokens_per_s", "simulated_acceptance_length", "acc_2", "loss_0"):
+        assert key in rows[0]
+
+    summary = json.loads((cfg.run / "train_summary.json").read_text())
+    assert summary["steps"] == 24 and summary["heldout_samples"] == 4
+    assert len(summary["heldout"]["accuracy_per_step"]) == 3
+    acc = summary["heldout"]["accuracy_per_step"]
+    assert summary["simulated_acceptance_length"] == pytest.approx(1 + acc[0] + acc[0] * acc[1])
+    assert summary["simulated_acceptance_length_k"] == 2
+
+    from safetensors import safe_open
+
+    with safe_open(str(cfg.run / "draft" / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    assert names <= set(EXPORT_TENSOR_NAMES) and "embed_tokens.weight" not in names and "d2t" in names
+    embed = load_target_head(cfg.run)["embed_tokens"]
+    draft = load_draft(cfg.run / "draft", embed_tokens=embed)
+    assert draft.lm_head.weight.shape == (60, 48)
+    # the export holds the trained weights (bf16-rounded) of the final checkpoint
+    from safetensors.torch import load_file
+
+    ckpt = load_file(str(cfg.run / "checkpoints" / "step-000024" / "model.safetensors"))
+    torch.testing.assert_close(draft.fc.weight, ckpt["fc.weight"].bfloat16().float())
+    assert torch.equal(draft.d2t, ckpt["d2t"])
+
+
+def test_resume_gives_the_same_next_steps(trained_run, tmp_path):
+    from eagleforge.train.loop import train
+
+    cfg, _ = trained_run
+    ckpts = sorted(p.name for p in (cfg.run / "checkpoints").iterdir())
+    assert ckpts == ["step-000008", "step-000016", "step-000024"]
+    saved = json.loads((cfg.run / "checkpoints" / "step-000008" / "state.json").read_text())
+    assert saved["step"] == 8 and {"epoch", "batch_index", "scheduler"} <= set(saved)
+
+    # A copy of the run as if it had been killed after the checkpoint at step 8.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(cfg.run, resumed)
+    for name in ("step-000016", "step-000024"):
+        shutil.rmtree(resumed / "checkpoints" / name)
+    shutil.rmtree(resumed / "draft")
+    (resumed / "train_summary.json").unlink()
+    original = cfg.run_dir
+    cfg.run_dir = str(resumed)
+    try:
+        train(cfg)
+    finally:
+        cfg.run_dir = original
+    full, again = _log_rows(cfg.run), _log_rows(resumed)
+    assert [int(r["step"]) for r in again] == list(range(1, 25))
+    for a, b in zip(full[8:], again[8:]):
+        assert float(a["loss"]) == pytest.approx(float(b["loss"]), rel=1e-5, abs=1e-6), (a["step"], a["loss"], b["loss"])
+        assert float(a["lr"]) == pytest.approx(float(b["lr"]), rel=1e-9)
+    from safetensors.torch import load_file
+
+    wa = load_file(str(cfg.run / "checkpoints" / "step-000024" / "model.safetensors"))
+    wb = load_file(str(resumed / "checkpoints" / "step-000024" / "model.safetensors"))
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], rtol=1e-5, atol=1e-6)
+
+
+def test_train_errors_name_the_problem(tmp_path, tiny_llama_config):
+    from eagleforge.config import UserInputError
+    from eagleforge.train.loop import train
+
+    cfg, _, _ = build_tiny_run(tmp_path, tiny_llama_config, n_samples=5)
+    with pytest.raises(FileNotFoundError, match="vocab"):
+        train(cfg)

@@ -1,0 +1,490 @@
+"""The EAGLE-3 training loop with training-time test (TTT), held-out evaluation and export.
+
+Per optimizer step: `grad_accum` batches of whole samples (train/batching.py); per batch the
+draft runs `ttt_steps` chained steps (Eagle3Draft.forward_ttt) and each step's normed hidden
+states are scored against the target with the soft cross-entropy (train/loss.py).
+
+Alignment (ARCHITECTURE.md, forward_ttt): at TTT step j, row t of a sample predicts token
+t+2+j. Its teacher is the target's last hidden state at position t+1+j (whose next token is
+t+2+j), the target's greedy choice is target_argmax[t+1+j], and the loss mask is
+loss_mask[t+2+j] (0 past the end of the sample). The teacher's logsumexp over the draft
+vocabulary is computed once per batch for every position and indexed by each step.
+
+Normalization (the choice): step j's loss is the MEAN soft cross-entropy over its positions
+with loss_mask[t+2+j] = 1 whose target argmax lies in the draft vocabulary; the batch loss is
+sum_j step_weight_decay^j * loss_j. Each step has equal say whatever its number of positions
+(later steps have fewer), and the gradient scale does not depend on the batch size.
+Accuracy at step j counts every position with loss_mask[t+2+j] = 1, including those whose
+target token is outside the draft vocabulary (the draft can never propose those, so the
+simulated acceptance length stays honest).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from eagleforge.config import Config, UserInputError
+from eagleforge.target import resolve_device, target_path
+from eagleforge.vocab import coverage, load_target_head, load_vocab_map, read_target_head, training_sample_count
+
+from .batching import Batch, collate, make_batches
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .loss import get_loss_fn, teacher_logsumexp
+
+log = logging.getLogger(__name__)
+
+CSV_NAME = "train_log.csv"
+SUMMARY_NAME = "train_summary.json"
+
+
+# ----------------------------------------------------------------------------- TTT targets and loss
+
+
+def ttt_step_rows(loss_mask: torch.Tensor, step: int) -> torch.Tensor:
+    """Flat indices (b * T + t) [M] of the rows that carry a loss at TTT step `step`: those
+    with loss_mask[b, t + 2 + step] set. Their teacher rows are the returned indices + 1 + step
+    (same sample row, since t + 1 + step < T). step = -1 gives the teacher positions s (those
+    with loss_mask[s + 1] set)."""
+    batch, length = loss_mask.shape
+    shift = 2 + step
+    valid = torch.zeros_like(loss_mask, dtype=torch.bool)
+    if shift < length:
+        valid[:, : length - shift] = loss_mask[:, shift:].to(torch.bool)
+    return valid.reshape(-1).nonzero().squeeze(1)
+
+
+@dataclass
+class TTTStats:
+    """Sums per TTT step, merged over batches: soft-CE sum and count (in-vocabulary rows),
+    correct and valid counts (all loss-masked rows)."""
+
+    steps: int
+    ce_sum: list = field(default_factory=list)
+    n_loss: list = field(default_factory=list)
+    n_correct: list = field(default_factory=list)
+    n_valid: list = field(default_factory=list)
+    tokens: int = 0
+
+    def __post_init__(self):
+        for name in ("ce_sum", "n_loss", "n_correct", "n_valid"):
+            if not getattr(self, name):
+                setattr(self, name, [0.0 if name == "ce_sum" else 0] * self.steps)
+
+    def merge(self, other: "TTTStats") -> None:
+        for name in ("ce_sum", "n_loss", "n_correct", "n_valid"):
+            setattr(self, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name))])
+        self.tokens += other.tokens
+
+    def loss_per_step(self) -> list[float]:
+        return [c / n if n else 0.0 for c, n in zip(self.ce_sum, self.n_loss)]
+
+    def accuracy_per_step(self) -> list[float]:
+        return [c / n if n else 0.0 for c, n in zip(self.n_correct, self.n_valid)]
+
+    def loss(self, step_weight_decay: float) -> float:
+        return sum(step_weight_decay**j * l for j, l in enumerate(self.loss_per_step()))
+
+    def acceptance_length(self, k: int | None = None) -> float:
+        return simulated_acceptance_length(self.accuracy_per_step(), k or self.steps)
+
+
+def simulated_acceptance_length(accuracy_per_step: list[float], k: int) -> float:
+    """1 + sum_{j<k} prod_{i<=j} acc_i (DESIGN section 5; same definition as measured in eval)."""
+    total, prod = 1.0, 1.0
+    for acc in accuracy_per_step[:k]:
+        prod *= acc
+        total += prod
+    return total
+
+
+def ttt_loss(
+    normed_hiddens: list[torch.Tensor],
+    draft_head: torch.Tensor,
+    last_hidden: torch.Tensor,
+    teacher_head: torch.Tensor,
+    teacher_lse: torch.Tensor,
+    loss_mask: torch.Tensor,
+    target_argmax: torch.Tensor,
+    t2d: torch.Tensor,
+    d2t: torch.Tensor,
+    step_weight_decay: float,
+    loss_fn: Callable,
+) -> tuple[torch.Tensor, TTTStats]:
+    """(sum_j decay^j * mean soft-CE of step j, per-step stats) for one batch.
+
+    normed_hiddens: ttt_steps x [B, T, H] (forward_ttt); draft_head [Vd, H]; last_hidden
+    [B, T, Ht]; teacher_head [Vd, Ht]; teacher_lse [B*T]; loss_mask [B, T]; target_argmax
+    [B, T] target ids; t2d [V] bool; d2t [Vd] int64.
+    """
+    batch, length, h_target = last_hidden.shape
+    teacher_flat = last_hidden.reshape(-1, h_target)  # [B*T, Ht]
+    argmax_flat = target_argmax.reshape(-1)
+    stats = TTTStats(len(normed_hiddens))
+    total = torch.zeros((), dtype=torch.float32, device=last_hidden.device)
+    for j, hidden in enumerate(normed_hiddens):
+        rows = ttt_step_rows(loss_mask, j)  # [M] flat rows predicting token t+2+j
+        if rows.numel() == 0:
+            continue
+        teacher_rows = rows + 1 + j
+        target_ids = argmax_flat[teacher_rows]  # target's greedy token t+2+j
+        in_vocab = t2d[target_ids]
+        n_in = int(in_vocab.sum())
+        weight = in_vocab.float() / max(n_in, 1)
+        draft_hidden = hidden.reshape(-1, hidden.shape[-1])[rows]  # [M, H]
+        ce_mean, draft_argmax = loss_fn(draft_hidden, draft_head, teacher_flat[teacher_rows], teacher_head, teacher_lse[teacher_rows], weight)
+        total = total + step_weight_decay**j * ce_mean
+        correct = (draft_argmax + d2t[draft_argmax]) == target_ids
+        stats.ce_sum[j] += float(ce_mean.detach()) * n_in
+        stats.n_loss[j] += n_in
+        stats.n_correct[j] += int(correct.sum())
+        stats.n_valid[j] += int(rows.numel())
+    return total, stats
+
+
+def batch_teacher_lse(last_hidden: torch.Tensor, loss_mask: torch.Tensor, teacher_head: torch.Tensor) -> torch.Tensor:
+    """teacher_lse [B*T] for one batch, computed once for all TTT steps. Position s is a teacher
+    (of step j for row s-1-j) only when loss_mask[s+1] is set, so only those rows are computed;
+    the others stay 0 and are never read."""
+    h_target = last_hidden.shape[-1]
+    flat = last_hidden.reshape(-1, h_target)
+    teachers = ttt_step_rows(loss_mask, -1)  # shift 1: rows s with loss_mask[s+1]
+    lse = torch.zeros(flat.shape[0], dtype=torch.float32, device=flat.device)
+    lse[teachers] = teacher_logsumexp(flat[teachers], teacher_head)
+    return lse
+
+
+@torch.no_grad()
+def target_argmax_from_hidden(last_hidden: torch.Tensor, full_head: torch.Tensor, chunk_rows: int = 1024) -> torch.Tensor:
+    """The target's full-vocabulary greedy token [B, T] from last_hidden [B, T, Ht] and its
+    whole head [V, Ht]: the fallback when the shards carry no target_argmax."""
+    flat = last_hidden.reshape(-1, last_hidden.shape[-1])
+    head = full_head.to(flat.device, torch.float32)
+    out = torch.empty(flat.shape[0], dtype=torch.int64, device=flat.device)
+    for start in range(0, flat.shape[0], chunk_rows):
+        out[start : start + chunk_rows] = (flat[start : start + chunk_rows].float() @ head.T).argmax(-1)
+    return out.reshape(last_hidden.shape[:-1])
+
+
+# ----------------------------------------------------------------------------- schedule and model
+
+
+def lr_lambda(total_steps: int, warmup_ratio: float, min_lr_ratio: float) -> Callable[[int], float]:
+    """Multiplier of the peak lr after `step` optimizer steps: linear warmup over
+    round(warmup_ratio * total) steps (at least 1 when the ratio > 0), cosine down to min_lr_ratio."""
+    warmup = max(1, round(warmup_ratio * total_steps)) if warmup_ratio > 0 else 0
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def target_hf_config(cfg: Config, manifest: dict):
+    """The target's HF config: stored in the manifest when the extractor put it there, else
+    read from the target directory (AutoConfig)."""
+    stored = manifest.get("target", {}).get("config")
+    if isinstance(stored, dict):
+        return stored
+    from transformers import AutoConfig
+
+    path = target_path(cfg.target)
+    kwargs = {"gguf_file": cfg.target.gguf_file} if cfg.target.gguf_file else {}
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=cfg.target.trust_remote_code, **kwargs)
+    except (OSError, ValueError) as err:
+        raise UserInputError(f"target.path {path}: cannot read the target's config ({str(err).splitlines()[0]})") from None
+
+
+def build_draft(cfg: Config, manifest: dict, vocab: dict, head: dict) -> torch.nn.Module:
+    """Eagle3Draft sized from the target config (+ cfg.draft overrides), with the frozen target
+    embedding and d2t/t2d. lm_head keeps its random init: in a short SmolLM2 trial, starting it
+    from the target's head rows gave a ~1.5x higher initial loss, grad norms ~50x larger (so
+    clipping dominated) and no accuracy gain."""
+    from eagleforge.draft import Eagle3Config, Eagle3Draft
+
+    overrides = {f.name: getattr(cfg.draft, f.name) for f in fields(cfg.draft)}
+    draft_config = Eagle3Config.from_target_config(
+        target_hf_config(cfg, manifest), int(vocab["d2t"].shape[0]), manifest["aux_layer_ids"], **overrides
+    )
+    draft = Eagle3Draft(draft_config)
+    try:
+        draft.set_embed_tokens(head["embed_tokens"])
+        draft.set_vocab_map(vocab["d2t"], vocab["t2d"])
+    except ValueError as err:
+        raise UserInputError(f"{cfg.run / 'vocab'}: {err} (target changed since the vocab stage? rerun it)") from None
+    draft.embed_tokens.weight.requires_grad_(False)
+    return draft
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+
+class Trainer:
+    """State of one training run; `run()` trains, evaluates on the held-out samples and exports."""
+
+    def __init__(self, cfg: Config):
+        from eagleforge.shards import ShardReader
+
+        self.cfg = cfg
+        tc = cfg.train
+        self.device = resolve_device(tc.device)
+        torch.manual_seed(tc.seed)
+        self.reader = ShardReader(cfg.run / "hidden", verify_checksums=tc.verify_checksums)
+        manifest = self.reader.manifest
+        self.vocab = load_vocab_map(cfg.run)
+        head = load_target_head(cfg.run)
+        self.draft = build_draft(cfg, manifest, self.vocab, head).to(self.device)
+        self.teacher_head = head["lm_head"].to(self.device, torch.float32)  # [Vd, Ht]
+        self.full_head = None
+        if not manifest.get("has_target_argmax", False):
+            log.info("the shards have no target_argmax: computing it from last_hidden_state and the full target head")
+            full, _ = read_target_head(target_path(cfg.target), cfg.target)
+            self.full_head = full.to(self.device, torch.float32)
+        n_samples = len(self.reader)
+        n_train = training_sample_count(n_samples, tc.holdout_samples, str(cfg.run / "hidden" / "manifest.json"))
+        self.train_ids = list(range(n_train))
+        self.heldout_ids = list(range(n_train, n_samples))
+        self.lengths = self.reader.sample_lengths()
+        self.loss_fn = get_loss_fn(tc.loss, self.device)
+        self._epoch_cache: dict[int, list[list[int]]] = {}
+        self.total_steps = self._total_steps()
+        params = [p for p in self.draft.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.total_steps, tc.warmup_ratio, tc.min_lr_ratio))
+        self.step, self.epoch, self.batch_index = 0, 0, 0
+        self.train_tokens = 0
+        self.train_seconds, self.session_tokens = 0.0, 0  # this process only (not restored on resume)
+        log.info(
+            "draft: %s parameters trainable, Vd=%d, coverage %.4f; %d training / %d held-out samples; %d optimizer steps",
+            f"{sum(p.numel() for p in params):,}", self.vocab["d2t"].shape[0],
+            coverage(self.vocab["counts"], self.vocab["t2d"]), n_train, len(self.heldout_ids), self.total_steps,
+        )
+
+    # -- data
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        if epoch not in self._epoch_cache:
+            self._epoch_cache = {epoch: make_batches(self.lengths, self.train_ids, self.cfg.train.batch_tokens, self.cfg.train.seed, epoch)}
+        return self._epoch_cache[epoch]
+
+    def _total_steps(self) -> int:
+        tc = self.cfg.train
+        if tc.max_steps > 0:
+            return tc.max_steps
+        if tc.epochs < 1:
+            raise UserInputError(f"train.epochs={tc.epochs} and train.max_steps={tc.max_steps}: one must be >= 1")
+        accum = max(1, tc.grad_accum)
+        return sum(math.ceil(len(self.epoch_batches(e)) / accum) for e in range(tc.epochs))
+
+    def _load(self, ids: list[int]) -> Batch:
+        return collate([self.reader[i] for i in ids], self.device)
+
+    # -- one batch
+
+    def batch_loss(self, batch: Batch) -> tuple[torch.Tensor, TTTStats]:
+        tc = self.cfg.train
+        target_argmax = batch.target_argmax
+        if target_argmax is None:
+            target_argmax = target_argmax_from_hidden(batch.last_hidden_state, self.full_head)
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
+        with autocast:
+            hiddens = self.draft.forward_ttt(batch.aux_hidden_states, batch.input_ids, tc.ttt_steps, attention=tc.attention)
+        lse = batch_teacher_lse(batch.last_hidden_state, batch.loss_mask, self.teacher_head)
+        loss, stats = ttt_loss(
+            hiddens, self.draft.lm_head.weight, batch.last_hidden_state, self.teacher_head, lse, batch.loss_mask,
+            target_argmax, self.draft.t2d, self.draft.d2t, tc.step_weight_decay, self.loss_fn,
+        )
+        stats.tokens = batch.num_tokens
+        return loss, stats
+
+    def train_step(self) -> tuple[TTTStats, float]:
+        """One optimizer step over `grad_accum` batches; returns (stats, grad norm)."""
+        tc = self.cfg.train
+        start = time.perf_counter()
+        self.draft.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        stats = TTTStats(tc.ttt_steps)
+        micro = self._next_batches(max(1, tc.grad_accum))
+        for ids in micro:
+            loss, batch_stats = self.batch_loss(self._load(ids))
+            (loss / len(micro)).backward()
+            stats.merge(batch_stats)
+        params = [p for p in self.draft.parameters() if p.requires_grad]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        self.train_tokens += stats.tokens
+        self.train_seconds += time.perf_counter() - start
+        self.session_tokens += stats.tokens
+        return stats, float(grad_norm)
+
+    def _next_batches(self, count: int) -> list[list[int]]:
+        """The next `count` batches of the epoch (fewer at its end); moves to the next epoch
+        when the current one is exhausted."""
+        if self.batch_index >= len(self.epoch_batches(self.epoch)):
+            self.epoch, self.batch_index = self.epoch + 1, 0
+        batches = self.epoch_batches(self.epoch)[self.batch_index : self.batch_index + count]
+        self.batch_index += len(batches)
+        return batches
+
+    @torch.no_grad()
+    def evaluate(self, ids: list[int]) -> TTTStats:
+        """TTT loss and accuracies over the samples `ids` (the held-out ones), no gradient."""
+        self.draft.eval()
+        stats = TTTStats(self.cfg.train.ttt_steps)
+        for batch_ids in make_batches(self.lengths, ids, self.cfg.train.batch_tokens, self.cfg.train.seed, 0):
+            stats.merge(self.batch_loss(self._load(batch_ids))[1])
+        return stats
+
+    # -- state
+
+    def data_state(self) -> dict:
+        return {"epoch": self.epoch, "batch_index": self.batch_index, "train_tokens": self.train_tokens}
+
+    def save(self) -> Path:
+        return save_checkpoint(self.cfg, self.step, self.draft, self.optimizer, self.scheduler, self.data_state())
+
+    def maybe_resume(self) -> None:
+        if not self.cfg.train.resume:
+            return
+        path = latest_checkpoint(self.cfg.run)
+        if path is None:
+            return
+        state = load_checkpoint(path, self.draft, self.optimizer, self.scheduler)
+        self.step, self.epoch, self.batch_index = int(state["step"]), int(state["epoch"]), int(state["batch_index"])
+        self.train_tokens = int(state.get("train_tokens", 0))
+        log.info("resumed from %s: step %d, epoch %d, batch %d", path, self.step, self.epoch, self.batch_index)
+
+    # -- the run
+
+    def run(self) -> dict:
+        from tqdm import tqdm
+
+        tc = self.cfg.train
+        self.maybe_resume()
+        logger = MetricLogger(self.cfg.run, tc.ttt_steps, resumed_step=self.step)
+        window = TTTStats(tc.ttt_steps)
+        window_start, grad_norm = time.perf_counter(), 0.0
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", mininterval=5, disable=None)
+        while self.step < self.total_steps:
+            stats, grad_norm = self.train_step()
+            window.merge(stats)
+            bar.update(1)
+            if self.step % tc.log_every == 0 or self.step == self.total_steps:
+                elapsed = time.perf_counter() - window_start
+                logger.log(self.step, self.epoch, window, tc.step_weight_decay, self.scheduler.get_last_lr()[0], grad_norm, window.tokens / max(elapsed, 1e-9))
+                window, window_start = TTTStats(tc.ttt_steps), time.perf_counter()
+            if tc.save_every > 0 and self.step % tc.save_every == 0 and self.step < self.total_steps:
+                self.save()
+        bar.close()
+        latest = latest_checkpoint(self.cfg.run)
+        if latest is None or latest.name != f"step-{self.step:06d}":
+            self.save()
+        logger.close()
+        return self.finish()
+
+    def finish(self) -> dict:
+        """Evaluate on the held-out samples, write RUN/train_summary.json, export RUN/draft."""
+        from eagleforge.draft import save_draft
+
+        tc = self.cfg.train
+        summary = {
+            "steps": self.step, "epochs": self.epoch + (1 if self.batch_index else 0), "ttt_steps": tc.ttt_steps,
+            "train_samples": len(self.train_ids), "heldout_samples": len(self.heldout_ids), "train_tokens": self.train_tokens,
+            "train_tokens_per_s": self.session_tokens / self.train_seconds if self.train_seconds else None,
+            "draft_vocab_size": int(self.vocab["d2t"].shape[0]),
+            "vocab_coverage": coverage(self.vocab["counts"], self.vocab["t2d"]),
+        }
+        k = min(self.cfg.eval.k, tc.ttt_steps)
+        if self.heldout_ids:
+            stats = self.evaluate(self.heldout_ids)
+            summary["heldout"] = {
+                "tokens": stats.tokens,
+                "loss": stats.loss(tc.step_weight_decay),
+                "loss_per_step": stats.loss_per_step(),
+                "accuracy_per_step": stats.accuracy_per_step(),
+                "simulated_acceptance_length_by_k": {str(i): stats.acceptance_length(i) for i in range(1, tc.ttt_steps + 1)},
+            }
+            summary["simulated_acceptance_length"] = stats.acceptance_length(k)
+            summary["simulated_acceptance_length_k"] = k
+            log.info(
+                "held-out: loss %.4f, accuracy per step %s, simulated acceptance length %.3f at k=%d",
+                summary["heldout"]["loss"], " ".join(f"{a:.3f}" for a in stats.accuracy_per_step()), summary["simulated_acceptance_length"], k,
+            )
+        else:
+            log.warning("train.holdout_samples=0: no held-out evaluation, simulated_acceptance_length is null")
+            summary["simulated_acceptance_length"] = None
+        _write_json_atomic(self.cfg.run / SUMMARY_NAME, summary)
+        save_draft(self.draft, self.cfg.run / "draft")
+        return summary
+
+
+class MetricLogger:
+    """One log line per window, the same numbers as rows of RUN/train_log.csv (and tensorboard
+    when installed). On resume, rows past the resumed step are dropped (they will be redone)."""
+
+    def __init__(self, run_dir: Path, ttt_steps: int, resumed_step: int = 0):
+        self.path = Path(run_dir) / CSV_NAME
+        self.columns = ["step", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "simulated_acceptance_length"]
+        self.columns += [f"acc_{j}" for j in range(ttt_steps)] + [f"loss_{j}" for j in range(ttt_steps)]
+        rows = []
+        if resumed_step and self.path.is_file():
+            with open(self.path, newline="", encoding="utf-8") as f:
+                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= resumed_step]
+        with open(self.path, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=self.columns)
+            writer.writeheader()
+            writer.writerows(rows)
+        self.tensorboard = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+        except ImportError:
+            pass
+
+    def log(self, step: int, epoch: int, stats: TTTStats, decay: float, lr: float, grad_norm: float, tokens_per_s: float) -> None:
+        acc = stats.accuracy_per_step()
+        row = {
+            "step": step, "epoch": epoch, "loss": stats.loss(decay), "lr": lr, "grad_norm": grad_norm,
+            "tokens_per_s": tokens_per_s, "simulated_acceptance_length": stats.acceptance_length(),
+            **{f"acc_{j}": a for j, a in enumerate(acc)}, **{f"loss_{j}": l for j, l in enumerate(stats.loss_per_step())},
+        }
+        log.info(
+            "step %d | loss %.4f | acc %s | accept %.3f | lr %.2e | grad %.3f | %.0f tok/s",
+            step, row["loss"], " ".join(f"{a:.3f}" for a in acc), row["simulated_acceptance_length"], lr, grad_norm, tokens_per_s,
+        )
+        with open(self.path, "a", newline="", encoding="utf-8") as f:
+            csv.DictWriter(f, fieldnames=self.columns).writerow(row)
+        if self.tensorboard is not None:
+            for key, value in row.items():
+                if key != "step":
+                    self.tensorboard.add_scalar(f"train/{key}", value, step)
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def _write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
+    tmp.replace(path)
+
+
+def train(cfg: Config) -> dict:
+    """Train (resuming when RUN holds a checkpoint), evaluate held-out, export; the summary dict."""
+    return Trainer(cfg).run()
