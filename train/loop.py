@@ -150,6 +150,56 @@ def ttt_loss(
     return total, stats
 
 
+def ttt_loss_shared(
+    normed_hiddens: list[torch.Tensor],
+    draft_head: torch.Tensor,
+    last_hidden: torch.Tensor,
+    teacher_head: torch.Tensor,
+    loss_mask: torch.Tensor,
+    target_argmax: torch.Tensor,
+    t2d: torch.Tensor,
+    d2t: torch.Tensor,
+    step_weight_decay: float,
+    compute_dtype: torch.dtype,
+    chunk_tokens: int | None = None,
+) -> tuple[torch.Tensor, TTTStats]:
+    """The same loss and stats as `ttt_loss`, through the TTT form of the fused kernel: the
+    teacher logits are computed once per position for all steps (3 + 1/K matmuls per step
+    instead of 4) and the matmuls run in `compute_dtype` (bf16 on GPUs and on CPUs with
+    bf16 units). Shapes as in `ttt_loss`."""
+    from eagleforge.kernels import fused_soft_cross_entropy_ttt
+
+    steps = len(normed_hiddens)
+    batch, length, h_target = last_hidden.shape
+    n_rows = batch * length
+    argmax_flat = target_argmax.reshape(-1)
+    weight = torch.zeros(steps, n_rows, dtype=torch.float32, device=last_hidden.device)
+    valid_rows, in_vocab_counts = [], []
+    for j in range(steps):
+        rows = ttt_step_rows(loss_mask, j)  # rows predicting token t+2+j; teacher row = rows+1+j
+        in_vocab = t2d[argmax_flat[rows + 1 + j]]
+        n_in = int(in_vocab.sum())
+        weight[j, rows] = in_vocab.float() * (step_weight_decay**j / max(n_in, 1))
+        valid_rows.append(rows)
+        in_vocab_counts.append(n_in)
+    hiddens = [h.reshape(n_rows, -1).to(compute_dtype) for h in normed_hiddens]
+    loss, step_losses, draft_argmax = fused_soft_cross_entropy_ttt(
+        hiddens, draft_head.to(compute_dtype), last_hidden.reshape(n_rows, h_target).to(compute_dtype),
+        teacher_head.to(compute_dtype), weight, teacher_shift=1, chunk_tokens=chunk_tokens,
+    )
+    stats = TTTStats(steps)
+    for j, rows in enumerate(valid_rows):
+        if rows.numel() == 0:
+            continue
+        chosen = draft_argmax[j, rows]
+        correct = (chosen + d2t[chosen]) == argmax_flat[rows + 1 + j]
+        stats.ce_sum[j] += float(step_losses[j]) / step_weight_decay**j * in_vocab_counts[j]
+        stats.n_loss[j] += in_vocab_counts[j]
+        stats.n_correct[j] += int(correct.sum())
+        stats.n_valid[j] += int(rows.numel())
+    return loss, stats
+
+
 def batch_teacher_lse(last_hidden: torch.Tensor, loss_mask: torch.Tensor, teacher_head: torch.Tensor) -> torch.Tensor:
     """teacher_lse [B*T] for one batch, computed once for all TTT steps. Position s is a teacher
     (of step j for row s-1-j) only when loss_mask[s+1] is set, so only those rows are computed;
@@ -298,9 +348,16 @@ class Trainer:
         target_argmax = batch.target_argmax
         if target_argmax is None:
             target_argmax = target_argmax_from_hidden(batch.last_hidden_state, self.full_head)
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
-        with autocast:
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=tc.bf16):
             hiddens = self.draft.forward_ttt(batch.aux_hidden_states, batch.input_ids, tc.ttt_steps, attention=tc.attention)
+        if tc.loss != "reference":  # the TTT form: teacher shared over steps
+            loss, stats = ttt_loss_shared(
+                hiddens, self.draft.lm_head.weight, batch.last_hidden_state, self.teacher_head, batch.loss_mask,
+                target_argmax, self.draft.t2d, self.draft.d2t, tc.step_weight_decay,
+                torch.bfloat16 if tc.bf16 else torch.float32, tc.loss_chunk_tokens or None,
+            )
+            stats.tokens = batch.num_tokens
+            return loss, stats
         lse = batch_teacher_lse(batch.last_hidden_state, batch.loss_mask, self.teacher_head)
         loss, stats = ttt_loss(
             hiddens, self.draft.lm_head.weight, batch.last_hidden_state, self.teacher_head, lse, batch.loss_mask,
