@@ -35,7 +35,7 @@ class TargetConfig:
     path: str = ""
     gguf_file: str = ""
     backend: str = "hf"  # "hf" (any transformers causal LM) or "native" (DeepSeek-V3 / Kimi-K2.5)
-    dtype: str = "float32"  # compute dtype of the target forward: float32 | bfloat16 | float16
+    dtype: str = "bfloat16"  # compute dtype of the target forward: float32 | bfloat16 | float16
     device: str = "auto"  # auto = cuda when available, else cpu
     trust_remote_code: bool = False
     # native backend only: tensor-parallel group size and routed-expert layout ("ep" or "tp").
@@ -51,7 +51,7 @@ class DataConfig:
     # local JSONL file (chat, ShareGPT, prompt or pre-tokenized rows) or a hub dataset name.
     source: str = "stdlib"
     split: str = "train"
-    num_prompts: int = 320
+    num_prompts: int = 400
     regenerate: bool = True  # have the target answer the prompts (greedy)
     max_new_tokens: int = 160
     gen_batch_size: int = 16
@@ -75,7 +75,7 @@ class ExtractConfig:
 
 @dataclass
 class VocabConfig:
-    draft_vocab_size: int = 32000  # capped at the target vocabulary
+    draft_vocab_size: int = 4096  # capped at the target vocabulary; 32000 for real targets (DESIGN 5)
 
 
 @dataclass
@@ -90,11 +90,11 @@ class DraftConfig:
 
 @dataclass
 class TrainConfig:
-    epochs: int = 3
+    epochs: int = 4
     max_steps: int = 0  # 0 = as many as the epochs take
-    batch_tokens: int = 4096  # tokens per optimizer step (packed samples)
+    batch_tokens: int = 2048  # padded tokens per batch (whole samples, one per row)
     grad_accum: int = 1
-    lr: float = 3e-4
+    lr: float = 1e-3
     min_lr_ratio: float = 0.1
     warmup_ratio: float = 0.015
     weight_decay: float = 0.0

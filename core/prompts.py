@@ -23,6 +23,7 @@ import inspect
 import json
 import logging
 import random
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -57,6 +58,9 @@ TEMPLATES = {
     "example": "Write a short, complete Python program that uses `{name}`, with comments explaining each step.\n\nDocumentation of `{name}`:\n{doc}",
     "function": "Write a Python function that solves a small practical problem using `{name}`. Include a docstring and a usage example.\n\nHere is its documentation:\n{doc}",
     "summarize": "Summarize the documentation of `{name}` in a few bullet points for a beginner, then give one example.\n\n{doc}",
+    # Code completion in the shape of a stub with its docstring (the form of HumanEval-style
+    # prompts, built from the standard library's own signatures and docstrings).
+    "implement": "Complete the following Python function.\n\n{stub}",
     "compare": "Compare `{name}` with `{other}` from the same module: when would you use each? Show a code example of both.\n\n`{name}`:\n{doc}\n\n`{other}`:\n{other_doc}",
 }
 
@@ -77,6 +81,7 @@ class DocItem:
     kind: str  # function | class | method
     module: str
     doc: str  # cleaned, at most MAX_DOC_CHARS
+    signature: str = "(*args, **kwargs)"  # inspect.signature, when the object has one
 
 
 @dataclass(frozen=True)
@@ -154,7 +159,22 @@ def _item(name: str, kind: str, module: str, obj) -> list[DocItem]:
     if not isinstance(doc, str):
         return []
     doc = _clean_doc(doc)
-    return [DocItem(name, kind, module, doc)] if doc else []
+    if not doc:
+        return []
+    try:
+        signature = str(inspect.signature(obj))
+    except (TypeError, ValueError):  # builtins without text signatures
+        signature = "(*args, **kwargs)"
+    if "<" in signature:  # a default's repr ("<function copy2 at 0x7f..>") differs per process
+        signature = re.sub(r"<([^<>]*?) at 0x[0-9a-f]+>", r"<\1>", signature)
+    return [DocItem(name, kind, module, doc, signature)]
+
+
+def _stub(item: DocItem) -> str:
+    """`def name(signature):` and the docstring, indented: a function to complete."""
+    body = "\n".join(("    " + line).rstrip() for line in item.doc.splitlines())
+    return f'def {item.name.rsplit(".", 1)[-1]}{item.signature}:\n    """{body.lstrip()}\n    """\n'
+
 
 
 @lru_cache(maxsize=1)
@@ -201,7 +221,7 @@ def stdlib_items() -> tuple[DocItem, ...]:
 
 
 def _render(item: DocItem, template: str, other: DocItem | None) -> str:
-    fields = {"name": item.name, "kind": item.kind, "doc": item.doc}
+    fields = {"name": item.name, "kind": item.kind, "doc": item.doc, "stub": _stub(item)}
     if template == "compare":
         # two docstrings: half the budget each, so compare prompts are no longer than others
         fields.update(doc=_shorten(item.doc, MAX_DOC_CHARS // 2), other=other.name, other_doc=_shorten(other.doc, MAX_DOC_CHARS // 2))

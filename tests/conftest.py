@@ -24,7 +24,7 @@ def smollm2():
     from eagleforge.config import TargetConfig
     from eagleforge.target import load_target
 
-    return load_target(TargetConfig(device="cpu"))
+    return load_target(TargetConfig(device="cpu", dtype="float32"))
 
 
 @pytest.fixture

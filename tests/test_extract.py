@@ -120,7 +120,7 @@ def tiny_run(tmp_path_factory):
                      "loss_mask": torch.randint(0, 2, (n,), generator=gen).tolist()})
     data = root / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    overrides = [f"target.path={target}", "target.device=cpu", "extract.samples_per_shard=4",
+    overrides = [f"target.path={target}", "target.device=cpu", "target.dtype=float32", "extract.samples_per_shard=4",
                  "extract.batch_tokens=64", "extract.storage_dtype=float32", "extract.aux_layers=[4, 0, 2]"]
     ref = _make_run(root / "ref", data)
     _run_in_process(ref, overrides)

@@ -381,5 +381,5 @@ def format_table(results: dict) -> str:
 
 
 def main(cfg: Config) -> dict:
-    torch.set_grad_enabled(False)
-    return evaluate(cfg)
+    with torch.no_grad():  # scoped: main() is also called in-process (tests)
+        return evaluate(cfg)
