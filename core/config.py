@@ -51,13 +51,16 @@ class DataConfig:
     # local JSONL file (chat, ShareGPT, prompt or pre-tokenized rows) or a hub dataset name.
     source: str = "stdlib"
     split: str = "train"
-    num_prompts: int = 400
+    num_prompts: int = 700
     regenerate: bool = True  # have the target answer the prompts (greedy)
     max_new_tokens: int = 160
     gen_batch_size: int = 16
     max_length: int = 2048
     overlong: str = "truncate"  # truncate | drop
     system_prompt: str = ""
+    # stdlib source: share of prompts shaped as a function to complete (HumanEval's shape,
+    # built from standard-library signatures and docstrings); the rest mix five other asks.
+    code_share: float = 0.5
     strict: bool = False  # malformed input rows are an error instead of skipped and counted
     seed: int = 0
 
@@ -90,7 +93,7 @@ class DraftConfig:
 
 @dataclass
 class TrainConfig:
-    epochs: int = 4
+    epochs: int = 3
     max_steps: int = 0  # 0 = as many as the epochs take
     batch_tokens: int = 2048  # padded tokens per batch (whole samples, one per row)
     grad_accum: int = 1

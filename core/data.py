@@ -290,11 +290,11 @@ def _load_hub(name: str, split: str, checker: _RowChecker) -> list[Record]:
     return records
 
 
-def _stdlib_records(num_prompts: int, seed: int, stats: Stats) -> list[Record]:
+def _stdlib_records(num_prompts: int, seed: int, stats: Stats, code_share: float = 0.0) -> list[Record]:
     from .prompts import build_prompts
 
     try:
-        prompts = build_prompts(num_prompts, seed)
+        prompts = build_prompts(num_prompts, seed, code_share)
     except ValueError as err:
         raise UserInputError(str(err)) from None
     stats.formats["prompt"] = len(prompts)
@@ -306,7 +306,7 @@ def load_records(cfg: Config, data_dir: Path, vocab_size: int | None, stats: Sta
     source, data = cfg.data.source, cfg.data
     stats.source = source
     if source == "stdlib":
-        return _stdlib_records(data.num_prompts, data.seed, stats)
+        return _stdlib_records(data.num_prompts, data.seed, stats, data.code_share)
     path = Path(source)
     checker = _RowChecker(f"data.source {path}", data.regenerate, data.strict, vocab_size, stats)
     if path.is_file():

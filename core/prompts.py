@@ -228,8 +228,12 @@ def _render(item: DocItem, template: str, other: DocItem | None) -> str:
     return TEMPLATES[template].format(**fields)
 
 
-def build_prompts(num_prompts: int, seed: int = 0) -> list[StdlibPrompt]:
+def build_prompts(num_prompts: int, seed: int = 0, code_share: float = 0.0) -> list[StdlibPrompt]:
     """`num_prompts` distinct prompts in a seeded order: every object once before any repeats.
+
+    code_share: the share of objects whose first prompt is the "implement" (function to
+    complete) template, the rest drawing their first template uniformly; 0 keeps the uniform
+    draw (and exactly the prompts of earlier versions).
 
     Round r gives each object (in a seeded shuffle) the template after the one it got in
     round r - 1, so a repeat always asks something new. Raises ValueError when even all
@@ -247,6 +251,9 @@ def build_prompts(num_prompts: int, seed: int = 0) -> list[StdlibPrompt]:
     order = list(range(len(items)))
     rng.shuffle(order)
     first_template = [rng.randrange(len(names)) for _ in items]
+    if code_share > 0:  # a separate stream, so code_share=0 leaves the draw above unchanged
+        share_rng = random.Random(seed + 1)
+        first_template = [names.index("implement") if share_rng.random() < code_share else t for t in first_template]
     by_module: dict[str, list[int]] = {}
     for index, item in enumerate(items):
         by_module.setdefault(item.module, []).append(index)
