@@ -107,30 +107,29 @@ def load_target(cfg: TargetConfig, device: torch.device | None = None):
     return model, load_tokenizer(cfg)
 
 
-def decoder_layers(model) -> torch.nn.ModuleList:
-    """The decoder layer list of a transformers causal LM (model.model.layers for Llama-likes)."""
-    for path in ("model.layers", "model.language_model.layers", "language_model.model.layers", "transformer.h"):
+def _find_module(model, paths: tuple[str, ...], kind: type, what: str) -> torch.nn.Module:
+    """The first attribute path of `paths` that leads to a module of type `kind`."""
+    for path in paths:
         obj = model
         for name in path.split("."):
             obj = getattr(obj, name, None)
             if obj is None:
                 break
-        if isinstance(obj, torch.nn.ModuleList):
+        if isinstance(obj, kind):
             return obj
-    raise UserInputError(f"cannot find the decoder layers of {type(model).__name__}")
+    raise UserInputError(f"cannot find the {what} of {type(model).__name__} (looked at {', '.join(paths)})")
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The decoder layer list of a transformers causal LM (model.model.layers for Llama-likes)."""
+    paths = ("model.layers", "model.language_model.layers", "language_model.model.layers", "transformer.h")
+    return _find_module(model, paths, torch.nn.ModuleList, "decoder layers")
 
 
 def final_norm(model) -> torch.nn.Module:
     """The final norm applied after the last decoder layer (its output = last_hidden_state)."""
-    for path in ("model.norm", "model.language_model.norm", "language_model.model.norm", "transformer.ln_f"):
-        obj = model
-        for name in path.split("."):
-            obj = getattr(obj, name, None)
-            if obj is None:
-                break
-        if isinstance(obj, torch.nn.Module):
-            return obj
-    raise UserInputError(f"cannot find the final norm of {type(model).__name__}")
+    paths = ("model.norm", "model.language_model.norm", "language_model.model.norm", "transformer.ln_f")
+    return _find_module(model, paths, torch.nn.Module, "final norm")
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
