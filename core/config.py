@@ -155,7 +155,10 @@ def _coerce(value: Any, annotation: Any, key: str, source: str) -> Any:
     """Check (and for command-line strings, parse) `value` against the field's type."""
     typ = _TYPES[annotation] if isinstance(annotation, str) else annotation
     if isinstance(value, str) and typ is not str and source == "command line":
-        value = yaml.safe_load(value)  # "3" -> 3, "true" -> True, "[1, 2]" -> [1, 2]
+        try:
+            value = yaml.safe_load(value)  # "3" -> 3, "true" -> True, "[1, 2]" -> [1, 2]
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{source}: key '{key}': {value!r} is not a YAML value ({str(err).splitlines()[0]})") from None
     if typ is float and isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
         try:
             value = float(value)
@@ -206,6 +209,8 @@ def load_config(config_file: str | os.PathLike | None = None, overrides: list[st
             raise ConfigError(f"config file not found: {path}")
         try:
             data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
         except yaml.YAMLError as err:
             raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
         if not isinstance(data, dict):

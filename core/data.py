@@ -124,12 +124,21 @@ def _messages_from(turns, key: str) -> list[dict]:
             role, content, roles = turn["from"], turn.get("value"), SHAREGPT_ROLES
         else:
             raise _Malformed(f"'{key}'[{index}] has neither 'role' nor 'from'")
-        if role not in roles:
+        if not isinstance(role, str) or role not in roles:  # a list/dict role is unhashable
             raise _Malformed(f"'{key}'[{index}] has unknown role {role!r} (known: {sorted(roles)})")
         if not isinstance(content, str):
             raise _Malformed(f"'{key}'[{index}] content is {type(content).__name__}, expected a string")
+        _check_utf8(content, f"'{key}'[{index}] content")
         messages.append({"role": roles[role], "content": content})
     return messages
+
+
+def _check_utf8(text: str, what: str) -> None:
+    """JSON escapes can spell a lone surrogate ("\\ud800"), which no UTF-8 file or tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise _Malformed(f"{what} holds {text[err.start]!r}, a lone surrogate (not encodable as UTF-8)") from None
 
 
 def _token_list(value, key: str, limit: int | None) -> list[int]:
@@ -171,6 +180,7 @@ def normalize_row(row, regenerate: bool, vocab_size: int | None = None) -> tuple
             raise _Malformed("missing keys: expected 'conversations', 'messages', 'prompt' or 'input_ids'")
         if not isinstance(row["prompt"], str) or not row["prompt"].strip():
             raise _Malformed("'prompt' must be a non-empty string")
+        _check_utf8(row["prompt"], "'prompt'")
         if not regenerate:
             raise _NeedsRegeneration("a prompt row needs data.regenerate=true (the target writes the answer)")
         return "prompt", {"messages": [{"role": "user", "content": row["prompt"]}]}
@@ -234,7 +244,7 @@ def _read_local(path: Path, checker: _RowChecker) -> list[tuple[int, dict]]:
     if path.suffix == ".json" and raw.lstrip()[:1] == b"[":
         try:
             rows = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
             raise UserInputError(f"data.source {path}: not a valid JSON array ({err})") from None
         return [(i + 1, f) for i, row in enumerate(rows) if (f := checker.check(row, i + 1))]
     valid = []
@@ -248,6 +258,9 @@ def _read_local(path: Path, checker: _RowChecker) -> list[tuple[int, dict]]:
             continue
         except json.JSONDecodeError as err:
             checker.malformed(line_no, f"bad JSON ({err.msg} at column {err.colno})")
+            continue
+        except RecursionError:  # e.g. 100k nested "[": json's recursive decoder gives up
+            checker.malformed(line_no, "JSON nested too deeply")
             continue
         fields = checker.check(row, line_no)
         if fields:

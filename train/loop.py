@@ -268,6 +268,12 @@ def build_draft(cfg: Config, manifest: dict, vocab: dict, head: dict) -> torch.n
     draft_config = Eagle3Config.from_target_config(
         target_hf_config(cfg, manifest), int(vocab["d2t"].shape[0]), manifest["aux_layer_ids"], **overrides
     )
+    shard_hidden = manifest.get("target", {}).get("hidden_size")
+    if shard_hidden is not None and int(shard_hidden) != draft_config.target_hidden_size:
+        raise UserInputError(
+            f"{cfg.run / 'hidden'}: the shards hold hidden_size {shard_hidden} but the target "
+            f"({cfg.target.path or 'embedded default'}) has {draft_config.target_hidden_size}; extract again for this target"
+        )
     draft = Eagle3Draft(draft_config)
     try:
         draft.set_embed_tokens(head["embed_tokens"])
