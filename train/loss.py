@@ -13,11 +13,10 @@ Gradient (teacher side is a constant):
     dloss/dz_n = weight_n * (softmax(z_n) * sum_v p_nv - p_n)
     dloss/ddraft_hidden = G @ W_d,  dloss/dW_d = G.T @ draft_hidden   with G = dloss/dz  [N, Vd]
 
-The reference here is plain torch in fp32, chunked over positions so the [N, Vd] logits exist
-only one chunk at a time: the autograd.Function computes the gradient during the forward (the
-softmax is at hand there) and the backward only scales it by the upstream gradient, the same
-structure as Liger-Kernel's fused linear losses. `eagleforge.kernels.fused_soft_cross_entropy`
-has the same signature; `get_loss_fn` picks one (cfg.train.loss).
+The reference here is plain torch in fp32 with autograd: it holds the [N, Vd] logits. The
+chunked, gradient-in-forward versions live in `eagleforge.kernels` (torch path on the CPU,
+Triton on GPUs) with the same signature; `get_loss_fn` picks one (cfg.train.loss), and the
+trainer's default is the kernels' shared-teacher TTT form.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# Rows per chunk: [CHUNK, Vd] fp32 is 128 MiB at Vd = 32000, 640 MiB at Kimi's 163840.
+# Rows per chunk of teacher_logsumexp: [CHUNK, Vd] fp32 is 128 MiB at Vd = 32000.
 CHUNK_ROWS = 1024
 
 LossFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -63,63 +62,22 @@ def soft_cross_entropy(
     weight: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum_n weight_n * CE_n as a scalar fp32, draft argmax [N] int64). Gradients flow to
-    draft_hidden [N, H] and draft_head [Vd, H] only."""
+    draft_hidden [N, H] and draft_head [Vd, H] only (plain autograd: this is the reference)."""
     _check_inputs(draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight)
-    if torch.is_grad_enabled() and (draft_hidden.requires_grad or draft_head.requires_grad):
-        return _SoftCrossEntropy.apply(draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight)
-    loss, argmax, _, _ = _chunked(draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight, False)
-    return loss, argmax  # evaluation: no gradient work
-
-
-class _SoftCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight):
-        loss, argmax, grad_hidden, grad_head = _chunked(draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight, True)
-        ctx.save_for_backward(grad_hidden, grad_head)
-        ctx.input_dtypes = (draft_hidden.dtype, draft_head.dtype)
-        ctx.mark_non_differentiable(argmax)
-        return loss, argmax
-
-    @staticmethod
-    def backward(ctx, grad_loss, grad_argmax):
-        grad_hidden, grad_head = ctx.saved_tensors
-        out_hidden = (grad_hidden * grad_loss).to(ctx.input_dtypes[0]) if ctx.needs_input_grad[0] else None
-        out_head = (grad_head * grad_loss).to(ctx.input_dtypes[1]) if ctx.needs_input_grad[1] else None
-        return out_hidden, out_head, None, None, None, None
-
-
-def _chunked(draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight, need_grad: bool):
-    """(loss, argmax, grad_hidden [N, H] | None, grad_head [Vd, H] | None), fp32, CHUNK_ROWS rows at a time."""
-    n_rows = draft_hidden.shape[0]
-    device = draft_hidden.device
-    d_head = draft_head.detach().float()  # [Vd, H]
-    t_head = teacher_head.detach().float()
-    lse_t = teacher_lse.detach().float()
-    w = weight.detach().float()
-    grad_hidden = torch.zeros(draft_hidden.shape, dtype=torch.float32, device=device) if need_grad else None
-    grad_head = torch.zeros(d_head.shape, dtype=torch.float32, device=device) if need_grad else None
-    argmax = torch.empty(n_rows, dtype=torch.int64, device=device)
-    loss = torch.zeros((), dtype=torch.float32, device=device)
-    for start in range(0, n_rows, CHUNK_ROWS):
-        sl = slice(start, start + CHUNK_ROWS)
-        h = draft_hidden[sl].detach().float()  # [c, H]
-        z = h @ d_head.T  # draft logits [c, Vd]
-        # p = exp(u - lse_t), in place on the teacher logits u [c, Vd]
-        p = (teacher_hidden[sl].detach().float() @ t_head.T).sub_(lse_t[sl, None]).exp_()
-        p_sum = p.sum(-1)  # [c], 1 up to rounding; kept so the gradient is exactly that of the formula
-        lse_z = torch.logsumexp(z, dim=-1)  # [c]
-        ce = lse_z * p_sum - torch.linalg.vecdot(p, z)  # [c]
-        # Rows of weight 0 contribute exactly nothing, even when their inputs are garbage (inf * 0).
-        keep = w[sl] != 0
-        loss += torch.where(keep, w[sl] * ce, 0.0).sum()
-        argmax[sl] = z.argmax(-1)
-        if need_grad:
-            # dloss/dz = w * (softmax(z) * p_sum - p), built in place in z's storage
-            g = z.sub_(lse_z[:, None]).exp_().mul_(p_sum[:, None]).sub_(p).mul_(w[sl, None])
-            g.masked_fill_(~keep[:, None], 0.0)
-            grad_hidden[sl] = g @ d_head
-            grad_head.addmm_(g.T, h)
-    return loss, argmax, grad_hidden, grad_head
+    keep = weight != 0  # [N]
+    # Rows of weight 0 contribute exactly nothing, even when their inputs are garbage (inf * 0):
+    # they enter the differentiable path as zeros.
+    hidden = torch.where(keep[:, None], draft_hidden, 0).float()  # [N, H]
+    teacher = torch.where(keep[:, None], teacher_hidden.detach(), 0).float()
+    lse_t = torch.where(keep, teacher_lse.detach(), 0).float()  # [N]
+    z = hidden @ draft_head.float().T  # draft logits [N, Vd]
+    p = torch.exp(teacher @ teacher_head.detach().float().T - lse_t[:, None])  # target distribution
+    ce = torch.logsumexp(z, dim=-1) * p.sum(-1) - (p * z).sum(-1)  # [N]
+    loss = (weight.detach().float() * ce).sum()
+    argmax = z.detach().argmax(-1)
+    if not bool(keep.all()):  # the accuracy still counts masked rows: their argmax from real inputs
+        argmax[~keep] = (draft_hidden[~keep].detach().float() @ draft_head.detach().float().T).argmax(-1)
+    return loss, argmax
 
 
 def _check_2d(t: torch.Tensor, name: str) -> None:
