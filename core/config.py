@@ -70,7 +70,11 @@ class ExtractConfig:
     # Project convention (DESIGN section 4): 0-indexed decoder layers whose OUTPUT is captured.
     # Empty = [1, L//2 - 1, L - 4].
     aux_layers: list = field(default_factory=list)
-    storage_dtype: str = "bfloat16"  # bfloat16 | float16 | float32
+    # bfloat16 | float16 | float32 | float8_e4m3fn (fp8 with a per-token, per-layer fp32 scale:
+    # half the bytes of bf16; the reader returns bf16)
+    storage_dtype: str = "bfloat16"
+    # device->host copies and shard writes on a writer thread while the next batches run
+    overlap_writes: bool = True
     samples_per_shard: int = 64
     batch_tokens: int = 8192  # padded tokens per target forward
     write_target_argmax: bool = True
@@ -104,12 +108,18 @@ class TrainConfig:
     grad_clip: float = 0.5
     ttt_steps: int = 7
     step_weight_decay: float = 0.8
-    attention: str = "auto"  # auto | reference | fast | sdpa | flex
+    attention: str = "auto"  # auto | reference | fast | sdpa | flex | merged
     loss: str = "auto"  # auto | reference | fused
     # bf16 autocast for the draft and the loss matmuls (fp32 master weights), on GPUs and on
     # CPUs with bf16 units (4x the fp32 matmul rate on the AVX512-BF16 CI machines).
     bf16: bool = True
     loss_chunk_tokens: int = 0  # rows per chunk in the fused loss; 0 = automatic
+    loss_packed: bool = False  # the fused loss runs all TTT steps' rows of a teacher chunk in one matmul
+    # Activation checkpointing per TTT step: none | step (recompute the whole step) | selective
+    # (keep the large matmul outputs and flash attention's, recompute elementwise work) |
+    # selective_all (keep every matmul output).
+    activation_checkpoint: str = "none"
+    compile: bool = False  # torch.compile the elementwise work between the draft's matmuls
     holdout_samples: int = 32  # the last samples of the shards, never trained on
     log_every: int = 10
     save_every: int = 200
@@ -117,6 +127,9 @@ class TrainConfig:
     resume: bool = True
     seed: int = 0
     verify_checksums: bool = True
+    skip_corrupt_shards: bool = False  # leave out (and count) shards failing the size/sha256 check
+    # Under torchrun: auto = FSDP2 when WORLD_SIZE > 1, else none | fsdp | ddp.
+    parallel: str = "auto"
     device: str = "auto"
 
 
@@ -232,8 +245,10 @@ _CHOICES = {
     "target.expert_layout": ("ep", "tp"),
     "data.overlong": ("truncate", "drop"),
     "extract.storage_dtype": ("bfloat16", "float16", "float32", "float8_e4m3fn"),
-    "train.attention": ("auto", "reference", "fast", "sdpa", "flex"),
+    "train.attention": ("auto", "reference", "fast", "sdpa", "flex", "merged"),
     "train.loss": ("auto", "reference", "fused"),
+    "train.parallel": ("auto", "none", "fsdp", "ddp"),
+    "train.activation_checkpoint": ("none", "step", "selective", "selective_all"),
 }
 
 

@@ -141,9 +141,9 @@ def test_loss_falls_and_export_loads(trained_run):
     draft = load_draft(cfg.run / "draft", embed_tokens=embed)
     assert draft.lm_head.weight.shape == (60, 48)
     # the export holds the trained weights (bf16-rounded) of the final checkpoint
-    from safetensors.torch import load_file
+    from eagleforge.train.checkpoint import load_model_weights
 
-    ckpt = load_file(str(cfg.run / "checkpoints" / "step-000024" / "model.safetensors"))
+    ckpt = load_model_weights(cfg.run / "checkpoints" / "step-000024")
     torch.testing.assert_close(draft.fc.weight, ckpt["fc.weight"].bfloat16().float())
     assert torch.equal(draft.d2t, ckpt["d2t"])
 
@@ -175,10 +175,10 @@ def test_resume_gives_the_same_next_steps(trained_run, tmp_path):
     for a, b in zip(full[8:], again[8:]):
         assert float(a["loss"]) == pytest.approx(float(b["loss"]), rel=1e-5, abs=1e-6), (a["step"], a["loss"], b["loss"])
         assert float(a["lr"]) == pytest.approx(float(b["lr"]), rel=1e-9)
-    from safetensors.torch import load_file
+    from eagleforge.train.checkpoint import load_model_weights
 
-    wa = load_file(str(cfg.run / "checkpoints" / "step-000024" / "model.safetensors"))
-    wb = load_file(str(resumed / "checkpoints" / "step-000024" / "model.safetensors"))
+    wa = load_model_weights(cfg.run / "checkpoints" / "step-000024")
+    wb = load_model_weights(resumed / "checkpoints" / "step-000024")
     for name in wa:
         torch.testing.assert_close(wa[name], wb[name], rtol=1e-5, atol=1e-6)
 

@@ -17,19 +17,37 @@ On one GPU (bf16 autocast, fp32 master weights, fused loss when eagleforge.kerne
 
     python -m eagleforge.train run_dir=runs/x train.device=cuda
 
-The loop is single-process for now; torchrun / FSDP2 (`torchrun --nproc-per-node 8 -m
-eagleforge.train ...`) come with the distributed checkpointing issue. A run resumes by itself
-from the newest RUN/checkpoints/step-* (train.resume=false starts over).
+On one node of 8 GPUs (FSDP2 by default; train.parallel=ddp for DDP):
+
+    torchrun --nproc-per-node 8 -m eagleforge.train --config configs/kimi_k25_b300.yaml run_dir=/data/runs/kimi
+
+On N nodes (the same command on every node; RUN on storage that every node can write):
+
+    torchrun --nnodes N --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\
+        -m eagleforge.train --config configs/kimi_k25_b300.yaml run_dir=/data/runs/kimi
+
+HOST:PORT is one node's address and a free port (e.g. head-node:29500). On CPUs (gloo), for a
+check: `torchrun --nproc-per-node 2 -m eagleforge.train run_dir=... train.device=cpu`.
+
+Each optimizer step takes world x train.grad_accum batches of train.batch_tokens padded tokens
+(rank r runs batches r, r + world, ...): 2 GPUs with grad_accum 1 train exactly like 1 GPU with
+grad_accum 2. A run resumes by itself from the newest RUN/checkpoints/step-* (train.resume=false
+starts over), also on another number of ranks: the checkpoint is torch.distributed.checkpoint,
+and the data position is global.
 """
 
 from eagleforge.config import Config, run_main, save_config
 
+from .distributed import env_rank
 from .loop import train
 
 
 def main(cfg: Config) -> None:
-    save_config(cfg, cfg.run / "config.yaml")
+    if env_rank() == 0:  # one writer under torchrun
+        save_config(cfg, cfg.run / "config.yaml")
     summary = train(cfg)
+    if env_rank() != 0:
+        return
     sal = summary.get("simulated_acceptance_length")
     if sal is not None:
         print(f"simulated acceptance length {sal:.3f} at k={summary['simulated_acceptance_length_k']}; draft in {cfg.run / 'draft'}")

@@ -7,6 +7,11 @@ samples with a seed of (seed, epoch), sorts them by length inside windows of
 `SORT_WINDOW` samples, packs greedily, then shuffles the order of the batches. Everything is
 a pure function of (lengths, batch_tokens, seed, epoch), so a resumed run rebuilds the same
 batches from the epoch number and continues from the saved batch index.
+
+Data parallelism: every rank computes the same global list of an epoch's batches; an optimizer
+step takes the next world x grad_accum of them and rank r runs batches r, r + world, ...
+(`rank_micro_batches`), so each sample is seen once per epoch, on one rank. The position saved
+in a checkpoint is the global batch index, so a run can resume on another number of ranks.
 """
 
 from __future__ import annotations
@@ -46,6 +51,18 @@ def make_batches(lengths: Sequence[int], sample_ids: Sequence[int], batch_tokens
         batches.append(current)
     perm = torch.randperm(len(batches), generator=gen).tolist()
     return [batches[i] for i in perm]
+
+
+def rank_micro_batches(step_batches: Sequence[list[int]], rank: int, world_size: int) -> list[list[int] | None]:
+    """Rank `rank`'s micro-batches of one optimizer step: step_batches[i * world + rank] for
+    i < ceil(len / world). Every rank gets the same count (collectives stay matched); a rank
+    whose slot lies past the end of the list gets None (the epoch's tail): it must still run
+    a forward and backward, with weight 0."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside a world of {world_size}")
+    slots = -(-len(step_batches) // world_size)
+    picks = [i * world_size + rank for i in range(slots)]
+    return [step_batches[i] if i < len(step_batches) else None for i in picks]
 
 
 def _epoch_seed(seed: int, epoch: int) -> int:

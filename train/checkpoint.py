@@ -1,25 +1,40 @@
-"""Resumable training state: RUN/checkpoints/step-{step:06d}/.
+"""Resumable training state: RUN/checkpoints/step-{step:06d}/, torch.distributed.checkpoint (DCP).
 
-    model.safetensors   the draft's trainable weights and buffers (not the frozen embed_tokens,
-                        which the vocab stage keeps in RUN/vocab/target_head.safetensors)
-    optimizer.pt        optimizer.state_dict(), torch.save; loaded with weights_only=True
-    rng.safetensors     torch CPU (and CUDA) generator states
-    state.json          step, data position (epoch, next batch), scheduler state, metrics
+    .metadata, __{rank}_0.distcp   DCP: the model (trainable weights and buffers under the
+                        prefix `draft.`, no frozen embed_tokens: RUN/vocab holds it) and the
+                        optimizer's per-parameter state (exp_avg, exp_avg_sq, step), each rank
+                        writing its own shards; a resume on another number of ranks reshards
+    rng-{rank:05d}.safetensors  each rank's torch CPU (and current CUDA) generator state
+    state.json          step, data position (epoch, global batch index), train_tokens, scheduler
+                        state, the optimizer's param_groups (lr, betas, ...), world size
+    draft_config.json   the Eagle3Config (to rebuild a plain draft for export)
     config.yaml         the resolved config of the run that wrote it
 
-A checkpoint is written to `.tmp-step-...` and renamed when complete, so a directory named
-`step-*` is always whole; only the last `keep_last` are kept. Single process for now: under
-FSDP2 this becomes torch.distributed.checkpoint with the same stateful pieces (model,
-optimizer, scheduler, data position, step).
+Only tensors go through DCP. Its default planner stores any non-tensor value by torch.save and
+reads it back with torch.load(weights_only=False); keeping the optimizer's param_groups in
+state.json instead means no user data is ever unpickled. The one pickle DCP reads is its own
+`.metadata` (a Metadata dataclass: per tensor its shape, dtype and chunk offsets, and which file
+and byte range holds each chunk). A checkpoint may come from elsewhere (a shared disk, a
+download), so it is read through `SafeMetadataReader`, whose unpickler builds only those
+metadata classes, torch dtypes/sizes/layouts and paths: any other global (code) is refused with
+a UserInputError naming the file, never run.
+
+Atomic: every rank writes into `.tmp-step-...`; after a barrier rank 0 renames it to `step-*`,
+so a directory named `step-*` is always whole; then the oldest beyond `keep_last` are removed.
+Multi-node runs need RUN on storage every node can write (each rank writes its own shard).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import os
+import pickle  # only for the restricted unpickler of DCP's .metadata (_MetadataUnpickler)
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -27,10 +42,16 @@ from safetensors.torch import load_file, save_file
 
 from eagleforge.config import Config, UserInputError, save_config
 
+from .distributed import DistEnv, barrier, broadcast_object
+
 log = logging.getLogger(__name__)
 
 _STEP_RE = re.compile(r"^step-(\d{6,})$")
 FROZEN_KEYS = ("embed_tokens.weight",)
+MODEL_PREFIX = "draft."  # DraftWithLoss holds the draft as `draft`
+STATE_FILE = "state.json"
+DRAFT_CONFIG_FILE = "draft_config.json"
+SINGLE = DistEnv()
 
 
 def checkpoint_dir(run_dir: str | os.PathLike) -> Path:
@@ -51,38 +72,98 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     return found[-1] if found else None
 
 
-def save_checkpoint(cfg: Config, step: int, model: torch.nn.Module, optimizer, scheduler, state: dict) -> Path:
-    """Write RUN/checkpoints/step-{step:06d}/ atomically, then prune to cfg.train.keep_last."""
-    root = checkpoint_dir(cfg.run)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step:06d}"
-    tmp = root / f".tmp-{final.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if k not in FROZEN_KEYS}
-    save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt", "step": str(step)})
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-    save_file(rng, str(tmp / "rng.safetensors"))
-    payload = {"step": step, "scheduler": _jsonable(scheduler.state_dict()), **state}
-    (tmp / "state.json").write_text(json.dumps(payload, indent=1), encoding="utf-8")
-    save_config(cfg, tmp / "config.yaml")
-    for file in tmp.iterdir():
-        with open(file, "rb") as f:
-            os.fsync(f.fileno())
-    if final.exists():  # the same step saved again (e.g. the final save after a periodic one)
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _prune(cfg.run, cfg.train.keep_last)
-    log.info("checkpoint %s", final)
-    return final
+# ----------------------------------------------------------------------------- state dicts
+
+
+def _state_dicts(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
+    """(model state, optimizer state) keyed by parameter FQN, sharded tensors as DTensors; a
+    fresh optimizer's state is created (zero-grad step at lr 0) so that it can be loaded into."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    return get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+
+
+@contextlib.contextmanager
+def _single_process_ok():
+    """DCP warns on every call without a process group that it assumes one process: that is the
+    intent here (single-process runs and the export), so the warning is dropped."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized")
+        yield
+
+
+def _check_tensors(tree, where: str) -> None:
+    """Every leaf of what goes through DCP must be a tensor (see the module docstring)."""
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree)
+    for key, value in items:
+        if isinstance(value, (dict, list, tuple)):
+            _check_tensors(value, f"{where}.{key}")
+        elif not isinstance(value, torch.Tensor):
+            raise TypeError(f"checkpoint: {where}.{key} is a {type(value).__name__}, not a tensor; it would be pickled")
+
+
+def _param_groups_json(groups: list[dict]) -> list[dict]:
+    return [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items() if k != "params"} for g in groups]
 
 
 def _jsonable(state: dict) -> dict:
     """A scheduler state_dict without its function references (LambdaLR keeps None for them)."""
     return {k: v for k, v in state.items() if isinstance(v, (int, float, str, bool, list, type(None)))}
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def save_checkpoint(cfg: Config, step: int, model: torch.nn.Module, optimizer, scheduler, state: dict,
+                    env: DistEnv = SINGLE) -> Path:
+    """Write RUN/checkpoints/step-{step:06d}/ (collective: every rank calls it), then prune to
+    cfg.train.keep_last. `model` is the (possibly FSDP/DDP-wrapped) DraftWithLoss."""
+    import torch.distributed.checkpoint as dcp
+
+    root = checkpoint_dir(cfg.run)
+    final = root / f"step-{step:06d}"
+    tmp = root / f".tmp-{final.name}"
+    if env.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    barrier(env)
+    model_state, optim_state = _state_dicts(model, optimizer)
+    payload = {"model": model_state, "optim": optim_state["state"]}
+    _check_tensors(payload, "state")
+    with _single_process_ok():
+        dcp.save(payload, checkpoint_id=str(tmp), no_dist=not env.distributed)
+    _save_rng(tmp / f"rng-{env.rank:05d}.safetensors", env)
+    if env.is_main:
+        record = {"step": step, "world_size": env.world_size, "scheduler": _jsonable(scheduler.state_dict()),
+                  "optimizer_param_groups": _param_groups_json(optim_state["param_groups"]), **state}
+        (tmp / STATE_FILE).write_text(json.dumps(record, indent=1), encoding="utf-8")
+        draft = _inner_draft(model)
+        (tmp / DRAFT_CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(draft.config), indent=1), encoding="utf-8")
+        save_config(cfg, tmp / "config.yaml")
+    barrier(env)  # every rank's files are written (DCP's own collectives end before .metadata)
+    if env.is_main:
+        for file in (f for f in tmp.iterdir() if f.is_file()):
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+        if final.exists():  # the same step saved again (e.g. the final save after a periodic one)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _prune(cfg.run, cfg.train.keep_last)
+        log.info("checkpoint %s", final)
+    barrier(env)
+    return final
+
+
+def _inner_draft(model: torch.nn.Module) -> torch.nn.Module:
+    return getattr(model, "module", model).draft
+
+
+def _save_rng(path: Path, env: DistEnv) -> None:
+    rng = {"cpu": torch.get_rng_state()}
+    if env.device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(env.device)
+    save_file(rng, str(path))
 
 
 def _prune(run_dir: Path, keep_last: int) -> None:
@@ -92,25 +173,166 @@ def _prune(run_dir: Path, keep_last: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer, scheduler) -> dict:
-    """Restore model, optimizer, scheduler and RNG from `path`; returns state.json's dict."""
+# ----------------------------------------------------------------------------- load
+
+
+# The globals a DCP .metadata pickle names (torch 2.11-2.13): module -> allowed names (None = any
+# class of that module: DCP's metadata dataclasses). Anything else is refused, so a tampered
+# .metadata cannot run code.
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": None,
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module in _METADATA_GLOBALS:
+            allowed = _METADATA_GLOBALS[module]
+            found = super().find_class(module, name) if allowed is None or name in allowed else None
+            if found is not None and (allowed is not None or isinstance(found, type)):
+                return found
+        raise pickle.UnpicklingError(f"global {module}.{name} is not part of a checkpoint's metadata")
+
+
+def _safe_reader(path: Path):
+    """A DCP FileSystemReader for `path` whose read_metadata uses the restricted unpickler."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    class SafeMetadataReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs) -> Metadata:
+            file = Path(self.path) / ".metadata"
+            try:
+                with open(file, "rb") as f:
+                    metadata = _MetadataUnpickler(f).load()
+            except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, ValueError) as err:
+                self.refused = f"{file}: not a checkpoint's metadata ({err}); delete {path} to start over"
+                raise UserInputError(self.refused) from None
+            if not isinstance(metadata, Metadata):
+                self.refused = f"{file}: holds a {type(metadata).__name__}, not a checkpoint's metadata; delete {path} to start over"
+                raise UserInputError(self.refused)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    reader = SafeMetadataReader(str(path))
+    reader.refused = None  # set when read_metadata refused the file (DCP wraps the error in its own)
+    return reader
+
+
+@contextlib.contextmanager
+def _dcp_errors(reader, path: Path):
+    """DCP re-raises a rank's error as CheckpointException (a BaseException): turn a refused
+    .metadata into the UserInputError it was."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as err:
+        if reader.refused:
+            raise UserInputError(reader.refused) from None
+        raise UserInputError(f"{path}: cannot read the checkpoint ({str(err).strip().splitlines()[-1][:300]}); delete {path} to start over") from None
+
+
+
+def read_state(path: str | os.PathLike) -> dict:
+    """state.json of a checkpoint; a clear error when the directory is not a whole checkpoint."""
     path = Path(path)
-    for name in ("model.safetensors", "optimizer.pt", "state.json"):
+    for name in (".metadata", STATE_FILE):
         if not (path / name).is_file():
             raise UserInputError(f"{path / name}: missing from the checkpoint (delete {path} to start over)")
-    weights = load_file(str(path / "model.safetensors"), device=str(next(model.parameters()).device))
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    missing = [k for k in missing if k not in FROZEN_KEYS]
-    if missing or unexpected:
-        raise UserInputError(f"{path / 'model.safetensors'}: missing keys {missing}, unexpected keys {unexpected}")
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu"))
-    state = json.loads((path / "state.json").read_text(encoding="utf-8"))
+    return json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+
+
+def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer, scheduler, env: DistEnv = SINGLE) -> dict:
+    """Restore model, optimizer, scheduler and this rank's RNG from `path` (collective); returns
+    state.json's dict. The world size may differ from the one that wrote it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    path = Path(path)
+    state = read_state(path)
+    model_state, optim_state = _state_dicts(model, optimizer)
+    reader = _safe_reader(path)
+    try:
+        with _single_process_ok(), _dcp_errors(reader, path):
+            dcp.load({"model": model_state, "optim": optim_state["state"]}, storage_reader=reader, no_dist=not env.distributed)
+    except (RuntimeError, ValueError, KeyError) as err:
+        raise UserInputError(f"{path}: cannot load the checkpoint into this draft ({str(err).splitlines()[0][:300]}); "
+                             f"a changed model config? delete {path} to start over") from None
+    groups = state.get("optimizer_param_groups")
+    if groups is not None:
+        if len(groups) != len(optim_state["param_groups"]):
+            raise UserInputError(f"{path / STATE_FILE}: {len(groups)} optimizer param groups, this run has {len(optim_state['param_groups'])}")
+        for saved, live in zip(groups, optim_state["param_groups"]):
+            live.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
     scheduler.load_state_dict({**scheduler.state_dict(), **state["scheduler"]})
-    rng_file = path / "rng.safetensors"
-    if rng_file.is_file():
-        rng = load_file(str(rng_file))
-        torch.set_rng_state(rng["cpu"])
-        cuda = [rng[k] for k in sorted(rng) if k.startswith("cuda")]
-        if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(cuda)
+    _load_rng(path / f"rng-{env.rank:05d}.safetensors", env)
     return state
+
+
+def _load_rng(path: Path, env: DistEnv) -> None:
+    if not path.is_file():
+        log.warning("%s: no RNG state for rank %d (the run had fewer ranks); keeping the current one", path, env.rank)
+        return
+    rng = load_file(str(path))
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng and env.device.type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"], env.device)
+
+
+def find_resume_checkpoint(cfg: Config, env: DistEnv = SINGLE) -> Path | None:
+    """The newest complete checkpoint as rank 0 sees it (every rank gets the same answer)."""
+    found = latest_checkpoint(cfg.run) if env.is_main else None
+    found = broadcast_object(None if found is None else str(found), env)
+    return None if found is None else Path(found)
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def load_draft_from_checkpoint(path: str | os.PathLike, embed_tokens: torch.Tensor | None = None) -> torch.nn.Module:
+    """A plain single-process Eagle3Draft (fp32, CPU) holding a checkpoint's weights, however many
+    ranks wrote it: DCP reads the shards straight into the full tensors (no torch.save copy).
+    Runs on one process even when a process group exists (no_dist)."""
+    import torch.distributed.checkpoint as dcp
+
+    from eagleforge.draft import Eagle3Config, Eagle3Draft
+
+    path = Path(path)
+    read_state(path)
+    config_file = path / DRAFT_CONFIG_FILE
+    if not config_file.is_file():
+        raise UserInputError(f"{config_file}: missing from the checkpoint")
+    draft = Eagle3Draft(Eagle3Config(**json.loads(config_file.read_text(encoding="utf-8"))))
+    # state_dict() tensors share storage with the parameters and buffers: DCP loads in place.
+    target = {MODEL_PREFIX + k: v for k, v in draft.state_dict().items() if k not in FROZEN_KEYS}
+    reader = _safe_reader(path)
+    with _single_process_ok(), _dcp_errors(reader, path):
+        dcp.load({"model": target}, storage_reader=reader, no_dist=True)
+    if embed_tokens is not None:
+        draft.set_embed_tokens(embed_tokens)
+    return draft
+
+
+def load_model_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """{name: tensor} of a checkpoint's draft weights (no prefix), full and on the CPU."""
+    draft = load_draft_from_checkpoint(path)
+    return {k: v for k, v in draft.state_dict().items() if k not in FROZEN_KEYS}
+
+
+def export_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """RUN/draft (the vLLM/SGLang export format) from a checkpoint written by any number of ranks."""
+    from eagleforge.draft import save_draft
+
+    return save_draft(load_draft_from_checkpoint(path), out_dir)

@@ -17,6 +17,12 @@ sum_j step_weight_decay^j * loss_j. Each step has equal say whatever its number 
 Accuracy at step j counts every position with loss_mask[t+2+j] = 1, including those whose
 target token is outside the draft vocabulary (the draft can never propose those, so the
 simulated acceptance length stays honest).
+
+An optimizer step averages the batch losses of its n global batches (world x grad_accum, fewer
+at an epoch's end), wherever they ran: 1 process with grad_accum 2 and 2 ranks with grad_accum
+1 take the same gradient (Trainer.train_step). Logged metrics are sums over all ranks.
+Under torchrun the model is DraftWithLoss (forward_ttt + this loss in one forward) wrapped by
+train/distributed.py (FSDP2 or DDP); checkpoints are torch.distributed.checkpoint (checkpoint.py).
 """
 
 from __future__ import annotations
@@ -36,8 +42,12 @@ from eagleforge.config import Config, UserInputError
 from eagleforge.target import resolve_device, target_path
 from eagleforge.vocab import coverage, load_target_head, load_vocab_map, read_target_head, training_sample_count
 
-from .batching import Batch, collate, make_batches
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .batching import Batch, collate, make_batches, rank_micro_batches
+from .checkpoint import checkpoint_dir, export_checkpoint, find_resume_checkpoint, load_checkpoint, save_checkpoint
+from .distributed import (
+    DistEnv, DraftWithLoss, all_reduce_sum, barrier, clip_grad_norm, gradient_sync, init_distributed, parallelize,
+    resolve_parallel, shutdown,
+)
 from .loss import get_loss_fn, teacher_logsumexp
 
 log = logging.getLogger(__name__)
@@ -162,6 +172,7 @@ def ttt_loss_shared(
     step_weight_decay: float,
     compute_dtype: torch.dtype,
     chunk_tokens: int | None = None,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, TTTStats]:
     """The same loss and stats as `ttt_loss`, through the TTT form of the fused kernel: the
     teacher logits are computed once per position for all steps (3 + 1/K matmuls per step
@@ -185,7 +196,7 @@ def ttt_loss_shared(
     hiddens = [h.reshape(n_rows, -1).to(compute_dtype) for h in normed_hiddens]
     loss, step_losses, draft_argmax = fused_soft_cross_entropy_ttt(
         hiddens, draft_head.to(compute_dtype), last_hidden.reshape(n_rows, h_target).to(compute_dtype),
-        teacher_head.to(compute_dtype), weight, teacher_shift=1, chunk_tokens=chunk_tokens,
+        teacher_head.to(compute_dtype), weight, teacher_shift=1, chunk_tokens=chunk_tokens, packed=packed,
     )
     stats = TTTStats(steps)
     for j, rows in enumerate(valid_rows):
@@ -265,9 +276,13 @@ def build_draft(cfg: Config, manifest: dict, vocab: dict, head: dict) -> torch.n
     from eagleforge.draft import Eagle3Config, Eagle3Draft
 
     overrides = {f.name: getattr(cfg.draft, f.name) for f in fields(cfg.draft)}
-    draft_config = Eagle3Config.from_target_config(
-        target_hf_config(cfg, manifest), int(vocab["d2t"].shape[0]), manifest["aux_layer_ids"], **overrides
-    )
+    try:
+        draft_config = Eagle3Config.from_target_config(
+            target_hf_config(cfg, manifest), int(vocab["d2t"].shape[0]), manifest["aux_layer_ids"], **overrides
+        )
+    except ValueError as err:  # a draft.* override that does not fit the target or itself
+        set_keys = ", ".join(f"draft.{k}={v}" for k, v in overrides.items() if v not in (None, 0, ""))
+        raise UserInputError(f"draft config ({set_keys or 'defaults'}) does not fit the target of {cfg.run / 'hidden'}: {err}") from None
     shard_hidden = manifest.get("target", {}).get("hidden_size")
     if shard_hidden is not None and int(shard_hidden) != draft_config.target_hidden_size:
         raise UserInputError(
@@ -287,17 +302,61 @@ def build_draft(cfg: Config, manifest: dict, vocab: dict, head: dict) -> torch.n
 # ----------------------------------------------------------------------------- the trainer
 
 
+class TTTLoss:
+    """forward_ttt and the TTT loss of one batch: what DraftWithLoss runs inside its forward, so
+    FSDP has lm_head gathered when the loss reads it. Returns (loss, TTTStats) as ttt_loss."""
+
+    def __init__(self, tc, teacher_head: torch.Tensor, loss_fn: Callable, device: torch.device):
+        self.tc, self.teacher_head, self.loss_fn, self.device_type = tc, teacher_head, loss_fn, device.type
+
+    def __call__(self, draft, aux_hidden_states, input_ids, last_hidden, loss_mask, target_argmax):
+        tc = self.tc
+        with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=tc.bf16):
+            hiddens = draft.forward_ttt(aux_hidden_states, input_ids, tc.ttt_steps, attention=tc.attention,
+                                        checkpoint=tc.activation_checkpoint, compile=tc.compile)
+        if tc.loss != "reference":  # the TTT form: teacher shared over steps
+            return ttt_loss_shared(
+                hiddens, draft.lm_head.weight, last_hidden, self.teacher_head, loss_mask, target_argmax, draft.t2d,
+                draft.d2t, tc.step_weight_decay, torch.bfloat16 if tc.bf16 else torch.float32, tc.loss_chunk_tokens or None,
+                packed=tc.loss_packed,
+            )
+        lse = batch_teacher_lse(last_hidden, loss_mask, self.teacher_head)
+        return ttt_loss(hiddens, draft.lm_head.weight, last_hidden, self.teacher_head, lse, loss_mask, target_argmax,
+                        draft.t2d, draft.d2t, tc.step_weight_decay, self.loss_fn)
+
+
+def open_reader(cfg: Config):
+    """ShardReader of RUN/hidden; with train.skip_corrupt_shards, shards failing the size or
+    sha256 check are left out (logged) instead of stopping the run."""
+    from eagleforge.shards import ShardReader
+
+    tc = cfg.train
+    skip = bool(getattr(tc, "skip_corrupt_shards", False))
+    if not skip:
+        return ShardReader(cfg.run / "hidden", verify_checksums=tc.verify_checksums)
+    try:
+        reader = ShardReader(cfg.run / "hidden", verify_checksums=tc.verify_checksums, skip_corrupt=True)
+    except TypeError:  # a ShardReader without skip_corrupt: corrupt shards still raise
+        log.warning("train.skip_corrupt_shards=true but this ShardReader has no skip_corrupt: corrupt shards will raise")
+        return ShardReader(cfg.run / "hidden", verify_checksums=tc.verify_checksums)
+    skipped = list(getattr(reader, "skipped_shards", []))
+    if skipped:
+        log.warning("skipped %d corrupt shard(s) holding %d samples: %s", len(skipped),
+                    int(getattr(reader, "skipped_samples", 0)), ", ".join(map(str, skipped)))
+    return reader
+
+
 class Trainer:
-    """State of one training run; `run()` trains, evaluates on the held-out samples and exports."""
+    """State of one training run (one rank of it under torchrun); `run()` trains, evaluates on the
+    held-out samples and exports. Distributed pieces come from train/distributed.py."""
 
-    def __init__(self, cfg: Config):
-        from eagleforge.shards import ShardReader
-
+    def __init__(self, cfg: Config, env: DistEnv | None = None):
         self.cfg = cfg
         tc = cfg.train
-        self.device = resolve_device(tc.device)
-        torch.manual_seed(tc.seed)
-        self.reader = ShardReader(cfg.run / "hidden", verify_checksums=tc.verify_checksums)
+        self.env = env or init_distributed(tc.device)
+        self.device = self.env.device
+        torch.manual_seed(tc.seed)  # the same initial draft on every rank
+        self.reader = open_reader(cfg)
         manifest = self.reader.manifest
         self.vocab = load_vocab_map(cfg.run)
         head = load_target_head(cfg.run)
@@ -313,24 +372,35 @@ class Trainer:
         self.train_ids = list(range(n_train))
         self.heldout_ids = list(range(n_train, n_samples))
         self.lengths = self.reader.sample_lengths()
-        self.loss_fn = get_loss_fn(tc.loss, self.device)
         self._epoch_cache: dict[int, list[list[int]]] = {}
         self.total_steps = self._total_steps()
-        params = [p for p in self.draft.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
+        loss = TTTLoss(tc, self.teacher_head, get_loss_fn(tc.loss, self.device), self.device)
+        self.parallel = resolve_parallel(getattr(tc, "parallel", "auto"), self.env)
+        self.model = parallelize(DraftWithLoss(self.draft, loss), self.env, self.parallel, tc.bf16)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]  # sharded under FSDP
+        self.optimizer = torch.optim.AdamW(self.params, lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.total_steps, tc.warmup_ratio, tc.min_lr_ratio))
         self.step, self.epoch, self.batch_index = 0, 0, 0
         self.train_tokens = 0
         self.train_seconds, self.session_tokens = 0.0, 0  # this process only (not restored on resume)
-        log.info(
-            "draft: %s parameters trainable, Vd=%d, coverage %.4f; %d training / %d held-out samples; %d optimizer steps",
-            f"{sum(p.numel() for p in params):,}", self.vocab["d2t"].shape[0],
-            coverage(self.vocab["counts"], self.vocab["t2d"]), n_train, len(self.heldout_ids), self.total_steps,
-        )
+        if self.env.is_main:
+            log.info(
+                "draft: %s parameters trainable, Vd=%d, coverage %.4f; %d training / %d held-out samples; %d optimizer "
+                "steps of %d batches (%d ranks x grad_accum %d, parallel=%s)",
+                f"{sum(p.numel() for p in self.draft.parameters() if p.requires_grad):,}", self.vocab["d2t"].shape[0],
+                coverage(self.vocab["counts"], self.vocab["t2d"]), n_train, len(self.heldout_ids), self.total_steps,
+                self.batches_per_step, self.env.world_size, max(1, tc.grad_accum), self.parallel,
+            )
 
     # -- data
 
+    @property
+    def batches_per_step(self) -> int:
+        """Global batches per optimizer step: world size x grad_accum."""
+        return self.env.world_size * max(1, self.cfg.train.grad_accum)
+
     def epoch_batches(self, epoch: int) -> list[list[int]]:
+        """The epoch's global batch list: a pure function of the seed, identical on every rank."""
         if epoch not in self._epoch_cache:
             self._epoch_cache = {epoch: make_batches(self.lengths, self.train_ids, self.cfg.train.batch_tokens, self.cfg.train.seed, epoch)}
         return self._epoch_cache[epoch]
@@ -341,8 +411,7 @@ class Trainer:
             return tc.max_steps
         if tc.epochs < 1:
             raise UserInputError(f"train.epochs={tc.epochs} and train.max_steps={tc.max_steps}: one must be >= 1")
-        accum = max(1, tc.grad_accum)
-        return sum(math.ceil(len(self.epoch_batches(e)) / accum) for e in range(tc.epochs))
+        return sum(math.ceil(len(self.epoch_batches(e)) / self.batches_per_step) for e in range(tc.epochs))
 
     def _load(self, ids: list[int]) -> Batch:
         return collate([self.reader[i] for i in ids], self.device)
@@ -350,53 +419,50 @@ class Trainer:
     # -- one batch
 
     def batch_loss(self, batch: Batch) -> tuple[torch.Tensor, TTTStats]:
-        tc = self.cfg.train
+        """(loss, stats) of one batch through the (wrapped) model: forward_ttt + the TTT loss."""
         target_argmax = batch.target_argmax
         if target_argmax is None:
             target_argmax = target_argmax_from_hidden(batch.last_hidden_state, self.full_head)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=tc.bf16):
-            hiddens = self.draft.forward_ttt(batch.aux_hidden_states, batch.input_ids, tc.ttt_steps, attention=tc.attention)
-        if tc.loss != "reference":  # the TTT form: teacher shared over steps
-            loss, stats = ttt_loss_shared(
-                hiddens, self.draft.lm_head.weight, batch.last_hidden_state, self.teacher_head, batch.loss_mask,
-                target_argmax, self.draft.t2d, self.draft.d2t, tc.step_weight_decay,
-                torch.bfloat16 if tc.bf16 else torch.float32, tc.loss_chunk_tokens or None,
-            )
-            stats.tokens = batch.num_tokens
-            return loss, stats
-        lse = batch_teacher_lse(batch.last_hidden_state, batch.loss_mask, self.teacher_head)
-        loss, stats = ttt_loss(
-            hiddens, self.draft.lm_head.weight, batch.last_hidden_state, self.teacher_head, lse, batch.loss_mask,
-            target_argmax, self.draft.t2d, self.draft.d2t, tc.step_weight_decay, self.loss_fn,
-        )
+        loss, stats = self.model(batch.aux_hidden_states, batch.input_ids, batch.last_hidden_state, batch.loss_mask, target_argmax)
         stats.tokens = batch.num_tokens
         return loss, stats
 
     def train_step(self) -> tuple[TTTStats, float]:
-        """One optimizer step over `grad_accum` batches; returns (stats, grad norm)."""
+        """One optimizer step over the next world x grad_accum global batches (this rank runs
+        its share); returns (stats summed over all ranks, global grad norm).
+
+        Normalization: the step's loss is the mean over its n real global batches of each
+        batch's loss (sum_j decay^j x per-step mean). Each rank divides a batch's loss by
+        n / world and DDP/FSDP average gradients over the world, so the gradient equals the
+        single-process gradient over the same n batches. A rank past the epoch's tail runs a
+        batch with weight 0: every rank does the same forwards and backwards (no hang)."""
         tc = self.cfg.train
         start = time.perf_counter()
-        self.draft.train()
+        self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         stats = TTTStats(tc.ttt_steps)
-        micro = self._next_batches(max(1, tc.grad_accum))
-        for ids in micro:
-            loss, batch_stats = self.batch_loss(self._load(ids))
-            (loss / len(micro)).backward()
-            stats.merge(batch_stats)
-        params = [p for p in self.draft.parameters() if p.requires_grad]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
+        step_batches = self._next_batches(self.batches_per_step)
+        micro = rank_micro_batches(step_batches, self.env.rank, self.env.world_size)
+        share = len(step_batches) / self.env.world_size
+        for i, ids in enumerate(micro):
+            with gradient_sync(self.model, enabled=i == len(micro) - 1):
+                loss, batch_stats = self.batch_loss(self._load(ids if ids is not None else step_batches[0]))
+                (loss / share if ids is not None else loss * 0.0).backward()
+            if ids is not None:
+                stats.merge(batch_stats)
+        stats = reduce_stats(stats, self.env)
+        grad_norm = clip_grad_norm(self.params, tc.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
         self.train_tokens += stats.tokens
         self.train_seconds += time.perf_counter() - start
         self.session_tokens += stats.tokens
-        return stats, float(grad_norm)
+        return stats, grad_norm
 
     def _next_batches(self, count: int) -> list[list[int]]:
-        """The next `count` batches of the epoch (fewer at its end); moves to the next epoch
-        when the current one is exhausted."""
+        """The next `count` global batches of the epoch (fewer at its end); moves to the next
+        epoch when the current one is exhausted."""
         if self.batch_index >= len(self.epoch_batches(self.epoch)):
             self.epoch, self.batch_index = self.epoch + 1, 0
         batches = self.epoch_batches(self.epoch)[self.batch_index : self.batch_index + count]
@@ -405,12 +471,16 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, ids: list[int]) -> TTTStats:
-        """TTT loss and accuracies over the samples `ids` (the held-out ones), no gradient."""
-        self.draft.eval()
+        """TTT loss and accuracies over the samples `ids` (the held-out ones), no gradient; the
+        batches are split over the ranks like training batches and the sums reduced."""
+        self.model.eval()
         stats = TTTStats(self.cfg.train.ttt_steps)
-        for batch_ids in make_batches(self.lengths, ids, self.cfg.train.batch_tokens, self.cfg.train.seed, 0):
-            stats.merge(self.batch_loss(self._load(batch_ids))[1])
-        return stats
+        batches = make_batches(self.lengths, ids, self.cfg.train.batch_tokens, self.cfg.train.seed, 0)
+        for batch_ids in rank_micro_batches(batches, self.env.rank, self.env.world_size):
+            batch_stats = self.batch_loss(self._load(batch_ids if batch_ids is not None else batches[0]))[1]
+            if batch_ids is not None:
+                stats.merge(batch_stats)
+        return reduce_stats(stats, self.env)
 
     # -- state
 
@@ -418,51 +488,61 @@ class Trainer:
         return {"epoch": self.epoch, "batch_index": self.batch_index, "train_tokens": self.train_tokens}
 
     def save(self) -> Path:
-        return save_checkpoint(self.cfg, self.step, self.draft, self.optimizer, self.scheduler, self.data_state())
+        return save_checkpoint(self.cfg, self.step, self.model, self.optimizer, self.scheduler, self.data_state(), self.env)
 
     def maybe_resume(self) -> None:
         if not self.cfg.train.resume:
             return
-        path = latest_checkpoint(self.cfg.run)
+        path = find_resume_checkpoint(self.cfg, self.env)
         if path is None:
             return
-        state = load_checkpoint(path, self.draft, self.optimizer, self.scheduler)
+        state = load_checkpoint(path, self.model, self.optimizer, self.scheduler, self.env)
         self.step, self.epoch, self.batch_index = int(state["step"]), int(state["epoch"]), int(state["batch_index"])
         self.train_tokens = int(state.get("train_tokens", 0))
-        log.info("resumed from %s: step %d, epoch %d, batch %d", path, self.step, self.epoch, self.batch_index)
+        if self.env.is_main:
+            log.info("resumed from %s: step %d, epoch %d, batch %d (written by %s rank(s))", path, self.step,
+                     self.epoch, self.batch_index, state.get("world_size", 1))
 
     # -- the run
 
-    def run(self) -> dict:
+    def run(self, stop_after_step: int | None = None) -> dict | None:
+        """Train to the end, evaluate, export; returns the summary. `stop_after_step` (tests)
+        saves a checkpoint after that step and returns None: a kill right after a checkpoint."""
         from tqdm import tqdm
 
         tc = self.cfg.train
+        main = self.env.is_main
         self.maybe_resume()
-        logger = MetricLogger(self.cfg.run, tc.ttt_steps, resumed_step=self.step)
+        logger = MetricLogger(self.cfg.run, tc.ttt_steps, resumed_step=self.step) if main else None
         window = TTTStats(tc.ttt_steps)
         window_start, grad_norm = time.perf_counter(), 0.0
-        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", mininterval=5, disable=None)
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", mininterval=5, disable=None if main else True)
         while self.step < self.total_steps:
             stats, grad_norm = self.train_step()
             window.merge(stats)
             bar.update(1)
             if self.step % tc.log_every == 0 or self.step == self.total_steps:
                 elapsed = time.perf_counter() - window_start
-                logger.log(self.step, self.epoch, window, tc.step_weight_decay, self.scheduler.get_last_lr()[0], grad_norm, window.tokens / max(elapsed, 1e-9))
+                if logger is not None:
+                    logger.log(self.step, self.epoch, window, tc.step_weight_decay, self.scheduler.get_last_lr()[0], grad_norm, window.tokens / max(elapsed, 1e-9))
                 window, window_start = TTTStats(tc.ttt_steps), time.perf_counter()
+            if self.step == stop_after_step:
+                self.save()
+                bar.close()
+                return None
             if tc.save_every > 0 and self.step % tc.save_every == 0 and self.step < self.total_steps:
                 self.save()
         bar.close()
-        latest = latest_checkpoint(self.cfg.run)
+        latest = find_resume_checkpoint(self.cfg, self.env)
         if latest is None or latest.name != f"step-{self.step:06d}":
             self.save()
-        logger.close()
+        if logger is not None:
+            logger.close()
         return self.finish()
 
     def finish(self) -> dict:
-        """Evaluate on the held-out samples, write RUN/train_summary.json, export RUN/draft."""
-        from eagleforge.draft import save_draft
-
+        """Evaluate on the held-out samples (all ranks), write RUN/train_summary.json and export
+        RUN/draft from the final checkpoint (rank 0)."""
         tc = self.cfg.train
         summary = {
             "steps": self.step, "epochs": self.epoch + (1 if self.batch_index else 0), "ttt_steps": tc.ttt_steps,
@@ -470,6 +550,8 @@ class Trainer:
             "train_tokens_per_s": self.session_tokens / self.train_seconds if self.train_seconds else None,
             "draft_vocab_size": int(self.vocab["d2t"].shape[0]),
             "vocab_coverage": coverage(self.vocab["counts"], self.vocab["t2d"]),
+            "world_size": self.env.world_size, "parallel": self.parallel,
+            "skipped_samples": int(getattr(self.reader, "skipped_samples", 0)),
         }
         k = min(self.cfg.eval.k, tc.ttt_steps)
         if self.heldout_ids:
@@ -483,16 +565,28 @@ class Trainer:
             }
             summary["simulated_acceptance_length"] = stats.acceptance_length(k)
             summary["simulated_acceptance_length_k"] = k
-            log.info(
-                "held-out: loss %.4f, accuracy per step %s, simulated acceptance length %.3f at k=%d",
-                summary["heldout"]["loss"], " ".join(f"{a:.3f}" for a in stats.accuracy_per_step()), summary["simulated_acceptance_length"], k,
-            )
+            if self.env.is_main:
+                log.info(
+                    "held-out: loss %.4f, accuracy per step %s, simulated acceptance length %.3f at k=%d",
+                    summary["heldout"]["loss"], " ".join(f"{a:.3f}" for a in stats.accuracy_per_step()), summary["simulated_acceptance_length"], k,
+                )
         else:
-            log.warning("train.holdout_samples=0: no held-out evaluation, simulated_acceptance_length is null")
+            if self.env.is_main:
+                log.warning("train.holdout_samples=0: no held-out evaluation, simulated_acceptance_length is null")
             summary["simulated_acceptance_length"] = None
-        _write_json_atomic(self.cfg.run / SUMMARY_NAME, summary)
-        save_draft(self.draft, self.cfg.run / "draft")
+        if self.env.is_main:
+            _write_json_atomic(self.cfg.run / SUMMARY_NAME, summary)
+            export_checkpoint(checkpoint_dir(self.cfg.run) / f"step-{self.step:06d}", self.cfg.run / "draft")
+        barrier(self.env)
         return summary
+
+
+def reduce_stats(stats: TTTStats, env: DistEnv) -> TTTStats:
+    """The per-step sums of all ranks (one small all-reduce; a copy on one process)."""
+    k = stats.steps
+    flat = all_reduce_sum(stats.ce_sum + stats.n_loss + stats.n_correct + stats.n_valid + [stats.tokens], env)
+    whole = [round(x) for x in flat[k:]]
+    return TTTStats(k, list(flat[:k]), whole[:k], whole[k : 2 * k], whole[2 * k : 3 * k], whole[3 * k])
 
 
 class MetricLogger:
@@ -548,6 +642,12 @@ def _write_json_atomic(path: Path, data: dict) -> None:
     tmp.replace(path)
 
 
-def train(cfg: Config) -> dict:
-    """Train (resuming when RUN holds a checkpoint), evaluate held-out, export; the summary dict."""
-    return Trainer(cfg).run()
+def train(cfg: Config, stop_after_step: int | None = None) -> dict | None:
+    """Train (resuming when RUN holds a checkpoint), evaluate held-out, export; the summary dict.
+    Under torchrun every rank calls it; the process group is created and ended here unless the
+    caller made it."""
+    env = init_distributed(cfg.train.device)
+    try:
+        return Trainer(cfg, env).run(stop_after_step)
+    finally:
+        shutdown(env)

@@ -1,0 +1,184 @@
+"""Benchmark: data-parallel training throughput of the Kimi-K2.5-shaped draft at 1 and 2 GPUs
+(issue 8): tokens/s, scaling, step time, peak memory, MFU.
+
+Shape: bench_train.Shape (hidden 7168, one layer, 64/64 heads of 128, intermediate 18432,
+vocab 163840, Vd 32000, TTT 7). Each rank trains on its own synthetic batch of --tokens tokens
+(one sample; bench_train.make_batch: random aux/last hidden states, all-ones loss mask, target
+argmax 90% inside the draft vocabulary), through the trainer's own pieces: DraftWithLoss +
+TTTLoss (train/loop.py), parallelize (FSDP2 bf16 params / fp32 reduce, or DDP), gradient
+clipping over the sharded gradients, AdamW on the fp32 master weights. Weak scaling: tokens per
+GPU fixed, so the ideal is tokens/s x (number of GPUs).
+
+Both GPU counts in one command (each a torchrun of this script; a table at the end):
+
+    python benchmarks/bench_train_dist.py --launch 1 2 --json $OUT/bench_train_dist.json
+
+One count by hand:
+
+    torchrun --nproc-per-node 2 benchmarks/bench_train_dist.py --tokens 8192 --steps 6
+
+On the CPU (gloo, tiny shape) to check the script:
+
+    python benchmarks/bench_train_dist.py --tiny --launch 1 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_common import import_eagleforge  # noqa: E402
+
+import_eagleforge()
+
+log = logging.getLogger("bench_train_dist")
+
+
+def build(args, env):
+    """(model, params, optimizer, batch) on this rank, as the Trainer builds them."""
+    from bench_train import Shape, make_batch, use_compiled_block_masks
+
+    from eagleforge.config import TrainConfig
+    from eagleforge.draft import Eagle3Draft
+    from eagleforge.train.distributed import DraftWithLoss, parallelize, resolve_parallel
+    from eagleforge.train.loop import TTTLoss
+    from eagleforge.train.loss import get_loss_fn
+
+    shape = Shape.tiny() if args.tiny else Shape()
+    if env.device.type == "cuda":
+        use_compiled_block_masks()
+    tc = TrainConfig(ttt_steps=shape.ttt, bf16=True, attention=args.attention, loss="auto")
+    torch.manual_seed(0)  # the same initial draft on every rank
+    with torch.device(env.device):
+        draft = Eagle3Draft(shape.draft_config())
+    used_ids = torch.sort(torch.randperm(shape.vocab, generator=torch.Generator().manual_seed(0))[: shape.draft_vocab]).values
+    t2d = torch.zeros(shape.vocab, dtype=torch.bool)
+    t2d[used_ids] = True
+    draft.set_vocab_map((used_ids - torch.arange(shape.draft_vocab)).to(env.device), t2d.to(env.device))
+    teacher_head = torch.randn(shape.draft_vocab, shape.hidden, device=env.device) * shape.hidden**-0.5  # [Vd, H] fp32
+    loss = TTTLoss(tc, teacher_head, get_loss_fn(tc.loss, env.device), env.device)
+    mode = resolve_parallel(args.parallel, env)
+    model = parallelize(DraftWithLoss(draft, loss), env, mode, bf16=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-5, betas=(0.9, 0.95))
+    batch = make_batch(shape, args.tokens, env.device, used_ids, seed=env.rank)
+    batch["aux"], batch["last"] = batch["aux"].float(), batch["last"].float()  # collate's dtype
+    return shape, mode, model, params, optimizer, batch
+
+
+def worker(args) -> dict:
+    """One rank under torchrun (or alone): time --steps training steps after --warmup."""
+    from bench_train import flops_per_token
+
+    from eagleforge.train.distributed import all_reduce_sum, clip_grad_norm, init_distributed, shutdown
+
+    env = init_distributed("cpu" if args.tiny else "cuda")
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    shape, mode, model, params, optimizer, batch = build(args, env)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        loss, _ = model(batch["aux"], batch["input_ids_dev"], batch["last"], batch["loss_mask"], batch["target_argmax"])
+        loss.backward()
+        clip_grad_norm(params, 0.5)
+        optimizer.step()
+
+    for _ in range(args.warmup):
+        step()
+    if env.device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    all_reduce_sum([0.0], env)  # line the ranks up before the clock starts
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    if env.device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / args.steps
+    peak = torch.cuda.max_memory_allocated() / 2**30 if env.device.type == "cuda" else 0.0
+    slowest, peak_max = _max_over_ranks(seconds, env), _max_over_ranks(peak, env)
+    tokens = args.tokens * env.world_size
+    row = {
+        "gpus": env.world_size, "parallel": mode, "tokens_per_gpu": args.tokens, "step_ms": round(slowest * 1e3, 1),
+        "tokens_per_s": round(tokens / slowest), "peak_GiB": round(peak_max, 2),
+        "MFU": round(tokens * flops_per_token(shape, args.tokens, shape.draft_vocab) / slowest / 1e12 / env.world_size / args.peak_tflops, 3),
+        "device": torch.cuda.get_device_name() if env.device.type == "cuda" else "cpu",
+    }
+    if env.is_main:
+        log.info("%s", row)
+        if args.json:
+            Path(args.json).write_text(json.dumps(row))
+    shutdown(env)
+    return row
+
+
+def _max_over_ranks(value: float, env) -> float:
+    from eagleforge.train.distributed import all_reduce_sum
+
+    return max(all_reduce_sum([value if r == env.rank else 0.0 for r in range(env.world_size)], env))
+
+
+def launch(args) -> list[dict]:
+    """torchrun this script once per GPU count; the rows and a table with the scaling."""
+    rows = []
+    forwarded = ["--tokens", str(args.tokens), "--steps", str(args.steps), "--warmup", str(args.warmup), "--parallel",
+                 args.parallel, "--attention", args.attention, "--peak-tflops", str(args.peak_tflops)] + (["--tiny"] if args.tiny else [])
+    for n in args.launch:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "row.json"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
+                   str(Path(__file__).resolve()), *forwarded, "--json", str(out)]
+            log.info("%s", " ".join(cmd))
+            done = subprocess.run(cmd, check=False)
+            rows.append(json.loads(out.read_text()) if done.returncode == 0 and out.is_file()
+                        else {"gpus": n, "error": f"exit code {done.returncode}"})
+    base = next((r["tokens_per_s"] for r in rows if r.get("gpus") == 1 and "error" not in r), None)
+    print("| GPUs | parallel | tokens/GPU | step ms | tokens/s | scaling vs 1 | peak GiB | MFU |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['gpus']} | {r['error']} | | | | | | |")
+            continue
+        r["scaling"] = round(r["tokens_per_s"] / base, 3) if base else None
+        print(f"| {r['gpus']} | {r['parallel']} | {r['tokens_per_gpu']} | {r['step_ms']} | {r['tokens_per_s']} | "
+              f"{r['scaling']} | {r['peak_GiB']} | {r['MFU']} |")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--launch", type=int, nargs="+", default=None, help="GPU counts to torchrun one after the other")
+    ap.add_argument("--tokens", type=int, default=8192, help="tokens per GPU per step (one sample)")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--parallel", default="auto", choices=["auto", "fsdp", "ddp"])
+    ap.add_argument("--attention", default="auto")
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="MFU denominator (H200 dense bf16)")
+    ap.add_argument("--tiny", action="store_true", help="tiny shape on the CPU (gloo): checks the script")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.tiny:
+        args.tokens = min(args.tokens, 256)
+    if args.launch:
+        return launch(args)
+    if not args.tiny and not torch.cuda.is_available():
+        raise SystemExit("bench_train_dist: no CUDA device (use --tiny on a CPU machine)")
+    return worker(args)
+
+
+if __name__ == "__main__":
+    main()

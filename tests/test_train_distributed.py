@@ -1,0 +1,267 @@
+"""Distributed training on the CPU (gloo, 2 processes): FSDP2 and DDP against one process, and an
+interrupted-and-resumed run against an uninterrupted one, on a tiny real pipeline (random
+Llama target -> shards -> vocab; test_vocab.build_tiny_run)."""
+
+import json
+import shutil
+import socket
+import time
+
+import pytest
+import torch
+
+from eagleforge.train.batching import make_batches, rank_micro_batches
+from test_vocab import build_tiny_run
+
+STOP_AT = 3  # the interrupted run stops (checkpoint, exit) after this step
+WORLD = 2
+SPAWN_TIMEOUT_S = 300
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _configure(cfg, **train):
+    """fp32 everywhere (bf16=false) so that the comparisons can be tight."""
+    cfg.vocab.draft_vocab_size = 60
+    cfg.train.ttt_steps = 3
+    cfg.train.batch_tokens = 120
+    cfg.train.lr = 3e-3
+    cfg.train.warmup_ratio = 0.1
+    cfg.train.holdout_samples = 5
+    cfg.train.log_every = 1
+    cfg.train.epochs = 2
+    cfg.train.save_every = 0
+    cfg.train.keep_last = 2
+    cfg.train.bf16 = False
+    cfg.eval.k = 2
+    for key, value in train.items():
+        setattr(cfg.train, key, value)
+    return cfg
+
+
+def _clone_run(base_cfg, name, **train):
+    """A fresh run directory sharing the base run's shards and vocab, with its own train settings."""
+    import copy
+
+    cfg = copy.deepcopy(base_cfg)
+    run = base_cfg.run.parent / name
+    shutil.rmtree(run, ignore_errors=True)
+    run.mkdir()
+    for part in ("hidden", "vocab"):
+        shutil.copytree(base_cfg.run / part, run / part)
+    cfg.run_dir = str(run)
+    for key, value in train.items():
+        setattr(cfg.train, key, value)
+    return cfg
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, jobs: list) -> None:
+    """One rank: a gloo process group from env:// variables (as torchrun sets them), then the
+    jobs in order: (cfg, stop_after_step) -> train(cfg, stop_after_step)."""
+    import os
+
+    import torch.distributed as dist
+
+    from eagleforge.train.loop import train
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        for cfg, stop_after in jobs:
+            train(cfg, stop_after)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(jobs: list) -> None:
+    """Run `jobs` on WORLD gloo ranks; fails (and kills the ranks) on an error or a hang."""
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(_worker, args=(WORLD, _free_port(), jobs), nprocs=WORLD, join=False, start_method="spawn")
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    try:
+        while not context.join(timeout=5):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"distributed training did not finish in {SPAWN_TIMEOUT_S} s (a hang?)")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+
+
+def _losses(cfg) -> list[tuple[int, float, float]]:
+    import csv
+
+    with open(cfg.run / "train_log.csv", newline="") as f:
+        return [(int(r["step"]), float(r["loss"]), float(r["lr"])) for r in csv.DictReader(f)]
+
+
+def _export(cfg) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(cfg.run / "draft" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The base tiny run, then: fsdp (2 ranks, uninterrupted), fsdp_resumed (2 ranks, stopped
+    after STOP_AT and resumed in fresh processes), ddp (2 ranks), single (1 process, grad_accum 2:
+    the same global batches as 2 ranks x grad_accum 1)."""
+    from transformers import LlamaConfig
+
+    from eagleforge.vocab import main as vocab_main
+
+    config = LlamaConfig(
+        vocab_size=211, hidden_size=48, intermediate_size=80, num_hidden_layers=7,
+        num_attention_heads=3, num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, pad_token_id=0, eos_token_id=2, bos_token_id=1,
+    )
+    tmp = tmp_path_factory.mktemp("dist")
+    base, _, _ = build_tiny_run(tmp, config, n_samples=26, with_argmax=True)
+    _configure(base)
+    vocab_main(base)
+    out = {
+        "base": base,
+        "fsdp": _clone_run(base, "fsdp"),
+        "fsdp_resumed": _clone_run(base, "fsdp_resumed"),
+        "ddp": _clone_run(base, "ddp"),
+        "single": _clone_run(base, "single", grad_accum=2),
+    }
+    # train.parallel is read with getattr until TrainConfig has it: set it as an attribute.
+    out["fsdp"].train.parallel = "fsdp"
+    out["fsdp_resumed"].train.parallel = "fsdp"
+    out["ddp"].train.parallel = "ddp"
+    _spawn([(out["fsdp"], None), (out["fsdp_resumed"], STOP_AT), (out["ddp"], None)])
+    stopped = {"log": _losses(out["fsdp_resumed"]), "checkpoints": sorted(p.name for p in (out["fsdp_resumed"].run / "checkpoints").iterdir())}
+    _spawn([(out["fsdp_resumed"], None)])
+    out["stopped"] = stopped
+    from eagleforge.train.loop import train
+
+    train(out["single"])
+    return out
+
+
+def test_rank_split_sees_each_sample_once_per_epoch():
+    g = torch.Generator().manual_seed(5)
+    lengths = torch.randint(1, 70, (157,), generator=g).tolist()
+    ids = list(range(150))
+    batches = make_batches(lengths, ids, 200, seed=1, epoch=4)
+    for world, accum in ((2, 1), (3, 2), (4, 3)):
+        seen = []
+        per_step = world * accum
+        for start in range(0, len(batches), per_step):
+            step = batches[start : start + per_step]
+            shares = [rank_micro_batches(step, r, world) for r in range(world)]
+            assert len({len(s) for s in shares}) == 1, "every rank must run the same number of micro-batches"
+            for share in shares:
+                seen += [i for b in share if b is not None for i in b]
+        assert sorted(seen) == ids, (world, accum)
+    assert rank_micro_batches([[1], [2], [3]], 1, 2) == [[2], None]
+    with pytest.raises(ValueError, match="rank 2"):
+        rank_micro_batches([[1]], 2, 2)
+
+
+def test_epoch_tail_exercised(runs):
+    """The data gives an epoch with an odd number of batches: rank 1 ran a weight-0 batch."""
+    from eagleforge.shards import ShardReader
+
+    base = runs["base"]
+    reader = ShardReader(base.run / "hidden")
+    n_train = len(reader) - base.train.holdout_samples
+    counts = [len(make_batches(reader.sample_lengths(), list(range(n_train)), base.train.batch_tokens, base.train.seed, e))
+              for e in range(base.train.epochs)]
+    assert any(c % WORLD for c in counts), counts
+    steps = sum(-(-c // WORLD) for c in counts)
+    assert [s for s, _, _ in _losses(runs["fsdp"])] == list(range(1, steps + 1))
+
+
+def test_resumed_run_matches_uninterrupted(runs):
+    full, resumed, stopped = runs["fsdp"], runs["fsdp_resumed"], runs["stopped"]
+    assert stopped["checkpoints"] == [f"step-{STOP_AT:06d}"]
+    assert [s for s, _, _ in stopped["log"]] == list(range(1, STOP_AT + 1))
+    ckpt = resumed.run / "checkpoints" / f"step-{STOP_AT:06d}"
+    if ckpt.exists():  # kept when keep_last allows; written by 2 ranks
+        assert sorted(p.name for p in ckpt.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    a, b = _losses(full), _losses(resumed)
+    assert [s for s, _, _ in a] == [s for s, _, _ in b]
+    for (step, la, lra), (_, lb, lrb) in zip(a, b):
+        assert lb == pytest.approx(la, rel=1e-6, abs=1e-6), (step, la, lb)
+        assert lrb == pytest.approx(lra, rel=1e-9)
+    ea, eb = _export(full), _export(resumed)
+    assert ea.keys() == eb.keys()
+    for name in ea:
+        assert torch.equal(ea[name], eb[name]), name
+    sa = json.loads((full.run / "train_summary.json").read_text())
+    sb = json.loads((resumed.run / "train_summary.json").read_text())
+    assert sa["world_size"] == 2 and sa["parallel"] == "fsdp"
+    assert sb["heldout"]["loss"] == pytest.approx(sa["heldout"]["loss"], rel=1e-6)
+
+
+def _assert_same_curve(a_cfg, b_cfg, rel):
+    a, b = _losses(a_cfg), _losses(b_cfg)
+    assert [s for s, _, _ in a] == [s for s, _, _ in b]
+    for (step, la, _), (_, lb, _) in zip(a, b):
+        assert lb == pytest.approx(la, rel=rel), (step, la, lb)
+    assert b[-1][1] < 0.8 * a[0][1], "the loss should fall"
+    ea, eb = _export(a_cfg), _export(b_cfg)
+    for name in ea:
+        torch.testing.assert_close(eb[name].float(), ea[name].float(), rtol=0.02, atol=2e-3)
+
+
+def test_two_ranks_fsdp_match_one_process(runs):
+    """Same global batch (2 ranks x grad_accum 1 vs 1 process x grad_accum 2): same loss curve."""
+    _assert_same_curve(runs["single"], runs["fsdp"], rel=1e-5)
+    single = json.loads((runs["single"].run / "train_summary.json").read_text())
+    fsdp = json.loads((runs["fsdp"].run / "train_summary.json").read_text())
+    assert fsdp["train_tokens"] == single["train_tokens"]
+    assert fsdp["heldout"]["tokens"] == single["heldout"]["tokens"]
+    assert fsdp["heldout"]["loss"] == pytest.approx(single["heldout"]["loss"], rel=1e-5)
+
+
+def test_two_ranks_ddp_match_one_process(runs):
+    _assert_same_curve(runs["single"], runs["ddp"], rel=1e-5)
+    summary = json.loads((runs["ddp"].run / "train_summary.json").read_text())
+    assert (summary["world_size"], summary["parallel"]) == (2, "ddp")
+
+
+def test_two_rank_checkpoint_resumes_on_one_process(runs, tmp_path):
+    """DCP reshards: the 2-rank checkpoint after STOP_AT resumes in one process (grad_accum 2)
+    and continues the 2-rank loss curve; the export loads from the sharded checkpoint."""
+    from eagleforge.train.checkpoint import export_checkpoint, load_model_weights
+    from eagleforge.train.loop import train
+
+    cfg = _clone_run(runs["base"], "one_from_two", grad_accum=2)
+    source = runs["fsdp_resumed"].run
+    final = sorted((source / "checkpoints").iterdir())[-1]
+    weights = load_model_weights(final)
+    assert "fc.weight" in weights and not any(k.startswith("draft.") for k in weights)
+    export_checkpoint(final, tmp_path / "draft")
+    from safetensors.torch import load_file
+
+    exported = load_file(str(tmp_path / "draft" / "model.safetensors"))
+    assert torch.equal(exported["fc.weight"], weights["fc.weight"].bfloat16())
+    assert torch.equal(exported["fc.weight"], _export(runs["fsdp_resumed"])["fc.weight"])
+
+    # resume the STOP_AT checkpoint of the 2-rank run on one process
+    stopped = source / "checkpoints" / f"step-{STOP_AT:06d}"
+    assert stopped.is_dir(), "keep_last=2 keeps the STOP_AT checkpoint beside the final one"
+    shutil.copytree(stopped, cfg.run / "checkpoints" / stopped.name)
+    train(cfg)
+    a, b = _losses(runs["fsdp"]), _losses(cfg)
+    assert [s for s, _, _ in b] == [s for s, _, _ in a[STOP_AT:]]  # a fresh log from the resumed step on
+    for (step, la, _), (_, lb, _) in zip(a[STOP_AT:], b):
+        assert lb == pytest.approx(la, rel=1e-5), (step, la, lb)
