@@ -40,11 +40,29 @@ manifest.json:
 
 `skipped_ids` are samples of the chunk that were not written (NaN/Inf states); the chunk is
 complete when sample_ids + skipped_ids are exactly its ids.
+
+fp8 storage (optional extension of DESIGN section 4; bf16 stays the default): with
+storage_dtype "float8_e4m3fn" the two hidden-state tensors are stored as e4m3 values scaled per
+token and per aux layer, plus their fp32 scales:
+
+    aux_hidden_states        float8_e4m3fn  [N, k*H]   value / scale, saturated at +-448
+    aux_hidden_states_scale  float32        [N, k]     amax over the layer's H columns / 448
+    last_hidden_state        float8_e4m3fn  [N, H]
+    last_hidden_state_scale  float32        [N, 1]
+
+Bytes per token (k + 1) * (H + 4) instead of (k + 1) * 2H. ShardReader returns the dequantized
+states as bfloat16 (value * scale), so a reader of a sample never sees the scales.
+
+Integrity: a reader checks every shard's byte size (and sha256 on request); a failing shard is an
+error naming the file, or, with `skip_corrupt`, left out with a warning and counted. File names
+in a manifest must be plain shard file names (no directory part, no `..`): a manifest can never
+make a reader or writer touch a file outside its directory.
 """
 
 from __future__ import annotations
 
 import bisect
+import errno
 import hashlib
 import json
 import logging
@@ -74,6 +92,14 @@ STORAGE_DTYPES = {
 _HEADER_KEYS = ("format_version", "target", "aux_layer_ids", "storage_dtype", "has_target_argmax")
 _TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state", "target_argmax")
 _PART_RE = re.compile(r"^manifest-g(\d+)\.json$")
+# What a manifest may name as a shard file: a plain name in the hidden directory, never a path.
+_SHARD_FILE_RE = re.compile(r"^shard-(?:g\d+-)?\d+\.safetensors$")
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+SCALE_SUFFIX = "_scale"  # fp8 storage: aux_hidden_states_scale, last_hidden_state_scale
+# A write that fails for lack of room: a clear error naming the file, not a traceback.
+_DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)}
+_OS_ERROR_RE = re.compile(r"os error (\d+)")
 MAX_OPEN_SHARDS = 64  # per reader and process
 
 
@@ -104,12 +130,38 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def disk_full_errno(err: BaseException) -> int | None:
+    """The errno of a write that failed for lack of room (ENOSPC, EFBIG, EDQUOT), else None.
+
+    safetensors' Rust writer raises SafetensorError("... (os error 28)") instead of OSError.
+    """
+    code = err.errno if isinstance(err, OSError) else None
+    if code is None and type(err).__name__ == "SafetensorError":
+        match = _OS_ERROR_RE.search(str(err))
+        code = int(match.group(1)) if match else None
+    return code if code in _DISK_FULL_ERRNOS else None
+
+
+def _disk_full_error(path: Path, code: int) -> UserInputError:
+    return UserInputError(
+        f"{path}: cannot write, {os.strerror(code).lower()} (errno {errno.errorcode.get(code, code)}: "
+        f"no space left / file too large); nothing partial was kept, free space and rerun to resume"
+    )
+
+
 def _write_json_atomic(path: Path, data: dict) -> None:
     tmp = path.with_name(f".tmp-{path.name}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        tmp.unlink(missing_ok=True)  # the old manifest stays as it was
+        code = disk_full_errno(err)
+        if code is not None:
+            raise _disk_full_error(path, code) from None
+        raise
     os.replace(tmp, path)
     _fsync_dir(path.parent)
 
@@ -117,11 +169,62 @@ def _write_json_atomic(path: Path, data: dict) -> None:
 def _read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise UserInputError(f"{path}: not valid JSON ({err})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+        raise UserInputError(f"{path}: not valid JSON ({type(err).__name__}: {str(err)[:200]})") from None
     if not isinstance(data, dict) or not isinstance(data.get("shards"), list):
         raise UserInputError(f"{path}: not a shard manifest (no 'shards' list)")
+    _check_manifest_header(data, path)
+    for position, entry in enumerate(data["shards"]):
+        _check_entry(entry, position, path)
     return data
+
+
+def _check_manifest_header(data: dict, path: Path) -> None:
+    """The header fields readers use have the types the writer gives them."""
+    def bad(key: str, want: str) -> UserInputError:
+        return UserInputError(f"{path}: '{key}' must be {want}, got {data.get(key)!r:.80}")
+
+    if "format_version" in data and data["format_version"] != FORMAT_VERSION:
+        raise bad("format_version", str(FORMAT_VERSION))
+    if "storage_dtype" in data and data["storage_dtype"] not in list(STORAGE_DTYPES):
+        raise bad("storage_dtype", f"one of {list(STORAGE_DTYPES)}")
+    aux = data.get("aux_layer_ids", [])
+    if not isinstance(aux, list) or not all(type(i) is int for i in aux):
+        raise bad("aux_layer_ids", "a list of integers")
+    target = data.get("target", {})
+    if not isinstance(target, dict) or not all(
+            type(target[k]) is int and target[k] > 0 for k in ("num_layers", "hidden_size", "vocab_size") if k in target):
+        raise bad("target", "an object with positive integer num_layers, hidden_size, vocab_size")
+
+
+# Fields every manifest shard entry needs, and their types (bool is refused where int is asked).
+_ENTRY_FIELDS = {"file": str, "index": int, "samples": int, "tokens": int, "bytes": int, "sha256": str,
+                 "sample_ids": list}
+
+
+def _check_entry(entry: object, position: int, path: Path) -> None:
+    """A manifest shard entry is well formed and names a plain shard file (never a path)."""
+    where = f"{path}: shards[{position}]"
+    if not isinstance(entry, dict):
+        raise UserInputError(f"{where} is {type(entry).__name__}, not an object")
+    for key, typ in _ENTRY_FIELDS.items():
+        value = entry.get(key)
+        if not isinstance(value, typ) or isinstance(value, bool):
+            raise UserInputError(f"{where}: '{key}' must be {typ.__name__}, got {value!r:.80}")
+    name = entry["file"]
+    if not _SHARD_FILE_RE.fullmatch(name) or Path(name).name != name:
+        raise UserInputError(
+            f"{where}: file {name!r:.80} is not a shard file name (shard-NNNNN.safetensors or "
+            f"shard-gG-NNNNN.safetensors, no directory part); refusing to read or write outside {path.parent}"
+        )
+    skipped = entry.get("skipped_ids", [])
+    if not isinstance(skipped, list) or not all(type(i) is int for i in entry["sample_ids"] + skipped):
+        raise UserInputError(f"{where}: sample_ids / skipped_ids must be lists of integers")
+    if len(entry["sample_ids"]) != entry["samples"] or min(entry["samples"], entry["tokens"], entry["bytes"]) < 0:
+        raise UserInputError(
+            f"{where}: {entry['samples']} samples but {len(entry['sample_ids'])} sample_ids "
+            f"(tokens {entry['tokens']}, bytes {entry['bytes']})"
+        )
 
 
 def _check_header(expected: dict, found: dict, path: Path) -> None:
@@ -177,6 +280,33 @@ def merge_manifests(hidden_dir: str | os.PathLike) -> dict:
     merged = load_manifest(hidden_dir)
     _write_json_atomic(hidden_dir / MANIFEST, merged)
     return merged
+
+
+def quantize_fp8(x: torch.Tensor, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, D] -> (e4m3 [N, D], fp32 scales [N, D / block]); block defaults to D (one scale a token).
+
+    scale = amax(|x| over the block) / 448, so every block uses the full e4m3 range; all-zero
+    blocks get scale 1 (stored zeros stay zeros). Non-finite inputs stay non-finite in the scale.
+    """
+    N, D = x.shape
+    block = block or D
+    if block < 1 or D % block:
+        raise ValueError(f"quantize_fp8: {D} columns are not a multiple of the scale block {block}")
+    blocks = x.float().reshape(N, D // block, block)
+    amax = blocks.abs().amax(-1)  # [N, D/block]
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # A cast to float8 does not saturate (out-of-range values become NaN): clamp first.
+    q = (blocks / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.reshape(N, D), scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """(e4m3 [N, D], fp32 [N, D / block]) -> dtype [N, D]: value * scale of its block, in fp32."""
+    N, D = q.shape
+    if scale.dim() != 2 or scale.shape[0] != N or scale.shape[1] < 1 or D % scale.shape[1]:
+        raise ValueError(f"dequantize_fp8: scales {tuple(scale.shape)} do not fit values {tuple(q.shape)}")
+    blocks = q.float().reshape(N, scale.shape[1], -1) * scale.float().unsqueeze(-1)
+    return blocks.reshape(N, D).to(dtype)
 
 
 class ShardWriter:
@@ -275,8 +405,11 @@ class ShardWriter:
             os.chmod(tmp, 0o666 & ~_umask())
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
-        except BaseException:
+        except BaseException as err:
             tmp.unlink(missing_ok=True)  # never leave a partial shard behind
+            code = disk_full_errno(err)
+            if code is not None:
+                raise _disk_full_error(tmp.with_name(tmp.name.removeprefix(".tmp-")), code) from None
             raise
 
     def _pack(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -297,6 +430,8 @@ class ShardWriter:
             "last_hidden_state": self._cat_hidden(samples, "last_hidden_state", dtype),
             "sample_offsets": offsets,
         }
+        if dtype == FP8_DTYPE:
+            self._quantize(out)
         if with_argmax:
             out["target_argmax"] = self._cat(samples, "target_argmax", torch.int32, (0,))
         return out
@@ -312,29 +447,52 @@ class ShardWriter:
             width = self.header.get("target", {}).get("hidden_size", 0)
             width *= len(self.header["aux_layer_ids"]) if key == "aux_hidden_states" else 1
             return torch.zeros((0, width), dtype=dtype)
-        parts = [s[key].to("cpu") for s in samples]
-        if dtype == torch.float8_e4m3fn:
-            # A cast to float8 does not saturate (out-of-range values become NaN): clamp first.
-            limit = torch.finfo(dtype).max
-            parts = [p.float().clamp(-limit, limit) for p in parts]
-        return torch.cat([p.to(dtype) for p in parts]).contiguous()
+        if dtype == FP8_DTYPE:
+            dtype = torch.float32  # quantized as a whole by _quantize, with its scales
+        return torch.cat([s[key].to("cpu", dtype) for s in samples]).contiguous()
+
+    def _quantize(self, out: dict[str, torch.Tensor]) -> None:
+        """fp8 storage: each token's aux layers (blocks of H columns) and its last state scaled
+        to e4m3's range; the scales go beside the values as `<name>_scale` fp32 [N, blocks]."""
+        k = len(self.header["aux_layer_ids"])
+        for key, blocks in (("aux_hidden_states", k), ("last_hidden_state", 1)):
+            width = out[key].shape[1]
+            if width % blocks:
+                raise ValueError(f"{key} has {width} columns, not a multiple of its {blocks} aux layers")
+            out[key], out[key + SCALE_SUFFIX] = quantize_fp8(out[key], width // blocks if width else 1)
 
 
 class ShardReader:
     """Random access to the samples of a hidden-state directory, memory-mapped.
 
     Checks on open that every shard named in the manifest exists with its recorded byte size
-    (and sha256 when `verify_checksums`); raises UserInputError naming the file otherwise.
-    Files are opened lazily with safetensors' safe_open (mmap) and rows are sliced, so only the
-    requested sample is read. Safe to use in DataLoader workers (handles are per process).
+    (and sha256 when `verify_checksums`); raises UserInputError naming the file otherwise, or,
+    with `skip_corrupt`, leaves the shard out with a warning naming it: `skipped_shards` lists
+    their file names and `skipped_samples` counts the samples they held. Files are opened lazily
+    with safetensors' safe_open (mmap) and rows are sliced, so only the requested sample is read.
+    fp8 shards are dequantized to bfloat16 on read. Safe to use in DataLoader workers (handles
+    are per process).
     """
 
-    def __init__(self, hidden_dir: str | os.PathLike, verify_checksums: bool = False):
+    def __init__(self, hidden_dir: str | os.PathLike, verify_checksums: bool = False, skip_corrupt: bool = False):
         self.hidden_dir = Path(hidden_dir)
         self.manifest = load_manifest(self.hidden_dir)
-        self.shards = self.manifest["shards"]
-        for entry in self.shards:
-            self._verify(entry, verify_checksums)
+        self.skipped_shards: list[str] = []
+        self.skipped_samples = 0
+        self.shards = []
+        for entry in self.manifest["shards"]:
+            problem = self._problem(entry, verify_checksums)
+            if problem is None:
+                self.shards.append(entry)
+            elif skip_corrupt:
+                log.warning("%s; skipping it and its %d samples (skip_corrupt)", problem, entry["samples"])
+                self.skipped_shards.append(entry["file"])
+                self.skipped_samples += entry["samples"]
+            else:
+                raise UserInputError(problem)
+        if self.skipped_shards:
+            log.warning("%s: skipped %d corrupt shards holding %d samples: %s", self.hidden_dir,
+                        len(self.skipped_shards), self.skipped_samples, ", ".join(self.skipped_shards))
         counts = [e["samples"] for e in self.shards]
         self._starts = [0]
         for n in counts:
@@ -343,17 +501,19 @@ class ShardReader:
         self._offsets: dict[int, list[int]] = {}
         self._pid = os.getpid()
 
-    def _verify(self, entry: dict, verify_checksums: bool) -> None:
+    def _problem(self, entry: dict, verify_checksums: bool) -> str | None:
+        """Why the shard of `entry` cannot be used (missing, wrong size, wrong sha256), or None."""
         path = self.hidden_dir / entry["file"]
         if not path.is_file():
-            raise UserInputError(f"{path}: shard listed in the manifest is missing")
+            return f"{path}: shard listed in the manifest is missing"
         size = path.stat().st_size
         if size != entry["bytes"]:
-            raise UserInputError(f"{path}: shard is {size} bytes, the manifest records {entry['bytes']} (truncated?)")
+            return f"{path}: shard is {size} bytes, the manifest records {entry['bytes']} (truncated?)"
         if verify_checksums:
             digest = file_sha256(path)
             if digest != entry["sha256"]:
-                raise UserInputError(f"{path}: sha256 {digest} does not match the manifest's {entry['sha256']} (corrupt)")
+                return f"{path}: sha256 {digest} does not match the manifest's {entry['sha256']} (corrupt)"
+        return None
 
     def __len__(self) -> int:
         return self._starts[-1]
@@ -366,16 +526,27 @@ class ShardReader:
         if shard not in self._handles:
             if len(self._handles) >= MAX_OPEN_SHARDS:  # bound open files and mappings: drop the oldest
                 self._handles.pop(next(iter(self._handles)))
-            self._handles[shard] = safe_open(str(self.hidden_dir / self.shards[shard]["file"]), framework="pt")
+            path = self.hidden_dir / self.shards[shard]["file"]
+            try:
+                self._handles[shard] = safe_open(str(path), framework="pt")
+            except Exception as err:  # SafetensorError: a damaged header that kept the file's size
+                raise UserInputError(f"{path}: not a readable safetensors file ({str(err)[:200]}); "
+                                     f"verify with train.verify_checksums=true") from None
         return self._handles[shard]
 
     def _shard_offsets(self, shard: int) -> list[int]:
         if shard not in self._offsets:
-            offsets = self._handle(shard).get_tensor("sample_offsets").tolist()
-            if len(offsets) != self.shards[shard]["samples"] + 1:
+            path = self.hidden_dir / self.shards[shard]["file"]
+            try:
+                offsets = self._handle(shard).get_tensor("sample_offsets").tolist()
+            except UserInputError:
+                raise
+            except Exception as err:
+                raise UserInputError(f"{path}: cannot read sample_offsets ({str(err)[:200]})") from None
+            if len(offsets) != self.shards[shard]["samples"] + 1 or offsets != sorted(offsets) or offsets[0] != 0:
                 raise UserInputError(
-                    f"{self.hidden_dir / self.shards[shard]['file']}: {len(offsets) - 1} samples, "
-                    f"the manifest records {self.shards[shard]['samples']}"
+                    f"{path}: sample_offsets {offsets[:4]}... ({len(offsets) - 1} samples) do not fit "
+                    f"the manifest's {self.shards[shard]['samples']} samples"
                 )
             self._offsets[shard] = offsets
         return self._offsets[shard]
@@ -394,7 +565,15 @@ class ShardReader:
         begin, end = offsets[j], offsets[j + 1]
         f = self._handle(shard)
         keys = set(f.keys())
-        return {key: f.get_slice(key)[begin:end] for key in _TENSORS if key in keys}
+        try:
+            sample = {key: f.get_slice(key)[begin:end] for key in _TENSORS if key in keys}
+            for key in ("aux_hidden_states", "last_hidden_state"):
+                if key + SCALE_SUFFIX in keys:  # fp8 storage: values [n, D] times scales [n, blocks]
+                    sample[key] = dequantize_fp8(sample[key], f.get_slice(key + SCALE_SUFFIX)[begin:end])
+        except Exception as err:  # a slice past a damaged header's bounds, a wrong dtype
+            raise UserInputError(f"{self.hidden_dir / self.shards[shard]['file']}: cannot read sample {j} "
+                                 f"({type(err).__name__}: {str(err)[:200]})") from None
+        return sample
 
     def sample_lengths(self) -> list[int]:
         lengths: list[int] = []

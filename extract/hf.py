@@ -28,6 +28,7 @@ from ..config import Config, UserInputError, save_config
 from ..shards import ShardWriter, load_manifest, merge_manifests
 from ..target import decoder_layers, default_aux_layers, final_norm, load_target, resolve_device, target_path, text_config
 from .capture import HiddenStateCapture
+from .writer import BatchRows, ShardSink, make_writer, writer_summary
 
 log = logging.getLogger(__name__)
 
@@ -59,22 +60,49 @@ def _barrier() -> None:
 
 
 def _load_samples(run_dir: Path) -> list[dict]:
-    """RUN/data/samples.jsonl rows {"id", "input_ids", "loss_mask"} in id order, checked."""
+    """RUN/data/samples.jsonl rows {"id", "input_ids", "loss_mask"} (checked by check_samples)."""
     from ..data import load_samples
 
-    samples = sorted(load_samples(run_dir), key=lambda row: int(row["id"]))
-    seen = set()
-    for row in samples:
-        sample_id = int(row["id"])
+    return load_samples(run_dir)
+
+
+def check_samples(rows: list[dict], source: Path | str, vocab_size: int, max_length: int,
+                  overlong: str = "truncate") -> list[dict]:
+    """Rows in id order, each checked, before any forward: a bad row is a UserInputError naming
+    `source` and the sample, never an IndexError deep inside the target's embedding.
+
+    Checked: integer ids (not bool), unique; a non-empty input_ids list of ints in [0, vocab_size);
+    a loss_mask of 0/1 of the same length. Rows longer than `max_length` (data.max_length, which
+    the manifest records) are cut to it (overlong "truncate") or left out ("drop"), and counted.
+    """
+    checked, seen, cut, dropped = [], set(), 0, []
+    for row in rows:
+        sample_id = row.get("id") if isinstance(row, dict) else None
+        if type(sample_id) is not int:
+            raise UserInputError(f"{source}: sample id {sample_id!r:.40} is not an integer")
         if sample_id in seen:
-            raise UserInputError(f"{run_dir / 'data' / 'samples.jsonl'}: sample id {sample_id} appears twice")
+            raise UserInputError(f"{source}: sample id {sample_id} appears twice")
         seen.add(sample_id)
-        n, m = len(row["input_ids"]), len(row["loss_mask"])
-        if n == 0 or n != m:
-            raise UserInputError(
-                f"{run_dir / 'data' / 'samples.jsonl'}: sample {sample_id} has {n} input_ids and {m} loss_mask entries"
-            )
-    return samples
+        ids, mask = row.get("input_ids"), row.get("loss_mask")
+        where = f"{source}: sample {sample_id}"
+        if not isinstance(ids, list) or not ids:
+            raise UserInputError(f"{where}: input_ids must be a non-empty list, got {str(ids)[:40]}")
+        bad = [t for t in ids if type(t) is not int or not 0 <= t < vocab_size]
+        if bad:
+            raise UserInputError(f"{where}: token id {bad[0]!r:.40} is not in the target's vocabulary [0, {vocab_size})")
+        if not isinstance(mask, list) or len(mask) != len(ids) or not all(type(m) is int and m in (0, 1) for m in mask):
+            raise UserInputError(f"{where}: loss_mask must be {len(ids)} values of 0 or 1, got {str(mask)[:60]}")
+        if len(ids) > max_length:
+            if overlong == "drop":
+                dropped.append(sample_id)
+                continue
+            cut += 1
+            ids, mask = ids[:max_length], mask[:max_length]
+        checked.append({"id": sample_id, "input_ids": ids, "loss_mask": mask})
+    if cut or dropped:
+        log.warning("%s: %d samples longer than data.max_length=%d truncated, %d dropped%s", source, cut,
+                    max_length, len(dropped), f" (ids {dropped[:10]})" if dropped else "")
+    return sorted(checked, key=lambda row: row["id"])
 
 
 def batch_by_tokens(lengths: list[int], batch_tokens: int) -> list[list[int]]:
@@ -96,11 +124,13 @@ def batch_by_tokens(lengths: list[int], batch_tokens: int) -> list[list[int]]:
 
 @torch.inference_mode()
 def forward_batch(model, capture: HiddenStateCapture, input_ids: list[list[int]], pad_id: int,
-                  device: torch.device, write_target_argmax: bool) -> list[dict[str, torch.Tensor]]:
-    """One right-padded forward of the base model; per sample, its unpadded states on the CPU.
+                  device: torch.device, write_target_argmax: bool) -> dict[str, torch.Tensor]:
+    """One right-padded forward of the base model; the samples' unpadded rows packed end to end.
 
-    Returns dicts with aux_hidden_states [n, k*H], last_hidden_state [n, H] (compute dtype) and
-    target_argmax [n] int32 when asked.
+    Returns, on `device` (no host sync: the copy to the host is the writer's, overlapped),
+    aux_hidden_states [sum n, k*H], last_hidden_state [sum n, H] (compute dtype) and
+    target_argmax [sum n] int32 when asked; sample b is rows sum(n[:b]) : sum(n[:b+1])
+    (`extract.writer.split_rows`).
     """
     lengths = [len(ids) for ids in input_ids]
     batch, width = len(input_ids), max(lengths)
@@ -115,20 +145,13 @@ def forward_batch(model, capture: HiddenStateCapture, input_ids: list[list[int]]
     base = getattr(model, "base_model", model)
     base(input_ids=tokens.to(device), attention_mask=mask.to(device), use_cache=False)
     aux, last = capture.aux_hidden_states, capture.last_hidden_state  # [B, T, k*H], [B, T, H]
-    valid = mask.to(device).bool()
-    argmax = _target_argmax(model, last[valid]) if write_target_argmax else None  # [sum n]
     capture.clear()
-    # One device-to-host copy per tensor, then per-sample views (no-ops on the CPU).
-    aux, last = aux.cpu(), last.cpu()
-    argmax = argmax.cpu() if argmax is not None else None
-    out, start = [], 0
-    for b, n in enumerate(lengths):
-        sample = {"aux_hidden_states": aux[b, :n], "last_hidden_state": last[b, :n]}
-        if argmax is not None:
-            sample["target_argmax"] = argmax[start : start + n]
-        start += n
-        out.append(sample)
-    return out
+    # Unpadded rows by slicing (lengths are known on the host): unlike a boolean mask, no sync.
+    packed = {"aux_hidden_states": torch.cat([aux[b, :n] for b, n in enumerate(lengths)]),  # [sum n, k*H]
+              "last_hidden_state": torch.cat([last[b, :n] for b, n in enumerate(lengths)])}  # [sum n, H]
+    if write_target_argmax:
+        packed["target_argmax"] = _target_argmax(model, packed["last_hidden_state"])  # [sum n]
+    return packed
 
 
 def _target_argmax(model, last_hidden: torch.Tensor) -> torch.Tensor:
@@ -173,32 +196,17 @@ def _aux_layers(cfg: Config, num_layers: int) -> list[int]:
     return sorted(aux)
 
 
-def _is_finite(sample: dict[str, torch.Tensor]) -> bool:
-    return bool(torch.isfinite(sample["aux_hidden_states"]).all() and torch.isfinite(sample["last_hidden_state"]).all())
-
-
-def extract_chunk(model, capture, chunk: list[dict], cfg: Config, pad_id: int, device: torch.device,
-                  progress: tqdm | None = None) -> tuple[list[dict], list[int], list[int]]:
-    """(samples to write, their ids, skipped ids) for one chunk, samples in id order."""
+def extract_chunk(model, capture, index: int, chunk: list[dict], cfg: Config, pad_id: int, device: torch.device,
+                  writer, progress: tqdm | None = None) -> None:
+    """Forward chunk `index` (rows in id order) batch by batch and submit each batch's rows to
+    `writer` (OverlappedWriter or InlineWriter around a ShardSink, which writes the shard)."""
     lengths = [len(row["input_ids"]) for row in chunk]
-    results: list[dict | None] = [None] * len(chunk)
     for positions in batch_by_tokens(lengths, cfg.extract.batch_tokens):
-        states = forward_batch(model, capture, [chunk[j]["input_ids"] for j in positions], pad_id, device,
+        packed = forward_batch(model, capture, [chunk[j]["input_ids"] for j in positions], pad_id, device,
                                cfg.extract.write_target_argmax)
-        for j, state in zip(positions, states):
-            results[j] = state
+        writer.submit(packed, BatchRows(index, chunk, positions))
         if progress is not None:
             progress.update(sum(lengths[j] for j in positions))
-    written, ids, skipped = [], [], []
-    for row, state in zip(chunk, results):
-        if not _is_finite(state):
-            skipped.append(int(row["id"]))
-            continue
-        state["input_ids"] = torch.tensor(row["input_ids"], dtype=torch.int32)
-        state["loss_mask"] = torch.tensor(row["loss_mask"], dtype=torch.uint8)
-        written.append(state)
-        ids.append(int(row["id"]))
-    return written, ids, skipped
 
 
 def extract_hf(cfg: Config) -> dict | None:
@@ -224,34 +232,36 @@ def _extract(cfg: Config, device: torch.device, rank: int, world: int, start_s: 
         save_config(cfg, run_dir / "config.yaml")
     samples = _load_samples(run_dir)
     model, tokenizer = load_target(cfg.target, device=device)
+    samples = check_samples(samples, run_dir / "data" / "samples.jsonl", int(text_config(model.config).vocab_size),
+                            cfg.data.max_length, cfg.data.overlong)
     num_layers = int(text_config(model.config).num_hidden_layers)
     aux_layers = _aux_layers(cfg, num_layers)
     pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
-    writer = ShardWriter(hidden_dir, _header(cfg, model, tokenizer, aux_layers), cfg.extract.storage_dtype,
+    shard_writer = ShardWriter(hidden_dir, _header(cfg, model, tokenizer, aux_layers), cfg.extract.storage_dtype,
                          group=rank if world > 1 else None)
     size = cfg.extract.samples_per_shard
     chunks = [samples[i : i + size] for i in range(0, len(samples), size)]
     # Chunk c belongs to group c % world; resume skips chunks that some manifest already lists.
     mine = [(c, chunk) for c, chunk in enumerate(chunks) if c % world == rank]
-    todo = [(c, chunk) for c, chunk in mine if not writer.is_complete(c, [row["id"] for row in chunk])]
+    todo = [(c, chunk) for c, chunk in mine if not shard_writer.is_complete(c, [row["id"] for row in chunk])]
     if rank == 0:
         log.info("%d samples in %d chunks; group %d/%d has %d chunks, %d already done; aux layers %s",
                  len(samples), len(chunks), rank, world, len(mine), len(mine) - len(todo), aux_layers)
     total_tokens = sum(len(row["input_ids"]) for _, chunk in todo for row in chunk)
-    skipped_here = 0
+    sink = ShardSink(shard_writer)
+    # The writer thread copies and writes chunk c while the forwards of chunk c+1 run.
     with HiddenStateCapture(decoder_layers(model), aux_layers, final_norm(model)) as capture, \
+            make_writer(sink, getattr(cfg.extract, "overlap_writes", True)) as out, \
             tqdm(total=total_tokens, unit="tok", unit_scale=True, desc="extract", disable=rank != 0) as progress:
         for c, chunk in todo:
-            written, ids, skipped = extract_chunk(model, capture, chunk, cfg, pad_id, device, progress)
-            if skipped:
-                log.warning("chunk %d: skipped %d samples with NaN/Inf hidden states: %s", c, len(skipped), skipped)
-            skipped_here += len(skipped)
-            writer.write_shard(c, written, ids, skipped)
+            extract_chunk(model, capture, c, chunk, cfg, pad_id, device, out, progress)
+        stats = out.close()  # drains the queue: every shard is on disk, or its error raised here
+    log.info(writer_summary(stats, time.perf_counter() - start_s))
     _barrier()
     if rank != 0:
         return None
     manifest = merge_manifests(hidden_dir) if world > 1 else load_manifest(hidden_dir)
-    _report(manifest, hidden_dir, skipped_here, time.perf_counter() - start_s)
+    _report(manifest, hidden_dir, sink.skipped, time.perf_counter() - start_s)
     return manifest
 
 

@@ -7,13 +7,21 @@ and queues them; one writer thread waits for each copy's event and hands the hos
 when the disk is slower than the GPU the queue fills and `submit` blocks; the time it blocked is
 `stats.submit_blocked_s`, the number a benchmark reports as "the GPU waited on the disk".
 
-Pinned buffers are taken from a small pool keyed by (shape, dtype) and returned after the sink
-has run, so a sink must not keep references to the tensors it is given (copy what it keeps).
-On the CPU, `submit` clones instead (nothing to overlap with).
+Pinned buffers are flat byte buffers taken from a small pool (best fit by size, since every
+batch packs a different number of rows) and returned after the sink has run, so a sink must not
+keep references to the tensors it is given (copy what it keeps). On the CPU, `submit` clones
+instead; the writer thread still overlaps serialization and the disk with the next forwards.
+
+ShardSink: the sink the extractors use. A chunk (one shard) is extracted in several batches;
+each batch's rows are submitted packed ([sum n, D], samples end to end) with a BatchRows meta;
+the sink gathers a chunk's batches, leaves out samples with NaN/Inf states (counted), and writes
+the shard through ShardWriter when the chunk's last batch arrives. InlineWriter runs the same
+sink synchronously (extract.overlap_writes=false): the same bytes, no thread.
 
 fp8 storage (e4m3, one fp32 scale per token and per block of columns, block = H so each aux
-layer of a token gets its own scale): `quantize_fp8` / `dequantize_fp8`; bytes per token
-(k + 1) * H * 1 + 4 * (k + 1) instead of (k + 1) * H * 2. The reader multiplies back.
+layer of a token gets its own scale): `quantize_fp8` / `dequantize_fp8`, defined with the shard
+format in core/shards.py; bytes per token (k + 1) * (H + 4) instead of (k + 1) * 2H. The reader
+multiplies back.
 """
 
 from __future__ import annotations
@@ -27,10 +35,12 @@ from typing import Any, Callable
 
 import torch
 
+from ..config import ConfigError, UserInputError
+# The fp8 format lives with the shard format (core/shards.py); re-exported here for writers.
+from ..shards import FP8_DTYPE, FP8_MAX, dequantize_fp8, quantize_fp8  # noqa: F401
+
 log = logging.getLogger(__name__)
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite e4m3fn value
 
 
 @dataclass
@@ -61,8 +71,9 @@ class OverlappedWriter:
         self.sink = sink
         self.stats = WriterStats()
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
-        self._pool: dict[tuple, list[torch.Tensor]] = {}
-        self._pool_size = pool_size if pool_size is not None else max_pending + 2
+        self._free: list[torch.Tensor] = []  # pinned flat byte buffers not in use
+        # buffers, not items: an item is a few tensors (aux, last, argmax)
+        self._pool_size = pool_size if pool_size is not None else 4 * (max_pending + 2)
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._stream = None
@@ -74,7 +85,7 @@ class OverlappedWriter:
     def submit(self, tensors: dict[str, torch.Tensor], meta: Any = None) -> None:
         """Queue device -> host copies of `tensors`; returns once they are enqueued (not copied)."""
         self._raise_if_failed()
-        event, host = None, {}
+        event, host, bases = None, {}, []
         on_cuda = any(t.is_cuda for t in tensors.values())
         if on_cuda:
             if self._stream is None:
@@ -83,31 +94,37 @@ class OverlappedWriter:
             self._stream.wait_stream(compute)  # the copies start after the forward that made the tensors
             with torch.cuda.stream(self._stream):
                 for name, t in tensors.items():
-                    buf = self._take(t.shape, t.dtype)
+                    base, buf = self._take(t.shape, t.dtype)
                     buf.copy_(t, non_blocking=True)
                     t.record_stream(self._stream)  # keep the source alive until the copy ran
                     host[name] = buf
+                    bases.append(base)
                 event = torch.cuda.Event()
                 event.record(self._stream)
         else:
             host = {name: t.detach().clone() for name, t in tensors.items()}
         start = time.perf_counter()
-        self._queue.put((event, host, meta))
+        self._queue.put((event, host, bases, meta))
         self.stats.submit_blocked_s += time.perf_counter() - start
 
-    def _take(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    def _take(self, shape: torch.Size, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(flat pinned uint8 base, a [shape] dtype view of its start): the smallest free buffer
+        that is large enough, else a new one with 25% headroom (batches vary in rows)."""
+        count = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = max(1, count)
         with self._lock:
-            free = self._pool.get((tuple(shape), dtype))
-            if free:
-                return free.pop()
-        return torch.empty(shape, dtype=dtype, pin_memory=True)
+            fits = [b for b in self._free if b.numel() >= nbytes]
+            base = min(fits, key=lambda b: b.numel()) if fits else None
+            if base is not None:
+                self._free.remove(base)
+        if base is None:
+            base = torch.empty(nbytes + nbytes // 4, dtype=torch.uint8, pin_memory=True)
+        return base, base[:count].view(dtype).view(shape)
 
-    def _give_back(self, host: dict[str, torch.Tensor]) -> None:
+    def _give_back(self, bases: list[torch.Tensor]) -> None:
         with self._lock:
-            for t in host.values():
-                free = self._pool.setdefault((tuple(t.shape), t.dtype), [])
-                if t.is_pinned() and len(free) < self._pool_size:
-                    free.append(t)
+            # keep the largest `pool_size` buffers: any of them fits a smaller batch
+            self._free = sorted(self._free + bases, key=lambda b: b.numel())[-self._pool_size:]
 
     # ------------------------------------------------------------------ writer thread
 
@@ -116,7 +133,7 @@ class OverlappedWriter:
             item = self._queue.get()
             if item is self._STOP:
                 return
-            event, host, meta = item
+            event, host, bases, meta = item
             if self._error is not None:
                 continue  # drain without writing after a failure
             try:
@@ -130,15 +147,20 @@ class OverlappedWriter:
                 self.stats.sink_s += done - copied
                 self.stats.items += 1
                 self.stats.bytes += sum(t.numel() * t.element_size() for t in host.values())
-                if event is not None:
-                    self._give_back(host)
+                if bases:
+                    self._give_back(bases)
             except BaseException as err:  # surfaced to the producer at its next call
                 log.error("writer sink failed on %r: %s", meta, err)
                 self._error = err
 
     def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise RuntimeError(f"OverlappedWriter: the sink failed: {self._error}") from self._error
+        if self._error is None:
+            return
+        if isinstance(self._error, (ConfigError, UserInputError, FileNotFoundError)):
+            # A user's problem (disk full, a file of another run): the entry point prints it as
+            # one line, so it must arrive as itself, not wrapped.
+            raise self._error
+        raise RuntimeError(f"OverlappedWriter: the sink failed: {self._error}") from self._error
 
     def close(self) -> WriterStats:
         if self._thread.is_alive():
@@ -158,34 +180,121 @@ class OverlappedWriter:
             self._thread.join()
 
 
-# ---------------------------------------------------------------------------- fp8 storage
+class InlineWriter:
+    """OverlappedWriter's interface, run synchronously in the caller (extract.overlap_writes=false)."""
+
+    def __init__(self, sink: Callable[[Any, dict[str, torch.Tensor]], None]):
+        self.sink = sink
+        self.stats = WriterStats()
+
+    def submit(self, tensors: dict[str, torch.Tensor], meta: Any = None) -> None:
+        start = time.perf_counter()
+        # like OverlappedWriter: the sink gets tensors the producer no longer owns
+        host = {name: t.detach().cpu() if t.is_cuda else t.detach().clone() for name, t in tensors.items()}
+        copied = time.perf_counter()
+        self.sink(meta, host)
+        self.stats.copy_wait_s += copied - start
+        self.stats.sink_s += time.perf_counter() - copied
+        self.stats.items += 1
+        self.stats.bytes += sum(t.numel() * t.element_size() for t in host.values())
+
+    def close(self) -> WriterStats:
+        return self.stats
+
+    def __enter__(self) -> "InlineWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
 
 
-def quantize_fp8(x: torch.Tensor, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [N, D] -> (e4m3 [N, D], fp32 scales [N, D / block]); block defaults to D (one scale a token).
+# ---------------------------------------------------------------------------- the extractors' sink
 
-    scale = amax(|x| over the block) / 448, so every block uses the full e4m3 range; all-zero
-    rows get scale 1 (stored zeros stay zeros). Non-finite inputs stay non-finite in the scale,
-    which the reader's finiteness check then catches.
+
+def split_rows(packed: dict[str, torch.Tensor], lengths: list[int]) -> list[dict[str, torch.Tensor]]:
+    """Packed rows {name: [sum n, ...]} of samples end to end -> per-sample dicts of [n, ...] views."""
+    total = sum(lengths)
+    for name, t in packed.items():
+        if t.shape[0] != total:
+            raise ValueError(f"split_rows: {name} has {t.shape[0]} rows, the samples' lengths sum to {total}")
+    out, start = [], 0
+    for n in lengths:
+        out.append({name: t[start:start + n] for name, t in packed.items()})
+        start += n
+    return out
+
+
+@dataclass
+class BatchRows:
+    """Where one forward's packed rows belong: chunk `chunk` (rows = its samples in id order,
+    each {"id", "input_ids", "loss_mask"}) and the chunk positions of this batch's samples in
+    the order they are packed. The chunk is whole once every position has arrived."""
+
+    chunk: int
+    rows: list[dict]
+    positions: list[int]
+
+
+def is_finite(sample: dict[str, torch.Tensor]) -> bool:
+    return bool(torch.isfinite(sample["aux_hidden_states"]).all() and torch.isfinite(sample["last_hidden_state"]).all())
+
+
+class ShardSink:
+    """Gathers each chunk's batches and writes the chunk's shard (ShardWriter) when it is whole.
+
+    Samples whose states hold NaN or Inf are not written: they go to the shard's skipped_ids and
+    are counted in `skipped`. Runs on the writer thread: it copies what it keeps out of the
+    (pooled, reused) pinned buffers it is handed.
     """
-    N, D = x.shape
-    block = block or D
-    if D % block:
-        raise ValueError(f"quantize_fp8: {D} columns are not a multiple of the scale block {block}")
-    blocks = x.float().view(N, D // block, block)
-    amax = blocks.abs().amax(-1)  # [N, D/block]
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (blocks / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q.view(N, D), scale
+
+    def __init__(self, shard_writer):
+        self.shard_writer = shard_writer
+        self.skipped = 0
+        self.shards_written = 0
+        self._pending: dict[int, dict[int, dict[str, torch.Tensor]]] = {}  # chunk -> position -> states
+
+    def __call__(self, meta: BatchRows, tensors: dict[str, torch.Tensor]) -> None:
+        states = self._pending.setdefault(meta.chunk, {})
+        lengths = [len(meta.rows[j]["input_ids"]) for j in meta.positions]
+        for j, sample in zip(meta.positions, split_rows(tensors, lengths)):
+            states[j] = {k: v.clone() if v.is_pinned() else v for k, v in sample.items()}
+        if len(states) < len(meta.rows):
+            return
+        del self._pending[meta.chunk]
+        self.write_chunk(meta.chunk, meta.rows, [states[j] for j in range(len(meta.rows))])
+
+    def write_chunk(self, chunk: int, rows: list[dict], states: list[dict[str, torch.Tensor]]) -> dict:
+        written, ids, skipped = [], [], []
+        for row, state in zip(rows, states):
+            if not is_finite(state):
+                skipped.append(int(row["id"]))
+                continue
+            state["input_ids"] = torch.tensor(row["input_ids"], dtype=torch.int32)
+            state["loss_mask"] = torch.tensor(row["loss_mask"], dtype=torch.uint8)
+            written.append(state)
+            ids.append(int(row["id"]))
+        if skipped:
+            log.warning("chunk %d: skipped %d samples with NaN/Inf hidden states: %s", chunk, len(skipped), skipped)
+        self.skipped += len(skipped)
+        entry = self.shard_writer.write_shard(chunk, written, ids, skipped)
+        self.shards_written += 1
+        return entry
 
 
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """(e4m3 [N, D], fp32 [N, D / block]) -> dtype [N, D]."""
-    N, D = q.shape
-    if scale.shape[0] != N or D % scale.shape[1]:
-        raise ValueError(f"dequantize_fp8: scales {tuple(scale.shape)} do not fit values {tuple(q.shape)}")
-    blocks = q.float().view(N, scale.shape[1], -1) * scale.unsqueeze(-1)
-    return blocks.view(N, D).to(dtype)
+def make_writer(sink: ShardSink, overlap: bool, max_pending: int = 2):
+    """The overlapped writer (a thread, pinned copies on CUDA) or, when `overlap` is off, the inline one."""
+    return OverlappedWriter(sink, max_pending=max_pending) if overlap else InlineWriter(sink)
+
+
+def writer_summary(stats: WriterStats, wall_s: float) -> str:
+    """One line for the logs: did the compute loop ever wait on the disk?"""
+    verdict = ("the disk kept up: the compute loop never waited on it" if stats.submit_blocked_s < 0.01 * max(wall_s, 1e-9)
+               else f"the disk was slower than the compute: the loop waited {stats.submit_blocked_s:.1f} s on it")
+    return (f"writer: {stats.items} batches, {stats.bytes / 2**20:.1f} MiB in {stats.sink_s:.1f} s of writing "
+            f"({stats.bytes / max(stats.sink_s, 1e-9) / 2**20:.0f} MiB/s); {verdict}")
+
+
+# ---------------------------------------------------------------------------- fp8 storage
 
 
 def fp8_error(x: torch.Tensor, block: int | None = None) -> dict[str, float]:

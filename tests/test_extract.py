@@ -43,6 +43,7 @@ def _smollm2_samples(tokenizer):
 
 def test_capture_matches_transformers_hidden_states(smollm2):
     from eagleforge.extract.hf import forward_batch
+    from eagleforge.extract.writer import split_rows
 
     model, tokenizer = smollm2
     num_layers = model.config.num_hidden_layers
@@ -51,7 +52,8 @@ def test_capture_matches_transformers_hidden_states(smollm2):
     assert len({len(s) for s in samples}) == len(samples)
     with HiddenStateCapture(decoder_layers(model), aux, final_norm(model)) as capture:
         # One right-padded batch of four different lengths, exactly as the extractor runs it.
-        batched = forward_batch(model, capture, samples, tokenizer.pad_token_id, torch.device("cpu"), True)
+        packed = forward_batch(model, capture, samples, tokenizer.pad_token_id, torch.device("cpu"), True)
+    batched = split_rows(packed, [len(s) for s in samples])  # rows of the samples, end to end
     with torch.inference_mode():
         for ids, got in zip(samples, batched):
             # Reference: transformers' own hidden states for this sample alone (no padding at all).
@@ -89,6 +91,69 @@ def test_capture_tuple_outputs_and_errors():
     assert not layers[0]._forward_hooks and not norm._forward_hooks  # removed on exit
     with pytest.raises(ValueError, match="out of range"):
         HiddenStateCapture(layers, [2], norm)
+
+
+# ---------------------------------------------------------------- bad sample rows
+
+
+@pytest.mark.parametrize("row,named", [
+    ({"id": "7", "input_ids": [1], "loss_mask": [1]}, "sample id '7' is not an integer"),
+    ({"id": True, "input_ids": [1], "loss_mask": [1]}, "sample id True"),
+    ({"id": 3, "input_ids": [], "loss_mask": []}, "sample 3: input_ids must be a non-empty list"),
+    ({"id": 3, "input_ids": [5, 211], "loss_mask": [1, 1]}, r"sample 3: token id 211 is not in the target's vocabulary \[0, 211\)"),
+    ({"id": 3, "input_ids": [5, -1], "loss_mask": [1, 1]}, "token id -1"),
+    ({"id": 3, "input_ids": [5, 2.0], "loss_mask": [1, 1]}, "token id 2.0"),
+    ({"id": 3, "input_ids": [5, 6], "loss_mask": [1]}, "sample 3: loss_mask must be 2 values of 0 or 1"),
+    ({"id": 3, "input_ids": [5, 6], "loss_mask": [1, 2]}, "loss_mask must be 2 values"),
+    ({"id": 0, "input_ids": [5], "loss_mask": [1]}, "sample id 0 appears twice"),
+])
+def test_bad_sample_rows_are_named_before_any_forward(row, named):
+    from eagleforge.config import UserInputError
+    from eagleforge.extract.hf import check_samples
+
+    good = {"id": 0, "input_ids": [4, 5], "loss_mask": [0, 1]}
+    with pytest.raises(UserInputError, match="samples.jsonl: .*" + named):
+        check_samples([good, row], "RUN/data/samples.jsonl", 211, 64)
+
+
+def test_samples_over_max_length_are_truncated_or_dropped(caplog):
+    from eagleforge.extract.hf import check_samples
+
+    rows = [{"id": 9, "input_ids": list(range(10)), "loss_mask": [0] * 4 + [1] * 6},
+            {"id": 2, "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]},
+            {"id": 5, "input_ids": list(range(7)), "loss_mask": [1] * 7}]
+    with caplog.at_level("WARNING"):
+        cut = check_samples(rows, "in.jsonl", 211, 6, "truncate")
+    assert [r["id"] for r in cut] == [2, 5, 9]
+    assert cut[2]["input_ids"] == list(range(6)) and cut[2]["loss_mask"] == [0] * 4 + [1] * 2
+    assert "2 samples longer than data.max_length=6 truncated, 0 dropped" in caplog.text
+    kept = check_samples(rows, "in.jsonl", 211, 6, "drop")
+    assert [r["id"] for r in kept] == [2]
+    assert check_samples(rows, "in.jsonl", 211, 10) == sorted(rows, key=lambda r: r["id"])  # at the limit: untouched
+
+
+def test_extract_cli_target_mistakes_exit_2_with_one_line(tiny_run, tmp_path):
+    """A missing target, a directory that holds no model, a model without a tokenizer: exit 2, the
+    last stderr line names target.path, no traceback."""
+    import shutil
+
+    no_tokenizer = tmp_path / "no_tokenizer"
+    no_tokenizer.mkdir()
+    for f in tiny_run["target"].iterdir():
+        if f.name in ("config.json", "model.safetensors", "generation_config.json"):
+            shutil.copy(f, no_tokenizer / f.name)
+    (tmp_path / "empty").mkdir()
+    cases = [(tmp_path / "missing", "no such file or directory"), (tmp_path / "empty", "cannot load a causal LM"),
+             (no_tokenizer, "cannot load a tokenizer")]
+    for target, says in cases:
+        run_dir = _make_run(tmp_path / f"run_{target.name}", tiny_run["data"])
+        args = [*tiny_run["overrides"], f"target.path={target}", f"run_dir={run_dir}"]
+        proc = subprocess.run([sys.executable, "-m", "eagleforge.extract", *args], env=_env(),
+                              capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+        last = [line for line in proc.stderr.splitlines() if line.strip()][-1]
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert last.startswith("error: target.path") and str(target) in last and says in last, last
+        assert not (run_dir / "hidden" / MANIFEST).exists()
 
 
 # ---------------------------------------------------------------- tiny target and runs
@@ -188,12 +253,14 @@ def test_nan_samples_are_skipped_and_counted(tiny_run, monkeypatch, capsys):
     real = hf.forward_batch
 
     def forward_with_nan(model, capture, input_ids, *args):
-        states = real(model, capture, input_ids, *args)
-        for ids, state in zip(input_ids, states):
+        packed = real(model, capture, input_ids, *args)
+        start = 0
+        for ids in input_ids:  # the samples' rows are packed end to end
+            start += len(ids)
             if ids == poisoned["input_ids"]:
-                state["last_hidden_state"] = state["last_hidden_state"].clone()
-                state["last_hidden_state"][-1, 3] = float("nan")
-        return states
+                packed["last_hidden_state"] = packed["last_hidden_state"].clone()
+                packed["last_hidden_state"][start - 1, 3] = float("nan")  # the sample's last row
+        return packed
 
     monkeypatch.setattr(hf, "forward_batch", forward_with_nan)
     monkeypatch.setattr(hf, "ARGMAX_CHUNK_ELEMENTS", 211 * 5)  # target_argmax in chunks of 5 rows
@@ -210,6 +277,56 @@ def test_nan_samples_are_skipped_and_counted(tiny_run, monkeypatch, capsys):
     before = (run_dir / "hidden" / MANIFEST).read_text()
     _run_in_process(run_dir, tiny_run["overrides"])
     assert (run_dir / "hidden" / MANIFEST).read_text() == before
+
+
+# ---------------------------------------------------------------- overlapped writing, fp8 storage
+
+
+def _run_with(tiny_run, name, overlap, *extra):
+    from eagleforge.extract.__main__ import main
+
+    run_dir = _make_run(tiny_run["root"] / name, tiny_run["data"])
+    cfg = load_config(None, [*tiny_run["overrides"], *extra, f"run_dir={run_dir}"])
+    cfg.extract.overlap_writes = overlap  # read with getattr(cfg.extract, "overlap_writes", True)
+    main(cfg)
+    return run_dir
+
+
+def test_overlapped_writing_gives_the_same_bytes_as_inline_writing(tiny_run):
+    """The writer thread (copies, queue, shard assembly from length-sorted batches) changes no
+    byte: bf16 shards equal the inline writer's, sha256 for sha256."""
+    overlapped = _run_with(tiny_run, "overlapped", True, "extract.storage_dtype=bfloat16")
+    inline = _run_with(tiny_run, "inline", False, "extract.storage_dtype=bfloat16")
+    got, want = load_manifest(overlapped / "hidden"), load_manifest(inline / "hidden")
+    assert len(got["shards"]) == 6 and got["storage_dtype"] == "bfloat16"
+    key = lambda m: [(e["file"], e["bytes"], e["sha256"], e["sample_ids"]) for e in m["shards"]]
+    assert key(got) == key(want)
+    # and bf16 storage is the fp32 reference rounded once
+    ref = _by_id(tiny_run["ref"])
+    for sample_id, sample in _by_id(overlapped).items():
+        assert torch.equal(sample["aux_hidden_states"], ref[sample_id]["aux_hidden_states"].bfloat16())
+
+
+def test_fp8_extraction_halves_the_bytes_and_reads_back_close(tiny_run):
+    run_dir = _run_with(tiny_run, "fp8", True, "extract.storage_dtype=float8_e4m3fn")
+    manifest = load_manifest(run_dir / "hidden")
+    assert manifest["storage_dtype"] == "float8_e4m3fn"
+    ref_manifest = load_manifest(tiny_run["ref"] / "hidden")  # float32 storage
+    tokens = sum(e["tokens"] for e in manifest["shards"])
+    H, k = 48, 3
+    saved = sum(e["bytes"] for e in ref_manifest["shards"]) - sum(e["bytes"] for e in manifest["shards"])
+    # fp32 states take (k+1)*4H bytes a token, fp8 (k+1)*(H+4); ids, mask, argmax and offsets alike
+    assert abs(saved - tokens * (k + 1) * (4 * H - (H + 4))) < 6 * 400, saved  # safetensors headers differ
+    ref = _by_id(tiny_run["ref"])
+    got = _by_id(run_dir)
+    assert sorted(got) == sorted(ref)
+    for key in ("aux_hidden_states", "last_hidden_state"):
+        a = torch.cat([got[i][key].float() for i in sorted(got)])
+        b = torch.cat([ref[i][key] for i in sorted(ref)])
+        assert got[sorted(got)[0]][key].dtype == torch.bfloat16
+        rel = float((a - b).norm() / b.norm())
+        assert rel < 0.04, (key, rel)  # e4m3 with per-token-per-layer scales: ~2-3% RMS
+        assert float(torch.nn.functional.cosine_similarity(a, b, dim=-1).min()) > 0.998
 
 
 # ---------------------------------------------------------------- (b) SIGKILL and resume
@@ -255,6 +372,49 @@ def test_sigkill_and_resume_reproduce_an_uninterrupted_run(tiny_run):
                        for e in m["shards"]]
     assert strip(got) == strip(want)  # byte-identical shards holding the same samples
     _assert_same_samples(run_dir, tiny_run["ref"])
+
+
+_EXTRACT_UNDER_FSIZE_LIMIT = textwrap.dedent("""
+    import resource, signal, sys
+    from eagleforge.config import run_main
+    from eagleforge.extract.__main__ import main
+
+    # A real full disk for this process: any write past the limit fails with EFBIG (SIGXFSZ
+    # ignored, else the kernel kills the process instead), as ENOSPC would on a full disk.
+    limit = int(sys.argv[1])
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    run_main(main, "extract (small disk)", sys.argv[2:])
+""")
+
+
+def test_full_disk_during_a_shard_write_then_rerun(tiny_run):
+    """The write of shard c hits EFBIG: exit 2 with one error line naming the shard, shards
+    0..c-1 kept and listed, no temp file; a rerun with room finishes byte-identical to the reference."""
+    sizes = [e["bytes"] for e in load_manifest(tiny_run["ref"] / "hidden")["shards"]]
+    limit = sizes[0]  # shard 0 fits exactly; the first larger one does not
+    first_too_big = next(c for c, size in enumerate(sizes) if size > limit)
+    assert first_too_big >= 1, sizes
+    run_dir = _make_run(tiny_run["root"] / "full_disk", tiny_run["data"])
+    args = [*tiny_run["overrides"], f"run_dir={run_dir}"]
+    full = subprocess.run([sys.executable, "-c", _EXTRACT_UNDER_FSIZE_LIMIT, str(limit), *args], env=_env(),
+                          capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+    assert full.returncode == 2, full.stderr[-3000:]
+    assert "Traceback" not in full.stderr
+    last = [line for line in full.stderr.splitlines() if line.strip()][-1]
+    name = f"shard-{first_too_big:05d}.safetensors"
+    assert last.startswith("error: ") and f"{name}: cannot write, file too large" in last, full.stderr[-3000:]
+    hidden = run_dir / "hidden"
+    kept = [f"shard-{c:05d}.safetensors" for c in range(first_too_big)]
+    assert sorted(p.name for p in hidden.iterdir()) == sorted([MANIFEST, *kept])  # no partial shard, no temp file
+    assert [e["file"] for e in load_manifest(hidden)["shards"]] == kept
+
+    resumed = subprocess.run([sys.executable, "-m", "eagleforge.extract", *args], env=_env(),
+                             capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"{first_too_big} already done" in resumed.stderr
+    strip = lambda m: [{k: e[k] for k in ("file", "bytes", "sha256", "sample_ids")} for e in m["shards"]]
+    assert strip(load_manifest(hidden)) == strip(load_manifest(tiny_run["ref"] / "hidden"))
 
 
 # ---------------------------------------------------------------- (c) two processes, gloo

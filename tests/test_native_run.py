@@ -179,3 +179,30 @@ def test_loader_reads_plain_deepseek_layout(tmp_path):
     write_tiny_kimi(tmp_path, seed=5, prefix="", wrapper=False, num_hidden_layers=2)
     info = read_checkpoint_info(tmp_path)
     assert info.prefix == "" and info.quantized_experts and info.args.num_hidden_layers == 2
+
+
+# ---------------------------------------------------------------------------- bad and overlong rows
+
+
+def test_pretokenized_source_rows_checked_and_cut_to_max_length(tiny_ckpt, tmp_path):
+    """data.source read directly (no data stage): rows longer than data.max_length are cut (the
+    manifest's max_length holds), a token id outside the vocabulary or a non-UTF-8 file is a
+    UserInputError naming the file, before any weight is read."""
+    rows = make_samples(n=3, seed=4)
+    source = tmp_path / "pretokenized.jsonl"
+    source.write_text("".join(json.dumps({"input_ids": r["input_ids"], "loss_mask": r["loss_mask"]}) + "\n" for r in rows))
+    manifest = extract_native(load_config(None, overrides(tiny_ckpt, tmp_path / "cut", tp=1, source=str(source))
+                                          + ["data.max_length=6"]))
+    reader = ShardReader(tmp_path / "cut" / "hidden")
+    assert manifest["max_length"] == 6 and reader.sample_lengths() == [min(6, len(r["input_ids"])) for r in rows]
+    assert [reader[i]["input_ids"].tolist() for i in range(3)] == [r["input_ids"][:6] for r in rows]
+
+    vocab = read_checkpoint_info(tiny_ckpt).args.vocab_size
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"input_ids": [1, vocab]}) + "\n")
+    with pytest.raises(UserInputError, match=rf"bad.jsonl: sample 0: token id {vocab} is not in the target's vocabulary"):
+        extract_native(load_config(None, overrides(tiny_ckpt, tmp_path / "bad", tp=1, source=str(bad))))
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"input_ids": [1, 2], "note": "caf\xe9"}\n')
+    with pytest.raises(UserInputError, match="latin.jsonl: not UTF-8"):
+        extract_native(load_config(None, overrides(tiny_ckpt, tmp_path / "latin", tp=1, source=str(latin))))

@@ -99,3 +99,84 @@ def test_fp8_error_on_real_hidden_states():
     # e4m3's 3 mantissa bits: about 2-3% RMS; bf16's 8 bits: about 0.2%
     assert err["fp8_rel_l2"] < 0.04 and err["bf16_rel_l2"] < 0.005, err
     assert err["fp8_min_token_cosine"] > 0.998, err
+
+
+def test_project_errors_arrive_as_themselves():
+    """A full disk is a UserInputError from ShardWriter: the entry point must see that class (one
+    line, exit 2), not a RuntimeError wrapping it."""
+    from eagleforge.config import UserInputError
+
+    def full(meta, t):
+        raise UserInputError("shard-00003.safetensors: cannot write, no space left on device")
+
+    w = OverlappedWriter(full, max_pending=1)
+    w.submit({"x": torch.ones(1)}, 0)
+    with pytest.raises(UserInputError, match="shard-00003"):
+        for i in range(1, 50):
+            w.submit({"x": torch.ones(1)}, i)
+            time.sleep(0.005)
+        w.close()
+    w._queue.put(w._STOP)
+    w._thread.join(timeout=5)
+
+
+# ----------------------------------------------------------------------------- ShardSink
+
+
+def _rows(gen, lengths, first_id):
+    return [{"id": first_id + i, "input_ids": torch.randint(0, 50, (n,), generator=gen).tolist(),
+             "loss_mask": torch.randint(0, 2, (n,), generator=gen).tolist()} for i, n in enumerate(lengths)]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_shard_sink_assembles_chunks_from_batches_in_any_order(tmp_path, overlap):
+    """Batches of a chunk arrive in the extractor's (length-sorted) order; the shard holds the
+    chunk's samples in id order, NaN/Inf samples left out and listed; equal to a direct write."""
+    from eagleforge.extract.writer import BatchRows, ShardSink, make_writer
+    from eagleforge.shards import ShardReader, ShardWriter, load_manifest
+
+    H, k = 7, 2
+    header = {"target": {"path": "x", "architecture": "A", "num_layers": 5, "hidden_size": H, "vocab_size": 50},
+              "aux_layer_ids": [1, 3], "has_target_argmax": True}
+    gen = torch.Generator().manual_seed(0)
+    chunks = [_rows(gen, [5, 2, 9, 1], 0), _rows(gen, [3, 8], 10)]
+    states = {row["id"]: {"aux_hidden_states": torch.randn(len(row["input_ids"]), k * H, generator=gen),
+                          "last_hidden_state": torch.randn(len(row["input_ids"]), H, generator=gen),
+                          "target_argmax": torch.randint(0, 50, (len(row["input_ids"]),), generator=gen, dtype=torch.int32)}
+              for chunk in chunks for row in chunk}
+    states[2]["aux_hidden_states"][4, 0] = float("inf")
+    batches = [(0, [2, 0]), (0, [3, 1]), (1, [1, 0])]  # positions within the chunk, not in id order
+    sink = ShardSink(ShardWriter(tmp_path / "sink", header, "bfloat16"))
+    with make_writer(sink, overlap) as out:
+        for c, positions in batches:
+            packed = {key: torch.cat([states[chunks[c][j]["id"]][key] for j in positions]) for key in states[0]}
+            out.submit(packed, BatchRows(c, chunks[c], positions))
+            for t in packed.values():
+                t.fill_(7)  # the producer reuses its buffers: the sink must not see this
+    assert sink.skipped == 1 and sink.shards_written == 2
+    direct = ShardWriter(tmp_path / "direct", header, "bfloat16")
+    for c, chunk in enumerate(chunks):
+        keep = [row for row in chunk if row["id"] != 2]
+        samples = [{**states[row["id"]], "input_ids": torch.tensor(row["input_ids"]),
+                    "loss_mask": torch.tensor(row["loss_mask"])} for row in keep]
+        direct.write_shard(c, samples, [row["id"] for row in keep], [2] if c == 0 else [])
+    got, want = load_manifest(tmp_path / "sink")["shards"], load_manifest(tmp_path / "direct")["shards"]
+    assert [(e["sha256"], e["sample_ids"], e["skipped_ids"]) for e in got] == \
+        [(e["sha256"], e["sample_ids"], e["skipped_ids"]) for e in want]
+    assert ShardReader(tmp_path / "sink", verify_checksums=True).sample_ids() == [0, 1, 3, 10, 11]
+
+
+@pytest.mark.gpu
+def test_cuda_copies_pool_pinned_buffers_of_varying_rows():
+    got = []
+    with OverlappedWriter(lambda meta, t: got.append((meta, {k: v.clone() for k, v in t.items()})), max_pending=2) as w:
+        sent = []
+        for i, rows in enumerate([37, 5, 36, 40, 1, 0, 38]):
+            t = {"aux": torch.randn(rows, 96, device="cuda", dtype=torch.bfloat16),
+                 "ids": torch.arange(rows, device="cuda", dtype=torch.int32)}
+            sent.append({k: v.cpu() for k, v in t.items()})
+            w.submit(t, meta=i)
+    assert [m for m, _ in got] == list(range(7))
+    for (_, g), s in zip(got, sent):
+        assert torch.equal(g["aux"], s["aux"]) and torch.equal(g["ids"], s["ids"])
+    assert 0 < len(w._free) <= w._pool_size and all(b.is_pinned() for b in w._free)

@@ -12,6 +12,8 @@ embedding and head) builds in seconds on a GPU.
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 
 from .model import DeepseekV3ForExtraction, ModelArgs
@@ -47,12 +49,17 @@ def randomize_(model: DeepseekV3ForExtraction, seed: int = 0, std: float = 0.02)
 
     INT4 nibbles are uniform over [-8, 7] (std about 4.6), so scales of std / 4.6 give dequantized
     weights of std ~`std`; norms stay 1 and the router's correction bias small, so routing is
-    close to uniform over experts (the load a balanced real router sees).
+    close to uniform over experts (the load a balanced real router sees). Each tensor draws from
+    its own seed (from its name), so every tp rank holds the same replicated weights and routes
+    the same way.
     """
-    gen = torch.Generator(device=next(model.buffers()).device).manual_seed(seed)
+    gen = torch.Generator(device=next(model.buffers()).device)
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if name.endswith("inv_freq") or name.endswith("layernorm.weight") or name.endswith("norm.weight"):
             continue
+        # one stream per tensor name: replicated tensors (q_a, kv_a, router) get the same numbers
+        # on every tensor-parallel rank whatever the shapes of the sharded tensors drawn before
+        gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         if t.dtype == torch.int32:  # packed nibbles: all 32 bits random
             t.copy_(torch.randint(-2**31, 2**31 - 1, t.shape, generator=gen, device=t.device, dtype=torch.int64).to(torch.int32))
         elif name.endswith("_scale"):

@@ -18,6 +18,7 @@ directly so a Kimi run needs no tokenizer on the extraction nodes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -30,7 +31,8 @@ from ...config import Config, UserInputError, save_config
 from ...shards import ShardWriter, load_manifest, merge_manifests
 from ...target import default_aux_layers, target_path, torch_dtype
 from ..capture import HiddenStateCapture
-from ..hf import _is_finite, _report, batch_by_tokens
+from ..hf import _report, batch_by_tokens, check_samples
+from ..writer import BatchRows, ShardSink, make_writer, writer_summary
 from .loader import build_model, load_weights, read_checkpoint_info
 from .model import DeepseekV3ForExtraction
 from .parallel import ParallelState, barrier, gather_objects, init_parallel, shutdown
@@ -51,32 +53,41 @@ def extract_native(cfg: Config) -> dict | None:
 
 
 def load_samples_native(cfg: Config) -> list[dict]:
-    """Rows {"id", "input_ids", "loss_mask"} in id order: the data stage's file, else data.source."""
+    """Rows {"id", "input_ids", "loss_mask"} as read: the data stage's file, else data.source.
+
+    `check_samples` (ids, token range, mask, data.max_length) runs once the vocabulary is known.
+    """
     path = cfg.run / "data" / "samples.jsonl"
     if not path.is_file() and cfg.data.source.endswith(".jsonl") and Path(cfg.data.source).is_file():
         path = Path(cfg.data.source)
     if not path.is_file():
         raise FileNotFoundError(f"{cfg.run / 'data' / 'samples.jsonl'}: no samples (run the data stage, or set data.source to a pre-tokenized JSONL)")
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise UserInputError(f"{path} line {line_no}: not JSON ({err.msg})") from None
-            ids = row.get("input_ids") if isinstance(row, dict) else None
-            if not isinstance(ids, list) or not ids:
-                raise UserInputError(f"{path} line {line_no}: no 'input_ids' list (the native backend reads token ids)")
-            mask = row.get("loss_mask", [1] * len(ids))
-            if len(mask) != len(ids):
-                raise UserInputError(f"{path} line {line_no}: {len(ids)} input_ids but {len(mask)} loss_mask entries")
-            rows.append({"id": int(row.get("id", line_no - 1)), "input_ids": ids, "loss_mask": mask})
-    rows.sort(key=lambda r: r["id"])
-    if len({r["id"] for r in rows}) != len(rows):
-        raise UserInputError(f"{path}: sample ids are not unique")
+    with open(path, encoding="utf-8", errors="strict") as f:
+        try:
+            lines = list(f)
+        except UnicodeDecodeError as err:
+            raise UserInputError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    for line_no, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except (json.JSONDecodeError, RecursionError) as err:
+            raise UserInputError(f"{path} line {line_no}: not JSON ({getattr(err, 'msg', type(err).__name__)})") from None
+        ids = row.get("input_ids") if isinstance(row, dict) else None
+        if not isinstance(ids, list) or not ids:
+            raise UserInputError(f"{path} line {line_no}: no 'input_ids' list (the native backend reads token ids)")
+        mask = row.get("loss_mask", [1] * len(ids))
+        if not isinstance(mask, list) or len(mask) != len(ids):
+            raise UserInputError(f"{path} line {line_no}: {len(ids)} input_ids but loss_mask {str(mask)[:40]}")
+        rows.append({"id": row.get("id", line_no - 1), "input_ids": ids, "loss_mask": mask})
     return rows
+
+
+def _samples_source(cfg: Config) -> Path:
+    path = cfg.run / "data" / "samples.jsonl"
+    return path if path.is_file() else Path(cfg.data.source)
 
 
 def _aux_layers(cfg: Config, num_layers: int) -> list[int]:
@@ -123,7 +134,8 @@ def _extract(cfg: Config, state: ParallelState) -> dict | None:
     _check_memory(cfg, info, state)
     if state.is_main:
         save_config(cfg, cfg.run / "config.yaml")
-    samples = load_samples_native(cfg)
+    samples = check_samples(load_samples_native(cfg), _samples_source(cfg), info.args.vocab_size,
+                            cfg.data.max_length, cfg.data.overlong)
     aux_layers = _aux_layers(cfg, info.args.num_hidden_layers)
     model = build_model(info, state.tp, cfg.target.expert_layout, torch_dtype(cfg.target.dtype), state.device)
     stats = load_weights(model, info, show_progress=state.is_main)
@@ -142,75 +154,61 @@ def _extract(cfg: Config, state: ParallelState) -> dict | None:
     log.info("%d samples in %d chunks, %d groups of tp %d (%s experts); group 0 has %d chunks to do; aux layers %s",
              len(samples), len(chunks), state.num_groups, state.tp.size, cfg.target.expert_layout, len(todo), aux_layers)
     total_tokens = sum(len(row["input_ids"]) for c in todo for row in chunks[c])
+    # Only the group leader writes: its writer thread copies and writes chunk c while the group
+    # runs the forwards of chunk c+1. The other ranks take part in the forwards and keep nothing.
+    sink = ShardSink(writer) if writer is not None else None
+    out = make_writer(sink, getattr(cfg.extract, "overlap_writes", True)) if sink is not None else None
     with HiddenStateCapture(model.model.layers, aux_layers, model.model.norm) as capture, \
+            (out if out is not None else contextlib.nullcontext()), \
             tqdm(total=total_tokens, unit="tok", unit_scale=True, desc="extract", disable=not state.is_main) as progress:
         for c in todo:
-            written, ids, skipped = extract_chunk(model, capture, chunks[c], cfg, state, progress)
-            if writer is not None:
-                if skipped:
-                    log.warning("chunk %d: skipped %d samples with NaN/Inf hidden states: %s", c, len(skipped), skipped)
-                writer.write_shard(c, written, ids, skipped)
+            extract_chunk(model, capture, c, chunks[c], cfg, state, out, progress)
+        if out is not None:
+            log.info(writer_summary(out.close(), time.perf_counter() - start_s))
     barrier(state)
     if not state.is_main:
         return None
     hidden_dir = cfg.run / "hidden"
     manifest = merge_manifests(hidden_dir) if state.num_groups > 1 else load_manifest(hidden_dir)
-    _report(manifest, hidden_dir, 0, time.perf_counter() - start_s)
+    _report(manifest, hidden_dir, sink.skipped if sink is not None else 0, time.perf_counter() - start_s)
     return manifest
 
 
 @torch.inference_mode()
 def forward_batch(model: DeepseekV3ForExtraction, capture: HiddenStateCapture, input_ids: list[list[int]],
-                  device: torch.device, write_target_argmax: bool, keep: bool = True) -> list[dict[str, torch.Tensor] | None]:
-    """One right-padded forward (causal, so padding never reaches real tokens); per sample, CPU states.
+                  device: torch.device, write_target_argmax: bool, keep: bool = True) -> dict[str, torch.Tensor] | None:
+    """One right-padded forward (causal, so padding never reaches real tokens); the samples'
+    unpadded rows packed end to end, on `device`: aux_hidden_states [sum n, k*H],
+    last_hidden_state [sum n, H], target_argmax [sum n] int32 when asked.
 
-    `keep` = False (a group's non-leader ranks): take part in the forward and the argmax, copy nothing.
+    `keep` = False (a group's non-leader ranks): take part in the forward and the argmax, return None.
     """
     lengths = [len(ids) for ids in input_ids]
     tokens = torch.zeros(len(input_ids), max(lengths), dtype=torch.long)
-    valid = torch.zeros(tokens.shape, dtype=torch.bool)
     for b, ids in enumerate(input_ids):
         tokens[b, :lengths[b]] = torch.tensor(ids, dtype=torch.long)
-        valid[b, :lengths[b]] = True
     capture.clear()
     model(tokens.to(device))
     aux, last = capture.aux_hidden_states, capture.last_hidden_state  # [B, T, k*H], [B, T, H]
-    # a collective over the group's vocabulary shards: every rank calls it
-    argmax = model.greedy_tokens(last[valid.to(device)]) if write_target_argmax else None  # [sum n]
     capture.clear()
-    if not keep:
-        return [None] * len(lengths)
-    out, start = [], 0
-    for b, n in enumerate(lengths):
-        sample = {"aux_hidden_states": aux[b, :n].cpu(), "last_hidden_state": last[b, :n].cpu()}
-        if argmax is not None:
-            sample["target_argmax"] = argmax[start:start + n].cpu()
-        start += n
-        out.append(sample)
-    return out
+    # Unpadded rows by slicing (lengths are known on the host): no device sync.
+    packed = {"aux_hidden_states": torch.cat([aux[b, :n] for b, n in enumerate(lengths)]),
+              "last_hidden_state": torch.cat([last[b, :n] for b, n in enumerate(lengths)])}
+    if write_target_argmax:
+        # a collective over the group's vocabulary shards: every rank calls it
+        packed["target_argmax"] = model.greedy_tokens(packed["last_hidden_state"])  # [sum n]
+    return packed if keep else None
 
 
-def extract_chunk(model, capture, chunk: list[dict], cfg: Config, state: ParallelState,
-                  progress: tqdm | None = None) -> tuple[list[dict], list[int], list[int]]:
-    """(samples to write, their ids, skipped ids) of one chunk, in id order; all ranks of a group call it."""
+def extract_chunk(model, capture, index: int, chunk: list[dict], cfg: Config, state: ParallelState,
+                  writer=None, progress: tqdm | None = None) -> None:
+    """Forward chunk `index` batch by batch (all ranks of a group); the leader submits each batch's
+    rows to `writer` (a ShardSink behind OverlappedWriter / InlineWriter writes the shard)."""
     lengths = [len(row["input_ids"]) for row in chunk]
-    results: list[dict | None] = [None] * len(chunk)
     for positions in batch_by_tokens(lengths, cfg.extract.batch_tokens):
-        states = forward_batch(model, capture, [chunk[j]["input_ids"] for j in positions], state.device,
-                               cfg.extract.write_target_argmax, keep=state.is_group_leader)
-        for j, sample in zip(positions, states):
-            results[j] = sample
+        packed = forward_batch(model, capture, [chunk[j]["input_ids"] for j in positions], state.device,
+                               cfg.extract.write_target_argmax, keep=writer is not None)
+        if writer is not None:
+            writer.submit(packed, BatchRows(index, chunk, positions))
         if progress is not None:
             progress.update(sum(lengths[j] for j in positions))
-    if not state.is_group_leader:
-        return [], [], []
-    written, ids, skipped = [], [], []
-    for row, sample in zip(chunk, results):
-        if not _is_finite(sample):
-            skipped.append(int(row["id"]))
-            continue
-        sample["input_ids"] = torch.tensor(row["input_ids"], dtype=torch.int32)
-        sample["loss_mask"] = torch.tensor(row["loss_mask"], dtype=torch.uint8)
-        written.append(sample)
-        ids.append(int(row["id"]))
-    return written, ids, skipped
