@@ -11,6 +11,10 @@ with the anchor's peers (../shared/anchors/anchor_loss.py) run side by side in t
     *_ttt7                            K = 7 TTT steps with the teacher shared, per-step cost = ms / 7
                                       (naive: probabilities once + 7 steps; Liger KL: the same;
                                       ours: fused_soft_cross_entropy_ttt, teacher logits once)
+    ours_ttt7_chunkC                  per step: K x (3 matmuls + row pass) per teacher chunk of C
+    ours_ttt7_packed_chunkC           packed (issue 7): the K steps' rows of a teacher chunk of C/K
+                                      positions in ONE [C, H] x [H, Vd] matmul, one row pass, one
+                                      grad-hidden matmul, one grad-head addmm (same buffer sizes)
 
 Per case: median ms of forward + backward (triton.testing.do_bench), peak memory above the
 inputs (inputs = hidden states, heads and, where a method needs them, precomputed teacher
@@ -20,6 +24,7 @@ matmul rate is measured in the same run and gives the floors (3 or 4 matmuls of 
 
     make bench-loss                                      # = python benchmarks/bench_loss.py
     python benchmarks/bench_loss.py --tokens 8192 --chunks 2048 4096 --json out.json
+    python benchmarks/bench_loss.py --ttt-only --variants perstep packed   # old vs packed TTT only
     python benchmarks/bench_loss.py --cpu-check          # tiny shapes on the CPU: checks the script
 
 On the H200 device machine (liger-kernel carried as a wheel in .whl/, carry [".whl"]):
@@ -107,7 +112,8 @@ def make_inputs(tokens: int, hidden: int, vocab: int, steps: int, device, dtype)
     return hd, wd, ht, wt, hds
 
 
-def run_cases(tokens, hidden, vocab, steps, chunks, device, dtype, timer, with_liger):
+def run_cases(tokens, hidden, vocab, steps, chunks, device, dtype, timer, with_liger, variants=("perstep", "packed"),
+              ttt_only=False):
     hd, wd, ht, wt, hds = make_inputs(tokens, hidden, vocab, steps, device, dtype)
     params = [hd, wd, *hds]
     grad_gib = (hd.numel() * hd.element_size() + wd.numel() * wd.element_size()) / 2**30
@@ -148,20 +154,22 @@ def run_cases(tokens, hidden, vocab, steps, chunks, device, dtype, timer, with_l
         loss.backward()
         return loss.detach()
 
-    case("naive_torch", naive)
+    if not ttt_only:
+        case("naive_torch", naive)
 
     with torch.no_grad():
         lse = soft_ce.teacher_logsumexp(ht, wt)
-    for chunk in chunks:
+    for chunk in ([] if ttt_only else chunks):
         def ours(chunk=chunk):
             loss, _ = soft_ce.fused_soft_cross_entropy(hd, wd, ht, wt, lse, mean_w, chunk_tokens=chunk)
             loss.backward()
             return loss.detach()
 
         case(f"ours_single_step_chunk{chunk}", ours)
-    case("ours_teacher_lse", lambda: soft_ce.teacher_logsumexp(ht, wt).sum(), grad_outputs_gib=0.0, is_loss=False)
+    if not ttt_only:
+        case("ours_teacher_lse", lambda: soft_ce.teacher_logsumexp(ht, wt).sum(), grad_outputs_gib=0.0, is_loss=False)
 
-    if with_liger:
+    if with_liger and not ttt_only:
         try:
             from liger_kernel.transformers import LigerFusedLinearJSD
 
@@ -213,15 +221,19 @@ def run_cases(tokens, hidden, vocab, steps, chunks, device, dtype, timer, with_l
         loss.backward()
         return loss.detach()
 
-    case(f"naive_torch_ttt{steps}_probs_once", naive_ttt, n_steps=steps, grad_outputs_gib=steps_grad_gib(hds, wd))
+    if not ttt_only:
+        case(f"naive_torch_ttt{steps}_probs_once", naive_ttt, n_steps=steps, grad_outputs_gib=steps_grad_gib(hds, wd))
 
+    # Old (per step) and new (packed) side by side, alternating per chunk size.
     for chunk in chunks:
-        def ours_ttt(chunk=chunk):
-            loss, _, _ = soft_ce.fused_soft_cross_entropy_ttt(hds, wd, ht, wt, ttt_w, chunk_tokens=chunk)
-            loss.backward()
-            return loss.detach()
+        for variant in variants:
+            def ours_ttt(chunk=chunk, packed=variant == "packed"):
+                loss, _, _ = soft_ce.fused_soft_cross_entropy_ttt(hds, wd, ht, wt, ttt_w, chunk_tokens=chunk, packed=packed)
+                loss.backward()
+                return loss.detach()
 
-        case(f"ours_ttt{steps}_chunk{chunk}", ours_ttt, n_steps=steps, grad_outputs_gib=steps_grad_gib(hds, wd))
+            name = f"ours_ttt{steps}_chunk{chunk}" if variant == "perstep" else f"ours_ttt{steps}_packed_chunk{chunk}"
+            case(name, ours_ttt, n_steps=steps, grad_outputs_gib=steps_grad_gib(hds, wd))
     results["ours_vs_reference"] = check_ours(hds, wd, ht, wt, ttt_w, lse, hd, mean_w, chunks[0])
     return results
 
@@ -239,7 +251,25 @@ def check_ours(hds, wd, ht, wt, ttt_w, lse, hd, mean_w, chunk) -> dict:
         ours, _ = soft_ce.fused_soft_cross_entropy(hd[:rows], wd, ht[:rows], wt, lse[:rows], mean_w[:rows], chunk_tokens=chunk)
         ref_ttt = soft_ce.reference_soft_cross_entropy_ttt([h[:rows] for h in hds], wd, ht[:rows], wt, ttt_fix(ttt_w, rows))[0]
         ours_ttt = soft_ce.fused_soft_cross_entropy_ttt([h[:rows] for h in hds], wd, ht[:rows], wt, ttt_fix(ttt_w, rows), chunk_tokens=chunk)[0]
-    return {"single_step_rel": float(f"{ours.item() / ref.item() - 1:.2e}"), "ttt_rel": float(f"{ours_ttt.item() / ref_ttt.item() - 1:.2e}")}
+        packed = soft_ce.fused_soft_cross_entropy_ttt([h[:rows] for h in hds], wd, ht[:rows], wt, ttt_fix(ttt_w, rows),
+                                                      chunk_tokens=chunk, packed=True)[0]
+    return {"single_step_rel": float(f"{ours.item() / ref.item() - 1:.2e}"), "ttt_rel": float(f"{ours_ttt.item() / ref_ttt.item() - 1:.2e}"),
+            "ttt_packed_rel": float(f"{packed.item() / ref_ttt.item() - 1:.2e}"), **check_packed_grads(hds, wd, ht, wt, ttt_w, chunk)}
+
+
+def check_packed_grads(hds, wd, ht, wt, ttt_w, chunk) -> dict:
+    """Packed vs per-step TTT gradients (hidden states and head) at the full T, relative norms."""
+    grads = {}
+    for packed in (False, True):
+        for p in [wd, *hds]:
+            p.grad = None
+        loss, _, _ = soft_ce.fused_soft_cross_entropy_ttt(hds, wd, ht, wt, ttt_w, chunk_tokens=chunk, packed=packed)
+        loss.backward()
+        grads[packed] = [wd.grad.clone()] + [h.grad.clone() for h in hds]
+    for p in [wd, *hds]:
+        p.grad = None
+    errs = [((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item() for a, b in zip(grads[True], grads[False])]
+    return {"packed_vs_perstep_grad_head_rel": float(f"{errs[0]:.2e}"), "packed_vs_perstep_grad_hidden_max_rel": float(f"{max(errs[1:]):.2e}")}
 
 
 def ttt_fix(ttt_w, rows):
@@ -272,6 +302,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--chunks", type=int, nargs="+", default=[2048, 4096], help="our chunk_tokens values to time")
     parser.add_argument("--rep-ms", type=int, default=300, help="do_bench measuring time per case")
     parser.add_argument("--no-liger", action="store_true")
+    parser.add_argument("--variants", nargs="+", default=["perstep", "packed"], choices=["perstep", "packed"],
+                        help="our TTT forms to time, side by side per chunk size")
+    parser.add_argument("--ttt-only", action="store_true", help="time only our TTT rows (skip naive, Liger, single step)")
     parser.add_argument("--cpu-check", action="store_true", help="tiny shapes on the CPU, to check the script")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
@@ -301,7 +334,8 @@ def main(argv=None) -> dict:
     tflops = matmul_tflops(device, dtype, timer, 8192 if device.type == "cuda" else 256)
     result["matmul_tflops"] = round(tflops, 1)
     for tokens in args.tokens:
-        table = run_cases(tokens, args.hidden, args.vocab, args.steps, args.chunks, device, dtype, timer, with_liger)
+        table = run_cases(tokens, args.hidden, args.vocab, args.steps, args.chunks, device, dtype, timer, with_liger,
+                          args.variants, args.ttt_only)
         table.update(floors(tokens, args.hidden, args.vocab, args.steps, tflops))
         result[f"T={tokens}"] = table
         if device.type == "cuda":

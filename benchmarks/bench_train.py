@@ -8,12 +8,14 @@ Our step mirrors the trainer (train/loop.py) with the memory changes measured he
 
     emb   = embed(input_ids ++ [0] * K)             [T + K, H]; step j reads rows 1+j .. T+j (a view)
     h     = fc(aux)                                  [T, H]
-    step j = 0..K-1 (activation-checkpointed per step with --ckpt step):
+    step j = 0..K-1 (Eagle3Draft.ttt_step_fn: checkpointed per the variant's ckpt, elementwise
+                     pieces compiled with compile=1):
         q, k_j, v_j = midlayer.qkv(emb_j, h, RoPE(t + j))
-        h = midlayer.finish(ttt_attention(q, k_0..k_j, v_0..v_j), h)      un-normed, fed to j+1
+        h = midlayer.finish(ttt_attention(q, k_0..k_j, v_0..v_j, mode=attn), h)   un-normed, fed to j+1
         normed_j = norm(h)                                                  [T, H]
     loss  = fused_soft_cross_entropy_ttt(normed_0..K-1, lm_head, last_hidden, teacher_head[Vd],
-            weight [K, T])     teacher logits over Vd computed ONCE per position for all K steps;
+            weight [K, T], packed=packed)
+                               teacher logits over Vd computed ONCE per position for all K steps;
                                weight = loss mask x (target argmax in the draft vocabulary) x 0.8^j
                                / (rows of step j); the target argmax comes with the shards
     loss.backward(); clip_grad_norm_(0.5); AdamW(fused=True).step(); zero_grad(set_to_none=True)
@@ -34,6 +36,18 @@ teacher's forward logits: 2 H Vd per token for ours (once, shared over steps; th
 comes from the shards), 2 H V for SpecForge (full vocabulary, as it does). MFU is against
 --peak-tflops (H200 dense bf16, 989).
 
+Variants (issue 7, old vs new side by side in ONE run; --variants picks them, each a spec
+`key=value,...` with ckpt = step | none | selective | selective_all (draft.model.CHECKPOINT_MODES),
+attn = flex | merged | sdpa (draft.attention), compile = 0 | 1 (fused elementwise pieces),
+packed = 0 | 1 (the loss's packed TTT form)). The default list starts with the 2026-11-29
+configuration (ckpt=step,attn=flex). Rows carry "vs SpecForge" ratios against SpecForge measured
+in the same run, or else against its 2026-11-29 numbers (SPECFORGE_2026_11_29).
+
+    python benchmarks/bench_train.py --no-specforge --json $OUT/bench_train.json        # attention + all variants
+    python benchmarks/bench_train.py --attention-bench --json $OUT/attn.json              # TTT attention only
+    python benchmarks/bench_train.py --variants ckpt=selective,attn=merged,compile=1,packed=1 \
+        --tokens 2048 8192 16384 32768 65536                                                # the full table
+
     make bench-train                                          # = python benchmarks/bench_train.py
     python benchmarks/bench_train.py --tokens 2048 8192 --no-specforge --json out.json
     python benchmarks/bench_train.py --cpu-check              # tiny shapes on the CPU: checks the script
@@ -53,22 +67,39 @@ import gc
 import json
 import logging
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
-from eagleforge.draft import Eagle3Config, Eagle3Draft
-from eagleforge.draft.attention import ttt_attention
-from eagleforge.kernels import soft_ce
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_common import import_eagleforge  # noqa: E402
+
+import_eagleforge()  # a bare checkout (the device machine) runs without `pip install -e .`
+
+from eagleforge.draft import Eagle3Config, Eagle3Draft  # noqa: E402
+from eagleforge.draft.attention import ttt_attention  # noqa: E402
+from eagleforge.kernels import soft_ce  # noqa: E402
 
 log = logging.getLogger("bench_train")
 
 STEP_WEIGHT_DECAY = 0.8
 GRAD_CLIP = 0.5
+
+# SpecForge 0.2.0 on one H200, BENCHMARKS.md 2026-11-29: T -> (tokens/s, peak GiB).
+SPECFORGE_2026_11_29 = {2048: (9995, 20.08), 8192: (10129, 41.18), 16384: (9214, 71.06), 32768: (7519, 130.82)}
+
+DEFAULT_VARIANTS = [
+    "ckpt=step,attn=flex",  # the 2026-11-29 configuration
+    "ckpt=selective,attn=merged",
+    "ckpt=selective,attn=merged,compile=1,packed=1",
+    "ckpt=selective_all,attn=merged,compile=1,packed=1",
+    "ckpt=step,attn=merged,compile=1,packed=1",
+    "ckpt=none,attn=merged,compile=1,packed=1",
+]
 
 
 @dataclass
@@ -196,11 +227,40 @@ def result_row(name: str, tokens: int, seconds: float, peak: float | None, flops
 def ttt_layer_step(draft: Eagle3Draft, attention: str, n_prev: int, hidden, emb, cos, sin, *kv):
     """One TTT step of the midlayer. hidden, emb [1, T, H]; kv = n_prev keys then n_prev values
     [1, Hkv, T, D] of the earlier steps -> (un-normed output, normed output, k_j, v_j)."""
-    layer = draft.midlayer
-    q, k, v = layer.qkv(emb, hidden, cos, sin)  # q [1, Hq, T, D], k/v [1, Hkv, T, D]
-    keys, values = list(kv[:n_prev]) + [k], list(kv[n_prev:]) + [v]
-    out = layer.finish(ttt_attention(q, keys, values, layer.self_attn.scale, mode=attention), hidden)
-    return out, draft.norm(out), k, v
+    return draft.ttt_step(attention, n_prev, hidden, emb, cos, sin, *kv)
+
+
+@dataclass
+class Variant:
+    """One configuration of our step, parsed from "ckpt=selective,attn=merged,compile=1,packed=1"."""
+
+    ckpt: str = "step"
+    attn: str = "flex"
+    compile: bool = False
+    packed: bool = False
+
+    @classmethod
+    def parse(cls, spec: str) -> "Variant":
+        from eagleforge.draft.model import CHECKPOINT_MODES
+
+        out = cls()
+        for item in filter(None, spec.split(",")):
+            key, _, value = item.partition("=")
+            mode, _, first = value.partition(":")
+            if key == "ckpt" and mode in CHECKPOINT_MODES and (first == "" or first.isdigit()):
+                out.ckpt = value  # "selective:4": selective for the first 4 TTT steps, step for the rest
+            elif key == "attn" and value in ("flex", "merged", "sdpa", "reference", "fast", "auto"):
+                out.attn = value
+            elif key in ("compile", "packed") and value in ("0", "1"):
+                setattr(out, key, value == "1")
+            else:
+                raise SystemExit(f"bench_train: bad variant item {item!r} in {spec!r} (ckpt={'|'.join(CHECKPOINT_MODES)}"
+                                 f"[:N for the first N steps, step after], attn=flex|merged|sdpa, compile=0|1, packed=0|1)")
+        return out
+
+    @property
+    def name(self) -> str:
+        return f"ckpt={self.ckpt},attn={self.attn},compile={int(self.compile)},packed={int(self.packed)}"
 
 
 def ttt_weights(loss_mask: torch.Tensor, target_argmax: torch.Tensor, t2d: torch.Tensor, steps: int) -> torch.Tensor:
@@ -223,8 +283,9 @@ class OurStep:
     """Builds the draft (bf16), the optimizer and one training step over a batch."""
 
     def __init__(self, s: Shape, device: torch.device, used_ids: torch.Tensor, ckpt: str, attention: str,
-                 embed_device: str, chunk_tokens: int | None):
+                 embed_device: str, chunk_tokens: int | None, compile: bool = False, packed: bool = False):
         self.s, self.device, self.ckpt, self.attention, self.chunk = s, device, ckpt, attention, chunk_tokens
+        self.compile, self.packed = compile, packed
         torch.manual_seed(0)
         with torch.device(device):
             draft = Eagle3Draft(s.draft_config())
@@ -270,14 +331,13 @@ class OurStep:
         emb = self.embeddings(batch)  # [1, T + K, H]
         hidden = draft.fuse(batch["aux"])  # [1, T, H]
         rows = torch.arange(tokens, device=self.device)[None]
+        mode, _, first = self.ckpt.partition(":")  # "selective:4" = selective for steps 0..3, then step
+        modes = [mode if not first or j < int(first) else "step" for j in range(k_steps)]
+        step_fns = {m: draft.ttt_step_fn(self.attention, m, self.compile) for m in set(modes)}  # forward_ttt's
         keys, values, normed = [], [], []
         for j in range(k_steps):
             cos, sin = draft.rope(rows + j)
-            args = (hidden, emb[:, 1 + j: 1 + j + tokens], cos, sin, *keys, *values)
-            if self.ckpt == "step":
-                hidden, out_j, k, v = checkpoint(ttt_layer_step, draft, self.attention, j, *args, use_reentrant=False)
-            else:
-                hidden, out_j, k, v = ttt_layer_step(draft, self.attention, j, *args)
+            hidden, out_j, k, v = step_fns[modes[j]](j, hidden, emb[:, 1 + j: 1 + j + tokens], cos, sin, *keys, *values)
             keys.append(k)
             values.append(v)
             normed.append(out_j[0])  # [T, H]
@@ -285,7 +345,7 @@ class OurStep:
         weight = ttt_weights(batch["loss_mask"], batch["target_argmax"], draft.t2d, k_steps)
         return soft_ce.fused_soft_cross_entropy_ttt(
             normed, draft.lm_head.weight, batch["last"][0], self.teacher_head, weight,
-            teacher_shift=1, chunk_tokens=self.chunk)
+            teacher_shift=1, chunk_tokens=self.chunk, packed=self.packed)
 
     def step(self, batch: dict) -> torch.Tensor:
         loss, step_losses, argmax = self.forward_loss(batch)
@@ -358,19 +418,22 @@ def check_loss(ours: OurStep, batch: dict) -> dict:
                for _ in range(s.ttt)]
     head = draft.lm_head.weight.detach().clone().requires_grad_()
     weight = ttt_weights(batch["loss_mask"], batch["target_argmax"], draft.t2d, s.ttt)
-    loss, steps, _ = soft_ce.fused_soft_cross_entropy_ttt(hiddens, head, batch["last"][0], ours.teacher_head, weight,
-                                                          chunk_tokens=ours.chunk)
-    loss.backward()
-    ours_grads = [h.grad.clone() for h in hiddens] + [head.grad.clone()]
-    for x in hiddens + [head]:
-        x.grad = None
     ref, ref_steps, _ = soft_ce.reference_soft_cross_entropy_ttt(hiddens, head, batch["last"][0], ours.teacher_head, weight)
     ref.backward()
-    grad_errs = [rel_err(g, x.grad) for g, x in zip(ours_grads, hiddens + [head])]
-    return {"tokens": tokens, "loss": loss.item(), "reference_loss": ref.item(),
-            "loss_rel_err": abs(loss.item() - ref.item()) / abs(ref.item()),
-            "step_loss_max_rel_err": ((steps - ref_steps).abs() / ref_steps.abs().clamp_min(1e-30)).max().item(),
-            "grad_max_rel_err": max(grad_errs)}
+    ref_grads = [x.grad.clone() for x in hiddens + [head]]
+    out = {"tokens": tokens, "reference_loss": ref.item()}
+    for packed in (False, True):
+        for x in hiddens + [head]:
+            x.grad = None
+        loss, steps, _ = soft_ce.fused_soft_cross_entropy_ttt(hiddens, head, batch["last"][0], ours.teacher_head, weight,
+                                                              chunk_tokens=ours.chunk, packed=packed)
+        loss.backward()
+        grad_errs = [rel_err(x.grad, g) for x, g in zip(hiddens + [head], ref_grads)]
+        tag = "packed_" if packed else ""
+        out.update({f"{tag}loss": loss.item(), f"{tag}loss_rel_err": abs(loss.item() - ref.item()) / abs(ref.item()),
+                    f"{tag}step_loss_max_rel_err": ((steps - ref_steps).abs() / ref_steps.abs().clamp_min(1e-30)).max().item(),
+                    f"{tag}grad_max_rel_err": max(grad_errs)})
+    return out
 
 
 def check_attention(s: Shape, device: torch.device, tokens: int, fast: str) -> dict:
@@ -440,33 +503,116 @@ def profile_step(name: str, method, s: Shape, tokens: int, device: torch.device,
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60))
 
 
-def print_table(rows: list[dict]) -> None:
-    print("| T | method | step ms | tokens/s | peak GiB | GFLOP/token | TFLOP/s | MFU |")
-    print("|---|---|---|---|---|---|---|---|")
+def attention_bench(s: Shape, device: torch.device, tokens_list: list[int], modes: list[str], warmup: int,
+                    iters: int) -> list[dict]:
+    """TTT attention alone as training runs it: for j = 0..K-1, forward over the keys of steps
+    0..j and backward, per mode (flex: the 2026-11-29 default on CUDA; merged: flash + diagonal
+    merge). Time per full set of K steps, peak memory above the inputs, attention TFLOP/s
+    (causal QK^T and PV, forward + backward = 3 x 4 x T/2 x heads x D per token and step)."""
+    rows = []
+    for tokens in tokens_list:
+        gen = torch.Generator(device="cpu").manual_seed(5)
+
+        def rnd(*shape):
+            return torch.randn(*shape, generator=gen).to(device, torch.bfloat16).requires_grad_()
+
+        q = rnd(1, s.heads, tokens, s.head_dim)
+        keys = [rnd(1, s.kv_heads, tokens, s.head_dim) for _ in range(s.ttt)]
+        values = [rnd(1, s.kv_heads, tokens, s.head_dim) for _ in range(s.ttt)]
+        upstream = torch.randn(1, s.heads, tokens, s.head_dim, generator=gen).to(device, torch.bfloat16)
+        flops = s.ttt * tokens * 3 * 4 * (tokens / 2) * s.heads * s.head_dim
+        for mode in modes:
+            def run(mode=mode):
+                name, _, compiled = mode.partition("+")
+                for j in range(s.ttt):
+                    out = ttt_attention(q, keys[: j + 1], values[: j + 1], s.head_dim**-0.5, mode=name,
+                                        compile=compiled == "compile")
+                    out.backward(upstream)
+                for x in [q, *keys, *values]:
+                    x.grad = None
+            try:
+                sync(device)
+                base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+                seconds, peak = time_steps(run, device, warmup, iters)
+                row = {"method": f"attention {mode}", "tokens": tokens, "ms_all_steps": round(seconds * 1e3, 2),
+                       "ms_per_step": round(seconds * 1e3 / s.ttt, 2), "TFLOPs": round(flops / seconds / 1e12, 1),
+                       "peak_GiB_over_inputs": None if peak is None else round(peak - base / 2**30, 2)}
+            except Exception as err:  # noqa: BLE001 - recorded; the other mode still runs
+                row = {"method": f"attention {mode}", "tokens": tokens, "error": repr(err)[:300]}
+            log.info("%s", row)
+            rows.append(row)
+            free_memory(device)
+        del q, keys, values, upstream
+        free_memory(device)
+    return rows
+
+
+def versus_specforge(rows: list[dict]) -> None:
+    """Add speed and memory ratios against SpecForge: measured in this run when it ran, else
+    its 2026-11-29 numbers (the goal: speed >= 1.15x, memory <= 0.6x)."""
+    measured = {r["tokens"]: (r["tokens_per_s"], r["peak_GiB"]) for r in rows
+                if r["method"].startswith("specforge") and "error" not in r}
     for r in rows:
+        if "error" in r or r["method"].startswith("specforge") or "step_ms" not in r:
+            continue
+        ref = measured.get(r["tokens"]) or SPECFORGE_2026_11_29.get(r["tokens"])
+        if ref:
+            r["vs_specforge_speed"] = round(r["tokens_per_s"] / ref[0], 3)
+            r["vs_specforge_memory"] = None if r["peak_GiB"] is None else round(r["peak_GiB"] / ref[1], 3)
+            r["vs_specforge_source"] = "this run" if r["tokens"] in measured else "2026-11-29"
+
+
+def print_table(rows: list[dict]) -> None:
+    attention = [r for r in rows if r["method"].startswith("attention")]
+    if attention:
+        print("| T | attention | ms (7 steps, fwd+bwd) | ms / step | TFLOP/s | peak GiB over inputs |")
+        print("|---|---|---|---|---|---|")
+        for r in attention:
+            if "error" in r:
+                print(f"| {r['tokens']} | {r['method']} | {r['error']} | | | |")
+            else:
+                print(f"| {r['tokens']} | {r['method']} | {r['ms_all_steps']} | {r['ms_per_step']} | {r['TFLOPs']} | "
+                      f"{r['peak_GiB_over_inputs']} |")
+    rows = [r for r in rows if not r["method"].startswith("attention")]
+    if not rows:
+        return
+    print("| T | method | step ms | tokens/s | peak GiB | GFLOP/token | TFLOP/s | MFU | vs SpecForge: speed, memory |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in sorted(rows, key=lambda r: (r["tokens"], r["method"])):
         if "error" in r:
-            print(f"| {r['tokens']} | {r['method']} | {r['error']} | | | | | |")
+            print(f"| {r['tokens']} | {r['method']} | {r['error']} | | | | | | |")
         else:
+            vs = f"{r['vs_specforge_speed']}x, {r['vs_specforge_memory']}x ({r['vs_specforge_source']})" \
+                if "vs_specforge_speed" in r else ""
             print(f"| {r['tokens']} | {r['method']} | {r['step_ms']} | {r['tokens_per_s']} | {r['peak_GiB']} | "
-                  f"{r['GFLOP_per_token']} | {r['TFLOPs']} | {r['MFU']} |")
+                  f"{r['GFLOP_per_token']} | {r['TFLOPs']} | {r['MFU']} | {vs} |")
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192, 16384, 32768, 65536])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192, 32768])
     ap.add_argument("--specforge-tokens", type=int, nargs="+", default=[2048, 8192, 16384, 32768])
     ap.add_argument("--no-specforge", action="store_true")
-    ap.add_argument("--ckpt", nargs="+", default=["step"], choices=["step", "none"],
-                    help="activation checkpointing of our step: per TTT step, or none (one row each)")
-    ap.add_argument("--no-ckpt-max-tokens", type=int, default=16384, help="--ckpt none runs only up to this T")
-    ap.add_argument("--attention", default="fast", help="our TTT attention mode (draft.attention: fast = flex on CUDA)")
+    ap.add_argument("--variants", nargs="+", default=None,
+                    help="our step's configurations, each 'ckpt=..,attn=..,compile=0|1,packed=0|1' (default: DEFAULT_VARIANTS)")
+    ap.add_argument("--ckpt", nargs="+", default=None, choices=["step", "none", "selective", "selective_all"],
+                    help="old interface: one variant per value with --attention, no compile, per-step loss")
+    ap.add_argument("--no-ckpt-max-tokens", type=int, default=16384, help="ckpt=none variants run only up to this T")
+    ap.add_argument("--attention", default="fast", help="with --ckpt: our TTT attention mode (fast = flex on CUDA)")
+    ap.add_argument("--attention-bench", action="store_true", help="only time the TTT attention modes (--attention-modes)")
+    ap.add_argument("--no-attention-bench", action="store_true",
+                    help="skip the TTT attention timing that otherwise runs first, before the step variants")
+    ap.add_argument("--attention-modes", nargs="+", default=["flex", "merged", "merged+compile"],
+                    help="ttt_attention modes; '+compile' fuses the merged mode's elementwise work")
+    ap.add_argument("--attention-tokens", type=int, nargs="+", default=[8192, 32768])
     ap.add_argument("--embed-device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--chunk-tokens", type=int, default=None, help="fused loss rows per chunk (default: its budget)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--check-tokens", type=int, default=2048, help="T of the loss check (attention check: 1024)")
+    ap.add_argument("--no-checks", action="store_true", help="skip the correctness checks at the start")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
-    ap.add_argument("--profile", type=int, default=0, help="only profile one step of each method at this T")
+    ap.add_argument("--profile", type=int, default=0, help="only profile one step of each variant at this T")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--cpu-check", action="store_true", help="tiny shapes on the CPU (checks the script)")
     args = ap.parse_args(argv)
@@ -475,51 +621,66 @@ def main(argv=None) -> dict:
     if args.cpu_check:
         s, device = Shape.tiny(), torch.device("cpu")
         args.tokens, args.specforge_tokens, args.check_tokens = [64, 150], [64], 150
+        args.attention_tokens, args.attention_modes = [64, 150], ["merged", "merged+compile", "sdpa"]
         args.warmup, args.iters, args.embed_device = 1, 1, "cpu"
     else:
         if not torch.cuda.is_available():
             raise SystemExit("bench_train: no CUDA device (use --cpu-check on a CPU machine)")
         s, device = Shape(), torch.device("cuda")
         use_compiled_block_masks()
+    if args.ckpt:
+        variants = [Variant(ckpt=c, attn=args.attention) for c in args.ckpt]
+    else:
+        variants = [Variant.parse(v) for v in (args.variants or DEFAULT_VARIANTS)]
+    if args.cpu_check:  # no flex on the CPU; compile stays on when asked (inductor's C++ backend)
+        variants = [Variant(v.ckpt, "merged" if v.attn == "flex" else v.attn, v.compile, v.packed) for v in variants]
     used_ids = torch.sort(torch.randperm(s.vocab, generator=torch.Generator().manual_seed(0))[: s.draft_vocab]).values
     report: dict = {"shape": vars(s), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                    "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()}, "results": [], "checks": {}}
+                    "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()},
+                    "variants": [v.name for v in variants], "results": [], "checks": {}}
 
     def save():
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(report, indent=1))
 
+    if args.attention_bench or not args.no_attention_bench:
+        report["results"] = attention_bench(s, device, args.attention_tokens, args.attention_modes, args.warmup, args.iters)
+        save()
+        if args.attention_bench:
+            print_table(report["results"])
+            return report
+
     if args.profile:
-        for ckpt in args.ckpt:
-            method = OurStep(s, device, used_ids, ckpt, args.attention, args.embed_device, args.chunk_tokens)
-            profile_step(f"ours ckpt={ckpt}", method, s, args.profile, device, used_ids)
+        for v in variants:
+            method = OurStep(s, device, used_ids, v.ckpt, v.attn, args.embed_device, args.chunk_tokens, v.compile, v.packed)
+            profile_step(f"ours {v.name}", method, s, args.profile, device, used_ids)
             del method
             free_memory(device)
         if not args.no_specforge:
             profile_step("specforge", SpecForgeStep(s, device, used_ids), s, args.profile, device, used_ids)
         return report
 
-    # Correctness first, at the real head shapes (small T for the explicit-mask attention reference).
-    fast = "sdpa" if device.type == "cpu" else args.attention
-    report["checks"]["attention"] = check_attention(s, device, min(1024, args.check_tokens), fast)
-    log.info("attention check: %s", report["checks"]["attention"])
-    ours = OurStep(s, device, used_ids, "none", args.attention, args.embed_device, args.chunk_tokens)
-    report["checks"]["loss"] = check_loss(ours, make_batch(s, args.check_tokens, device, used_ids, seed=3))
-    log.info("loss check: %s", report["checks"]["loss"])
-    del ours
-    free_memory(device)
-    save()
-
-    def run_ours(ckpt: str) -> None:
-        tokens = [t for t in args.tokens if ckpt == "step" or t <= args.no_ckpt_max_tokens]
-        run_method(f"ours (ckpt={ckpt}, embed on {args.embed_device})",
-                   lambda: OurStep(s, device, used_ids, ckpt, args.attention, args.embed_device, args.chunk_tokens),
-                   s, tokens, device, used_ids, args.warmup, args.iters, args.peak_tflops, s.draft_vocab, report["results"])
+    if not args.no_checks:
+        # Correctness first, at the real head shapes (small T for the explicit-mask attention reference).
+        for mode in sorted({v.attn for v in variants} - {"reference"}):
+            report["checks"][f"attention_{mode}"] = check_attention(s, device, min(1024, args.check_tokens), mode)
+            log.info("attention check: %s", report["checks"][f"attention_{mode}"])
+        ours = OurStep(s, device, used_ids, "none", variants[0].attn, args.embed_device, args.chunk_tokens)
+        report["checks"]["loss"] = check_loss(ours, make_batch(s, args.check_tokens, device, used_ids, seed=3))
+        log.info("loss check: %s", report["checks"]["loss"])
+        del ours
+        free_memory(device)
         save()
 
-    for ckpt in args.ckpt:
-        run_ours(ckpt)
+    for v in variants:
+        tokens = [t for t in args.tokens if v.ckpt != "none" or t <= args.no_ckpt_max_tokens]
+        run_method(f"ours {v.name}",
+                   lambda v=v: OurStep(s, device, used_ids, v.ckpt, v.attn, args.embed_device, args.chunk_tokens,
+                                       v.compile, v.packed),
+                   s, tokens, device, used_ids, args.warmup, args.iters, args.peak_tflops, s.draft_vocab, report["results"])
+        versus_specforge(report["results"])
+        save()
     # SpecForge last: in the 2026-11-29 run every row measured after it carried ~10 GiB more fixed
     # memory (most likely its model kept alive by compile caches), so nothing of ours follows it.
     if not args.no_specforge:
@@ -530,6 +691,7 @@ def main(argv=None) -> dict:
         else:
             run_method("specforge 0.2.0", lambda: SpecForgeStep(s, device, used_ids), s, args.specforge_tokens, device,
                        used_ids, args.warmup, args.iters, args.peak_tflops, s.vocab, report["results"])
+        versus_specforge(report["results"])
         save()
     print_table(report["results"])
     print(json.dumps(report["checks"]))

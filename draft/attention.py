@@ -8,13 +8,23 @@ Shapes: q [B, Hq, T, D]; keys[i], values[i] [B, Hkv, T, D] for steps i = 0..j; H
 Hkv (GQA: query head h uses kv head h // (Hq // Hkv), as transformers' repeat_kv). Output
 [B, Hq, T, D] in q's dtype. All softmax arithmetic in fp32.
 
-Three implementations, equal up to rounding (tests/test_draft_attention.py):
+Four implementations, equal up to rounding (tests/test_draft_attention.py):
 - `ttt_attention_reference`: one explicit boolean mask over the concatenated keys of all steps.
 - `ttt_attention_sdpa`: causal scaled_dot_product_attention over the step-0 keys, then the j
-  diagonal keys merged in by log-sum-exp. Exact, with exact gradients (see `_causal_lse`).
+  diagonal keys merged in by log-sum-exp. Exact, with exact gradients (see `_causal_lse`), but
+  the gradient of the causal lse costs a second attention.
+- `ttt_attention_merged`: the same merge inside one autograd.Function around the flash kernel's
+  own forward (which returns the row lse) and backward. The backward runs the flash backward ONCE
+  with the MERGED output and lse: flash computes dS = P (dP - rowsum(dO * O)) with
+  P = exp(S - lse), which for the final O and lse is exactly the union softmax's gradient
+  restricted to the causal keys (ring attention's trick); the diagonal keys' share is j
+  elementwise dot products. No [T, (j+1)T] keys are concatenated. CPU: the CPU flash ops (any
+  float dtype); CUDA: FlashAttention-2 (fp16/bf16, head_dim <= 256), else it falls back to sdpa.
 - `ttt_attention_flex`: flex_attention with a block mask over the concatenated keys (CUDA,
   compiled; block sparsity skips the masked-out blocks).
-`ttt_attention(..., mode="auto")` picks flex on CUDA when it is available, else sdpa.
+`ttt_attention(..., mode="auto")` picks flex on CUDA when it is available, else merged.
+"fast" is the same as "auto". Which is faster on CUDA is measured by
+`benchmarks/bench_train.py --attention-bench`.
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-ATTENTION_MODES = ("auto", "reference", "fast", "sdpa", "flex")
+ATTENTION_MODES = ("auto", "reference", "fast", "sdpa", "merged", "flex")
 
 
 def _check(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
@@ -129,6 +139,146 @@ def ttt_attention_sdpa(q, keys, values, scale: float) -> torch.Tensor:
     return out.to(q.dtype)
 
 
+# ----------------------------------------------------------------------------------------------
+# Flash forward/backward with the row lse, merged with the diagonal keys (ttt_attention_merged)
+# ----------------------------------------------------------------------------------------------
+
+
+def _flash_supported(q: torch.Tensor) -> bool:
+    """The device's flash ops take these inputs: CPU any float dtype; CUDA fp16/bf16, D <= 256, D % 8 == 0."""
+    if q.device.type == "cpu":
+        return hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+    if q.device.type == "cuda":
+        d = q.shape[-1]
+        return q.dtype in (torch.float16, torch.bfloat16) and d <= 256 and d % 8 == 0
+    return False
+
+
+def _flash_forward(q, k, v, scale: float):
+    """Causal flash attention. q, k, v [B, H, T, D] -> (out [B, H, T, D], lse [B, H, T] fp32, aux).
+    `aux` carries what the CUDA backward needs besides out and lse (sequence bookkeeping, rng)."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+        return out, lse, None
+    out, lse, cum_q, cum_k, max_q, max_k, rng_state, unused, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, True, False, scale=scale)
+    return out, lse, (cum_q, cum_k, max_q, max_k, rng_state, unused)
+
+
+def _flash_backward(grad_out, q, k, v, out, lse, aux, scale: float):
+    """Causal flash backward given (out, lse): -> (dq, dk, dv)."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, 0.0, True, scale=scale)
+    cum_q, cum_k, max_q, max_k, rng_state, unused = aux
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        grad_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, rng_state, unused, scale=scale)
+
+
+def _merge_forward(scale: float, q, out0, lse0, *diag):
+    """Merge the causal block (out0 [B, H, T, D], lse0 [B, H, T] fp32) with the n diagonal keys
+    and values diag = (k_1..k_n, v_1..v_n) [B, H, T, D] -> (out in q's dtype, merged lse fp32)."""
+    n = len(diag) // 2
+    q32 = q.float()
+    scores = [(q32 * k.float()).sum(-1) * scale for k in diag[:n]]  # n x [B, H, T]
+    lse = torch.logsumexp(torch.stack([lse0, *scores], dim=-1), dim=-1)  # [B, H, T]
+    out = torch.exp(lse0 - lse)[..., None] * out0.float()  # the causal block's share
+    for score, v in zip(scores, diag[n:]):
+        out = out + torch.exp(score - lse)[..., None] * v.float()
+    return out.to(q.dtype), lse
+
+
+def _merge_backward(scale: float, q, out, lse, grad_out, dq_causal, *diag):
+    """The diagonal keys' share of the gradient, given the merged (out, lse) and dq of the causal
+    block: -> (dq, dk_1..dk_n, dv_1..dv_n). With P_i = exp(s_i - lse) and D = rowsum(dO * O):
+    dv_i = P_i dO, dS_i = P_i (dO . v_i - D), dq += scale dS_i k_i, dk_i = scale dS_i q."""
+    n = len(diag) // 2
+    q32, do32 = q.float(), grad_out.float()
+    delta = (do32 * out.float()).sum(-1)  # [B, H, T], as flash computes it
+    dq = dq_causal.float()
+    dks, dvs = [], []
+    for k, v in zip(diag[:n], diag[n:]):
+        k32 = k.float()
+        p = torch.exp((q32 * k32).sum(-1) * scale - lse)  # [B, H, T]
+        ds = p * ((do32 * v.float()).sum(-1) - delta) * scale
+        dq = dq + ds[..., None] * k32
+        dks.append((ds[..., None] * q32).to(k.dtype))
+        dvs.append((p[..., None] * do32).to(v.dtype))
+    return (dq.to(q.dtype), *dks, *dvs)
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_merge():
+    """torch.compile'd (_merge_forward, _merge_backward): one fused kernel per pass instead of a
+    dozen fp32 [B, H, T, D] temporaries. One graph per number of diagonal keys and shape."""
+    return (torch.compile(_merge_forward, fullgraph=True, dynamic=False),
+            torch.compile(_merge_backward, fullgraph=True, dynamic=False))
+
+
+def many_graphs():
+    """Context raising dynamo's per-function graph limit (default 8) for the compiled TTT pieces:
+    K - 1 diagonal counts x a few sequence lengths x dtypes exceed it, and past it dynamo would
+    silently run the function eagerly."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    if hasattr(config, "recompile_limit"):
+        limits = {"recompile_limit": 64, "accumulated_recompile_limit": 1024}
+    else:  # older torch names
+        limits = {"cache_size_limit": 64, "accumulated_cache_size_limit": 1024}
+    return config.patch(**{k: v for k, v in limits.items() if hasattr(config, k)})
+
+
+def _run_merge(which: int, compile: bool, *args):
+    if not compile:
+        return (_merge_forward, _merge_backward)[which](*args)
+    with many_graphs():
+        return _compiled_merge()[which](*args)
+
+
+class _MergedTTTAttention(torch.autograd.Function):
+    """out = softmax over (causal step-0 keys, diagonal keys of steps 1..j) of the scores, times
+    the values. Inputs (kv heads already repeated to Hq): q, k0, v0 [B, H, T, D], then the j
+    diagonal keys and the j diagonal values [B, H, T, D]. Saves q, k0, v0, out, lse (and the
+    diagonal inputs, which the caller keeps anyway): no probabilities, no concatenation."""
+
+    @staticmethod
+    def forward(ctx, scale, compile, q, k0, v0, *diag):
+        out0, lse0, aux = _flash_forward(q, k0, v0, scale)  # [B, H, T, D], [B, H, T] fp32
+        if diag:
+            out, lse = _run_merge(0, compile, scale, q, out0, lse0, *diag)
+        else:
+            out, lse = out0, lse0
+        ctx.scale, ctx.aux, ctx.compile, ctx.n = scale, aux, compile, len(diag) // 2
+        ctx.save_for_backward(q, k0, v0, out, lse, *diag)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k0, v0, out, lse, *diag = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        # Causal block with the merged (out, lse): the exact share of the union softmax's gradient.
+        dq, dk0, dv0 = _flash_backward(grad_out, q, k0, v0, out, lse, ctx.aux, ctx.scale)
+        if not diag:
+            return None, None, dq, dk0, dv0
+        dq, *diag_grads = _run_merge(1, ctx.compile, ctx.scale, q, out, lse, grad_out, dq, *diag)
+        return (None, None, dq, dk0, dv0, *diag_grads)
+
+
+def ttt_attention_merged(q, keys, values, scale: float, compile: bool = False) -> torch.Tensor:
+    """Flash causal attention over the step-0 keys merged with the diagonal keys of steps 1..j,
+    forward and backward in one autograd.Function (see the module docstring). compile: the
+    merge's elementwise passes through torch.compile. Falls back to `ttt_attention_sdpa` where
+    the device's flash kernel does not take the inputs."""
+    _check(q, keys, values)
+    if not _flash_supported(q):
+        return ttt_attention_sdpa(q, keys, values, scale)
+    n_rep = q.shape[1] // keys[0].shape[1]
+    ks = [repeat_kv(k, n_rep) for k in keys]  # GQA: autograd sums the repeated heads' gradients
+    vs = [repeat_kv(v, n_rep) for v in values]
+    return _MergedTTTAttention.apply(float(scale), bool(compile), q, ks[0], vs[0], *ks[1:], *vs[1:])
+
+
 @functools.lru_cache(maxsize=1)
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
@@ -175,12 +325,15 @@ def ttt_attention_flex(q, keys, values, scale: float, compiled: bool = True) -> 
     return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=n_rep > 1)
 
 
-def ttt_attention(q, keys, values, scale: float, mode: str = "auto") -> torch.Tensor:
-    """Dispatch: "reference", "sdpa", "flex", "fast" (= flex on CUDA, else sdpa), "auto" (= fast)."""
+def ttt_attention(q, keys, values, scale: float, mode: str = "auto", compile: bool = False) -> torch.Tensor:
+    """Dispatch: "reference", "sdpa", "merged", "flex", "fast" (= flex on CUDA, else merged), "auto" (= fast).
+    compile: fuse the merged mode's elementwise work (the other modes ignore it)."""
     if mode not in ATTENTION_MODES:
         raise ValueError(f"attention mode {mode!r} is not one of {ATTENTION_MODES}")
     if mode == "reference":
         return ttt_attention_reference(q, keys, values, scale)
     if mode == "flex" or (mode in ("auto", "fast") and flex_available(q.device)):
         return ttt_attention_flex(q, keys, values, scale)
-    return ttt_attention_sdpa(q, keys, values, scale)
+    if mode == "sdpa":
+        return ttt_attention_sdpa(q, keys, values, scale)
+    return ttt_attention_merged(q, keys, values, scale, compile=compile)

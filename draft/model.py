@@ -10,6 +10,8 @@ Training-time test (forward_ttt), K steps over a sequence of T rows:
     step j, row t: token input_ids[t+1+j] (0 past the end), predicts token t+2+j, RoPE position
     t+j; hidden = fc(aux[t]) at j = 0, else the un-normed midlayer output of step j-1 at row t;
     attention sees step-0 keys at rows <= t and the keys of steps 1..j at row t only.
+    Options for training speed/memory: checkpoint (none | step | selective | selective_all, per
+    TTT step) and compile (torch.compile of the elementwise work between the matmuls).
 Serving (KV cache, batch 1 is enough): new_cache, extend (verified rows), propose (k target
 ids by greedy chain from the last row; the chain's KV entries are discarded), rollback.
 
@@ -23,14 +25,65 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
-from .attention import repeat_kv, ttt_attention
+from .attention import many_graphs, repeat_kv, ttt_attention
 from .config import Eagle3Config
+
+
+# Activation checkpointing of forward_ttt, per TTT step:
+#   none       keep every activation (most memory, no recompute)
+#   step       keep only each step's inputs and outputs; the backward reruns the whole step
+#   selective  torch.utils.checkpoint with a selective policy: the outputs of the matmuls whose
+#              inner dimension exceeds H (q/k/v from 2H, o_proj from heads*D, down from the
+#              intermediate: ~2/3 of the step's matmul FLOPs; v's output is the step's own
+#              output anyway, so the extra bytes are q, k, o, down [T, *] bf16) and
+#              of the flash attention kernel are kept; norms, RoPE, SiLU, the attention merge
+#              and the gate/up matmuls are recomputed
+#   selective_all  the same, keeping every matmul output (gate/up too): no matmul recomputed
+# With compile=True the fused elementwise kernels run (and rerun) inside the checkpoint; the
+# policy only ever sees the eager matmuls and attention kernels.
+CHECKPOINT_MODES = ("none", "step", "selective", "selective_all")
+
+
+def _flash_ops() -> tuple:
+    names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_efficient_attention")
+    return tuple(getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n))
+
+
+def selective_policy(hidden_size: int, save_all_matmuls: bool):
+    """Policy for torch.utils.checkpoint.create_selective_checkpoint_contexts: MUST_SAVE the
+    outputs of aten.mm/addmm (those with inner dimension > hidden_size unless save_all_matmuls)
+    and of the flash attention ops; PREFER_RECOMPUTE everything else."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    matmuls = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+    attention = _flash_ops()
+
+    def policy(ctx, func, *args, **kwargs):
+        if func in attention:
+            return CheckpointPolicy.MUST_SAVE
+        if func in matmuls:
+            inner = args[-1].shape[-2]  # mm(a [M, K], b [K, N]); addmm(bias, a, b); bmm(.., [K, N])
+            if save_all_matmuls or inner > hidden_size:
+                return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _selective_context(hidden_size: int, save_all_matmuls: bool):
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(selective_policy(hidden_size, save_all_matmuls))
 
 
 class RMSNorm(nn.Module):
@@ -79,6 +132,53 @@ def _rope_parameters(config: Eagle3Config) -> tuple[torch.Tensor, float]:
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+# ---------------------------------------------------------------------- elementwise pieces of a step
+# The same math as RMSNorm / Eagle3Attention.qkv / Eagle3DecoderLayer.finish, as plain functions
+# of tensors so that torch.compile can fuse them (fullgraph, static shapes) without tracing modules.
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _norm_cat(embeds, hidden, w_embeds, w_hidden, eps: float) -> torch.Tensor:
+    """[B, T, H] x 2 -> cat(input_layernorm(embeds), hidden_norm(hidden)) [B, T, 2H]."""
+    return torch.cat([_rms(embeds, w_embeds, eps), _rms(hidden, w_hidden, eps)], dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, T, D]; cos/sin [1, 1, T, D] in x's dtype."""
+    return x * cos + rotate_half(x) * sin
+
+
+def _add_norm(residual, update, weight, eps: float):
+    """-> (residual + update, RMSNorm of it), both [B, T, H]."""
+    h = residual + update
+    return h, _rms(h, weight, eps)
+
+
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+_ELEMENTWISE = {"norm_cat": _norm_cat, "rope": _rope, "add_norm": _add_norm, "silu_mul": _silu_mul}
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_elementwise() -> dict:
+    """torch.compile'd twins of _ELEMENTWISE (built on first use: compiling needs a C++ compiler
+    on the CPU and Triton on CUDA). Static shapes: one graph per sequence length."""
+    def under_limits(compiled):
+        def call(*args):
+            with many_graphs():
+                return compiled(*args)
+
+        return call
+
+    return {name: under_limits(torch.compile(fn, fullgraph=True, dynamic=False)) for name, fn in _ELEMENTWISE.items()}
 
 
 class Eagle3Attention(nn.Module):
@@ -231,13 +331,20 @@ class Eagle3Draft(nn.Module):
     # ------------------------------------------------------------------ training-time test
 
     def forward_ttt(self, aux_hidden_states: torch.Tensor, input_ids: torch.Tensor, ttt_steps: int,
-                    attention: str = "auto") -> list[torch.Tensor]:
+                    attention: str = "auto", *, checkpoint: str | Sequence[str] = "none",
+                    compile: bool = False) -> list[torch.Tensor]:
         """Unrolled TTT: a list of `ttt_steps` NORMED hidden states [B, T, H] (inputs of lm_head).
 
         aux_hidden_states [B, T, k*Ht], input_ids [B, T] (row t = position t of the sequence).
         Step j, row t: fed token input_ids[t+1+j] (id 0 past the end) and predicts token t+2+j;
         hidden input fc(aux[t]) at j = 0, else the un-normed output of step j-1 at row t; RoPE
         position t+j; attends to step-0 keys at rows <= t and steps 1..j keys at row t only.
+
+        checkpoint: activation checkpointing per TTT step, one of CHECKPOINT_MODES, or a list of
+        `ttt_steps` of them (e.g. selective for the first steps and step for the rest, to fit a
+        memory budget). Same numbers, less memory, some recompute in the backward. compile: the elementwise work between the
+        matmuls (norms, RoPE, SiLU, residuals; the merged attention's diagonal merge) through
+        torch.compile; matmuls and attention kernels as they are.
         """
         b, t = input_ids.shape
         if aux_hidden_states.shape[:2] != (b, t):
@@ -245,19 +352,61 @@ class Eagle3Draft(nn.Module):
                              f"{tuple(input_ids.shape)} disagree on [B, T]")
         if ttt_steps < 1:
             raise ValueError(f"forward_ttt: ttt_steps must be >= 1, got {ttt_steps}")
+        modes = [checkpoint] * ttt_steps if isinstance(checkpoint, str) else list(checkpoint)
+        if len(modes) != ttt_steps or any(m not in CHECKPOINT_MODES for m in modes):
+            raise ValueError(f"forward_ttt: checkpoint {checkpoint!r} must be one of {CHECKPOINT_MODES} "
+                             f"or a list of {ttt_steps} of them (one per TTT step)")
         hidden = self.fuse(aux_hidden_states)  # [B, T, H]
+        # Embeddings of all steps at once: step j reads rows 1+j .. T+j (ids 0 past the end).
+        embeds = self.embed_tokens(F.pad(input_ids, (0, ttt_steps), value=0))  # [B, T + K, H]
         rows = torch.arange(t, device=input_ids.device)[None]  # [1, T]
+        step_fns = {m: self.ttt_step_fn(attention, m, compile) for m in set(modes)}
         keys, values, normed = [], [], []
         for j in range(ttt_steps):
-            tokens = F.pad(input_ids[:, 1 + j:], (0, min(1 + j, t)), value=0)  # [B, T]: token t+1+j
             cos, sin = self.rope(rows + j)
-            q, k, v = self.midlayer.qkv(self.embed_tokens(tokens), hidden, cos, sin)
+            hidden, normed_j, k, v = step_fns[modes[j]](j, hidden, embeds[:, 1 + j: 1 + j + t], cos, sin, *keys, *values)
             keys.append(k)
             values.append(v)
-            attn = ttt_attention(q, keys, values, self.midlayer.self_attn.scale, mode=attention)
-            hidden = self.midlayer.finish(attn, hidden)  # un-normed, fed to step j+1
-            normed.append(self.norm(hidden))
+            normed.append(normed_j)
         return normed
+
+    def ttt_step(self, attention: str, n_prev: int, hidden, embeds, cos, sin, *kv, compile: bool = False):
+        """One TTT step of the midlayer (the math of midlayer.qkv + finish, then norm).
+
+        hidden, embeds [B, T, H]; cos/sin [1, T, D] fp32; kv = the n_prev keys then the n_prev
+        values [B, Hkv, T, D] of the earlier steps -> (un-normed output [B, T, H], normed output
+        [B, T, H], k_j, v_j). The matmuls are the modules' own (so a selective checkpoint policy
+        sees them); the elementwise work between them goes through `_ELEMENTWISE` (eager) or its
+        torch.compile'd twin (fused kernels: each norm is one pass, no fp32 copies kept)."""
+        ew = _compiled_elementwise() if compile else _ELEMENTWISE
+        layer, attn_mod, mlp = self.midlayer, self.midlayer.self_attn, self.midlayer.mlp
+        eps = self.config.rms_norm_eps
+        b, t, _ = hidden.shape
+        x = ew["norm_cat"](embeds, hidden, layer.input_layernorm.weight, layer.hidden_norm.weight, eps)  # [B, T, 2H]
+        q = attn_mod.q_proj(x).view(b, t, attn_mod.num_heads, attn_mod.head_dim).transpose(1, 2)  # [B, Hq, T, D]
+        k = attn_mod.k_proj(x).view(b, t, attn_mod.num_kv_heads, attn_mod.head_dim).transpose(1, 2)
+        v = attn_mod.v_proj(x).view(b, t, attn_mod.num_kv_heads, attn_mod.head_dim).transpose(1, 2)
+        cos, sin = cos[:, None].to(q.dtype), sin[:, None].to(q.dtype)  # [1, 1, T, D]
+        q, k = ew["rope"](q, cos, sin), ew["rope"](k, cos, sin)
+        keys, values = list(kv[:n_prev]) + [k], list(kv[n_prev:]) + [v]
+        attn = ttt_attention(q, keys, values, attn_mod.scale, mode=attention, compile=compile)  # [B, Hq, T, D]
+        h, y = ew["add_norm"](hidden, attn_mod.out(attn), layer.post_attention_layernorm.weight, eps)
+        mlp_out = mlp.down_proj(ew["silu_mul"](mlp.gate_proj(y), mlp.up_proj(y)))
+        out, normed = ew["add_norm"](h, mlp_out, self.norm.weight, eps)
+        return out, normed, k, v
+
+    def ttt_step_fn(self, attention: str = "auto", checkpoint: str = "none", compile: bool = False):
+        """fn(n_prev, hidden, embeds, cos, sin, *kv) -> ttt_step's outputs, checkpointed as asked
+        (one of CHECKPOINT_MODES). forward_ttt runs it per step; trainers may call it directly."""
+        if checkpoint not in CHECKPOINT_MODES:
+            raise ValueError(f"checkpoint {checkpoint!r} is not one of {CHECKPOINT_MODES}")
+        step = functools.partial(self.ttt_step, attention, compile=compile)
+        if checkpoint == "none":
+            return step
+        if checkpoint == "step":
+            return lambda *args: activation_checkpoint(step, *args, use_reentrant=False)
+        context = functools.partial(_selective_context, self.config.hidden_size, checkpoint == "selective_all")
+        return lambda *args: activation_checkpoint(step, *args, use_reentrant=False, context_fn=context)
 
     # ------------------------------------------------------------------ serving
 

@@ -113,10 +113,14 @@ def reference_soft_cross_entropy_ttt(
 # ----------------------------------------------------------------------------------------------
 
 
-def _rows_torch(logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_lse: torch.Tensor, weight: torch.Tensor):
-    """Torch row pass. logits [c, Vd] (overwritten with G in its dtype), teacher_logits [c, Vd],
-    teacher_lse [c] fp32, weight [c] fp32 -> (weight * CE [c] fp32, argmax [c] int64).
+def _rows_torch(logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_lse: torch.Tensor, weight: torch.Tensor,
+                teacher_index: torch.Tensor | None = None):
+    """Torch row pass. logits [c, Vd] (overwritten with G in its dtype), teacher_logits [c, Vd]
+    (or [c', Vd] with teacher_index [c] int32 naming each row's teacher row), teacher_lse [c]
+    fp32, weight [c] fp32 -> (weight * CE [c] fp32, argmax [c] int64).
     Rows with weight 0 give 0 loss and G = 0 whatever their inputs (no 0 * inf = nan)."""
+    if teacher_index is not None:
+        teacher_logits = teacher_logits[teacher_index.long()]  # [c, Vd]
     z = logits.float()  # [c, Vd]; a view when logits are fp32, G is built before it is written
     p = torch.exp(teacher_logits.float() - teacher_lse[:, None])  # [c, Vd]
     lse = torch.logsumexp(z, dim=-1)  # [c]
@@ -139,16 +143,20 @@ if HAS_TRITON:
 
     @triton.jit
     def _soft_ce_rows_kernel(
-        z_ptr, t_ptr, tlse_ptr, w_ptr, loss_ptr, argmax_ptr,
+        z_ptr, t_ptr, tidx_ptr, tlse_ptr, w_ptr, loss_ptr, argmax_ptr,
         z_stride, t_stride, vocab,
-        BLOCK: tl.constexpr,
+        BLOCK: tl.constexpr, HAS_TIDX: tl.constexpr,
     ):
         """One program per row. Pass 1 over Vd blocks: online max / sum-exp of z (draft lse),
         sum of p (S) and the first argmax. Pass 2: CE = -sum p (z - lse) and
-        G = w (exp(z - lse) S - p), written over z in z's dtype."""
+        G = w (exp(z - lse) S - p), written over z in z's dtype. HAS_TIDX: row r's teacher
+        logits are row tidx[r] of t (the packed TTT form shares one teacher row among steps)."""
         row = tl.program_id(0).to(tl.int64)
         z_row = z_ptr + row * z_stride
-        t_row = t_ptr + row * t_stride
+        if HAS_TIDX:
+            t_row = t_ptr + tl.load(tidx_ptr + row).to(tl.int64) * t_stride
+        else:
+            t_row = t_ptr + row * t_stride
         tlse = tl.load(tlse_ptr + row)
         w = tl.load(w_ptr + row)
         offs = tl.arange(0, BLOCK)
@@ -215,13 +223,17 @@ def _launch_config(vocab: int) -> tuple[int, int]:
     return block, (8 if block >= 2048 else 4)
 
 
-def _check_triton_rows(logits, teacher_logits, teacher_lse, weight) -> None:
+def _check_triton_rows(logits, teacher_logits, teacher_lse, weight, teacher_index=None) -> None:
     if not HAS_TRITON:
         raise RuntimeError("backend='triton' needs the triton package (pip install 'eagleforge[gpu]')")
     if not (logits.is_cuda or _interpreting()):
         raise ValueError(f"triton soft-CE: logits on {logits.device}, need CUDA (or TRITON_INTERPRET=1 on the CPU)")
-    if logits.shape != teacher_logits.shape:
+    if teacher_index is None and logits.shape != teacher_logits.shape:
         raise ValueError(f"triton soft-CE: logits {tuple(logits.shape)} != teacher logits {tuple(teacher_logits.shape)}")
+    if teacher_index is not None and (logits.shape[1] != teacher_logits.shape[1] or teacher_index.shape != (logits.shape[0],)
+                                      or teacher_index.dtype != torch.int32 or not teacher_index.is_contiguous()):
+        raise ValueError(f"triton soft-CE: logits {tuple(logits.shape)}, teacher logits {tuple(teacher_logits.shape)} and "
+                         f"teacher_index {teacher_index.dtype} {tuple(teacher_index.shape)} (contiguous int32 [rows]) disagree")
     if logits.stride(-1) != 1 or teacher_logits.stride(-1) != 1:
         raise ValueError(f"triton soft-CE: Vd must be the contiguous dim, strides {logits.stride()} / {teacher_logits.stride()}")
     rows = logits.shape[0]
@@ -230,9 +242,10 @@ def _check_triton_rows(logits, teacher_logits, teacher_lse, weight) -> None:
             raise ValueError(f"triton soft-CE: {name} must be contiguous fp32 [{rows}], got {t.dtype} {tuple(t.shape)}")
 
 
-def _rows_triton(logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_lse: torch.Tensor, weight: torch.Tensor):
+def _rows_triton(logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_lse: torch.Tensor, weight: torch.Tensor,
+                 teacher_index: torch.Tensor | None = None):
     """Triton row pass, same contract as `_rows_torch`."""
-    _check_triton_rows(logits, teacher_logits, teacher_lse, weight)
+    _check_triton_rows(logits, teacher_logits, teacher_lse, weight, teacher_index)
     rows, vocab = logits.shape
     loss_rows = torch.empty(rows, dtype=torch.float32, device=logits.device)
     argmax = torch.empty(rows, dtype=torch.int64, device=logits.device)
@@ -240,8 +253,9 @@ def _rows_triton(logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_lse
         return loss_rows, argmax
     block, warps = _launch_config(vocab)
     _soft_ce_rows_kernel[(rows,)](
-        logits, teacher_logits, teacher_lse, weight, loss_rows, argmax,
-        logits.stride(0), teacher_logits.stride(0), vocab, BLOCK=block, num_warps=warps,
+        logits, teacher_logits, teacher_index if teacher_index is not None else teacher_lse, teacher_lse, weight,
+        loss_rows, argmax, logits.stride(0), teacher_logits.stride(0), vocab,
+        BLOCK=block, HAS_TIDX=teacher_index is not None, num_warps=warps,
     )
     return loss_rows, argmax
 
@@ -500,12 +514,81 @@ def _ttt_forward(draft_hiddens, draft_head, teacher_hidden, teacher_head, weight
     return loss_rows.sum(-1), argmax, grads_h, grad_head
 
 
+@torch.no_grad()
+def _ttt_forward_packed(draft_hiddens, draft_head, teacher_hidden, teacher_head, weight, shift,
+                        need_grad_h, need_grad_head, chunk, backend):
+    """Same contract as `_ttt_forward`, with the K steps of a teacher chunk PACKED: the draft rows
+    of every step whose teacher lies in the chunk are copied into one [P <= chunk, H] buffer, so
+    each chunk runs ONE draft-logits matmul, ONE row pass (teacher rows by index), ONE grad-hidden
+    matmul and ONE grad-head addmm instead of K of each. `chunk` bounds P (the [P, Vd] logits,
+    as in the unpacked form); the teacher chunk is chunk // K positions.
+
+    Cost of packing: a copy of the rows in (P x H) and of their gradients out, about
+    2 x 2 P H bytes per chunk, small beside the 6 P H Vd matmul FLOPs."""
+    rows_fn, lse_fn = _row_fns(backend)
+    k_steps, n_rows, vocab = len(draft_hiddens), teacher_hidden.shape[0], draft_head.shape[0]
+    hid, dev = draft_head.shape[1], teacher_hidden.device
+    loss_rows = torch.zeros(k_steps, n_rows, dtype=torch.float32, device=dev)
+    argmax = torch.empty(k_steps, n_rows, dtype=torch.int64, device=dev)
+    grads_h = [torch.zeros_like(h) if need_grad_h[j] else None for j, h in enumerate(draft_hiddens)]
+    grad_head = torch.zeros_like(draft_head) if need_grad_head else None
+    t_chunk = max(1, chunk // k_steps)  # teacher positions per chunk
+    p_max = max(1, min(t_chunk, n_rows) * k_steps)  # packed draft rows per chunk
+    zbuf = torch.empty(p_max, vocab, dtype=draft_head.dtype, device=dev)  # logits, then G in place
+    tbuf = torch.empty(max(1, min(t_chunk, n_rows)), vocab, dtype=teacher_head.dtype, device=dev)
+    hbuf = torch.empty(p_max, hid, dtype=draft_head.dtype, device=dev)  # packed draft rows
+    gbuf = torch.empty(p_max, hid, dtype=draft_head.dtype, device=dev) if any(need_grad_h) else None
+    first = True
+    for s0 in range(0, n_rows, t_chunk):
+        s1 = min(n_rows, s0 + t_chunk)
+        tb = tbuf[: s1 - s0]
+        torch.mm(teacher_hidden[s0:s1], teacher_head.T, out=tb)  # [c, Vd], once for all steps
+        lse = lse_fn(tb)  # [c]
+        # Step j's rows [r0, r1) have their teachers at [r0 + d, r1 + d) within [s0, s1), d = shift + j.
+        spans = []  # (step, r0, r1, packed offset)
+        parts, index, weights = [], [], []
+        p = 0
+        for j, hidden in enumerate(draft_hiddens):
+            d = shift + j
+            r0, r1 = max(0, s0 - d), s1 - d
+            if r1 <= r0:
+                continue
+            spans.append((j, r0, r1, p))
+            parts.append(hidden[r0:r1])
+            index.append(torch.arange(r0 + d - s0, r1 + d - s0, device=dev, dtype=torch.int32))
+            weights.append(weight[j, r0:r1])
+            p += r1 - r0
+        if p == 0:
+            continue
+        hb, zb = hbuf[:p], zbuf[:p]
+        torch.cat(parts, out=hb)  # [P, H]
+        tidx = torch.cat(index)  # [P] int32, teacher row within the chunk
+        torch.mm(hb, draft_head.T, out=zb)  # [P, Vd] draft logits of all steps
+        packed_loss, packed_argmax = rows_fn(zb, tb, lse[tidx.long()].contiguous(), torch.cat(weights), tidx)
+        if gbuf is not None:
+            torch.mm(zb, draft_head, out=gbuf[:p])  # [P, Vd] x [Vd, H]
+        if grad_head is not None:
+            grad_head.addmm_(zb.T, hb, beta=0.0 if first else 1.0)  # [Vd, P] x [P, H]
+            first = False
+        for j, r0, r1, off in spans:
+            n = r1 - r0
+            loss_rows[j, r0:r1] = packed_loss[off:off + n]
+            argmax[j, r0:r1] = packed_argmax[off:off + n]
+            if grads_h[j] is not None:
+                grads_h[j][r0:r1] = gbuf[off:off + n]
+    for j, hidden in enumerate(draft_hiddens):  # rows without a teacher: argmax only
+        tail = max(0, n_rows - shift - j)
+        if tail < n_rows:
+            argmax[j, tail:] = (hidden[tail:] @ draft_head.T).argmax(-1)
+    return loss_rows.sum(-1), argmax, grads_h, grad_head
+
+
 class _FusedSoftCETTT(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, draft_head, teacher_hidden, teacher_head, weight, shift, chunk, backend, *draft_hiddens):
-        step_losses, argmax, grads_h, grad_head = _ttt_forward(
+    def forward(ctx, draft_head, teacher_hidden, teacher_head, weight, shift, chunk, backend, packed, *draft_hiddens):
+        step_losses, argmax, grads_h, grad_head = (_ttt_forward_packed if packed else _ttt_forward)(
             draft_hiddens, draft_head, teacher_hidden, teacher_head, weight, shift,
-            ctx.needs_input_grad[7:], ctx.needs_input_grad[0], chunk, backend,
+            ctx.needs_input_grad[8:], ctx.needs_input_grad[0], chunk, backend,
         )
         ctx.save_for_backward(grad_head, *grads_h)
         ctx.mark_non_differentiable(step_losses, argmax)
@@ -514,7 +597,7 @@ class _FusedSoftCETTT(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_steps, grad_argmax):
         grad_head, *grads_h = ctx.saved_tensors
-        return (_scale(grad_head, grad_loss), None, None, None, None, None, None,
+        return (_scale(grad_head, grad_loss), None, None, None, None, None, None, None,
                 *(_scale(g, grad_loss) for g in grads_h))
 
 
@@ -528,8 +611,13 @@ def fused_soft_cross_entropy_ttt(
     teacher_shift: int = 1,
     chunk_tokens: int | None = None,
     backend: str = "auto",
+    packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """All K TTT steps in one call, the teacher logits computed once per position.
+
+    packed: run the K steps of each teacher chunk as ONE set of matmuls over their packed rows
+    (`_ttt_forward_packed`); chunk_tokens then bounds the packed rows per chunk, so the [C, Vd]
+    buffers are the same size either way. Same numbers up to the order of the grad-head sum.
 
     draft_hiddens: K tensors [N, H] (step j's normed draft states, rows = flat positions);
     teacher_hidden [N, H]: the target's final hidden state at each flat position;
@@ -565,8 +653,9 @@ def fused_soft_cross_entropy_ttt(
     _check_chunk(chunk)
     args = (draft_head, teacher_hidden.detach(), teacher_head.detach(), weight.detach(), teacher_shift, chunk, backend)
     if torch.is_grad_enabled() and (draft_head.requires_grad or any(h.requires_grad for h in draft_hiddens)):
-        return _FusedSoftCETTT.apply(*args, *draft_hiddens)
-    step_losses, argmax, _, _ = _ttt_forward(draft_hiddens, *args[:5], [False] * k_steps, False, chunk, backend)
+        return _FusedSoftCETTT.apply(*args, bool(packed), *draft_hiddens)
+    forward = _ttt_forward_packed if packed else _ttt_forward
+    step_losses, argmax, _, _ = forward(draft_hiddens, *args[:5], [False] * k_steps, False, chunk, backend)
     return step_losses.sum(), step_losses, argmax
 
 

@@ -467,3 +467,81 @@ def test_forward_ttt_gradients_fast_equal_reference():
         # Sums over thousands of fp32 terms in different orders: compare relative to the norm.
         err = (grads["fast"][name] - g).norm() / g.norm()
         assert err < 1e-5, f"{name}: relative gradient error {err:.2e} (norm {g.norm():.3e})"
+
+
+def _ttt_grads(draft, aux, ids, steps, weights, **kwargs):
+    """(normed outputs, gradients by name) of a fixed linear function of every step's logits."""
+    draft.zero_grad()
+    normed = draft.forward_ttt(aux, ids, steps, **kwargs)
+    sum((draft.logits(h) * w).sum() for h, w in zip(normed, weights)).backward()
+    return [h.detach() for h in normed], {n: p.grad.clone() for n, p in draft.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("checkpoint", ["step", "selective", "selective_all", ("selective", "none", "step", "selective")])
+@pytest.mark.parametrize("attention", ["merged", "sdpa"])
+def test_forward_ttt_checkpoint_modes_equal_no_checkpoint(checkpoint, attention):
+    """Activation checkpointing changes memory, not numbers: outputs and gradients match the
+    un-checkpointed plain-reference-attention run (GQA, odd T, batch 2, 4 steps)."""
+    config = make_config("llama3", kv_heads=2)
+    draft = make_draft(config, seed=21)
+    aux, ids = random_inputs(config, 2, 11, seed=22)
+    weights = torch.randn(4, 2, 11, config.draft_vocab_size, generator=torch.Generator().manual_seed(23))
+    ref_out, ref_grads = _ttt_grads(draft, aux, ids, 4, weights, attention="reference")
+    out, grads = _ttt_grads(draft, aux, ids, 4, weights, attention=attention, checkpoint=checkpoint)
+    for a, b in zip(out, ref_out):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for name, g in ref_grads.items():
+        err = (grads[name] - g).norm() / g.norm()
+        assert err < 1e-5, f"{checkpoint}/{attention} {name}: relative gradient error {err:.2e}"
+
+
+def test_selective_policy_saves_the_wide_matmuls_only():
+    """The policy keeps matmuls whose inner dimension exceeds H (q/k/v from 2H, o_proj from
+    heads*D > H, down from the intermediate) and recomputes gate/up (inner dim H)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from eagleforge.draft.model import selective_policy
+
+    policy = selective_policy(40, save_all_matmuls=False)
+    mm = torch.ops.aten.mm.default
+    assert policy(None, mm, torch.empty(3, 80), torch.empty(80, 40)) == CheckpointPolicy.MUST_SAVE  # qkv from 2H
+    assert policy(None, mm, torch.empty(3, 40), torch.empty(40, 72)) == CheckpointPolicy.PREFER_RECOMPUTE  # gate/up
+    assert policy(None, mm, torch.empty(3, 72), torch.empty(72, 40)) == CheckpointPolicy.MUST_SAVE  # down
+    assert policy(None, torch.ops.aten.mul.Tensor, torch.empty(3), torch.empty(3)) == CheckpointPolicy.PREFER_RECOMPUTE
+    assert selective_policy(40, True)(None, mm, torch.empty(3, 40), torch.empty(40, 72)) == CheckpointPolicy.MUST_SAVE
+    with pytest.raises(ValueError, match="checkpoint"):
+        make_draft(make_config()).forward_ttt(*random_inputs(make_config(), 1, 5, seed=1), 2, checkpoint="some")
+    with pytest.raises(ValueError, match="list of 2"):
+        make_draft(make_config()).forward_ttt(*random_inputs(make_config(), 1, 5, seed=1), 2, checkpoint=["step"])
+
+
+def _compile_works() -> str:
+    """'' when torch.compile's CPU backend can build here, else the reason (no C++ compiler, ...)."""
+    try:
+        fn = torch.compile(lambda x: torch.nn.functional.silu(x) * 2, fullgraph=True, dynamic=False)
+        fn(torch.randn(3))
+        return ""
+    except Exception as err:  # noqa: BLE001 - any failure means: skip with the reason
+        return f"torch.compile does not work on this machine: {err!r}"[:300]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpoint", ["none", "selective"])
+def test_forward_ttt_compiled_equals_eager(checkpoint):
+    """compile=True (inductor on the CPU) gives the eager outputs and gradients: once with the
+    compiled layer pieces, once with the compiled selectively-checkpointed step."""
+    reason = _compile_works()
+    if reason:
+        pytest.skip(reason)
+    torch._dynamo.reset()
+    config = make_config("default", kv_heads=2)
+    draft = make_draft(config, seed=24)
+    aux, ids = random_inputs(config, 1, 9, seed=25)
+    weights = torch.randn(3, 1, 9, config.draft_vocab_size, generator=torch.Generator().manual_seed(26))
+    ref_out, ref_grads = _ttt_grads(draft, aux, ids, 3, weights, attention="reference")
+    out, grads = _ttt_grads(draft, aux, ids, 3, weights, attention="merged", checkpoint=checkpoint, compile=True)
+    for a, b in zip(out, ref_out):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    for name, g in ref_grads.items():
+        err = (grads[name] - g).norm() / g.norm()
+        assert err < 1e-4, f"compiled {checkpoint} {name}: relative gradient error {err:.2e}"

@@ -69,10 +69,33 @@ def test_sdpa_matches_reference_values_and_gradients(shape):
         torch.testing.assert_close(gf, gr, atol=1e-5, rtol=1e-5, msg=lambda m, i=i: f"gradient of leaf {i}: {m}")
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_merged_matches_reference_values_and_gradients(shape, dtype):
+    """The flash + diagonal merge Function (one flash backward with the merged out/lse) against
+    the explicit-mask reference in fp32: values and the gradients of q and every step's k, v."""
+    q, keys, values = _inputs(*shape, dtype=dtype, grad=True, seed=12)
+    scale = 1 / math.sqrt(shape[4])
+    upstream = torch.randn(shape[0], shape[1], shape[3], shape[4], generator=torch.Generator().manual_seed(13))
+    leaves = [q, *keys, *values]
+    ref32 = [x.detach().float().requires_grad_() for x in leaves]
+    ref = A.ttt_attention_reference(ref32[0], ref32[1:1 + shape[5]], ref32[1 + shape[5]:], scale)
+    ref_grads = torch.autograd.grad((ref * upstream).sum(), ref32)
+    out = A.ttt_attention_merged(q, keys, values, scale)
+    grads = torch.autograd.grad((out.float() * upstream).sum(), leaves)
+    assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2  # bf16: inputs and outputs rounded to 8 bits
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+    for i, (g, gr) in enumerate(zip(grads, ref_grads)):
+        err = ((g.float() - gr).norm() / gr.norm().clamp_min(1e-30)).item()
+        assert err < tol, f"gradient of leaf {i}: relative error {err:.2e}"
+
+
 def test_auto_is_fast_and_equal_on_cpu():
     q, keys, values = _inputs(2, 4, 2, 11, 8, 3, seed=4)
     out = A.ttt_attention(q, keys, values, 0.3, mode="auto")
-    torch.testing.assert_close(out, A.ttt_attention_sdpa(q, keys, values, 0.3), atol=0, rtol=0)
+    torch.testing.assert_close(out, A.ttt_attention_merged(q, keys, values, 0.3), atol=0, rtol=0)
+    torch.testing.assert_close(out, A.ttt_attention_sdpa(q, keys, values, 0.3), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out, A.ttt_attention(q, keys, values, 0.3, mode="reference"), atol=1e-5, rtol=1e-5)
 
 
@@ -100,6 +123,23 @@ def test_flex_mask_matches_reference_eager_cpu():
         warnings.simplefilter("ignore")
         out = A.ttt_attention_flex(q, keys, values, 0.25, compiled=False)
     torch.testing.assert_close(out, A.ttt_attention_reference(q, keys, values, 0.25), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_merged_flash_matches_reference_cuda(dtype):
+    """FlashAttention-2 forward/backward with the merged lse on CUDA, against the fp32 reference."""
+    q, keys, values = _inputs(1, 8, 2, 333, 128, 5, seed=14)
+    leaves = [x.cuda().to(dtype).requires_grad_() for x in [q, *keys, *values]]
+    ref32 = [x.detach().float().requires_grad_() for x in leaves]
+    ref = A.ttt_attention_reference(ref32[0], ref32[1:6], ref32[6:], 128**-0.5)
+    out = A.ttt_attention(leaves[0], leaves[1:6], leaves[6:], 128**-0.5, mode="merged")
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    g_ref = torch.autograd.grad(ref.square().sum(), ref32)
+    g_out = torch.autograd.grad(out.float().square().sum(), leaves)
+    for i, (a, b) in enumerate(zip(g_out, g_ref)):
+        err = ((a.float() - b).norm() / b.norm()).item()
+        assert err < 2e-2, f"gradient of leaf {i}: relative error {err:.2e}"
 
 
 @pytest.mark.gpu

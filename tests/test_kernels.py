@@ -170,9 +170,12 @@ def test_teacher_logsumexp(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("chunk", [6, 4096], ids=["chunk6", "onechunk"])
-def test_ttt_shared_teacher(dtype, chunk):
-    """All steps at once == K shifted single-step calls of the plain reference, loss and grads."""
+@pytest.mark.parametrize("chunk", [6, 13, 4096], ids=["chunk6", "chunk13", "onechunk"])
+@pytest.mark.parametrize("packed", [False, True], ids=["perstep", "packed"])
+def test_ttt_shared_teacher(dtype, chunk, packed):
+    """All steps at once == K shifted single-step calls of the plain reference, loss and grads;
+    per step and with the K steps of a teacher chunk packed into one matmul (chunk 6: one
+    teacher row per packed chunk; 13: three, spans cut at odd places)."""
     n, hid, vocab, k_steps, shift = 31, 40, 333, 4, 1
     gen = torch.Generator().manual_seed(17 + chunk)
     scale = 3 * hid ** -0.5
@@ -185,7 +188,11 @@ def test_ttt_shared_teacher(dtype, chunk):
         weight[j, n - shift - j :] = 0  # no teacher past the end
     weight[1, 3:7] = 0
     loss, step_losses, argmax = soft_ce.fused_soft_cross_entropy_ttt(
-        hiddens, w_d, t, w_t, weight, teacher_shift=shift, chunk_tokens=chunk, backend=BACKEND)
+        hiddens, w_d, t, w_t, weight, teacher_shift=shift, chunk_tokens=chunk, backend=BACKEND, packed=packed)
+    with torch.no_grad():  # the no-gradient path gives the same numbers
+        nograd = soft_ce.fused_soft_cross_entropy_ttt(
+            hiddens, w_d, t, w_t, weight, teacher_shift=shift, chunk_tokens=chunk, backend=BACKEND, packed=packed)
+    assert torch.equal(nograd[1], step_losses) and torch.equal(nograd[2], argmax)
     (loss * 1.5).backward()
     ours = [h.grad.clone() for h in hiddens] + [w_d.grad.clone()]
     for x in hiddens + [w_d]:
@@ -204,6 +211,24 @@ def test_ttt_shared_teacher(dtype, chunk):
         assert rel_err(ours_g, x.grad) < grad_tol, rel_err(ours_g, x.grad)
     for j in range(k_steps):
         check_argmax(argmax[j], ref_logits[j], dtype)
+
+
+def test_ttt_packed_all_masked_and_short():
+    """Packed form: every weight 0 gives loss 0 and zero gradients; N shorter than K + shift
+    leaves late steps without any teacher row (argmax only)."""
+    gen = torch.Generator().manual_seed(29)
+    for n in (3, 12):
+        hiddens = [torch.randn(n, 8, generator=gen).requires_grad_() for _ in range(5)]
+        w_d = torch.randn(19, 8, generator=gen).requires_grad_()
+        t = torch.randn(n, 8, generator=gen)
+        loss, steps, argmax = soft_ce.fused_soft_cross_entropy_ttt(
+            hiddens, w_d, t, torch.randn(19, 8, generator=gen), torch.zeros(5, n), chunk_tokens=7,
+            backend=BACKEND, packed=True)
+        loss.backward()
+        assert loss.item() == 0 and not steps.any()
+        assert all(not h.grad.any() for h in hiddens) and not w_d.grad.any()
+        for j, h in enumerate(hiddens):
+            assert torch.equal(argmax[j], (h.detach() @ w_d.detach().T).argmax(-1))
 
 
 def test_ttt_rejects_weight_without_teacher():
