@@ -58,9 +58,11 @@ TEMPLATES = {
     "example": "Write a short, complete Python program that uses `{name}`, with comments explaining each step.\n\nDocumentation of `{name}`:\n{doc}",
     "function": "Write a Python function that solves a small practical problem using `{name}`. Include a docstring and a usage example.\n\nHere is its documentation:\n{doc}",
     "summarize": "Summarize the documentation of `{name}` in a few bullet points for a beginner, then give one example.\n\n{doc}",
-    # Code completion in the shape of a stub with its docstring (the form of HumanEval-style
-    # prompts, built from the standard library's own signatures and docstrings).
-    "implement": "Complete the following Python function.\n\n{stub}",
+    # Code completion in HumanEval's exact shape: the stub alone (imports, signature,
+    # docstring), no instruction, built from the standard library's own signatures and
+    # docstrings, so the target answers them the way it answers HumanEval (restating the
+    # signature, then a body and examples). Earlier versions put an instruction line first.
+    "implement": "{stub}",
     "compare": "Compare `{name}` with `{other}` from the same module: when would you use each? Show a code example of both.\n\n`{name}`:\n{doc}\n\n`{other}`:\n{other_doc}",
 }
 
@@ -170,10 +172,16 @@ def _item(name: str, kind: str, module: str, obj) -> list[DocItem]:
     return [DocItem(name, kind, module, doc, signature)]
 
 
+_TYPING_NAMES = ("Any", "Callable", "Dict", "Iterable", "Iterator", "List", "Optional", "Sequence", "Tuple", "Union")
+
+
 def _stub(item: DocItem) -> str:
-    """`def name(signature):` and the docstring, indented: a function to complete."""
+    """`def name(signature):` and the docstring, indented: a function to complete, preceded
+    (as HumanEval's prompts are) by the typing import its annotations need."""
     body = "\n".join(("    " + line).rstrip() for line in item.doc.splitlines())
-    return f'def {item.name.rsplit(".", 1)[-1]}{item.signature}:\n    """{body.lstrip()}\n    """\n'
+    stub = f'def {item.name.rsplit(".", 1)[-1]}{item.signature}:\n    """ {body.lstrip()}\n    """\n'
+    used = [name for name in _TYPING_NAMES if re.search(rf"\b{name}\b", item.signature)]
+    return (f"from typing import {', '.join(used)}\n\n\n" if used else "") + stub
 
 
 

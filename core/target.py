@@ -140,3 +140,50 @@ def default_aux_layers(num_layers: int) -> list[int]:
 def text_config(config):
     """The language model's config (Kimi-K2.5 wraps it as text_config)."""
     return getattr(config, "text_config", None) or config
+
+
+# ----------------------------------------------------------------------------- CPU attention for decoding
+
+
+CPU_ATTENTION = "eagleforge_gqa"
+
+
+def _gqa_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Plain attention that groups query heads per KV head instead of repeating K and V.
+
+    For few queries per row (decoding: 1; verification: k + 1), transformers' CPU choices are
+    slow: sdpa's CPU flash kernel spends ~75% of a bf16 decode step on one query row, and
+    eager copies K and V three times (repeat_kv, GQA 9/3) every step. Here the G query heads
+    of one KV head are stacked as rows of one matmul.
+    query [B, H, Tq, D], key/value [B, Hkv, Tk, D], attention_mask additive [B, 1, Tq, Tk]
+    (eager_mask) or None; returns ([B, Tq, H, D], None).
+    """
+    batch, heads, q_len, head_dim = query.shape
+    kv_heads, k_len = key.shape[1], key.shape[2]
+    groups = heads // kv_heads  # head h reads KV head h // groups (repeat_kv's order)
+    scaling = head_dim ** -0.5 if scaling is None else scaling
+    q = query.reshape(batch, kv_heads, groups * q_len, head_dim)  # [B, Hkv, G*Tq, D]
+    scores = torch.matmul(q, key.transpose(-1, -2)).view(batch, kv_heads, groups, q_len, k_len)  # [B, Hkv, G, Tq, Tk]
+    scores = scores.float() * scaling
+    if attention_mask is not None:
+        scores = scores + attention_mask[:, :, None, :, -k_len:].float()  # [B, 1, 1, Tq, Tk]
+    probs = torch.softmax(scores, dim=-1).to(value.dtype).view(batch, kv_heads, groups * q_len, k_len)
+    out = torch.matmul(probs, value).view(batch, heads, q_len, head_dim)  # [B, H, Tq, D]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_cpu_attention(model) -> None:
+    """On the CPU, switch the target to `_gqa_attention` (2-3x faster bf16 decode steps than
+    sdpa or eager on the 2-core machines); a no-op on GPUs, where sdpa is the fast path.
+
+    Rows stay independent and exact up to matmul rounding, so greedy outputs are unchanged
+    (tests compare with transformers' own generate and with unbatched decoding).
+    """
+    if next(model.parameters()).device.type != "cpu" or getattr(model.config, "_attn_implementation", None) == CPU_ATTENTION:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(CPU_ATTENTION, _gqa_attention)
+    AttentionMaskInterface.register(CPU_ATTENTION, eager_mask)
+    model.set_attn_implementation(CPU_ATTENTION)

@@ -391,3 +391,49 @@ def test_regeneration_resumes_after_sigkill(tmp_path):
     assert all(r["messages"][0] == {"role": "system", "content": "Be brief."} for r in resumed_rows)
     assert sorted(resumed_rows, key=lambda r: r["id"]) == sorted(whole_rows, key=lambda r: r["id"])
     assert load_samples(killed_dir) == load_samples(tmp_path / "whole")
+
+
+def test_batched_generation_equals_unbatched_transformers_generate(smollm2):
+    """_generate_batch (own loop: static cache, CPU attention, finished rows leave the batch)
+    against transformers' generate on each prompt alone, float32. The prompts have different
+    lengths (left padding) and answers that stop at different steps, so rows leave mid-batch."""
+    from transformers import GenerationConfig
+
+    from eagleforge.data import _generate_batch, _stop_ids
+
+    model, tokenizer = smollm2
+    before = model.config._attn_implementation
+    texts = ["Say yes.", "What is 7 times 6? Reply with the number only.",
+             "Write one short sentence about the sea, then stop.", "def add(a, b):\n    \"\"\"Return a + b.\"\"\"\n"]
+    prompt_ids = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True, return_dict=False)
+                  for t in texts]
+    stop_ids = _stop_ids(model, tokenizer)
+    max_new = 21
+    try:
+        answers = _generate_batch(model, prompt_ids, max_new, stop_ids, tokenizer.pad_token_id)
+    finally:
+        model.set_attn_implementation(before)
+    config = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id)
+    lengths = set()
+    for ids, (answer, finished) in zip(prompt_ids, answers):
+        with torch.no_grad():
+            ref = model.generate(input_ids=torch.tensor([ids]), generation_config=config)[0, len(ids):].tolist()
+        ref_finished = ref[-1] in stop_ids
+        assert (answer, finished) == ((ref[:-1], True) if ref_finished else (ref, False))
+        lengths.add(len(answer))
+    assert len(lengths) >= 3, f"the prompts should stop at different steps, got lengths {lengths}"
+
+
+def test_default_yaml_changes_nothing():
+    """configs/default.yaml spells out the embedded default: loading it gives the same Config."""
+    from dataclasses import asdict
+
+    from eagleforge.config import Config
+
+    loaded = asdict(load_config(REPO / "configs" / "default.yaml"))
+    defaults = asdict(Config())
+    differing = {f"{section}.{key}": (value, defaults[section][key])
+                 for section, values in loaded.items() if isinstance(values, dict)
+                 for key, value in values.items() if value != defaults[section][key]}
+    assert not differing, f"configs/default.yaml differs from the dataclass defaults (yaml, default): {differing}"
+    assert loaded == defaults

@@ -103,7 +103,9 @@ def test_eval_stage_end_to_end(smollm2, tmp_path):
     assert (run_dir / "config.yaml").is_file()
     _assert_png(run_dir / "eval" / "acceptance_per_position.png")
     _assert_png(run_dir / "eval" / "training_curves.png")
-    assert sorted(results["plots"]) == sorted(str(run_dir / "eval" / n) for n in ("acceptance_per_position.png", "training_curves.png"))
+    _assert_png(run_dir / "eval" / "acceptance_curve.png")
+    names = ("acceptance_per_position.png", "training_curves.png", "acceptance_curve.csv", "acceptance_curve.png")
+    assert sorted(results["plots"]) == sorted(str(run_dir / "eval" / n) for n in names)
 
 
 def test_humaneval_prompts_through_chat_template(smollm2):
@@ -155,3 +157,33 @@ def test_cli_missing_draft_is_one_line_exit_2(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("error: run_dir: no exported draft at")
     assert "Traceback" not in proc.stderr
+
+
+def test_acceptance_curve_per_epoch(tmp_path):
+    """Last logged row of each epoch -> 1 + sum_j prod_{i<=j} acc_i, tokens = step * tokens/step."""
+    import random
+
+    from eagleforge.train.plots import acceptance_curve
+
+    rng = random.Random(3)
+    rows, expected = [], {}
+    for step in range(7, 7 * 11, 7):  # 10 logged rows over 3 epochs
+        epoch = (step - 1) // 25
+        acc = [rng.random() for _ in range(6)]
+        rows.append([step, epoch] + acc)
+        length, running = 1.0, 1.0
+        for a in acc[:4]:
+            running *= a
+            length += running
+        expected[epoch] = (step, length)
+    path = tmp_path / "train_log.csv"
+    path.write_text("step,epoch," + ",".join(f"acc_{j}" for j in range(6)) + "\n"
+                    + "".join(",".join(map(str, r)) + "\n" for r in rows), encoding="utf-8")
+    curve = acceptance_curve(path, train_tokens=9100, steps=70, k=4)
+    assert [c["epoch"] for c in curve] == sorted(expected)
+    for c in curve:
+        step, length = expected[c["epoch"]]
+        assert c["step"] == step and c["training_tokens"] == step * 130
+        assert abs(c["simulated_acceptance_length_k4"] - length) < 1e-12
+    assert acceptance_curve(path, None, None, k=7) == []  # the log has only 6 TTT steps
+    assert acceptance_curve(tmp_path / "missing.csv", None, None, k=4) == []

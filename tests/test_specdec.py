@@ -338,3 +338,54 @@ def _ngram_reference(context, k, ngram_max, ngram_min):
 def test_ngram_match_against_bruteforce(context, k, ngram_min, span):
     ngram_max = ngram_min + span
     assert ngram_match(context, k, ngram_max, ngram_min) == _ngram_reference(context, k, ngram_max, ngram_min)
+
+
+# --------------------------------------------------------------------------------------------
+# The CPU attention (use_cpu_attention): grouped-query attention without repeating K and V
+
+
+@pytest.mark.parametrize("q_len,k_len,kv_heads,groups", [(1, 37, 3, 3), (6, 41, 2, 5), (13, 13, 1, 4)])
+def test_gqa_attention_matches_sdpa(q_len, k_len, kv_heads, groups):
+    """Against torch's sdpa on K/V repeated per query head, with left padding and causality."""
+    from eagleforge.train.specdec import _gqa_attention
+
+    gen = torch.Generator().manual_seed(q_len * 100 + k_len)
+    batch, head_dim = 3, 24
+    heads = kv_heads * groups
+    query = torch.randn(batch, heads, q_len, head_dim, generator=gen)
+    key = torch.randn(batch, kv_heads, k_len, head_dim, generator=gen)
+    value = torch.randn(batch, kv_heads, k_len, head_dim, generator=gen)
+    allowed = torch.ones(batch, 1, q_len, k_len, dtype=torch.bool).tril(diagonal=k_len - q_len)  # causal, queries last
+    allowed[1, :, :, :5] = False  # row 1 is left-padded by 5
+    additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    out, _ = _gqa_attention(None, query, key, value, additive, scaling=0.3)  # [B, Tq, H, D]
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1), attn_mask=allowed, scale=0.3
+    ).transpose(1, 2)
+    # query rows that see no key at all (left padding) are never read; compare the others
+    seen = allowed.any(dim=-1)[:, 0]  # [B, Tq]
+    assert seen.sum() >= batch  # every row has a query that attends
+    torch.testing.assert_close(out[seen], ref[seen], atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def cpu_attention(smollm2):
+    """The shared SmolLM2 model switched to the CPU attention for one test, then restored."""
+    from eagleforge.train.specdec import use_cpu_attention
+
+    model, _ = smollm2
+    before = model.config._attn_implementation
+    use_cpu_attention(model)
+    assert model.config._attn_implementation != before
+    yield model
+    model.set_attn_implementation(before)
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_cpu_attention_keeps_greedy_output(cpu_attention, cases, k):
+    """Plain greedy and n-gram speculative decoding under the CPU attention equal the greedy
+    reference computed with transformers' default attention (float32)."""
+    prompts, eos = cases
+    for ids, ref in prompts:
+        assert greedy_generate(cpu_attention, ids, MAX_NEW, eos) == ref
+        assert speculative_generate(cpu_attention, NgramDrafter(3, 1), ids, k, MAX_NEW, eos).token_ids == ref

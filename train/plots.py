@@ -133,3 +133,75 @@ def _plot_finite(ax, xs: list[float], ys: list[float], label: str, bold: bool = 
     if pairs:
         ax.plot([p[0] for p in pairs], [p[1] for p in pairs], label=label,
                 linewidth=2.2 if bold else 1.0, marker="." if len(pairs) < 30 else None)
+
+
+def acceptance_curve(train_log: str | Path, train_tokens: float | None, steps: int | None, k: int) -> list[dict]:
+    """Per epoch: training tokens seen so far and the simulated acceptance length for k drafts
+    of that epoch's last logged window, from the per-TTT-step accuracies `acc_j` of
+    RUN/train_log.csv: 1 + sum_{j<k} prod_{i<=j} acc_i (DESIGN section 5).
+
+    These accuracies are measured on training batches (a running window), so they show how
+    far training went, not held-out quality. Tokens per step = train_tokens / steps (from
+    RUN/train_summary.json); None when unknown. Empty when the log lacks acc_0..acc_{k-1}.
+    """
+    train_log = Path(train_log)
+    if not train_log.is_file():
+        return []
+    columns = read_train_log(train_log)
+    acc_cols = [f"acc_{j}" for j in range(k)]
+    if not columns or "step" not in columns or "epoch" not in columns or any(c not in columns for c in acc_cols):
+        return []
+    last_row_of_epoch: dict[int, int] = {}
+    for row, epoch in enumerate(columns["epoch"]):
+        if not math.isnan(epoch):
+            last_row_of_epoch[int(epoch)] = row
+    tokens_per_step = train_tokens / steps if train_tokens and steps else None
+    curve = []
+    for epoch, row in sorted(last_row_of_epoch.items()):
+        running, length = 1.0, 1.0
+        for name in acc_cols:
+            running *= columns[name][row]
+            length += running
+        step = int(columns["step"][row])
+        curve.append({"epoch": epoch, "step": step,
+                      "training_tokens": None if tokens_per_step is None else round(step * tokens_per_step),
+                      f"simulated_acceptance_length_k{k}": length})
+    return curve
+
+
+def write_acceptance_curve(run_dir: str | Path, k: int) -> Path | None:
+    """RUN/eval/acceptance_curve.csv and .png from acceptance_curve(); None without a train log."""
+    import json
+
+    run_dir = Path(run_dir)
+    summary_path = run_dir / "train_summary.json"
+    summary = json.loads(summary_path.read_text(encoding="utf-8")) if summary_path.is_file() else {}
+    curve = acceptance_curve(run_dir / "train_log.csv", summary.get("train_tokens"), summary.get("steps"), k)
+    if not curve:
+        return None
+    out = run_dir / "eval" / "acceptance_curve.csv"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(curve[0]))
+        writer.writeheader()
+        writer.writerows(curve)
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    xs = [row["training_tokens"] if row["training_tokens"] is not None else row["step"] for row in curve]
+    ax.plot(xs, [row[f"simulated_acceptance_length_k{k}"] for row in curve], marker="o")
+    for x, row in zip(xs, curve):
+        ax.annotate(f"epoch {row['epoch']}", (x, row[f"simulated_acceptance_length_k{k}"]), fontsize=7)
+    ax.set_xlabel("training tokens" if curve[0]["training_tokens"] is not None else "step")
+    ax.set_ylabel(f"simulated acceptance length, k={k} (train batches)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=110)
+    plt.close(fig)
+    return out
+
+
+if __name__ == "__main__":  # python -m eagleforge.train.plots RUN [k]
+    import sys
+
+    written = write_acceptance_curve(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 5)
+    print(written.read_text(encoding="utf-8") if written else f"{sys.argv[1]}: no train_log.csv with acc_j columns")

@@ -36,6 +36,8 @@ from typing import Iterable, Protocol, Sequence
 
 import torch
 
+from ..target import CPU_ATTENTION, _gqa_attention, use_cpu_attention  # noqa: F401 (re-exported)
+
 
 # --------------------------------------------------------------------------------------------
 # Target forward with a KV cache
@@ -46,50 +48,6 @@ def _cache_kwarg(model) -> str:
     """transformers >= 5.2x names the cache argument `cache`; earlier 5.x `past_key_values`."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
-
-
-CPU_ATTENTION = "eagleforge_gqa"
-
-
-def _gqa_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Plain attention that groups query heads per KV head instead of repeating K and V.
-
-    For few queries per row (decoding: 1; verification: k + 1), transformers' CPU choices are
-    slow: sdpa's CPU flash kernel spends ~75% of a bf16 decode step on one query row, and
-    eager copies K and V three times (repeat_kv, GQA 9/3) every step. Here the G query heads
-    of one KV head are stacked as rows of one matmul.
-    query [B, H, Tq, D], key/value [B, Hkv, Tk, D], attention_mask additive [B, 1, Tq, Tk]
-    (eager_mask) or None; returns ([B, Tq, H, D], None).
-    """
-    batch, heads, q_len, head_dim = query.shape
-    kv_heads, k_len = key.shape[1], key.shape[2]
-    groups = heads // kv_heads  # head h reads KV head h // groups (repeat_kv's order)
-    scaling = head_dim ** -0.5 if scaling is None else scaling
-    q = query.reshape(batch, kv_heads, groups * q_len, head_dim)  # [B, Hkv, G*Tq, D]
-    scores = torch.matmul(q, key.transpose(-1, -2)).view(batch, kv_heads, groups, q_len, k_len)  # [B, Hkv, G, Tq, Tk]
-    scores = scores.float() * scaling
-    if attention_mask is not None:
-        scores = scores + attention_mask[:, :, None, :, -k_len:].float()  # [B, 1, 1, Tq, Tk]
-    probs = torch.softmax(scores, dim=-1).to(value.dtype).view(batch, kv_heads, groups * q_len, k_len)
-    out = torch.matmul(probs, value).view(batch, heads, q_len, head_dim)  # [B, H, Tq, D]
-    return out.transpose(1, 2).contiguous(), None
-
-
-def use_cpu_attention(model) -> None:
-    """On the CPU, switch the target to `_gqa_attention` (2-3x faster bf16 decode steps than
-    sdpa or eager on the 2-core machines); a no-op on GPUs, where sdpa is the fast path.
-
-    Rows stay independent and exact up to matmul rounding, so greedy outputs are unchanged
-    (tests compare with transformers' own generate and with unbatched decoding).
-    """
-    if model_device(model).type != "cpu" or getattr(model.config, "_attn_implementation", None) == CPU_ATTENTION:
-        return
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask
-
-    AttentionInterface.register(CPU_ATTENTION, _gqa_attention)
-    AttentionMaskInterface.register(CPU_ATTENTION, eager_mask)
-    model.set_attn_implementation(CPU_ATTENTION)
 
 
 def new_target_cache(model):
