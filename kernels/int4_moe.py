@@ -14,15 +14,22 @@ bf16 scales [E, out, in/32]. Three implementations, same numbers up to bf16 roun
 - `int4_moe_grouped_mm`: dequantize every local expert to bf16, then torch._grouped_mm over the
   tokens sorted by expert (the "dequantize-then-grouped-matmul" alternative; 3 x E x I x H x 2
   bytes of transient weights per call).
-- `int4_moe`: two Triton kernels. The (token, slot) pairs are sorted by expert so each expert's
-  rows are one contiguous block; a tile table (tile -> expert, first row, end row), built on the
-  device with no host sync, drives a grid over (N tiles, expert tiles). The K loop loads packed
-  int32 [BLOCK_K, BLOCK_N] (each word read for the 8 columns it holds, from L1), unpacks nibbles
-  with a shift and mask, scales per group of 32 and feeds tl.dot in bf16 with fp32 accumulation.
-  Kernel 1 gathers the token rows of x itself (no [N*k, H] copy) and computes gate and up in
-  one pass with the silu(g) * u epilogue -> h [N*k, I] bf16 in sorted order. Kernel 2 multiplies
-  h by the down weights, scales by the router weight and scatters each row back to its
-  (token, slot) place -> [N, k, H]; a sum over k finishes (deterministic, no atomics).
+- `int4_moe`: two Triton kernels (gate+up, then down). The (token, slot) pairs are sorted by
+  expert so each expert's rows are one contiguous block; a tile table (tile -> expert, first row,
+  end row), built on the device with no host sync, drives a grid over (N tiles, expert tiles).
+  Kernel 1 gathers the token rows of x itself (no [N*k, H] copy) and computes gate and up in one
+  pass with the silu(g) * u epilogue -> h [N*k, I] bf16 in sorted order. Kernel 2 multiplies h
+  by the down weights, scales by the router weight and scatters each row back to its (token,
+  slot) place -> [N, k, H]; a sum over k finishes (deterministic, no atomics). Each K step loads
+  packed int32 words [BN, BK/8] along K (contiguous) and unpacks them in registers.
+  impl="v1" is the first version (measured 2026-11-29): nibble -> int -> fp32 convert, fp32
+  scale, round to bf16: two conversion instructions per weight, which run at 16 per clock per
+  SM. impl="v2" (default) unpacks without any conversion (the bf16 "magic number": OR-ing the
+  nibble into the mantissa of 128.0 gives 128 + nibble exactly, then one packed bf16 subtract
+  and multiply) and merges the eight nibbles of a word with a tree of tl.interleave instead of a
+  3-D reshape (which Triton lowered to 16-bit shared-memory shuffles); it times a few configs
+  per (rows-per-expert bucket, N, K) on first use, of two kernels: tokens on the MMA's M side
+  (the v1 kernel, DEQUANT=2) or swapped (weights on the M side, tokens on the N side, 16-256).
 
 `bf16_grouped_mm_moe` is the speed-of-light reference of the same math with bf16 weights (the
 anchor's sort-by-expert torch._grouped_mm), used by benchmarks/bench_moe.py.
@@ -132,16 +139,16 @@ if HAS_TRITON:
     @triton.jit
     def _dequant_tile(words, scale, shifts, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
                       DOT_DTYPE: tl.constexpr):
-        """words int32 [BN, BK/8], scale [BN, BK/GROUP] -> W.T tile [BK, BN] in DOT_DTYPE.
+        """words int32 [BN, BK/8], scale [BN, BK/GROUP] -> W tile [BN, BK] in DOT_DTYPE (v1's unpack).
 
         [BN, BK/8, 8] nibbles (column 8j + n = nibble n of word j) -> [BN, BK/G, G] times the
         group's scale (q * scale in fp32, rounded once: the correctly rounded bf16 product, as
-        dequantize_int4's bf16 multiply gives) -> [BN, BK] -> transposed for tl.dot.
+        dequantize_int4's bf16 multiply gives) -> [BN, BK].
         """
         q = ((words[:, :, None] >> shifts[None, None, :]) & 0xF) - 8  # [BN, BK/8, 8]
         q = tl.reshape(q, (BLOCK_N, BLOCK_K // GROUP, GROUP)).to(tl.float32)
         w = q * scale.to(tl.float32)[:, :, None]
-        return tl.trans(tl.reshape(w.to(DOT_DTYPE), (BLOCK_N, BLOCK_K)))
+        return tl.reshape(w.to(DOT_DTYPE), (BLOCK_N, BLOCK_K))
 
     @triton.jit
     def _int4_grouped_gemm_kernel(
@@ -153,6 +160,7 @@ if HAS_TRITON:
         stride_be, stride_bn, stride_se, stride_sn,
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GATHER_A: tl.constexpr, GATE_UP: tl.constexpr, SCATTER_C: tl.constexpr, DOT_DTYPE: tl.constexpr,
+        DEQUANT: tl.constexpr = 0,
     ):
         # axis 0 (fastest) walks N tiles, so consecutive programs share one A tile and stream
         # one expert's weights; that expert's other M tiles follow and find them in L2.
@@ -179,17 +187,16 @@ if HAS_TRITON:
             # words [BN, BK/8] and scales [BN, BK/GROUP] per step, each read once, vector loads
             b_off = expert * stride_be + offs_n[:, None].to(tl.int64) * stride_bn + offs_w[None, :]
             s_off = expert * stride_se + offs_n[:, None].to(tl.int64) * stride_sn + offs_g[None, :]
+            sw_off = expert * stride_se + offs_n[:, None].to(tl.int64) * stride_sn + (offs_w // (GROUP // 8))[None, :]
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 a = tl.load(a_ptrs + k0, mask=m_mask[:, None], other=0.0).to(DOT_DTYPE)
-                words = tl.load(b_ptr + b_off + k0 // 8, mask=n_mask[:, None], other=0)
-                scale = tl.load(s_ptr + s_off + k0 // GROUP, mask=n_mask[:, None], other=0.0)
-                acc = tl.dot(a, _dequant_tile(words, scale, shifts, BLOCK_N, BLOCK_K, GROUP, DOT_DTYPE), acc)
+                w = _weight_tile(b_ptr, s_ptr, b_off, s_off, sw_off, k0, n_mask, shifts, BLOCK_N, BLOCK_K, GROUP, DEQUANT, DOT_DTYPE)
+                acc = tl.dot(a, tl.trans(w), acc)
                 if GATE_UP:
-                    words2 = tl.load(b2_ptr + b_off + k0 // 8, mask=n_mask[:, None], other=0)
-                    scale2 = tl.load(s2_ptr + s_off + k0 // GROUP, mask=n_mask[:, None], other=0.0)
-                    acc2 = tl.dot(a, _dequant_tile(words2, scale2, shifts, BLOCK_N, BLOCK_K, GROUP, DOT_DTYPE), acc2)
+                    w2 = _weight_tile(b2_ptr, s2_ptr, b_off, s_off, sw_off, k0, n_mask, shifts, BLOCK_N, BLOCK_K, GROUP, DEQUANT, DOT_DTYPE)
+                    acc2 = tl.dot(a, tl.trans(w2), acc2)
             if GATE_UP:
                 acc = acc * tl.sigmoid(acc) * acc2  # silu(gate) * up
             c_mask = m_mask[:, None] & n_mask[None, :]
@@ -203,15 +210,173 @@ if HAS_TRITON:
             tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
-# Candidate launch configs (BLOCK_N, BLOCK_K, num_warps, num_stages); the first is used without
-# timing under the interpreter. Measured on the first call per shape (see _pick_config).
-GATE_UP_CONFIGS = [(128, 64, 8, 3), (64, 128, 4, 3), (128, 128, 8, 2), (64, 32, 4, 4)]
-DOWN_CONFIGS = [(128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 3), (64, 32, 4, 4)]
+    @triton.jit
+    def _dequant_magic(words, scale, shifts, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+                       FP32_MATH: tl.constexpr):
+        """words int32 [BN, BK/8], scale bf16 [BN, BK/GROUP] -> W tile [BN, BK] (bf16; fp32 under FP32_MATH).
+
+        No int -> float conversion instruction (16 per clock per SM on Hopper, twice per weight in
+        the v1 unpack): OR-ing a nibble into the mantissa of bf16 128.0 (bits 0x4300) gives the
+        bf16 value 128 + nibble exactly, so W = (that - 136) * scale is one exact bf16 subtraction
+        and one correctly rounded bf16 multiply (the same bits as dequantize_int4's bf16 math).
+        """
+        nib = ((words[:, :, None] >> shifts[None, None, :]) & 0xF) | 0x4300  # [BN, BK/8, 8]
+        b = nib.to(tl.int16).to(tl.bfloat16, bitcast=True)  # 128 + nibble
+        b = tl.reshape(b, (BLOCK_N, BLOCK_K // GROUP, GROUP))
+        if FP32_MATH:  # interpreter: numpy has no bf16 arithmetic; the same values in fp32
+            w = (b.to(tl.float32) - 136.0) * scale.to(tl.float32)[:, :, None]
+        else:
+            w = (b - 136.0) * scale[:, :, None]
+        return tl.reshape(w, (BLOCK_N, BLOCK_K))
+
+    @triton.jit
+    def _nibble_bf16(words, i: tl.constexpr, scale_w, FP32_MATH: tl.constexpr):
+        """Nibble i of each word as (q * scale): int32 [BN, W] -> [BN, W], conversion-free (see _dequant_magic)."""
+        b = (((words >> (4 * i)) & 0xF) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)  # 128 + nibble
+        if FP32_MATH:
+            return (b.to(tl.float32) - 136.0) * scale_w.to(tl.float32)
+        return (b - 136.0) * scale_w
+
+    @triton.jit
+    def _dequant_join(words, scale_w, FP32_MATH: tl.constexpr):
+        """words int32 [BN, BK/8], scale_w bf16 [BN, BK/8] (the scale of each word's group) -> [BN, BK].
+
+        The eight nibbles are unpacked as eight elementwise [BN, BK/8] tensors (no 3-D broadcast)
+        and merged by a tree of tl.interleave, which keeps the new dimension inside each thread's
+        registers (no shared-memory shuffle): interleave(interleave(interleave(n0, n4),
+        interleave(n2, n6)), interleave(interleave(n1, n5), interleave(n3, n7))) puts nibble r of
+        word j at column 8j + r.
+        """
+        n0 = _nibble_bf16(words, 0, scale_w, FP32_MATH)
+        n1 = _nibble_bf16(words, 1, scale_w, FP32_MATH)
+        n2 = _nibble_bf16(words, 2, scale_w, FP32_MATH)
+        n3 = _nibble_bf16(words, 3, scale_w, FP32_MATH)
+        n4 = _nibble_bf16(words, 4, scale_w, FP32_MATH)
+        n5 = _nibble_bf16(words, 5, scale_w, FP32_MATH)
+        n6 = _nibble_bf16(words, 6, scale_w, FP32_MATH)
+        n7 = _nibble_bf16(words, 7, scale_w, FP32_MATH)
+        left = tl.interleave(tl.interleave(n0, n4), tl.interleave(n2, n6))
+        right = tl.interleave(tl.interleave(n1, n5), tl.interleave(n3, n7))
+        return tl.interleave(left, right)
+
+    @triton.jit
+    def _weight_tile(b_ptr, s_ptr, b_off, s_off, sw_off, k0, n_mask, shifts, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP: tl.constexpr, DEQUANT: tl.constexpr, DOT_DTYPE: tl.constexpr):
+        """One K step of one expert's weights, dequantized: W tile [BN, BK].
+
+        DEQUANT 0: v1's unpack (int -> fp32 convert, fp32 scale, round to bf16);
+        1: the conversion-free magic-number unpack through a [BN, BK/8, 8] reshape;
+        2: the same through a tl.interleave tree (per-word scales).
+        DOT_DTYPE fp32 (the interpreter, which has no bf16 arithmetic) computes the same values in fp32.
+        """
+        words = tl.load(b_ptr + b_off + k0 // 8, mask=n_mask[:, None], other=0)  # [BN, BK/8] int32
+        if DEQUANT == 2:
+            scale_w = tl.load(s_ptr + sw_off + k0 // GROUP, mask=n_mask[:, None], other=0.0)  # [BN, BK/8]
+            return _dequant_join(words, scale_w, DOT_DTYPE == tl.float32)
+        scale = tl.load(s_ptr + s_off + k0 // GROUP, mask=n_mask[:, None], other=0.0)  # [BN, BK/GROUP]
+        if DEQUANT == 1:
+            return _dequant_magic(words, scale, shifts, BLOCK_N, BLOCK_K, GROUP, DOT_DTYPE == tl.float32)
+        return _dequant_tile(words, scale, shifts, BLOCK_N, BLOCK_K, GROUP, DOT_DTYPE)
+
+    @triton.jit
+    def _int4_moe_swapped_kernel(
+        a_ptr, a_rows_ptr, stride_am,  # activations [*, K] bf16; sorted row r reads a[a_rows[r]] when GATHER_A
+        b_ptr, s_ptr, b2_ptr, s2_ptr,  # packed int32 [E, N, K/8], scales bf16 [E, N, K/GROUP]; b2/s2: up
+        c_ptr, c_rows_ptr, c_scale_ptr, stride_cm,  # SCATTER_C: sorted row r -> c[c_rows[r]] * c_scale[c_rows[r]]
+        tile_expert_ptr, tile_begin_ptr, tile_end_ptr,
+        N, K,
+        stride_be, stride_bn, stride_se, stride_sn,
+        GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+        GATHER_A: tl.constexpr, GATE_UP: tl.constexpr, SCATTER_C: tl.constexpr, DOT_DTYPE: tl.constexpr,
+        DEQUANT: tl.constexpr,
+    ):
+        """v2: C^T tile [BN, BT] = W tile [BN, K] @ X tile [BT, K]^T ("swap AB").
+
+        The dequantized weights are the LEFT operand, which Hopper's wgmma reads from registers,
+        so the unpacked tile goes straight from the unpack into the tensor cores; the token tile
+        (a plain bf16 load, pipelined through shared memory by Triton) is the right operand,
+        whose width BT may be anything from 16 to 256: an expert's last partial tile wastes
+        less than with a 64-row minimum, and small experts (4K tokens: ~85 rows) fit one tile.
+        """
+        pid_n = tl.program_id(0)  # fastest: consecutive programs share one token tile, walk one expert
+        pid_t = tl.program_id(1)
+        begin = tl.load(tile_begin_ptr + pid_t)
+        end = tl.load(tile_end_ptr + pid_t)
+        if begin < end:
+            expert = tl.load(tile_expert_ptr + pid_t).to(tl.int64)
+            offs_t = begin + tl.arange(0, BLOCK_T)
+            t_mask = offs_t < end
+            if GATHER_A:
+                a_rows = tl.load(a_rows_ptr + offs_t, mask=t_mask, other=0).to(tl.int64)
+            else:
+                a_rows = offs_t.to(tl.int64)
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < N
+            offs_w = tl.arange(0, BLOCK_K // 8)
+            offs_g = tl.arange(0, BLOCK_K // GROUP)
+            shifts = tl.arange(0, 8) * 4
+            offs_k = tl.arange(0, BLOCK_K)
+            a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]  # [BT, BK]
+            b_off = expert * stride_be + offs_n[:, None].to(tl.int64) * stride_bn + offs_w[None, :]  # [BN, BK/8]
+            s_off = expert * stride_se + offs_n[:, None].to(tl.int64) * stride_sn + offs_g[None, :]  # [BN, BK/G]
+            sw_off = expert * stride_se + offs_n[:, None].to(tl.int64) * stride_sn + (offs_w // (GROUP // 8))[None, :]
+            acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+            acc2 = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+            # (Triton 3.9 does not pipeline this load through shared memory when the dot's other
+            # operand comes from registers, seen in the sm_90 TTGIR; a hand prefetch one K step
+            # ahead cost registers that spilled, so it is loaded in place.)
+            for k0 in range(0, K, BLOCK_K):
+                x = tl.load(a_ptrs + k0, mask=t_mask[:, None], other=0.0)
+                xt = tl.trans(x.to(DOT_DTYPE))  # [BK, BT]
+                w = _weight_tile(b_ptr, s_ptr, b_off, s_off, sw_off, k0, n_mask, shifts, BLOCK_N, BLOCK_K, GROUP, DEQUANT, DOT_DTYPE)
+                acc = tl.dot(w, xt, acc)
+                if GATE_UP:
+                    w2 = _weight_tile(b2_ptr, s2_ptr, b_off, s_off, sw_off, k0, n_mask, shifts, BLOCK_N, BLOCK_K, GROUP, DEQUANT, DOT_DTYPE)
+                    acc2 = tl.dot(w2, xt, acc2)
+            if GATE_UP:
+                acc = acc * tl.sigmoid(acc) * acc2  # silu(gate) * up, [BN, BT]
+            c_mask = n_mask[:, None] & t_mask[None, :]
+            if SCATTER_C:
+                c_rows = tl.load(c_rows_ptr + offs_t, mask=t_mask, other=0).to(tl.int64)
+                row_scale = tl.load(c_scale_ptr + c_rows, mask=t_mask, other=0.0)
+                acc = acc * row_scale[None, :]
+            else:
+                c_rows = offs_t.to(tl.int64)
+            c_ptrs = c_ptr + c_rows[None, :] * stride_cm + offs_n[:, None]  # [BN, BT], transposed store
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+# ---------------------------------------------------------------------------- launch configs
+#
+# A config is (impl, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages):
+#   "v1"  the first kernel as measured on 2026-11-29 (int -> fp32 unpack), BLOCK_M by choose_block_m
+#   "b"   the same kernel with the interleave unpack (DEQUANT 2): tokens on the MMA's M side
+#   "s"   the swapped kernel (weights on the MMA's M side, tokens on its N side, BLOCK_M = BLOCK_T)
+# Static counts from sm_90 builds (Triton 3.9, AOT here; benchmarks/bench_moe.py --aot prints
+# them): SASS instructions per K step of the gate+up loop against the tensor-core time of that
+# step, v1 (128, 128, 128, 8, 2) 1601 instructions (1.56x the MMA issue time, 808 B of spills);
+# b (128, 128, 64, 8, 3) 510 (1.00x, 32 B); s (BN 128, BT 64, 64, 8, 3) 380 (1.48x, none).
+
+V1_GATE_UP_CONFIGS = [(128, 64, 8, 3), (64, 128, 4, 3), (128, 128, 8, 2), (64, 32, 4, 4)]  # (BN, BK, warps, stages)
+V1_DOWN_CONFIGS = [(128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 3), (64, 32, 4, 4)]
+
+# new candidates per rows-per-expert bucket; the first of a list is used untimed under the interpreter
+V2_CONFIGS = {
+    "large": [("b", 128, 128, 64, 8, 3), ("b", 128, 128, 64, 8, 4), ("s", 64, 128, 64, 8, 3), ("b", 64, 128, 64, 4, 3)],
+    "small": [("b", 64, 128, 64, 4, 3), ("b", 128, 128, 64, 8, 3), ("s", 64, 128, 64, 8, 3), ("s", 32, 128, 64, 8, 4)],
+}
+V2_DOWN_CONFIGS = {
+    "large": [("b", 128, 128, 64, 8, 3), ("b", 128, 128, 64, 8, 4), ("s", 64, 128, 64, 8, 3), ("b", 64, 128, 64, 4, 4)],
+    "small": [("b", 64, 128, 64, 4, 4), ("b", 128, 128, 64, 8, 3), ("s", 64, 128, 64, 8, 3), ("s", 32, 128, 64, 8, 4)],
+}
+INTERPRET_CONFIGS = [("b", 16, 32, 32, 4, 1)]  # what v2 runs under TRITON_INTERPRET=1 (tests switch it)
 _CHOSEN: dict = {}
+_FAILED: dict = {}  # config -> error text, for the benchmark's report
+_TIMES: dict = {}  # shape key -> {config: ms} of the search
 
 
 def choose_block_m(rows: int, num_local: int) -> int:
-    """Rows per expert tile: 128 when experts average >= 192 rows (16K tokens at 384 experts, k 8), else 64.
+    """v1's rows per expert tile: 128 when experts average >= 192 rows (16K tokens at 384 experts, k 8), else 64.
 
     Small tiles waste fewer rows on each expert's last partial tile; large ones reuse each
     dequantized weight tile over more rows (half the unpack work per FLOP).
@@ -221,49 +386,69 @@ def choose_block_m(rows: int, num_local: int) -> int:
     return 128 if rows >= 192 * num_local else 64
 
 
-def _launch(config, a, a_rows, b, s, b2, s2, c, c_rows, c_scale, table, block_m, gather, gate_up, scatter):
-    block_n, block_k, warps, stages = config
+def size_bucket(rows: int, num_local: int) -> str:
+    """"large" when experts average >= 192 rows (16K tokens at 384 experts and k 8: ~341), else "small" (4K: ~85)."""
+    return "large" if rows >= 192 * num_local else "small"
+
+
+def _launch(config, a, a_rows, b, s, b2, s2, c, c_rows, c_scale, table, gather, gate_up, scatter):
+    impl, block_m, block_n, block_k, warps, stages = config
     n, k = b.shape[1], b.shape[2] * PACK_FACTOR
     grid = (triton.cdiv(n, block_n), table[0].shape[0])
     dummy = table[0]  # any int32 tensor: unused pointer arguments of a disabled branch
-    _int4_grouped_gemm_kernel[grid](
-        a, a_rows if a_rows is not None else dummy, a.stride(0),
-        b, s, b2 if b2 is not None else b, s2 if s2 is not None else s,
-        c, c_rows if c_rows is not None else dummy, c_scale if c_scale is not None else s, c.stride(0),
-        table[0], table[1], table[2],
-        n, k, b.stride(0), b.stride(1), s.stride(0), s.stride(1),
-        GROUP=k // s.shape[2], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        GATHER_A=gather, GATE_UP=gate_up, SCATTER_C=scatter,
-        # the interpreter computes bf16 arithmetic on the raw 16-bit integers: give it fp32 (the same
-        # values: every bf16 is exact in fp32, and w is rounded to bf16 first below on the GPU only)
-        DOT_DTYPE=tl.float32 if INTERPRET else tl.bfloat16,
-        **({} if INTERPRET else {"num_warps": warps, "num_stages": stages}),
-    )
+    args = (a, a_rows if a_rows is not None else dummy, a.stride(0),
+            b, s, b2 if b2 is not None else b, s2 if s2 is not None else s,
+            c, c_rows if c_rows is not None else dummy, c_scale if c_scale is not None else s, c.stride(0),
+            table[0], table[1], table[2],
+            n, k, b.stride(0), b.stride(1), s.stride(0), s.stride(1))
+    # the interpreter computes bf16 arithmetic on the raw 16-bit integers: give it fp32 (the same
+    # values: every bf16 is exact in fp32; on the GPU the products are rounded to bf16 once)
+    common = dict(GROUP=k // s.shape[2], BLOCK_N=block_n, BLOCK_K=block_k, GATHER_A=gather, GATE_UP=gate_up,
+                  SCATTER_C=scatter, DOT_DTYPE=tl.float32 if INTERPRET else tl.bfloat16,
+                  **({} if INTERPRET else {"num_warps": warps, "num_stages": stages}))
+    if impl == "s":
+        _int4_moe_swapped_kernel[grid](*args, BLOCK_T=block_m, DEQUANT=2, **common)
+    else:
+        _int4_grouped_gemm_kernel[grid](*args, BLOCK_M=block_m, DEQUANT=0 if impl == "v1" else 2, **common)
+
+
+def _compile_errors():
+    errors = (triton.runtime.errors.OutOfResources, triton.compiler.errors.CompilationError)
+    return errors + (RuntimeError,)  # ptxas failures and driver errors surface as RuntimeError
 
 
 def _pick_config(name: str, configs: list, key: tuple, run) -> tuple:
-    """First config under the interpreter or when only one fits; else time each once per shape key."""
-    usable = [c for c in configs if key[2] % c[1] == 0 and c[1] % key[3] == 0]
-    if not usable:
-        raise ValueError(f"int4_moe: input dim {key[2]} is not a multiple of any BLOCK_K in {[c[1] for c in configs]} "
-                         f"(it must be a multiple of {GROUP_SIZE})")
-    if INTERPRET or len(usable) == 1:
-        return usable[0]
-    usable = usable[:3]  # each candidate costs a compile on first use
+    """The fastest of `configs` for this shape key, timed once per key (the first one under the interpreter).
+
+    An own search rather than triton.autotune: BLOCK_M decides the host-side tile table, so each
+    candidate needs its own table, built in `run`. A candidate that fails to compile or runs out
+    of shared memory is skipped (and recorded in _FAILED); if all fail, the error is raised.
+    """
+    if INTERPRET:
+        return configs[0]
     full_key = (name,) + key
     if full_key not in _CHOSEN:
         import triton.testing
 
         times = []
-        for c in usable:
+        for c in configs:
             try:
                 times.append(float(triton.testing.do_bench(lambda c=c: run(c), warmup=2, rep=10, return_mode="median")))
-            except triton.runtime.errors.OutOfResources as err:  # too much shared memory for this GPU
-                log.info("int4_moe %s %s: config %s skipped (%s)", name, key, c, err)
+            except _compile_errors() as err:
+                _FAILED[(name,) + tuple(c)] = f"{type(err).__name__}: {str(err)[:300]}"
+                log.warning("int4_moe %s %s: config %s failed (%s)", name, key, c, str(err)[:200])
                 times.append(float("inf"))
-        _CHOSEN[full_key] = usable[min(range(len(usable)), key=times.__getitem__)]
-        log.info("int4_moe %s %s: configs %s ms %s -> %s", name, key, usable, [round(t, 3) for t in times], _CHOSEN[full_key])
+        if min(times) == float("inf"):
+            raise RuntimeError(f"int4_moe {name} {key}: every config failed: {[_FAILED.get((name,) + tuple(c)) for c in configs]}")
+        _CHOSEN[full_key] = configs[min(range(len(configs)), key=times.__getitem__)]
+        _TIMES[full_key] = {str(c): round(t, 3) for c, t in zip(configs, times)}
+        log.info("int4_moe %s %s: configs %s ms %s -> %s", name, key, configs, [round(t, 3) for t in times], _CHOSEN[full_key])
     return _CHOSEN[full_key]
+
+
+def _v1_configs(configs: list, block_m: int, k_dim: int) -> list:
+    usable = [("v1", block_m) + c for c in configs if k_dim % c[1] == 0 and c[1] % GROUP_SIZE == 0]
+    return usable[:3]  # each candidate costs a compile on first use
 
 
 def _check(x, weights, ids, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale):
@@ -286,25 +471,37 @@ def _check(x, weights, ids, gate_packed, gate_scale, up_packed, up_scale, down_p
 
 
 def int4_moe(x, weights, ids, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale,
-             expert_start: int = 0, num_experts: int | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+             expert_start: int = 0, num_experts: int | None = None, out_dtype: torch.dtype = torch.float32,
+             impl: str = "v2") -> torch.Tensor:
     """Triton W4A16 MoE: x [N, H] bf16, router weights [N, k] fp32 and ids [N, k] -> [N, H] out_dtype.
 
     Weights are this rank's experts [expert_start, expert_start + E_l) of `num_experts` in all
-    (default: E_l, every expert local). Needs CUDA, or CPU tensors under TRITON_INTERPRET=1.
+    (default: E_l, every expert local). `impl`: "v2" (the interleave unpack, configs of both
+    kernels timed per shape) or "v1" (the first kernel, kept for comparison). Needs CUDA, or
+    CPU tensors under TRITON_INTERPRET=1.
     """
     if not HAS_TRITON:
         raise RuntimeError("int4_moe needs triton (pip install triton); use moe_reference on this machine")
+    if impl not in ("v1", "v2"):
+        raise ValueError(f"int4_moe: impl = {impl!r}, expected 'v1' or 'v2'")
     _check(x, weights, ids, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale)
     x = x.contiguous()
     N, k = ids.shape
     E, I, H = gate_packed.shape[0], gate_packed.shape[1], x.shape[1]
+    for dim, what in ((H, "hidden size"), (I, "intermediate size")):
+        if dim % 64 and not INTERPRET:
+            raise ValueError(f"int4_moe: {what} {dim} is not a multiple of 64 (BLOCK_K of every config)")
     rows = N * k
     order, counts = sort_by_expert(ids, E, expert_start)
-    block_m = choose_block_m(rows, E)
-    table = tile_table(counts, E, block_m, rows)
     tokens = (order // k).to(torch.int32)  # [N*k]: the token of each sorted row
     pairs = order.to(torch.int32)  # [N*k]: its flat (token, slot) index
     pair_weight = weights.reshape(-1).float().contiguous()  # [N*k]
+    tables: dict = {}
+
+    def table_for(block_m):
+        if block_m not in tables:
+            tables[block_m] = tile_table(counts, E, block_m, rows)
+        return tables[block_m]
 
     h = torch.empty(rows, I, dtype=torch.bfloat16, device=x.device)  # sorted order
     # rows of other ranks' experts get no tile: zero them so the sum over slots ignores them
@@ -312,13 +509,24 @@ def int4_moe(x, weights, ids, gate_packed, gate_scale, up_packed, up_scale, down
     y = (torch.zeros if foreign else torch.empty)(N * k, H, dtype=torch.bfloat16, device=x.device)  # [N*k, H]
 
     def gate_up(config):
-        _launch(config, x, tokens, gate_packed, gate_scale, up_packed, up_scale, h, None, None, table, block_m, True, True, False)
+        _launch(config, x, tokens, gate_packed, gate_scale, up_packed, up_scale, h, None, None, table_for(config[1]), True, True, False)
 
     def down(config):
-        _launch(config, h, None, down_packed, down_scale, None, None, y, pairs, pair_weight, table, block_m, False, False, True)
+        _launch(config, h, None, down_packed, down_scale, None, None, y, pairs, pair_weight, table_for(config[1]), False, False, True)
 
-    gate_up(_pick_config("gate_up", GATE_UP_CONFIGS, (I, H, H, GROUP_SIZE, block_m), gate_up))
-    down(_pick_config("down", DOWN_CONFIGS, (H, I, I, GROUP_SIZE, block_m), down))
+    if impl == "v1":
+        block_m = choose_block_m(rows, E)
+        gu_configs, dn_configs = _v1_configs(V1_GATE_UP_CONFIGS, block_m, H), _v1_configs(V1_DOWN_CONFIGS, block_m, I)
+        if not gu_configs or not dn_configs:
+            raise ValueError(f"int4_moe: hidden {H} / intermediate {I} are not multiples of a v1 BLOCK_K")
+        key = block_m
+    else:
+        key = size_bucket(rows, E)
+        gu_configs, dn_configs = V2_CONFIGS[key], V2_DOWN_CONFIGS[key]
+        if INTERPRET:  # small tiles: the interpreter runs every program in numpy
+            gu_configs = dn_configs = INTERPRET_CONFIGS
+    gate_up(_pick_config(f"{impl}_gate_up", gu_configs, (I, H, GROUP_SIZE, key), gate_up))
+    down(_pick_config(f"{impl}_down", dn_configs, (H, I, GROUP_SIZE, key), down))
     return y.view(N, k, H).sum(1, dtype=out_dtype)  # [N, H]
 
 
