@@ -113,10 +113,9 @@ class OverlappedWriter:
         count = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         nbytes = max(1, count)
         with self._lock:
-            fits = [b for b in self._free if b.numel() >= nbytes]
-            base = min(fits, key=lambda b: b.numel()) if fits else None
-            if base is not None:
-                self._free.remove(base)
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+            # by position, never list.remove: that compares tensors elementwise
+            base = self._free.pop(min(fits, key=lambda i: self._free[i].numel())) if fits else None
         if base is None:
             base = torch.empty(nbytes + nbytes // 4, dtype=torch.uint8, pin_memory=True)
         return base, base[:count].view(dtype).view(shape)

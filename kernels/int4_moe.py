@@ -24,7 +24,9 @@ bf16 scales [E, out, in/32]. Three implementations, same numbers up to bf16 roun
   packed int32 words [BN, BK/8] along K (contiguous) and unpacks them in registers.
   impl="v1" is the first version (measured 2026-11-29): nibble -> int -> fp32 convert, fp32
   scale, round to bf16: two conversion instructions per weight, which run at 16 per clock per
-  SM. impl="v2" (default) unpacks without any conversion (the bf16 "magic number": OR-ing the
+  SM; the default: on the H200 with Triton 3.6 (2026-11-30) v1 took 57.2 ms at 16K tokens and
+  v2 88.5 ms, because Triton 3.6 failed to compile v2's large-tile configs ("Illegal shared
+  layout" in TritonGPUOptimizeDotOperands) and fell back to the swapped kernel. impl="v2" unpacks without any conversion (the bf16 "magic number": OR-ing the
   nibble into the mantissa of 128.0 gives 128 + nibble exactly, then one packed bf16 subtract
   and multiply) and merges the eight nibbles of a word with a tree of tl.interleave instead of a
   3-D reshape (which Triton lowered to 16-bit shared-memory shuffles); it times a few configs
@@ -472,7 +474,7 @@ def _check(x, weights, ids, gate_packed, gate_scale, up_packed, up_scale, down_p
 
 def int4_moe(x, weights, ids, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale,
              expert_start: int = 0, num_experts: int | None = None, out_dtype: torch.dtype = torch.float32,
-             impl: str = "v2") -> torch.Tensor:
+             impl: str = "v1") -> torch.Tensor:
     """Triton W4A16 MoE: x [N, H] bf16, router weights [N, k] fp32 and ids [N, k] -> [N, H] out_dtype.
 
     Weights are this rank's experts [expert_start, expert_start + E_l) of `num_experts` in all
