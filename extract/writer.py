@@ -117,8 +117,13 @@ class OverlappedWriter:
             # by position, never list.remove: that compares tensors elementwise
             base = self._free.pop(min(fits, key=lambda i: self._free[i].numel())) if fits else None
         if base is None:
-            base = torch.empty(nbytes + nbytes // 4, dtype=torch.uint8, pin_memory=True)
+            base = self._alloc(nbytes + nbytes // 4)
         return base, base[:count].view(dtype).view(shape)
+
+    @staticmethod
+    def _alloc(nbytes: int) -> torch.Tensor:
+        """A flat pinned byte buffer (a seam: the CPU test of the pool swaps in plain memory)."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def _give_back(self, bases: list[torch.Tensor]) -> None:
         with self._lock:

@@ -166,6 +166,30 @@ def test_shard_sink_assembles_chunks_from_batches_in_any_order(tmp_path, overlap
     assert ShardReader(tmp_path / "sink", verify_checksums=True).sample_ids() == [0, 1, 3, 10, 11]
 
 
+class _PlainMemoryWriter(OverlappedWriter):
+    _alloc = staticmethod(lambda nbytes: torch.empty(nbytes, dtype=torch.uint8))
+
+
+def test_buffer_pool_reuses_the_smallest_fitting_buffer_by_identity():
+    """The pool logic of the CUDA path on the CPU (plain memory instead of pinned). Buffers of
+    different sizes in the free list must be told apart by identity, not compared elementwise
+    (a list.remove there broke every CUDA extraction with batches of varying rows)."""
+    with _PlainMemoryWriter(lambda meta, t: None, max_pending=1, pool_size=3) as w:
+        a, view_a = w._take(torch.Size([37, 96]), torch.bfloat16)
+        b, _ = w._take(torch.Size([5, 96]), torch.bfloat16)
+        c, _ = w._take(torch.Size([40, 96]), torch.float32)
+        assert view_a.shape == (37, 96) and view_a.dtype == torch.bfloat16
+        w._give_back([a, b, c])
+        assert sorted(x.numel() for x in w._free) == sorted(x.numel() for x in (a, b, c))
+        got, view = w._take(torch.Size([36, 96]), torch.bfloat16)  # fits a (and c): the smaller
+        assert got is a and view.data_ptr() == a.data_ptr() and view.shape == (36, 96)
+        assert all(x is not a for x in w._free) and len(w._free) == 2
+        big, _ = w._take(torch.Size([1000, 96]), torch.float32)  # fits none: a new buffer
+        assert all(big is not x for x in (a, b, c)) and big.numel() >= 1000 * 96 * 4
+        w._give_back([got, big])
+        assert len(w._free) == 3 and max(x.numel() for x in w._free) == big.numel()  # largest kept
+
+
 @pytest.mark.gpu
 def test_cuda_copies_pool_pinned_buffers_of_varying_rows():
     got = []
