@@ -37,3 +37,13 @@ def tiny_llama_config():
         num_attention_heads=3, num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
         rms_norm_eps=1e-5, tie_word_embeddings=False, pad_token_id=0, eos_token_id=2, bos_token_id=1,
     )
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module of tiny models: faster than two, and much faster on a
+    busy machine. Use with pytestmark = pytest.mark.usefixtures("one_torch_thread")."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

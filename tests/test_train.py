@@ -13,13 +13,7 @@ from eagleforge.train.loop import lr_lambda, simulated_acceptance_length, target
 from test_vocab import build_tiny_run
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These models are tiny: one thread is faster than two, and much faster on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one thread is faster
 
 
 def _configure(cfg, **train):

@@ -18,12 +18,7 @@ WORLD = 2
 SPAWN_TIMEOUT_S = 300
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one thread is faster
 
 
 def _configure(cfg, **train):

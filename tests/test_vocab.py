@@ -19,13 +19,7 @@ from eagleforge.vocab import (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one thread is faster than two, and much faster on a busy shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one thread is faster
 
 
 # ----------------------------------------------------------------------------- a tiny real run
