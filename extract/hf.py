@@ -251,7 +251,7 @@ def _extract(cfg: Config, device: torch.device, rank: int, world: int, start_s: 
     sink = ShardSink(shard_writer)
     # The writer thread copies and writes chunk c while the forwards of chunk c+1 run.
     with HiddenStateCapture(decoder_layers(model), aux_layers, final_norm(model)) as capture, \
-            make_writer(sink, getattr(cfg.extract, "overlap_writes", True)) as out, \
+            make_writer(sink, cfg.extract.overlap_writes) as out, \
             tqdm(total=total_tokens, unit="tok", unit_scale=True, desc="extract", disable=rank != 0) as progress:
         for c, chunk in todo:
             extract_chunk(model, capture, c, chunk, cfg, pad_id, device, out, progress)

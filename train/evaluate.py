@@ -270,7 +270,7 @@ def evaluate(cfg: Config) -> dict:
     k, max_new = cfg.eval.k, cfg.eval.max_new_tokens
     if max_new < 1:
         raise UserInputError(f"eval.max_new_tokens must be >= 1, got {max_new}")
-    check_greedy = bool(getattr(cfg.eval, "check_greedy", False))
+    check_greedy = cfg.eval.check_greedy
 
     draft_path = draft_dir(cfg)
     target, tokenizer = load_target(cfg.target)

@@ -331,18 +331,10 @@ def open_reader(cfg: Config):
     from eagleforge.shards import ShardReader
 
     tc = cfg.train
-    skip = bool(getattr(tc, "skip_corrupt_shards", False))
-    if not skip:
-        return ShardReader(cfg.run / "hidden", verify_checksums=tc.verify_checksums)
-    try:
-        reader = ShardReader(cfg.run / "hidden", verify_checksums=tc.verify_checksums, skip_corrupt=True)
-    except TypeError:  # a ShardReader without skip_corrupt: corrupt shards still raise
-        log.warning("train.skip_corrupt_shards=true but this ShardReader has no skip_corrupt: corrupt shards will raise")
-        return ShardReader(cfg.run / "hidden", verify_checksums=tc.verify_checksums)
-    skipped = list(getattr(reader, "skipped_shards", []))
-    if skipped:
-        log.warning("skipped %d corrupt shard(s) holding %d samples: %s", len(skipped),
-                    int(getattr(reader, "skipped_samples", 0)), ", ".join(map(str, skipped)))
+    reader = ShardReader(cfg.run / "hidden", verify_checksums=tc.verify_checksums, skip_corrupt=tc.skip_corrupt_shards)
+    if reader.skipped_shards:
+        log.warning("skipped %d corrupt shard(s) holding %d samples: %s", len(reader.skipped_shards),
+                    reader.skipped_samples, ", ".join(map(str, reader.skipped_shards)))
     return reader
 
 
@@ -375,7 +367,7 @@ class Trainer:
         self._epoch_cache: dict[int, list[list[int]]] = {}
         self.total_steps = self._total_steps()
         loss = TTTLoss(tc, self.teacher_head, get_loss_fn(tc.loss, self.device), self.device)
-        self.parallel = resolve_parallel(getattr(tc, "parallel", "auto"), self.env)
+        self.parallel = resolve_parallel(tc.parallel, self.env)
         self.model = parallelize(DraftWithLoss(self.draft, loss), self.env, self.parallel, tc.bf16)
         self.params = [p for p in self.model.parameters() if p.requires_grad]  # sharded under FSDP
         self.optimizer = torch.optim.AdamW(self.params, lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
@@ -551,7 +543,7 @@ class Trainer:
             "draft_vocab_size": int(self.vocab["d2t"].shape[0]),
             "vocab_coverage": coverage(self.vocab["counts"], self.vocab["t2d"]),
             "world_size": self.env.world_size, "parallel": self.parallel,
-            "skipped_samples": int(getattr(self.reader, "skipped_samples", 0)),
+            "skipped_samples": self.reader.skipped_samples,
         }
         k = min(self.cfg.eval.k, tc.ttt_steps)
         if self.heldout_ids:

@@ -211,7 +211,7 @@ def main(cfg: Config) -> None:
     params = count_parameters(a)
     print(f"language model parameters: {sum(params.values()) / 1e12:.3f}T "
           f"(routed experts {params['routed_experts'] / 1e12:.3f}T)")
-    gpu_gib = getattr(cfg.target, "gpu_memory_gib", 0.0)
+    gpu_gib = cfg.target.gpu_memory_gib
     gpu_bytes = gpu_gib * GIB if gpu_gib else None
     if gpu_bytes is None:
         import torch

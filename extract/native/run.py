@@ -116,7 +116,7 @@ def _header(cfg: Config, info, aux_layers: list[int]) -> dict:
 
 def _check_memory(cfg: Config, info, state: ParallelState) -> None:
     """Refuse to start when the planner says the layout does not fit this GPU."""
-    gpu_gib = getattr(cfg.target, "gpu_memory_gib", 0.0)
+    gpu_gib = cfg.target.gpu_memory_gib
     if gpu_gib:
         gpu_bytes = int(gpu_gib * GIB)
     elif state.device.type == "cuda":
@@ -157,7 +157,7 @@ def _extract(cfg: Config, state: ParallelState) -> dict | None:
     # Only the group leader writes: its writer thread copies and writes chunk c while the group
     # runs the forwards of chunk c+1. The other ranks take part in the forwards and keep nothing.
     sink = ShardSink(writer) if writer is not None else None
-    out = make_writer(sink, getattr(cfg.extract, "overlap_writes", True)) if sink is not None else None
+    out = make_writer(sink, cfg.extract.overlap_writes) if sink is not None else None
     with HiddenStateCapture(model.model.layers, aux_layers, model.model.norm) as capture, \
             (out if out is not None else contextlib.nullcontext()), \
             tqdm(total=total_tokens, unit="tok", unit_scale=True, desc="extract", disable=not state.is_main) as progress:
