@@ -436,10 +436,10 @@ def check_loss(ours: OurStep, batch: dict) -> dict:
     return out
 
 
-def check_attention(s: Shape, device: torch.device, tokens: int, fast: str) -> dict:
-    """TTT attention at the draft's head shape, all K steps: the explicit-mask reference against
-    the fast kernel (forward and the gradients of q and of every step's keys/values)."""
-    gen = torch.Generator(device="cpu").manual_seed(2)
+def attention_inputs(s: Shape, device: torch.device, tokens: int, seed: int):
+    """Random bf16 TTT attention inputs at the draft's head shape: q [1, heads, T, D], K steps'
+    keys and values [1, kv_heads, T, D] (all requiring grad) and an upstream gradient like q."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
 
     def rnd(*shape):
         return torch.randn(*shape, generator=gen).to(device, torch.bfloat16).requires_grad_()
@@ -448,6 +448,13 @@ def check_attention(s: Shape, device: torch.device, tokens: int, fast: str) -> d
     keys = [rnd(1, s.kv_heads, tokens, s.head_dim) for _ in range(s.ttt)]
     values = [rnd(1, s.kv_heads, tokens, s.head_dim) for _ in range(s.ttt)]
     upstream = torch.randn(1, s.heads, tokens, s.head_dim, generator=gen).to(device, torch.bfloat16)
+    return q, keys, values, upstream
+
+
+def check_attention(s: Shape, device: torch.device, tokens: int, fast: str) -> dict:
+    """TTT attention at the draft's head shape, all K steps: the explicit-mask reference against
+    the fast kernel (forward and the gradients of q and of every step's keys/values)."""
+    q, keys, values, upstream = attention_inputs(s, device, tokens, seed=2)
     results = {}
     for mode in ("reference", fast):
         out = ttt_attention(q, keys, values, s.head_dim**-0.5, mode=mode)
@@ -511,15 +518,7 @@ def attention_bench(s: Shape, device: torch.device, tokens_list: list[int], mode
     (causal QK^T and PV, forward + backward = 3 x 4 x T/2 x heads x D per token and step)."""
     rows = []
     for tokens in tokens_list:
-        gen = torch.Generator(device="cpu").manual_seed(5)
-
-        def rnd(*shape):
-            return torch.randn(*shape, generator=gen).to(device, torch.bfloat16).requires_grad_()
-
-        q = rnd(1, s.heads, tokens, s.head_dim)
-        keys = [rnd(1, s.kv_heads, tokens, s.head_dim) for _ in range(s.ttt)]
-        values = [rnd(1, s.kv_heads, tokens, s.head_dim) for _ in range(s.ttt)]
-        upstream = torch.randn(1, s.heads, tokens, s.head_dim, generator=gen).to(device, torch.bfloat16)
+        q, keys, values, upstream = attention_inputs(s, device, tokens, seed=5)
         flops = s.ttt * tokens * 3 * 4 * (tokens / 2) * s.heads * s.head_dim
         for mode in modes:
             def run(mode=mode):
