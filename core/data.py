@@ -578,6 +578,24 @@ def _generate_batch(model, prompt_ids: list[list[int]], max_new_tokens: int, sto
     return list(zip(answers, finished))
 
 
+def _generate_fitting(model, prompt_ids: list[list[int]], max_new_tokens: int, stop_ids: list[int], pad_id: int):
+    """_generate_batch, halving the batch on an accelerator out-of-memory error (the longest
+    prompts come last and need the most KV cache); the answers are the same either way."""
+    import torch
+
+    try:
+        return _generate_batch(model, prompt_ids, max_new_tokens, stop_ids, pad_id)
+    except torch.OutOfMemoryError:
+        if len(prompt_ids) == 1:
+            raise
+    torch.cuda.empty_cache()  # outside the except block: the error's frames no longer hold the cache
+    half = len(prompt_ids) // 2
+    log.warning("out of memory generating %d rows: retrying as %d + %d (lower data.gen_batch_size to avoid this)",
+                len(prompt_ids), half, len(prompt_ids) - half)
+    return (_generate_fitting(model, prompt_ids[:half], max_new_tokens, stop_ids, pad_id)
+            + _generate_fitting(model, prompt_ids[half:], max_new_tokens, stop_ids, pad_id))
+
+
 def _new_cache(model, max_len: int):
     """A preallocated KV cache: a DynamicCache re-copies every layer's K and V on each step
     (torch.cat), 40% of a bf16 CPU decode step at batch 64."""
@@ -646,7 +664,7 @@ def regenerate(cfg: Config, records: list[Record], data_dir: Path, stats: Stats)
     with tqdm(total=pending, unit="prompt", desc="generate", dynamic_ncols=True) as bar:
         for batch in todo:
             start = time.perf_counter()
-            answers = _generate_batch(model, [prompts[i][1] for i in batch], data.max_new_tokens, stop_ids, pad_id)
+            answers = _generate_fitting(model, [prompts[i][1] for i in batch], data.max_new_tokens, stop_ids, pad_id)
             seconds += time.perf_counter() - start
             rows = []
             for record_id, (answer_ids, finished) in zip(batch, answers):

@@ -437,3 +437,28 @@ def test_default_yaml_changes_nothing():
                  for key, value in values.items() if value != defaults[section][key]}
     assert not differing, f"configs/default.yaml differs from the dataclass defaults (yaml, default): {differing}"
     assert loaded == defaults
+
+
+def test_generation_halves_the_batch_on_out_of_memory(monkeypatch):
+    """An out-of-memory error from a batch of more than 2 rows is retried as two halves
+    (recursively): the answers come back complete and in prompt order; one row that does not
+    fit is an error, not an endless retry."""
+    from eagleforge import data
+
+    calls = []
+
+    def fake_generate(model, prompt_ids, max_new_tokens, stop_ids, pad_id):
+        calls.append(len(prompt_ids))
+        if len(prompt_ids) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return [([p[0] * 10], True) for p in prompt_ids]
+
+    monkeypatch.setattr(data, "_generate_batch", fake_generate)
+    prompts = [[i] for i in range(7)]
+    answers = data._generate_fitting(None, prompts, 4, [0], 0)
+    assert answers == [([i * 10], True) for i in range(7)]
+    assert calls[0] == 7 and max(calls[1:]) < 7 and sum(c for c in calls if c <= 2) == 7  # 7 -> 3 + 4 -> 3 -> 1 + 2, 4 -> 2 + 2
+
+    monkeypatch.setattr(data, "_generate_batch", lambda *a: (_ for _ in ()).throw(torch.OutOfMemoryError("x")))
+    with pytest.raises(torch.OutOfMemoryError):
+        data._generate_fitting(None, [[1]], 4, [0], 0)
