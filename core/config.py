@@ -122,6 +122,11 @@ class TrainConfig:
     # selective_all (keep every matmul output).
     activation_checkpoint: str = "none"
     compile: bool = False  # torch.compile the elementwise work between the draft's matmuls
+    # Which positions the training loss reads: assistant (the loss_mask of the shards, as
+    # SpecForge and the EAGLE-3 recipe do) or all (every position of a sample: the target's
+    # distribution after a prompt token is as valid a teacher as after an answer token, and the
+    # prompts hold half the tokens). Held-out metrics always use the assistant positions.
+    loss_positions: str = "assistant"
     holdout_samples: int = 32  # the last samples of the shards, never trained on
     log_every: int = 10
     save_every: int = 200
@@ -251,6 +256,7 @@ _CHOICES = {
     "train.loss": ("auto", "reference", "fused"),
     "train.parallel": ("auto", "none", "fsdp", "ddp"),
     "train.activation_checkpoint": ("none", "step", "selective", "selective_all"),
+    "train.loss_positions": ("assistant", "all"),
 }
 
 

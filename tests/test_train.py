@@ -184,3 +184,28 @@ def test_train_errors_name_the_problem(tmp_path, tiny_llama_config):
     cfg, _, _ = build_tiny_run(tmp_path, tiny_llama_config, n_samples=5)
     with pytest.raises(FileNotFoundError, match="vocab"):
         train(cfg)
+
+
+def test_loss_positions_all_reads_every_real_position(tmp_path, tiny_llama_config):
+    """train.loss_positions=all: a training batch's loss rows are every unpadded position with a
+    token to predict (rows of step j = sum over samples of max(0, length - 2 - j)); the default
+    reads the assistant loss_mask only, and held-out evaluation always does."""
+    from eagleforge.train.loop import Trainer
+    from eagleforge.vocab import main as vocab_main
+
+    cfg, _, samples = build_tiny_run(tmp_path, tiny_llama_config, n_samples=10, with_argmax=True)
+    _configure(cfg, epochs=1, device="cpu")
+    vocab_main(cfg)
+    counts = {}
+    for mode in ("assistant", "all"):
+        cfg.train.loss_positions = mode
+        trainer = Trainer(cfg)
+        batch = trainer._load([0, 1, 2])
+        counts[mode] = (trainer.batch_loss(batch, training=True)[1].n_valid, trainer.batch_loss(batch)[1].n_valid)
+    lengths = [int(samples[i]["input_ids"].shape[0]) for i in (0, 1, 2)]
+    masks = [samples[i]["loss_mask"].bool() for i in (0, 1, 2)]
+    steps = cfg.train.ttt_steps
+    assert counts["all"][0] == [sum(max(0, n - 2 - j) for n in lengths) for j in range(steps)]
+    assert counts["assistant"][0] == [sum(int(m[2 + j:].sum()) for m in masks) for j in range(steps)]
+    assert counts["all"][1] == counts["assistant"][1] == counts["assistant"][0]
+    assert counts["all"][0][0] > counts["assistant"][0][0]  # the fixture's prompts are not all masked out

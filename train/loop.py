@@ -410,12 +410,16 @@ class Trainer:
 
     # -- one batch
 
-    def batch_loss(self, batch: Batch) -> tuple[torch.Tensor, TTTStats]:
-        """(loss, stats) of one batch through the (wrapped) model: forward_ttt + the TTT loss."""
+    def batch_loss(self, batch: Batch, training: bool = False) -> tuple[torch.Tensor, TTTStats]:
+        """(loss, stats) of one batch through the (wrapped) model: forward_ttt + the TTT loss.
+        training with train.loss_positions=all: every real (unpadded) position is a loss row."""
         target_argmax = batch.target_argmax
         if target_argmax is None:
             target_argmax = target_argmax_from_hidden(batch.last_hidden_state, self.full_head)
-        loss, stats = self.model(batch.aux_hidden_states, batch.input_ids, batch.last_hidden_state, batch.loss_mask, target_argmax)
+        loss_mask = batch.loss_mask
+        if training and self.cfg.train.loss_positions == "all":
+            loss_mask = torch.arange(loss_mask.shape[1], device=loss_mask.device)[None] < batch.lengths[:, None]  # [B, T]
+        loss, stats = self.model(batch.aux_hidden_states, batch.input_ids, batch.last_hidden_state, loss_mask, target_argmax)
         stats.tokens = batch.num_tokens
         return loss, stats
 
@@ -438,7 +442,7 @@ class Trainer:
         share = len(step_batches) / self.env.world_size
         for i, ids in enumerate(micro):
             with gradient_sync(self.model, enabled=i == len(micro) - 1):
-                loss, batch_stats = self.batch_loss(self._load(ids if ids is not None else step_batches[0]))
+                loss, batch_stats = self.batch_loss(self._load(ids if ids is not None else step_batches[0]), training=True)
                 (loss / share if ids is not None else loss * 0.0).backward()
             if ids is not None:
                 stats.merge(batch_stats)
