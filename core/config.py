@@ -178,7 +178,7 @@ def _coerce(value: Any, annotation: Any, key: str, source: str) -> Any:
         try:
             value = yaml.safe_load(value)  # "3" -> 3, "true" -> True, "[1, 2]" -> [1, 2]
         except yaml.YAMLError as err:
-            raise ConfigError(f"{source}: key '{key}': {value!r} is not a YAML value ({str(err).splitlines()[0]})") from None
+            raise ConfigError(f"{source}: key {key!r}: {value!r} is not a YAML value ({str(err).splitlines()[0]})") from None
     if typ is float and isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
         try:
             value = float(value)
@@ -189,7 +189,7 @@ def _coerce(value: Any, annotation: Any, key: str, source: str) -> Any:
     ok = isinstance(value, typ) and not (typ is int and isinstance(value, bool))
     if not ok:
         raise ConfigError(
-            f"{source}: key '{key}' expects {typ.__name__}, got {type(value).__name__} {value!r}"
+            f"{source}: key {key!r} expects {typ.__name__}, got {type(value).__name__} {value!r}"
         )
     return value
 
@@ -201,15 +201,15 @@ def _apply(cfg: Any, key: str, value: Any, source: str) -> None:
     for section in sections:
         sub = getattr(obj, section, None) if section in _field_names(obj) else None
         if sub is None or not dataclasses.is_dataclass(sub):
-            raise ConfigError(f"{source}: unknown config section '{section}' in key '{key}'")
+            raise ConfigError(f"{source}: unknown config section {section!r} in key {key!r}")
         obj = sub
     fields = {f.name: f for f in dataclasses.fields(obj)}
     if leaf not in fields:
         known = ", ".join(sorted(fields))
-        raise ConfigError(f"{source}: unknown config key '{key}' (known here: {known})")
+        raise ConfigError(f"{source}: unknown config key {key!r} (known here: {known})")
     if dataclasses.is_dataclass(getattr(obj, leaf)):
         if not isinstance(value, dict):
-            raise ConfigError(f"{source}: key '{key}' is a section and takes a mapping, got {value!r}")
+            raise ConfigError(f"{source}: key {key!r} is a section and takes a mapping, got {value!r}")
         for sub_key, sub_value in value.items():
             _apply(cfg, f"{key}.{sub_key}", sub_value, source)
         return
@@ -265,11 +265,11 @@ def _validate(cfg: Config) -> None:
         section, leaf = key.split(".")
         value = getattr(getattr(cfg, section), leaf)
         if value not in choices:
-            raise ConfigError(f"config key '{key}' must be one of {list(choices)}, got {value!r}")
+            raise ConfigError(f"config key {key!r} must be one of {list(choices)}, got {value!r}")
     for key in ("data.num_prompts", "data.max_length", "extract.samples_per_shard", "train.ttt_steps", "eval.k"):
         section, leaf = key.split(".")
         if getattr(getattr(cfg, section), leaf) < 1:
-            raise ConfigError(f"config key '{key}' must be >= 1, got {getattr(getattr(cfg, section), leaf)}")
+            raise ConfigError(f"config key {key!r} must be >= 1, got {getattr(getattr(cfg, section), leaf)}")
 
 
 def config_to_dict(cfg: Config) -> dict:

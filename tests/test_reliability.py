@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from eagleforge.config import Config, ConfigError, UserInputError, load_config
@@ -147,6 +147,7 @@ _value_text = st.one_of(
 
 
 @FUZZ
+@example(overrides=[("0\n0", "1", True)])  # found on the device run: the key was printed raw, newline and all
 @given(overrides=st.lists(st.tuples(st.one_of(st.sampled_from(_known_keys()), st.text(max_size=12)), _value_text,
                                     st.booleans()), max_size=4))
 def test_fuzzed_overrides_give_only_config_errors(overrides):
