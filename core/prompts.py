@@ -156,6 +156,28 @@ def _module_items(module_name: str) -> list[DocItem]:
     return items
 
 
+class _Elided:
+    def __repr__(self) -> str:
+        return "..."
+
+
+_LITERALS = (type(None), bool, int, float, complex, str, bytes)
+
+
+def _is_literal(value) -> bool:
+    """None, bool, numbers, str, bytes and tuples of them (a set's order follows the hash seed)."""
+    return type(value) in _LITERALS or (type(value) is tuple and all(map(_is_literal, value)))
+
+
+def _stable_signature(signature: inspect.Signature) -> str:
+    """The signature with every default that is not a plain literal shown as `...`: other reprs
+    hold addresses ("<function <lambda> at 0x7f..>") or process state (logging.shutdown's
+    handlerList, the live handlers) and would make the prompts differ between processes."""
+    params = [p.replace(default=_Elided()) if p.default is not p.empty and not _is_literal(p.default) else p
+              for p in signature.parameters.values()]
+    return str(signature.replace(parameters=params))
+
+
 def _item(name: str, kind: str, module: str, obj) -> list[DocItem]:
     doc = getattr(obj, "__doc__", None)
     if not isinstance(doc, str):
@@ -164,11 +186,9 @@ def _item(name: str, kind: str, module: str, obj) -> list[DocItem]:
     if not doc:
         return []
     try:
-        signature = str(inspect.signature(obj))
+        signature = _stable_signature(inspect.signature(obj))
     except (TypeError, ValueError):  # builtins without text signatures
         signature = "(*args, **kwargs)"
-    if "<" in signature:  # a default's repr ("<function copy2 at 0x7f..>") differs per process
-        signature = re.sub(r"<([^<>]*?) at 0x[0-9a-f]+>", r"<\1>", signature)
     return [DocItem(name, kind, module, doc, signature)]
 
 

@@ -294,10 +294,21 @@ def test_stdlib_prompts_do_not_depend_on_the_process():
 
     from eagleforge.prompts import build_prompts
 
-    code = ("import hashlib; from eagleforge.prompts import build_prompts; "
-            "print(hashlib.sha256('\\0'.join(p.text for p in build_prompts(2000, 7)).encode()).hexdigest())")
-    fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO).stdout.strip()
-    assert fresh == hashlib.sha256("\0".join(p.text for p in build_prompts(2000, 7)).encode()).hexdigest()
+    from eagleforge.prompts import stdlib_items
+
+    code = ("import hashlib, json; from eagleforge.prompts import build_prompts, stdlib_items; "
+            "print(json.dumps([[i.name, i.doc, i.signature] for i in stdlib_items()])); "
+            "print(hashlib.sha256('\\0'.join(p.text for p in build_prompts(len(stdlib_items()) * 5, 7)).encode()).hexdigest())")
+    # another hash seed and another process: default values' reprs held addresses (2026-11-30)
+    env = dict(os.environ, PYTHONHASHSEED=str(random.randrange(1, 1 << 30)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO, env=env).stdout.splitlines()
+    fresh_items, here_items = [tuple(i) for i in json.loads(out[-2])], [(i.name, i.doc, i.signature) for i in stdlib_items()]
+    fresh_names, here_names = [i[0] for i in fresh_items], [i[0] for i in here_items]
+    assert fresh_names == here_names, (f"only in a fresh process: {sorted(set(fresh_names) - set(here_names))[:20]}; "
+                                       f"only here: {sorted(set(here_names) - set(fresh_names))[:20]}")
+    changed = [(a, b) for a, b in zip(fresh_items, here_items) if a != b]
+    assert not changed, f"{len(changed)} items differ, first: {changed[0][0]!r} vs {changed[0][1]!r}"
+    assert out[-1] == hashlib.sha256("\0".join(p.text for p in build_prompts(len(here_items) * 5, 7)).encode()).hexdigest()
 
 
 # ------------------------------------------------------------------------------------------------
