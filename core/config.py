@@ -122,11 +122,12 @@ class TrainConfig:
     # selective_all (keep every matmul output).
     activation_checkpoint: str = "none"
     compile: bool = False  # torch.compile the elementwise work between the draft's matmuls
-    # Which positions the training loss reads: assistant (the loss_mask of the shards, as
-    # SpecForge and the EAGLE-3 recipe do) or all (every position of a sample: the target's
-    # distribution after a prompt token is as valid a teacher as after an answer token, and the
-    # prompts hold half the tokens). Held-out metrics always use the assistant positions.
-    loss_positions: str = "assistant"
+    # Which positions the training loss reads: all (every position of a sample: the target's
+    # distribution after a prompt token is as valid a teacher as after an answer token; measured
+    # better on both SmolLM2 configs, BENCHMARKS.md) or assistant (the shards' loss_mask, as
+    # SpecForge and the EAGLE-3 recipe do; the Kimi configs keep it). Held-out metrics always
+    # use the assistant positions.
+    loss_positions: str = "all"
     holdout_samples: int = 32  # the last samples of the shards, never trained on
     log_every: int = 10
     save_every: int = 200
