@@ -121,7 +121,7 @@ class TrainConfig:
     # (keep the large matmul outputs and flash attention's, recompute elementwise work) |
     # selective_all (keep every matmul output).
     activation_checkpoint: str = "none"
-    compile: bool = False  # torch.compile the elementwise work between the draft's matmuls
+    compile: bool = False  # torch.compile the elementwise work between the matmuls (dynamic shapes: one graph for every batch length)
     # Which positions the training loss reads: all (every position of a sample: the target's
     # distribution after a prompt token is as valid a teacher as after an answer token; measured
     # better on both SmolLM2 configs, BENCHMARKS.md) or assistant (the shards' loss_mask, as

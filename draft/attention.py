@@ -219,12 +219,13 @@ def _merge_backward(scale: float, q, out, lse, grad_out, dq_causal, *diag):
     return (dq.to(q.dtype), *dks, *dvs)
 
 
-@functools.lru_cache(maxsize=1)
-def _compiled_merge():
+@functools.lru_cache(maxsize=2)
+def _compiled_merge(dynamic: bool = False):
     """torch.compile'd (_merge_forward, _merge_backward): one fused kernel per pass instead of a
-    dozen fp32 [B, H, T, D] temporaries. One graph per number of diagonal keys and shape."""
-    return (torch.compile(_merge_forward, fullgraph=True, dynamic=False),
-            torch.compile(_merge_backward, fullgraph=True, dynamic=False))
+    dozen fp32 [B, H, T, D] temporaries. One graph per number of diagonal keys (and per shape
+    unless dynamic)."""
+    return (torch.compile(_merge_forward, fullgraph=True, dynamic=dynamic),
+            torch.compile(_merge_backward, fullgraph=True, dynamic=dynamic))
 
 
 def many_graphs():
@@ -241,11 +242,11 @@ def many_graphs():
     return config.patch(**{k: v for k, v in limits.items() if hasattr(config, k)})
 
 
-def _run_merge(which: int, compile: bool, *args):
+def _run_merge(which: int, compile: bool | str, *args):
     if not compile:
         return (_merge_forward, _merge_backward)[which](*args)
     with many_graphs():
-        return _compiled_merge()[which](*args)
+        return _compiled_merge(compile == "dynamic")[which](*args)
 
 
 class _MergedTTTAttention(torch.autograd.Function):
@@ -277,7 +278,7 @@ class _MergedTTTAttention(torch.autograd.Function):
         return (None, None, dq, dk0, dv0, *diag_grads)
 
 
-def ttt_attention_merged(q, keys, values, scale: float, compile: bool = False) -> torch.Tensor:
+def ttt_attention_merged(q, keys, values, scale: float, compile: bool | str = False) -> torch.Tensor:
     """Flash causal attention over the step-0 keys merged with the diagonal keys of steps 1..j,
     forward and backward in one autograd.Function (see the module docstring). compile: the
     merge's elementwise passes through torch.compile. Falls back to `ttt_attention_sdpa` where
@@ -288,7 +289,7 @@ def ttt_attention_merged(q, keys, values, scale: float, compile: bool = False) -
     n_rep = q.shape[1] // keys[0].shape[1]
     ks = [repeat_kv(k, n_rep) for k in keys]  # GQA: autograd sums the repeated heads' gradients
     vs = [repeat_kv(v, n_rep) for v in values]
-    return _MergedTTTAttention.apply(float(scale), bool(compile), q, ks[0], vs[0], *ks[1:], *vs[1:])
+    return _MergedTTTAttention.apply(float(scale), compile if compile == "dynamic" else bool(compile), q, ks[0], vs[0], *ks[1:], *vs[1:])
 
 
 @functools.lru_cache(maxsize=1)
@@ -337,7 +338,7 @@ def ttt_attention_flex(q, keys, values, scale: float, compiled: bool = True) -> 
     return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=n_rep > 1)
 
 
-def ttt_attention(q, keys, values, scale: float, mode: str = "auto", compile: bool = False) -> torch.Tensor:
+def ttt_attention(q, keys, values, scale: float, mode: str = "auto", compile: bool | str = False) -> torch.Tensor:
     """Dispatch: "reference", "sdpa", "merged", "flex", "fast" (= flex on CUDA, else merged), "auto" (= fast).
     compile: fuse the merged mode's elementwise work (the other modes ignore it)."""
     if mode not in ATTENTION_MODES:

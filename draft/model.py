@@ -51,6 +51,7 @@ from .config import Eagle3Config
 # With compile=True the fused elementwise kernels run (and rerun) inside the checkpoint; the
 # policy only ever sees the eager matmuls and attention kernels.
 CHECKPOINT_MODES = ("none", "step", "selective", "selective_all")
+COMPILE_MODES = (False, True, "dynamic")  # off, static shapes (a graph per shape), dynamic shapes
 
 
 def _flash_ops() -> tuple:
@@ -167,10 +168,11 @@ def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 _ELEMENTWISE = {"norm_cat": _norm_cat, "rope": _rope, "add_norm": _add_norm, "silu_mul": _silu_mul}
 
 
-@functools.lru_cache(maxsize=1)
-def _compiled_elementwise() -> dict:
+@functools.lru_cache(maxsize=2)
+def _compiled_elementwise(dynamic: bool = False) -> dict:
     """torch.compile'd twins of _ELEMENTWISE (built on first use: compiling needs a C++ compiler
-    on the CPU and Triton on CUDA). Static shapes: one graph per sequence length."""
+    on the CPU and Triton on CUDA). Static shapes (one graph per batch shape, what bench-train
+    measures) or dynamic (one graph for every shape: a trainer's batches vary in length)."""
     def under_limits(compiled):
         def call(*args):
             with many_graphs():
@@ -178,7 +180,7 @@ def _compiled_elementwise() -> dict:
 
         return call
 
-    return {name: under_limits(torch.compile(fn, fullgraph=True, dynamic=False)) for name, fn in _ELEMENTWISE.items()}
+    return {name: under_limits(torch.compile(fn, fullgraph=True, dynamic=dynamic)) for name, fn in _ELEMENTWISE.items()}
 
 
 class Eagle3Attention(nn.Module):
@@ -332,7 +334,7 @@ class Eagle3Draft(nn.Module):
 
     def forward_ttt(self, aux_hidden_states: torch.Tensor, input_ids: torch.Tensor, ttt_steps: int,
                     attention: str = "auto", *, checkpoint: str | Sequence[str] = "none",
-                    compile: bool = False) -> list[torch.Tensor]:
+                    compile: bool | str = False) -> list[torch.Tensor]:
         """Unrolled TTT: a list of `ttt_steps` NORMED hidden states [B, T, H] (inputs of lm_head).
 
         aux_hidden_states [B, T, k*Ht], input_ids [B, T] (row t = position t of the sequence).
@@ -344,8 +346,11 @@ class Eagle3Draft(nn.Module):
         `ttt_steps` of them (e.g. selective for the first steps and step for the rest, to fit a
         memory budget). Same numbers, less memory, some recompute in the backward. compile: the elementwise work between the
         matmuls (norms, RoPE, SiLU, residuals; the merged attention's diagonal merge) through
-        torch.compile; matmuls and attention kernels as they are.
+        torch.compile; matmuls and attention kernels as they are. True compiles a graph per
+        batch shape, "dynamic" one graph for all shapes (batches of varying length).
         """
+        if compile not in COMPILE_MODES:
+            raise ValueError(f"forward_ttt: compile must be one of {COMPILE_MODES}, got {compile!r}")
         b, t = input_ids.shape
         if aux_hidden_states.shape[:2] != (b, t):
             raise ValueError(f"forward_ttt: aux_hidden_states {tuple(aux_hidden_states.shape)} and input_ids "
@@ -370,7 +375,7 @@ class Eagle3Draft(nn.Module):
             normed.append(normed_j)
         return normed
 
-    def ttt_step(self, attention: str, n_prev: int, hidden, embeds, cos, sin, *kv, compile: bool = False):
+    def ttt_step(self, attention: str, n_prev: int, hidden, embeds, cos, sin, *kv, compile: bool | str = False):
         """One TTT step of the midlayer (the math of midlayer.qkv + finish, then norm).
 
         hidden, embeds [B, T, H]; cos/sin [1, T, D] fp32; kv = the n_prev keys then the n_prev
@@ -378,7 +383,7 @@ class Eagle3Draft(nn.Module):
         [B, T, H], k_j, v_j). The matmuls are the modules' own (so a selective checkpoint policy
         sees them); the elementwise work between them goes through `_ELEMENTWISE` (eager) or its
         torch.compile'd twin (fused kernels: each norm is one pass, no fp32 copies kept)."""
-        ew = _compiled_elementwise() if compile else _ELEMENTWISE
+        ew = _compiled_elementwise(compile == "dynamic") if compile else _ELEMENTWISE
         layer, attn_mod, mlp = self.midlayer, self.midlayer.self_attn, self.midlayer.mlp
         eps = self.config.rms_norm_eps
         b, t, _ = hidden.shape
@@ -395,7 +400,7 @@ class Eagle3Draft(nn.Module):
         out, normed = ew["add_norm"](h, mlp_out, self.norm.weight, eps)
         return out, normed, k, v
 
-    def ttt_step_fn(self, attention: str = "auto", checkpoint: str = "none", compile: bool = False):
+    def ttt_step_fn(self, attention: str = "auto", checkpoint: str = "none", compile: bool | str = False):
         """fn(n_prev, hidden, embeds, cos, sin, *kv) -> ttt_step's outputs, checkpointed as asked
         (one of CHECKPOINT_MODES). forward_ttt runs it per step; trainers may call it directly."""
         if checkpoint not in CHECKPOINT_MODES:

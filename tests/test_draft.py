@@ -545,3 +545,32 @@ def test_forward_ttt_compiled_equals_eager(checkpoint):
     for name, g in ref_grads.items():
         err = (grads[name] - g).norm() / g.norm()
         assert err < 1e-4, f"compiled {checkpoint} {name}: relative gradient error {err:.2e}"
+
+
+@pytest.mark.slow
+def test_forward_ttt_dynamic_compile_one_graph_for_every_length():
+    """compile="dynamic" (the trainer's: its batches vary in length) equals eager at two
+    sequence lengths, and the second length compiles no new graph; a bad value is refused."""
+    reason = _compile_works()
+    if reason:
+        pytest.skip(reason)
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    config = make_config("default", kv_heads=2)
+    draft = make_draft(config, seed=27)
+    graphs = []
+    for t in (9, 14):
+        aux, ids = random_inputs(config, 2, t, seed=t)
+        weights = torch.randn(3, 2, t, config.draft_vocab_size, generator=torch.Generator().manual_seed(t))
+        ref_out, ref_grads = _ttt_grads(draft, aux, ids, 3, weights, attention="reference")
+        out, grads = _ttt_grads(draft, aux, ids, 3, weights, attention="merged", compile="dynamic")
+        for a, b in zip(out, ref_out):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        for name, g in ref_grads.items():
+            assert (grads[name] - g).norm() / g.norm() < 1e-4, f"T={t} {name}"
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs[1] == graphs[0], f"graphs after each length: {graphs}"
+    aux, ids = random_inputs(config, 1, 5, seed=1)
+    with pytest.raises(ValueError, match="compile must be one of"):
+        draft.forward_ttt(aux, ids, 2, compile="static")

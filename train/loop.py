@@ -313,7 +313,8 @@ class TTTLoss:
         tc = self.tc
         with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=tc.bf16):
             hiddens = draft.forward_ttt(aux_hidden_states, input_ids, tc.ttt_steps, attention=tc.attention,
-                                        checkpoint=tc.activation_checkpoint, compile=tc.compile)
+                                        checkpoint=tc.activation_checkpoint,
+                                        compile="dynamic" if tc.compile else False)  # batches vary in length
         if tc.loss != "reference":  # the TTT form: teacher shared over steps
             return ttt_loss_shared(
                 hiddens, draft.lm_head.weight, last_hidden, self.teacher_head, loss_mask, target_argmax, draft.t2d,
