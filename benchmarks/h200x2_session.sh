@@ -75,7 +75,9 @@ E)
   timeout 420 python3 -m pytest -q -rs -n 8 tests > "$RES/gpu_tests.log" 2>&1; tail -25 "$RES/gpu_tests.log"
   ;;
 F)
-  ( CUDA_VISIBLE_DEVICES=1 STAGES="data extract vocab train" timeout 560 bash benchmarks/smollm2_gpu.sh runs/g > "$RES/smollm2.log" 2>&1
+  # the single-call size: 256-token answers and 4 epochs (the committed config has 512 and 6: phases H2 + I)
+  ( CUDA_VISIBLE_DEVICES=1 STAGES="data extract vocab train" timeout 560 bash benchmarks/smollm2_gpu.sh runs/g \
+      data.max_new_tokens=256 train.epochs=4 > "$RES/smollm2.log" 2>&1
     if [ ! -f runs/g/draft/model.safetensors ]; then  # cut by the time limit: export the last checkpoint
       python3 -c 'import sys; from eagleforge.train.checkpoint import latest_checkpoint, export_checkpoint; c = latest_checkpoint("runs/g"); print("exporting", c); c and export_checkpoint(c, "runs/g/draft")' >> "$RES/smollm2.log" 2>&1
     fi

@@ -580,7 +580,8 @@ def _generate_batch(model, prompt_ids: list[list[int]], max_new_tokens: int, sto
 
 def _generate_fitting(model, prompt_ids: list[list[int]], max_new_tokens: int, stop_ids: list[int], pad_id: int):
     """_generate_batch, halving the batch on an accelerator out-of-memory error (the longest
-    prompts come last and need the most KV cache); the answers are the same either way."""
+    prompts come last and need the most KV cache); the answers are the same up to the numerics
+    of batched matmuls (as between any two batch sizes)."""
     import torch
 
     try:

@@ -17,6 +17,7 @@ text that quotes a HumanEval prompt line are excluded (`humaneval_guard`).
 
 from __future__ import annotations
 
+import functools
 import gzip
 import importlib
 import inspect
@@ -67,7 +68,7 @@ TEMPLATES = {
 }
 
 MIN_DOC_CHARS = 80  # shorter docstrings ("Return self==value.") say too little to ask about
-# Prompt tokens are not trained on but cost prefill time: on a 2-core CPU a batch of 16
+# Prompt tokens cost prefill time (and are trained on only with train.loss_positions=all): on a 2-core CPU a batch of 16
 # prompts of ~150 tokens takes about as long to read as to answer with 60 tokens.
 MAX_DOC_CHARS = 500
 
@@ -164,8 +165,23 @@ class _Elided:
 _LITERALS = (type(None), bool, int, float, complex, str, bytes)
 
 
+@functools.lru_cache(maxsize=1)
+def _environment_strings() -> tuple[str, ...]:
+    """Strings of this installation that stdlib defaults capture when defined: the interpreter's
+    path and prefixes (platform.architecture(executable=...)) and sysconfig's default scheme
+    ("venv" inside a virtualenv, "posix_prefix" outside)."""
+    import sys
+    import sysconfig
+
+    values = {sys.executable, sys.prefix, sys.base_prefix, sys.exec_prefix, sysconfig.get_default_scheme()}
+    return tuple(v for v in values if v)
+
+
 def _is_literal(value) -> bool:
-    """None, bool, numbers, str, bytes and tuples of them (a set's order follows the hash seed)."""
+    """None, bool, numbers, str, bytes and tuples of them (a set's order follows the hash seed),
+    except strings that hold this installation's paths or sysconfig scheme."""
+    if isinstance(value, str) and any(v == value or (len(v) > 1 and v in value) for v in _environment_strings()):
+        return False
     return type(value) in _LITERALS or (type(value) is tuple and all(map(_is_literal, value)))
 
 

@@ -473,3 +473,19 @@ def test_generation_halves_the_batch_on_out_of_memory(monkeypatch):
     monkeypatch.setattr(data, "_generate_batch", lambda *a: (_ for _ in ()).throw(torch.OutOfMemoryError("x")))
     with pytest.raises(torch.OutOfMemoryError):
         data._generate_fitting(None, [[1]], 4, [0], 0)
+
+
+def test_prompt_signatures_hold_no_process_or_install_state():
+    """Signature defaults are shown only when they are plain literals that do not name this
+    installation: objects (addresses), sets (hash-seed order), live lists, the interpreter's
+    path and sysconfig's scheme (venv or not) all become `...`."""
+    import inspect
+    import sysconfig
+
+    from eagleforge.prompts import _stable_signature
+
+    def f(a=sys.executable, b="x", c=sys.prefix + "/lib", d=1.5, e=("a", 2, None), g=frozenset({"a", "b"}),
+          h=[1], i=object(), j=sysconfig.get_default_scheme(), k=b"raw"):
+        pass
+
+    assert _stable_signature(inspect.signature(f)) == "(a=..., b='x', c=..., d=1.5, e=('a', 2, None), g=..., h=..., i=..., j=..., k=b'raw')"

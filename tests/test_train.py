@@ -188,8 +188,8 @@ def test_train_errors_name_the_problem(tmp_path, tiny_llama_config):
 
 def test_loss_positions_all_reads_every_real_position(tmp_path, tiny_llama_config):
     """train.loss_positions=all: a training batch's loss rows are every unpadded position with a
-    token to predict (rows of step j = sum over samples of max(0, length - 2 - j)); the default
-    reads the assistant loss_mask only, and held-out evaluation always does."""
+    token to predict (rows of step j = sum over samples of max(0, length - 2 - j));
+    loss_positions=assistant reads the shards' loss_mask only, and held-out evaluation always does."""
     from eagleforge.train.loop import Trainer
     from eagleforge.vocab import main as vocab_main
 
