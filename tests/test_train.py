@@ -209,3 +209,40 @@ def test_loss_positions_all_reads_every_real_position(tmp_path, tiny_llama_confi
     assert counts["assistant"][0] == [sum(int(m[2 + j:].sum()) for m in masks) for j in range(steps)]
     assert counts["all"][1] == counts["assistant"][1] == counts["assistant"][0]
     assert counts["all"][0][0] > counts["assistant"][0][0]  # the fixture's prompts are not all masked out
+
+
+@pytest.mark.slow
+def test_kimi_config_training_options_give_the_plain_losses(tmp_path, tiny_llama_config):
+    """The Kimi configs' step options together (selective_all checkpointing, merged attention,
+    dynamic-shape compile) through the real Trainer, fp32, batches of several lengths: the same
+    losses step for step as the plain step (no checkpoint, reference attention, eager)."""
+    from test_draft import _compile_works
+
+    from eagleforge.train.loop import train
+    from eagleforge.vocab import main as vocab_main
+
+    reason = _compile_works()
+    if reason:
+        pytest.skip(reason)
+    torch._dynamo.reset()
+    cfg, _, _ = build_tiny_run(tmp_path / "base", tiny_llama_config, n_samples=14, with_argmax=True)
+    _configure(cfg, max_steps=5, save_every=100, bf16=False, device="cpu")
+    vocab_main(cfg)
+    base, losses = cfg.run, {}
+    for name, options in (("plain", dict(activation_checkpoint="none", attention="reference", compile=False)),
+                          ("kimi", dict(activation_checkpoint="selective_all", attention="merged", compile=True))):
+        run = tmp_path / name
+        shutil.copytree(base, run, ignore=shutil.ignore_patterns("checkpoints", "draft", "train_log.csv", "train_summary.json"))
+        cfg.run_dir = str(run)
+        for key, value in options.items():
+            setattr(cfg.train, key, value)
+        train(cfg)
+        losses[name] = [float(r["loss"]) for r in _log_rows(run)]
+    from eagleforge.shards import ShardReader
+
+    assert len(set(ShardReader(base / "hidden").sample_lengths())) > 3  # several batch shapes
+    from torch._dynamo.utils import counters
+
+    assert counters["stats"]["unique_graphs"] > 0  # the kimi run did compile
+    assert len(losses["plain"]) == 5
+    assert losses["kimi"] == pytest.approx(losses["plain"], rel=1e-4), losses
