@@ -538,13 +538,19 @@ def test_forward_ttt_compiled_equals_eager(checkpoint):
     draft = make_draft(config, seed=24)
     aux, ids = random_inputs(config, 1, 9, seed=25)
     weights = torch.randn(3, 1, 9, config.draft_vocab_size, generator=torch.Generator().manual_seed(26))
+    _assert_matches_reference(draft, aux, ids, weights, f"compiled {checkpoint}", checkpoint=checkpoint, compile=True)
+
+
+def _assert_matches_reference(draft, aux, ids, weights, what: str, **options) -> None:
+    """3 TTT steps with merged attention and `options` against the reference attention, eager:
+    outputs within 1e-4 and every parameter's gradient within 1e-4 relative."""
     ref_out, ref_grads = _ttt_grads(draft, aux, ids, 3, weights, attention="reference")
-    out, grads = _ttt_grads(draft, aux, ids, 3, weights, attention="merged", checkpoint=checkpoint, compile=True)
+    out, grads = _ttt_grads(draft, aux, ids, 3, weights, attention="merged", **options)
     for a, b in zip(out, ref_out):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     for name, g in ref_grads.items():
         err = (grads[name] - g).norm() / g.norm()
-        assert err < 1e-4, f"compiled {checkpoint} {name}: relative gradient error {err:.2e}"
+        assert err < 1e-4, f"{what} {name}: relative gradient error {err:.2e}"
 
 
 @pytest.mark.slow
@@ -563,12 +569,7 @@ def test_forward_ttt_dynamic_compile_one_graph_for_every_length():
     for t in (9, 14):
         aux, ids = random_inputs(config, 2, t, seed=t)
         weights = torch.randn(3, 2, t, config.draft_vocab_size, generator=torch.Generator().manual_seed(t))
-        ref_out, ref_grads = _ttt_grads(draft, aux, ids, 3, weights, attention="reference")
-        out, grads = _ttt_grads(draft, aux, ids, 3, weights, attention="merged", compile="dynamic")
-        for a, b in zip(out, ref_out):
-            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-        for name, g in ref_grads.items():
-            assert (grads[name] - g).norm() / g.norm() < 1e-4, f"T={t} {name}"
+        _assert_matches_reference(draft, aux, ids, weights, f"dynamic T={t}", compile="dynamic")
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[0] > 0 and graphs[1] == graphs[0], f"graphs after each length: {graphs}"
     aux, ids = random_inputs(config, 1, 5, seed=1)
