@@ -100,6 +100,10 @@ def test_eval_stage_end_to_end(smollm2, tmp_path):
     assert results["equals_greedy"] is True
     assert results["eagle_mismatched_prompts"] == [] and results["ngram_mismatched_prompts"] == []
     assert results["eagle"]["generated_tokens"] == results["ngram"]["generated_tokens"] <= 2 * 7
+    for drafter in ("eagle", "ngram"):  # the copyable / novel split partitions the rounds
+        kinds = results[drafter]["by_position_kind"]
+        assert kinds["copyable"]["rounds"] + kinds["novel"]["rounds"] == results[drafter]["rounds"]
+        assert kinds["copyable"]["share_of_rounds"] + kinds["novel"]["share_of_rounds"] == pytest.approx(1.0)
     assert (run_dir / "config.yaml").is_file()
     _assert_png(run_dir / "eval" / "acceptance_per_position.png")
     _assert_png(run_dir / "eval" / "training_curves.png")

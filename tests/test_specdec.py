@@ -18,7 +18,9 @@ from eagleforge.train.specdec import (
     Eagle3Drafter,
     NgramDrafter,
     RoundStats,
+    acceptance_by_kind,
     acceptance_metrics,
+    copy_classifier,
     eos_token_ids,
     greedy_generate,
     ngram_match,
@@ -389,3 +391,32 @@ def test_cpu_attention_keeps_greedy_output(cpu_attention, cases, k):
     for ids, ref in prompts:
         assert greedy_generate(cpu_attention, ids, MAX_NEW, eos) == ref
         assert speculative_generate(cpu_attention, NgramDrafter(3, 1), ids, k, MAX_NEW, eos).token_ids == ref
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_copy_classifier_labels_agree_with_the_ngram_drafter(smollm2, cases, k):
+    """A round is "copyable" when prompt lookup's first token is the target's: for the n-gram
+    drafter with the same settings that is exactly "it proposed and its first token was
+    accepted", an independent check of the labels; the output stays greedy's."""
+    model, _ = smollm2
+    prompts, eos = cases
+    labelled = 0
+    for ids, ref in prompts:
+        out = speculative_generate(model, NgramDrafter(3, 1), ids, k, MAX_NEW, eos, classify=copy_classifier(3, 1))
+        assert out.token_ids == ref
+        for r in out.rounds:
+            if r.proposed:
+                assert r.copyable == (r.accepted >= 1), r
+                labelled += 1
+    assert labelled > 0
+
+
+def test_acceptance_by_kind_hand_made_rounds():
+    rounds = [RoundStats(3, 3, True), RoundStats(3, 1, True), RoundStats(3, 0, False), RoundStats(0, 0, False),
+              RoundStats(3, 2, False)]
+    kinds = acceptance_by_kind(rounds, 3)
+    assert kinds["copyable"]["rounds"] == 2 and kinds["copyable"]["acceptance_length"] == pytest.approx(1 + 4 / 2)
+    assert kinds["copyable"]["per_position_acceptance"] == pytest.approx([1.0, 0.5, 0.5])
+    assert kinds["novel"]["rounds"] == 2 and kinds["novel"]["acceptance_length"] == pytest.approx(1 + 2 / 2)
+    assert kinds["copyable"]["share_of_rounds"] == pytest.approx(0.5)  # the round without drafts does not count
+    assert acceptance_by_kind([RoundStats(2, 1)], 2) is None  # not classified

@@ -34,7 +34,9 @@ from . import plots
 from .specdec import (
     Eagle3Drafter,
     NgramDrafter,
+    acceptance_by_kind,
     acceptance_metrics,
+    copy_classifier,
     eos_token_ids,
     greedy_generate,
     speculative_generate,
@@ -215,13 +217,15 @@ def simulated_acceptance(run_dir: Path, k: int) -> tuple[float | None, list[floa
 # --------------------------------------------------------------------------------------------
 
 
-def run_drafter(name: str, target, drafter, prompts: list[dict], k: int, max_new_tokens: int, eos_ids) -> dict:
-    """Speculative decoding of every prompt; metrics, outputs and throughput."""
+def run_drafter(name: str, target, drafter, prompts: list[dict], k: int, max_new_tokens: int, eos_ids,
+                classify=None) -> dict:
+    """Speculative decoding of every prompt; metrics, outputs and throughput. With `classify`
+    (copy_classifier), the metrics split by position kind (metrics["by_position_kind"])."""
     rounds, outputs, forwards = [], [], 0
     per_prompt = []
     start = time.perf_counter()
     for prompt in tqdm(prompts, desc=f"eval {name}", unit="prompt"):
-        out = speculative_generate(target, drafter, prompt["input_ids"], k, max_new_tokens, eos_ids)
+        out = speculative_generate(target, drafter, prompt["input_ids"], k, max_new_tokens, eos_ids, classify)
         rounds.extend(out.rounds)
         forwards += out.target_forwards
         outputs.append(out.token_ids)
@@ -236,6 +240,7 @@ def run_drafter(name: str, target, drafter, prompts: list[dict], k: int, max_new
         target_forwards=forwards,
         tokens_per_target_forward=generated / forwards if forwards else None,
         per_prompt_acceptance_length=per_prompt,
+        by_position_kind=acceptance_by_kind(rounds, k),
     )
     return {"metrics": metrics, "outputs": outputs}
 
@@ -280,9 +285,12 @@ def evaluate(cfg: Config) -> dict:
     eos_ids = eos_token_ids(target, tokenizer)
     log.info("eval: %d prompts, k=%d, max_new_tokens=%d, draft %s", len(prompts), k, max_new, draft_path)
 
-    eagle = run_drafter("eagle3", target, Eagle3Drafter(draft, target), prompts, k, max_new, eos_ids)
+    # Each round labelled copyable (prompt lookup's first token is the target's) or novel: where
+    # each drafter wins and loses (HumanEval's answers restate their prompt).
+    classify = copy_classifier(cfg.eval.ngram_max, cfg.eval.ngram_min)
+    eagle = run_drafter("eagle3", target, Eagle3Drafter(draft, target), prompts, k, max_new, eos_ids, classify)
     ngram = run_drafter(
-        "ngram", target, NgramDrafter(cfg.eval.ngram_max, cfg.eval.ngram_min), prompts, k, max_new, eos_ids
+        "ngram", target, NgramDrafter(cfg.eval.ngram_max, cfg.eval.ngram_min), prompts, k, max_new, eos_ids, classify
     )
     simulated, simulated_rates = simulated_acceptance(run_dir, k)
     results = _results(cfg, target_path(cfg.target), draft_path, prompts, eagle, ngram, simulated, simulated_rates)
@@ -373,6 +381,12 @@ def format_table(results: dict) -> str:
             f"{name:<10} {fmt(m['acceptance_length']):>10} {fmt(m['tokens_per_target_forward'], '.2f'):>8} "
             f"{fmt(m['tokens_per_s'], '.1f'):>8} {m['rounds']:>7}  {rates}"
         )
+    for name, m in (("eagle3", e), ("ngram", n)):
+        kinds = m.get("by_position_kind")
+        if kinds:
+            lines.append(f"{name:<10} " + "; ".join(
+                f"{kind} positions ({v['share_of_rounds']:.0%} of rounds): accept_len {fmt(v['acceptance_length'])}, "
+                f"first token {fmt(v['per_position_acceptance'][0], '.2f')}" for kind, v in kinds.items()))
     lines.append(
         f"simulated acceptance length {fmt(results['simulated_acceptance_length'])}, "
         f"measured - simulated {fmt(results['acceptance_gap_measured_minus_simulated'], '+.3f')}"

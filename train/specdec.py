@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol, Sequence
+from typing import Callable, Iterable, Protocol, Sequence
 
 import torch
 
@@ -258,6 +258,7 @@ class Eagle3Drafter:
 class RoundStats:
     proposed: int  # draft tokens verified in this round (0 .. k)
     accepted: int  # the accepted prefix of them (0 .. proposed)
+    copyable: bool | None = None  # the position's kind when a classifier was given (copy_classifier)
 
 
 @dataclass
@@ -274,12 +275,15 @@ def speculative_generate(
     k: int,
     max_new_tokens: int,
     eos_ids: Iterable[int] = (),
+    classify: Callable[[list[int], int], bool] | None = None,
 ) -> SpecDecodeOutput:
     """Chain speculative decoding with greedy verification; output == greedy_generate's.
 
     Every round asks the drafter for k tokens (the accounting does not shrink k near the end;
     tokens past max_new_tokens or an EOS are verified and counted but not returned, as an
-    engine with a long max_tokens would have produced them).
+    engine with a long max_tokens would have produced them). classify(context, target_token),
+    when given, labels each round (RoundStats.copyable) from the context the drafter saw and the
+    target's token at the first draft position.
     """
     if k < 1:
         raise ValueError(f"eval.k must be >= 1, got {k}")
@@ -309,7 +313,8 @@ def speculative_generate(
             while accepted < len(drafts) and drafts[accepted] == greedy[accepted]:
                 accepted += 1
             crop_cache(cache, len(context) + accepted)  # keep 0 .. n-1+a
-            out.rounds.append(RoundStats(proposed=len(drafts), accepted=accepted))
+            kind = None if classify is None else bool(classify(context, greedy[0]))
+            out.rounds.append(RoundStats(proposed=len(drafts), accepted=accepted, copyable=kind))
             drafter.observe(fed[: accepted + 1], greedy[accepted])
             context.extend(drafts[:accepted] + [greedy[accepted]])
     finally:
@@ -361,3 +366,24 @@ def acceptance_metrics(rounds: Iterable[RoundStats], k: int) -> dict:
         "accepted_tokens": total_accepted,
         "draft_acceptance_rate": total_accepted / max(1, sum(r.proposed for r in counted)),
     }
+
+
+def copy_classifier(ngram_max: int = 3, ngram_min: int = 1) -> Callable[[list[int], int], bool]:
+    """classify for speculative_generate: a position is "copyable" when prompt lookup's first
+    token (ngram_match) is the target's token there, i.e. the text continues as it did before."""
+    return lambda context, token: ngram_match(context, 1, ngram_max, ngram_min)[:1] == [int(token)]
+
+
+def acceptance_by_kind(rounds: Sequence[RoundStats], k: int) -> dict | None:
+    """acceptance_metrics over the copyable rounds and over the others ("novel"), with each kind's
+    share of the rounds; None when the rounds were not classified."""
+    rounds = [r for r in rounds if r.proposed > 0]
+    if not rounds or any(r.copyable is None for r in rounds):
+        return None
+    out = {}
+    for kind, flag in (("copyable", True), ("novel", False)):
+        part = [r for r in rounds if r.copyable is flag]
+        m = acceptance_metrics(part, k)
+        out[kind] = {"share_of_rounds": len(part) / len(rounds), "rounds": m["rounds"],
+                     "acceptance_length": m["acceptance_length"], "per_position_acceptance": m["per_position_acceptance"]}
+    return out
