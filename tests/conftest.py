@@ -47,3 +47,14 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def compiled():
+    """Skip (with the reason) where torch.compile's backend cannot build, e.g. no C++ compiler
+    on a CPU machine; otherwise start from a fresh dynamo state (graph counters at zero)."""
+    try:
+        torch.compile(lambda x: torch.nn.functional.silu(x) * 2, fullgraph=True, dynamic=False)(torch.randn(3))
+    except Exception as err:  # noqa: BLE001 - any failure means: skip with the reason
+        pytest.skip(f"torch.compile does not work on this machine: {err!r}"[:300])
+    torch._dynamo.reset()

@@ -515,25 +515,11 @@ def test_selective_policy_saves_the_wide_matmuls_only():
         make_draft(make_config()).forward_ttt(*random_inputs(make_config(), 1, 5, seed=1), 2, checkpoint=["step"])
 
 
-def _compile_works() -> str:
-    """'' when torch.compile's CPU backend can build here, else the reason (no C++ compiler, ...)."""
-    try:
-        fn = torch.compile(lambda x: torch.nn.functional.silu(x) * 2, fullgraph=True, dynamic=False)
-        fn(torch.randn(3))
-        return ""
-    except Exception as err:  # noqa: BLE001 - any failure means: skip with the reason
-        return f"torch.compile does not work on this machine: {err!r}"[:300]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("checkpoint", ["none", "selective"])
-def test_forward_ttt_compiled_equals_eager(checkpoint):
+def test_forward_ttt_compiled_equals_eager(checkpoint, compiled):
     """compile=True (inductor on the CPU) gives the eager outputs and gradients: once with the
     compiled layer pieces, once with the compiled selectively-checkpointed step."""
-    reason = _compile_works()
-    if reason:
-        pytest.skip(reason)
-    torch._dynamo.reset()
     config = make_config("default", kv_heads=2)
     draft = make_draft(config, seed=24)
     aux, ids = random_inputs(config, 1, 9, seed=25)
@@ -554,15 +540,11 @@ def _assert_matches_reference(draft, aux, ids, weights, what: str, **options) ->
 
 
 @pytest.mark.slow
-def test_forward_ttt_dynamic_compile_one_graph_for_every_length():
+def test_forward_ttt_dynamic_compile_one_graph_for_every_length(compiled):
     """compile="dynamic" (the trainer's: its batches vary in length) equals eager at two
     sequence lengths, and the second length compiles no new graph; a bad value is refused."""
-    reason = _compile_works()
-    if reason:
-        pytest.skip(reason)
     from torch._dynamo.utils import counters
 
-    torch._dynamo.reset()
     config = make_config("default", kv_heads=2)
     draft = make_draft(config, seed=27)
     graphs = []

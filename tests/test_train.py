@@ -212,19 +212,13 @@ def test_loss_positions_all_reads_every_real_position(tmp_path, tiny_llama_confi
 
 
 @pytest.mark.slow
-def test_kimi_config_training_options_give_the_plain_losses(tmp_path, tiny_llama_config):
+def test_kimi_config_training_options_give_the_plain_losses(tmp_path, tiny_llama_config, compiled):
     """The Kimi configs' step options together (selective_all checkpointing, merged attention,
     dynamic-shape compile) through the real Trainer, fp32, batches of several lengths: the same
     losses step for step as the plain step (no checkpoint, reference attention, eager)."""
-    from test_draft import _compile_works
-
     from eagleforge.train.loop import train
     from eagleforge.vocab import main as vocab_main
 
-    reason = _compile_works()
-    if reason:
-        pytest.skip(reason)
-    torch._dynamo.reset()
     cfg, _, _ = build_tiny_run(tmp_path / "base", tiny_llama_config, n_samples=14, with_argmax=True)
     _configure(cfg, max_steps=5, save_every=100, bf16=False, device="cpu")
     vocab_main(cfg)
