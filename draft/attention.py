@@ -96,7 +96,7 @@ def causal_lse_chunked(q: torch.Tensor, k: torch.Tensor, scale: float, chunk: in
 def _causal_lse_value(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal row logsumexp [B, H, T] fp32, no gradient. q, k [B, H, T, D]."""
     with torch.no_grad():
-        if q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        if q.device.type == "cpu" and _flash_supported(q):
             # The CPU flash kernel returns the row logsumexp next to its output.
             _, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, k, 0.0, True, scale=scale)
             return lse.float()
@@ -115,9 +115,32 @@ def _causal_lse(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     value = _causal_lse_value(q, k, scale)
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
         return value
-    expected_k = F.scaled_dot_product_attention(q.detach(), k.detach(), k, is_causal=True, scale=scale)
+    expected_k = _causal_sdpa(q.detach(), k.detach(), k, scale)
     surrogate = scale * (q.float() * expected_k.float()).sum(dim=-1)  # [B, H, T]
     return value + (surrogate - surrogate.detach())
+
+
+# The CPU flash backward is trusted from this torch on: torch 2.11's returned a garbage q gradient
+# (relative error 9e23) for a one-row causal block on the 2026-11-30 device run (through the merged Function and through
+# F.scaled_dot_product_attention, which picks the same CPU flash kernel), while 2.13 (the
+# version the Makefile installs and the tests run) matches the reference at every tested shape.
+CPU_FLASH_MIN_TORCH = (2, 13)
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def _causal_sdpa(q, k, v, scale: float) -> torch.Tensor:
+    """F.scaled_dot_product_attention, causal; on a CPU torch older than CPU_FLASH_MIN_TORCH
+    pinned to the math backend (its flash backward is the one that was wrong)."""
+    if q.device.type == "cpu" and _torch_version() < CPU_FLASH_MIN_TORCH:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 
 def ttt_attention_sdpa(q, keys, values, scale: float) -> torch.Tensor:
@@ -125,7 +148,7 @@ def ttt_attention_sdpa(q, keys, values, scale: float) -> torch.Tensor:
     _check(q, keys, values)
     n_rep = q.shape[1] // keys[0].shape[1]
     k0, v0 = repeat_kv(keys[0], n_rep), repeat_kv(values[0], n_rep)
-    out0 = F.scaled_dot_product_attention(q, k0, v0, is_causal=True, scale=scale)  # [B, Hq, T, D]
+    out0 = _causal_sdpa(q, k0, v0, scale)  # [B, Hq, T, D]
     if len(keys) == 1:
         return out0
     lse0 = _causal_lse(q, k0, scale)  # [B, Hq, T]
@@ -142,17 +165,6 @@ def ttt_attention_sdpa(q, keys, values, scale: float) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 # Flash forward/backward with the row lse, merged with the diagonal keys (ttt_attention_merged)
 # ----------------------------------------------------------------------------------------------
-
-
-# The CPU flash backward is trusted from this torch on: torch 2.11's returned a garbage q gradient
-# (relative error 9e23) for a one-row causal block on the 2026-11-30 device run, while 2.13 (the
-# version the Makefile installs and the tests run) matches the reference at every tested shape.
-CPU_FLASH_MIN_TORCH = (2, 13)
-
-
-def _torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
 def _flash_supported(q: torch.Tensor) -> bool:

@@ -91,6 +91,39 @@ def test_merged_matches_reference_values_and_gradients(shape, dtype):
         assert err < tol, f"gradient of leaf {i}: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("shape", SHAPES[:2])
+def test_old_cpu_torch_pins_sdpa_to_math_and_matches(shape, monkeypatch):
+    """Where the CPU flash kernel is not trusted (torch < CPU_FLASH_MIN_TORCH: torch 2.11's flash
+    backward gave a 9e23 q gradient for shape 0 on the device image), sdpa and merged run the math
+    backend: the flash ops must not be reached, and values and gradients match the reference."""
+    monkeypatch.setattr(A, "CPU_FLASH_MIN_TORCH", (999, 0))
+    from torch.nn.attention import SDPBackend, _cur_sdpa_kernel_backends
+
+    def no_flash(*args, **kwargs):
+        raise AssertionError("the CPU flash kernel was called")
+
+    def counting_sdpa(*args, **kwargs):
+        calls.append(list(_cur_sdpa_kernel_backends()))
+        return real_sdpa(*args, **kwargs)
+
+    calls, real_sdpa = [], A.F.scaled_dot_product_attention
+    monkeypatch.setattr(A.F, "scaled_dot_product_attention", counting_sdpa)
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", no_flash)
+    q, keys, values = _inputs(*shape, grad=True, seed=21)
+    scale = 1 / math.sqrt(shape[4])
+    leaves = [q, *keys, *values]
+    ref = A.ttt_attention_reference(q, keys, values, scale)
+    ref_grads = torch.autograd.grad(ref.square().sum(), leaves)
+    for mode in ("sdpa", "merged"):
+        calls.clear()
+        out = A.ttt_attention(q, keys, values, scale, mode=mode)
+        grads = torch.autograd.grad(out.square().sum(), leaves)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        for g, gr in zip(grads, ref_grads):
+            torch.testing.assert_close(g, gr, atol=1e-5, rtol=1e-5)
+        assert calls and all(backends == [SDPBackend.MATH] for backends in calls), (mode, calls)
+
+
 def test_auto_is_fast_and_equal_on_cpu():
     q, keys, values = _inputs(2, 4, 2, 11, 8, 3, seed=4)
     out = A.ttt_attention(q, keys, values, 0.3, mode="auto")
