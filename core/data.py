@@ -632,7 +632,7 @@ def regenerate(cfg: Config, records: list[Record], data_dir: Path, stats: Stats)
     """
     from tqdm import tqdm
 
-    from .target import load_target
+    from .target import load_target, padding_id
 
     path = data_dir / CONVERSATIONS_FILE
     done = read_conversations(path)
@@ -660,12 +660,12 @@ def regenerate(cfg: Config, records: list[Record], data_dir: Path, stats: Stats)
     log.info("regeneration: %d prompts, %d already answered in %s, %d to go", len(prompts), len(prompts) - pending, path, pending)
 
     stop_ids = _stop_ids(model, tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    pad = padding_id(tokenizer)
     new_tokens, seconds = 0, 0.0
     with tqdm(total=pending, unit="prompt", desc="generate", dynamic_ncols=True) as bar:
         for batch in todo:
             start = time.perf_counter()
-            answers = _generate_fitting(model, [prompts[i][1] for i in batch], data.max_new_tokens, stop_ids, pad_id)
+            answers = _generate_fitting(model, [prompts[i][1] for i in batch], data.max_new_tokens, stop_ids, pad)
             seconds += time.perf_counter() - start
             rows = []
             for record_id, (answer_ids, finished) in zip(batch, answers):

@@ -107,6 +107,16 @@ def load_target(cfg: TargetConfig, device: torch.device | None = None):
     return model, load_tokenizer(cfg)
 
 
+def padding_id(tokenizer) -> int:
+    """The id that fills padding rows: the tokenizer's pad token, else its eos, else 0. Padded
+    positions are masked out everywhere, so the value only has to be a valid id; some tokenizers
+    (SmolLM2's under transformers 5.17) have no pad token at all."""
+    for candidate in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(candidate, int):
+            return candidate
+    return 0
+
+
 def _find_module(model, paths: tuple[str, ...], kind: type, what: str) -> torch.nn.Module:
     """The first attribute path of `paths` that leads to a module of type `kind`."""
     for path in paths:

@@ -26,7 +26,8 @@ from tqdm import tqdm
 
 from ..config import Config, UserInputError, save_config
 from ..shards import ShardWriter, load_manifest, merge_manifests
-from ..target import decoder_layers, default_aux_layers, final_norm, load_target, resolve_device, target_path, text_config
+from ..target import (decoder_layers, default_aux_layers, final_norm, load_target, padding_id, resolve_device,
+                      target_path, text_config)
 from .capture import HiddenStateCapture
 from .writer import BatchRows, ShardSink, make_writer, writer_summary
 
@@ -236,7 +237,7 @@ def _extract(cfg: Config, device: torch.device, rank: int, world: int, start_s: 
                             cfg.data.max_length, cfg.data.overlong)
     num_layers = int(text_config(model.config).num_hidden_layers)
     aux_layers = _aux_layers(cfg, num_layers)
-    pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+    pad = padding_id(tokenizer) if tokenizer is not None else 0
     shard_writer = ShardWriter(hidden_dir, _header(cfg, model, tokenizer, aux_layers), cfg.extract.storage_dtype,
                          group=rank if world > 1 else None)
     size = cfg.extract.samples_per_shard
@@ -254,7 +255,7 @@ def _extract(cfg: Config, device: torch.device, rank: int, world: int, start_s: 
             make_writer(sink, cfg.extract.overlap_writes) as out, \
             tqdm(total=total_tokens, unit="tok", unit_scale=True, desc="extract", disable=rank != 0) as progress:
         for c, chunk in todo:
-            extract_chunk(model, capture, c, chunk, cfg, pad_id, device, out, progress)
+            extract_chunk(model, capture, c, chunk, cfg, pad, device, out, progress)
         stats = out.close()  # drains the queue: every shard is on disk, or its error raised here
     log.info(writer_summary(stats, time.perf_counter() - start_s))
     _barrier()

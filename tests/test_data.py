@@ -411,6 +411,7 @@ def test_batched_generation_equals_unbatched_transformers_generate(smollm2):
     from transformers import GenerationConfig
 
     from eagleforge.data import _generate_batch, _stop_ids
+    from eagleforge.target import padding_id
 
     model, tokenizer = smollm2
     before = model.config._attn_implementation
@@ -421,10 +422,10 @@ def test_batched_generation_equals_unbatched_transformers_generate(smollm2):
     stop_ids = _stop_ids(model, tokenizer)
     max_new = 21
     try:
-        answers = _generate_batch(model, prompt_ids, max_new, stop_ids, tokenizer.pad_token_id)
+        answers = _generate_batch(model, prompt_ids, max_new, stop_ids, padding_id(tokenizer))
     finally:
         model.set_attn_implementation(before)
-    config = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id)
+    config = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=stop_ids, pad_token_id=padding_id(tokenizer))
     lengths = set()
     for ids, (answer, finished) in zip(prompt_ids, answers):
         with torch.no_grad():

@@ -14,7 +14,7 @@ import torch
 from eagleforge.config import load_config
 from eagleforge.extract.capture import HiddenStateCapture
 from eagleforge.shards import MANIFEST, ShardReader, load_manifest
-from eagleforge.target import decoder_layers, default_aux_layers, final_norm
+from eagleforge.target import decoder_layers, default_aux_layers, final_norm, padding_id
 
 TINY_AUX = [4, 0, 2]  # unsorted on purpose; stored ascending
 SUBPROCESS_TIMEOUT_S = 180
@@ -52,7 +52,7 @@ def test_capture_matches_transformers_hidden_states(smollm2):
     assert len({len(s) for s in samples}) == len(samples)
     with HiddenStateCapture(decoder_layers(model), aux, final_norm(model)) as capture:
         # One right-padded batch of four different lengths, exactly as the extractor runs it.
-        packed = forward_batch(model, capture, samples, tokenizer.pad_token_id, torch.device("cpu"), True)
+        packed = forward_batch(model, capture, samples, padding_id(tokenizer), torch.device("cpu"), True)
     batched = split_rows(packed, [len(s) for s in samples])  # rows of the samples, end to end
     with torch.inference_mode():
         for ids, got in zip(samples, batched):
@@ -433,3 +433,14 @@ def test_two_process_gloo_run_equals_one_process(tiny_run):
     ids = [i for e in manifest["shards"] for i in e["sample_ids"]]
     assert sorted(ids) == sorted(r["id"] for r in tiny_run["rows"]) and len(set(ids)) == len(ids)
     _assert_same_samples(run_dir, tiny_run["ref"])
+
+
+def test_padding_id_falls_back_when_the_tokenizer_has_none():
+    """SmolLM2's tokenizer under transformers 5.17 had no pad token (the device run's two
+    failures): padding then uses eos, and 0 when there is neither; never None."""
+    from types import SimpleNamespace
+
+    assert padding_id(SimpleNamespace(pad_token_id=5, eos_token_id=2)) == 5
+    assert padding_id(SimpleNamespace(pad_token_id=None, eos_token_id=2)) == 2
+    assert padding_id(SimpleNamespace(pad_token_id=None, eos_token_id=None)) == 0
+    assert padding_id(SimpleNamespace()) == 0

@@ -14,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from eagleforge.target import padding_id
 from eagleforge.train.specdec import (
     Eagle3Drafter,
     NgramDrafter,
@@ -68,7 +69,7 @@ def test_greedy_generate_matches_transformers_generate(smollm2, cases):
     (ids, ref), eos = cases[0][0], cases[1]
     hf = model.generate(
         torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=sorted(eos),
-        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else sorted(eos)[0],
+        pad_token_id=padding_id(tokenizer),
     )[0, len(ids):].tolist()
     assert ref == hf
 
