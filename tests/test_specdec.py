@@ -421,3 +421,93 @@ def test_acceptance_by_kind_hand_made_rounds():
     assert kinds["novel"]["rounds"] == 2 and kinds["novel"]["acceptance_length"] == pytest.approx(1 + 2 / 2)
     assert kinds["copyable"]["share_of_rounds"] == pytest.approx(0.5)  # the round without drafts does not count
     assert acceptance_by_kind([RoundStats(2, 1)], 2) is None  # not classified
+
+
+def _memorizing_draft(model, sequences, k: int, steps: int = 150):
+    """A random draft trained (TTT, k steps, cross-entropy on the true tokens) until it nearly
+    memorizes `sequences`: a real draft that accepts often but not always."""
+    from eagleforge.extract.capture import HiddenStateCapture
+    from eagleforge.target import decoder_layers, final_norm
+
+    draft = _random_draft(model, seed=11).requires_grad_(True)
+    draft.embed_tokens.weight.requires_grad_(False)
+    # A draft vocabulary holding every token of the sequences (the rest random): all predictable.
+    vd, v = draft.config.draft_vocab_size, draft.config.vocab_size
+    seen = torch.tensor(sorted({t for seq in sequences for t in seq}))
+    others = torch.randperm(v, generator=torch.Generator().manual_seed(3))
+    others = others[~torch.isin(others, seen)][: vd - len(seen)]
+    ids = torch.cat([seen, others]).sort().values
+    t2d = torch.zeros(v, dtype=torch.bool)
+    t2d[ids] = True
+    draft.set_vocab_map(ids - torch.arange(vd), t2d)
+    batches = []
+    for seq in sequences:
+        ids = torch.tensor([seq])
+        with HiddenStateCapture(decoder_layers(model), [1, 14, 26], final_norm(model)) as cap, torch.no_grad():
+            model(input_ids=ids)
+            batches.append((cap.aux_hidden_states.clone(), ids))
+    t2d_index = torch.cumsum(draft.t2d.long(), 0) - 1  # target id -> draft id where t2d
+    opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=1e-2)
+    for step in range(steps):
+        aux, ids = batches[step % len(batches)]
+        normed = draft.forward_ttt(aux, ids, k)
+        loss = 0.0
+        for j, h in enumerate(normed):
+            rows = ids.shape[1] - 2 - j
+            target = ids[0, 2 + j:]
+            keep = draft.t2d[target]
+            logits = draft.logits(h[0, :rows])
+            loss = loss + torch.nn.functional.cross_entropy(logits[keep], t2d_index[target[keep]])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return draft.eval().requires_grad_(False)
+
+
+def test_rounds_accept_the_teacher_forced_run_of_hits(smollm2, cases):
+    """Train/serve agreement of the whole EAGLE path: every round of real speculative decoding
+    (incremental draft cache, aux states from the verify forwards) accepts exactly the leading
+    run of the draft's teacher-forced TTT hits (one target forward, forward_ttt) at the round's
+    start row; the teacher-forced acceptance is then the measured one over those rows."""
+    from eagleforge.train.specdec import teacher_forced_acceptance, teacher_forced_hits
+
+    model, _ = smollm2
+    prompts, eos = cases
+    k = 4
+    draft = _memorizing_draft(model, [ids + ref for ids, ref in prompts], k)
+    drafter = Eagle3Drafter(draft, model)
+    checked, accepted_lengths = 0, set()
+    for ids, ref in prompts:
+        out = speculative_generate(model, drafter, ids, k, MAX_NEW, eos)
+        assert out.token_ids == ref
+        seq = ids + ref
+        hits = teacher_forced_hits(draft, model, seq, k)  # [T, k]
+        assert hits.shape == (len(seq), k) and not hits[-2:, :].any()  # no truth past the end
+        row = len(ids) - 1  # the first round's context ends at token len(ids): draft row len(ids) - 1
+        for r in out.rounds:
+            if row + 1 + r.proposed <= len(seq) - 1:  # every drafted position inside the output
+                expected = int(torch.cumprod(hits[row, : r.proposed].int(), 0).sum())
+                assert r.accepted == expected, (row, r, hits[row].tolist())
+                checked += 1
+                accepted_lengths.add(r.accepted)
+            row += r.accepted + 1
+    assert checked >= 15 and 0 in accepted_lengths and max(accepted_lengths) >= k - 1 and len(accepted_lengths) >= 3, \
+        (checked, accepted_lengths)
+    summary = teacher_forced_acceptance([teacher_forced_hits(draft, model, ids + ref, k) for ids, ref in prompts],
+                                        [len(ids) - 1 for ids, _ in prompts], k)
+    assert summary["rows"] > 0 and 1.0 <= summary["acceptance_length"] <= 1.0 + k
+    rates = summary["per_position_acceptance"]
+    assert all(a >= b for a, b in zip(rates, rates[1:]))  # a joint run can only shrink
+
+
+def test_teacher_forced_acceptance_hand_made():
+    from eagleforge.train.specdec import teacher_forced_acceptance
+
+    t, f = True, False
+    hits = torch.tensor([[t, t, f], [t, t, t], [f, t, t], [t, f, t], [t, t, t], [t, t, t], [f, f, f]])  # [7, 3]
+    # start row 1; rows with all 3 positions inside a 7-token sequence: t <= 7 - 2 - 3 = 2 -> rows 1, 2
+    out = teacher_forced_acceptance([hits], [1], 3)
+    assert out["rows"] == 2
+    assert out["per_position_acceptance"] == [0.5, 0.5, 0.5]
+    assert out["acceptance_length"] == 2.5
+    assert teacher_forced_acceptance([hits], [5], 3)["rows"] == 0

@@ -368,6 +368,48 @@ def acceptance_metrics(rounds: Iterable[RoundStats], k: int) -> dict:
     }
 
 
+def teacher_forced_hits(draft, target, token_ids: Sequence[int], k: int) -> torch.Tensor:
+    """Which draft positions of a round starting at each row the draft gets right when it is fed
+    the true tokens: bool [T, k], hits[t, j] = TTT step j at row t (predicting token t+2+j from
+    the target's aux states of ONE forward over token_ids and the true tokens t+1 .. t+1+j)
+    equals token_ids[t+2+j]; False where t+2+j is past the end.
+
+    A round of chain speculative decoding whose context ends at token t+1 feeds the draft
+    exactly these inputs as long as its drafts are right, so the round accepts the leading run
+    of hits[t] (tests check this round by round). Over every answer row it is the acceptance the
+    draft would reach on this text: beside the measured acceptance it separates what the serving
+    path loses (nothing, when they agree) from what the text asks of the draft."""
+    from ..extract.capture import HiddenStateCapture
+    from ..target import decoder_layers, final_norm
+
+    ids = torch.tensor([list(token_ids)], dtype=torch.long, device=model_device(target))  # [1, T]
+    param = next(draft.parameters())
+    with torch.inference_mode():
+        with HiddenStateCapture(decoder_layers(target), list(draft.config.aux_layer_ids), final_norm(target)) as capture:
+            target(input_ids=ids, use_cache=False)
+            aux = capture.aux_hidden_states.to(device=param.device, dtype=param.dtype)  # [1, T, k*Ht]
+        normed = draft.forward_ttt(aux, ids.to(param.device), k)  # k x [1, T, H]
+        predicted = torch.stack([draft.to_target_ids(draft.logits(h).argmax(-1))[0] for h in normed], dim=1)  # [T, k]
+    t = ids.shape[1]
+    truth = torch.full((t, k), -1, dtype=torch.long)
+    flat = ids[0].cpu()
+    for j in range(k):
+        truth[: max(0, t - 2 - j), j] = flat[2 + j:]
+    return predicted.cpu() == truth
+
+
+def teacher_forced_acceptance(hits: Sequence[torch.Tensor], starts: Sequence[int], k: int) -> dict:
+    """Acceptance over every round start row t >= starts[i] of sequence i whose k positions all
+    lie inside it: per-position rate = share of rows whose first j+1 hits are all True."""
+    runs = []
+    for h, start in zip(hits, starts):
+        rows = h[start: max(start, h.shape[0] - 1 - k)]  # [R, k]: rows t with t+1+k <= T-1
+        runs.append(torch.cumprod(rows.int(), dim=1))
+    joint = torch.cat(runs) if runs else torch.zeros(0, k, dtype=torch.int)
+    rates = joint.float().mean(0).tolist() if len(joint) else [0.0] * k
+    return {"acceptance_length": 1.0 + sum(rates), "per_position_acceptance": rates, "rows": int(len(joint))}
+
+
 def copy_classifier(ngram_max: int = 3, ngram_min: int = 1) -> Callable[[list[int], int], bool]:
     """classify for speculative_generate: a position is "copyable" when prompt lookup's first
     token (ngram_match) is the target's token there, i.e. the text continues as it did before."""
