@@ -96,9 +96,9 @@ def test_eval_stage_end_to_end(smollm2, tmp_path):
     expected_sim = 1 + a[0] + a[0] * a[1] + a[0] * a[1] * a[2]
     assert results["simulated_acceptance_length"] == pytest.approx(expected_sim)
     assert results["acceptance_gap_measured_minus_simulated"] == pytest.approx(results["acceptance_length"] - expected_sim)
-    forced = results["teacher_forced"]  # the draft on the eval's own outputs, every answer row
-    assert forced["rows"] > 0 and len(forced["per_position_acceptance"]) == 3
-    assert forced["acceptance_length"] == pytest.approx(1 + sum(forced["per_position_acceptance"]))
+    for forced in results["teacher_forced"].values():  # the draft on the eval's own outputs
+        assert forced["rounds"] > 0 and len(forced["per_position_acceptance"]) == 3
+        assert forced["acceptance_length"] == pytest.approx(1 + sum(forced["per_position_acceptance"]))
     assert results["draft"] == str(run_dir / "draft")
     assert results["equals_greedy"] is True
     assert results["eagle_mismatched_prompts"] == [] and results["ngram_mismatched_prompts"] == []

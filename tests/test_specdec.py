@@ -476,12 +476,13 @@ def test_rounds_accept_the_teacher_forced_run_of_hits(smollm2, cases):
     k = 4
     draft = _memorizing_draft(model, [ids + ref for ids, ref in prompts], k)
     drafter = Eagle3Drafter(draft, model)
-    checked, accepted_lengths = 0, set()
+    checked, accepted_lengths, checked_rounds, all_hits = 0, set(), [], []
     for ids, ref in prompts:
         out = speculative_generate(model, drafter, ids, k, MAX_NEW, eos)
         assert out.token_ids == ref
         seq = ids + ref
         hits = teacher_forced_hits(draft, model, seq, k)  # [T, k]
+        all_hits.append(hits)
         assert hits.shape == (len(seq), k) and not hits[-2:, :].any()  # no truth past the end
         row = len(ids) - 1  # the first round's context ends at token len(ids): draft row len(ids) - 1
         for r in out.rounds:
@@ -490,24 +491,30 @@ def test_rounds_accept_the_teacher_forced_run_of_hits(smollm2, cases):
                 assert r.accepted == expected, (row, r, hits[row].tolist())
                 checked += 1
                 accepted_lengths.add(r.accepted)
+                checked_rounds.append(r)
             row += r.accepted + 1
     assert checked >= 15 and 0 in accepted_lengths and max(accepted_lengths) >= k - 1 and len(accepted_lengths) >= 3, \
         (checked, accepted_lengths)
-    summary = teacher_forced_acceptance([teacher_forced_hits(draft, model, ids + ref, k) for ids, ref in prompts],
-                                        [len(ids) - 1 for ids, _ in prompts], k)
-    assert summary["rows"] > 0 and 1.0 <= summary["acceptance_length"] <= 1.0 + k
-    rates = summary["per_position_acceptance"]
-    assert all(a >= b for a, b in zip(rates, rates[1:]))  # a joint run can only shrink
+    summary = teacher_forced_acceptance(all_hits, [len(ids) - 1 for ids, _ in prompts], k)
+    assert summary["replayed"]["rounds"] == checked  # the replay runs exactly the checked rounds
+    measured = acceptance_metrics(checked_rounds, k)
+    assert summary["replayed"]["acceptance_length"] == pytest.approx(measured["acceptance_length"])
+    assert summary["replayed"]["per_position_acceptance"] == pytest.approx(measured["per_position_acceptance"])
+    rates = summary["every_row"]["per_position_acceptance"]
+    assert summary["every_row"]["rounds"] > checked and all(a >= b for a, b in zip(rates, rates[1:]))
 
 
 def test_teacher_forced_acceptance_hand_made():
     from eagleforge.train.specdec import teacher_forced_acceptance
 
     t, f = True, False
-    hits = torch.tensor([[t, t, f], [t, t, t], [f, t, t], [t, f, t], [t, t, t], [t, t, t], [f, f, f]])  # [7, 3]
-    # start row 1; rows with all 3 positions inside a 7-token sequence: t <= 7 - 2 - 3 = 2 -> rows 1, 2
-    out = teacher_forced_acceptance([hits], [1], 3)
-    assert out["rows"] == 2
-    assert out["per_position_acceptance"] == [0.5, 0.5, 0.5]
-    assert out["acceptance_length"] == 2.5
-    assert teacher_forced_acceptance([hits], [5], 3)["rows"] == 0
+    hits = torch.tensor([[t, t, f], [f, t, t], [t, f, t], [t, t, t], [t, t, t], [t, t, t], [t, t, t],
+                         [f, f, f], [f, f, f]])  # [9, 3]: rows t <= 9 - 2 - 3 = 4 have all 3 positions inside
+    out = teacher_forced_acceptance([hits], [0], 3)
+    every, replayed = out["every_row"], out["replayed"]
+    # every row 0..4: runs 2, 0, 1, 3, 3 -> position rates 4/5, 3/5, 2/5
+    assert every["rounds"] == 5 and every["per_position_acceptance"] == pytest.approx([0.8, 0.6, 0.4])
+    # replay: row 0 accepts 2 -> row 3 accepts 3 -> row 7 is past the last full row
+    assert replayed["rounds"] == 2 and replayed["per_position_acceptance"] == pytest.approx([1.0, 1.0, 0.5])
+    assert replayed["acceptance_length"] == pytest.approx(3.5)
+    assert teacher_forced_acceptance([hits], [5], 3)["every_row"]["rounds"] == 0

@@ -323,9 +323,10 @@ def evaluate(cfg: Config) -> dict:
 
 def on_own_outputs(draft, target, prompts: list[dict], outputs: list[list[int]], k: int) -> dict:
     """The draft's teacher-forced acceptance on the eval's own text (each prompt + the target's
-    greedy answer, every answer row a round start): what the same draft reaches on these tokens
-    without the serving path. Measured ~= this: the serving path loses nothing, and a gap to the
-    held-out `simulated` figure is the text (its distribution), not the engine."""
+    greedy answer; one target forward and forward_ttt per prompt), `replayed` over the rounds the
+    engine runs and over `every_row`. measured == replayed: the serving path computes what
+    training computes (up to the dtype's rounding); every_row vs the held-out `simulated`: the
+    text's distribution; replayed vs every_row: rounds start more often where the draft misses."""
     hits = [teacher_forced_hits(draft, target, p["input_ids"] + out, k)
             for p, out in zip(tqdm(prompts, desc="eval teacher-forced", unit="prompt"), outputs)]
     return teacher_forced_acceptance(hits, [len(p["input_ids"]) - 1 for p in prompts], k)
@@ -406,10 +407,9 @@ def format_table(results: dict) -> str:
     )
     forced = results.get("teacher_forced")
     if forced:
-        lines.append(
-            f"teacher-forced on these outputs ({forced['rows']} answer rows): {fmt(forced['acceptance_length'])}, "
-            "per position " + " ".join(f"{r:.2f}" for r in forced["per_position_acceptance"])
-        )
+        lines.append("teacher-forced on these outputs: " + "; ".join(
+            f"{name} {fmt(v['acceptance_length'])} ({v['rounds']} rounds, first token {fmt(v['per_position_acceptance'][0], '.2f')})"
+            for name, v in forced.items()))
     if results.get("equals_greedy") is not None:
         lines.append(
             f"{'greedy':<10} {'1.000':>10} {'1.00':>8} {fmt(results.get('greedy_tokens_per_s'), '.1f'):>8}"

@@ -376,9 +376,9 @@ def teacher_forced_hits(draft, target, token_ids: Sequence[int], k: int) -> torc
 
     A round of chain speculative decoding whose context ends at token t+1 feeds the draft
     exactly these inputs as long as its drafts are right, so the round accepts the leading run
-    of hits[t] (tests check this round by round). Over every answer row it is the acceptance the
-    draft would reach on this text: beside the measured acceptance it separates what the serving
-    path loses (nothing, when they agree) from what the text asks of the draft."""
+    of hits[t] (tests check this round by round; `teacher_forced_acceptance` turns hits into
+    acceptance lengths). Beside the measured acceptance it separates what the serving path
+    loses (nothing, when they agree) from what the text asks of the draft."""
     from ..extract.capture import HiddenStateCapture
     from ..target import decoder_layers, final_norm
 
@@ -399,15 +399,32 @@ def teacher_forced_hits(draft, target, token_ids: Sequence[int], k: int) -> torc
 
 
 def teacher_forced_acceptance(hits: Sequence[torch.Tensor], starts: Sequence[int], k: int) -> dict:
-    """Acceptance over every round start row t >= starts[i] of sequence i whose k positions all
-    lie inside it: per-position rate = share of rows whose first j+1 hits are all True."""
-    runs = []
+    """Two acceptance lengths from teacher-forced hits [T_i, k] of sequences whose answers start
+    after row starts[i] (the draft row of the first round), both over rounds whose k positions
+    all lie inside the sequence:
+
+    every_row: every row t >= start as a round start; position j's rate = share of rows whose
+        first j+1 hits are all True.
+    replayed: the rounds chain speculative decoding would run on this text: from the start row,
+        accept the leading run a of hits[t], go on at row t + a + 1. Equal to the measured
+        acceptance when the serving path computes what training computed; below every_row
+        because the rows after a miss start rounds more often than the rows inside a run."""
+    every, replayed = [], []
     for h, start in zip(hits, starts):
-        rows = h[start: max(start, h.shape[0] - 1 - k)]  # [R, k]: rows t with t+1+k <= T-1
-        runs.append(torch.cumprod(rows.int(), dim=1))
+        last = h.shape[0] - 2 - k  # the last row whose k positions lie inside: t + 1 + k <= T - 1
+        runs = torch.cumprod(h.int(), dim=1)  # [T, k]: 1 while every earlier position hit too
+        every.append(runs[start: max(start, last + 1)])
+        row = start
+        while row <= last:
+            replayed.append(runs[row])
+            row += int(runs[row].sum()) + 1
+    return {"every_row": _rates(every, k), "replayed": _rates([torch.stack(replayed)] if replayed else [], k)}
+
+
+def _rates(runs: list[torch.Tensor], k: int) -> dict:
     joint = torch.cat(runs) if runs else torch.zeros(0, k, dtype=torch.int)
     rates = joint.float().mean(0).tolist() if len(joint) else [0.0] * k
-    return {"acceptance_length": 1.0 + sum(rates), "per_position_acceptance": rates, "rows": int(len(joint))}
+    return {"acceptance_length": 1.0 + sum(rates), "per_position_acceptance": rates, "rounds": int(len(joint))}
 
 
 def copy_classifier(ngram_max: int = 3, ngram_min: int = 1) -> Callable[[list[int], int], bool]:
