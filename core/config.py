@@ -16,13 +16,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from .atomic import write_text_atomic
 
 
 class ConfigError(ValueError):
@@ -282,9 +283,7 @@ def save_config(cfg: Config, path: str | os.PathLike) -> None:
     """Write the resolved config atomically (temporary name, then rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 
 
 def parse_cli(argv: list[str] | None = None, description: str = "") -> Config:

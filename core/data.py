@@ -44,6 +44,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .atomic import write_json_atomic, write_jsonl_atomic
 from .config import Config, UserInputError, run_main, save_config
 
 log = logging.getLogger(__name__)
@@ -279,7 +280,7 @@ def _load_local(path: Path, data_dir: Path, checker: _RowChecker) -> list[Record
     if not valid:
         raise UserInputError(f"data.source {path}: no usable row ({checker.stats.skipped_malformed} malformed)")
     clean = data_dir / CLEAN_INPUT_FILE
-    _write_jsonl_atomic(clean, ({"line": line, **fields} for line, fields in valid))
+    write_jsonl_atomic(clean, ({"line": line, **fields} for line, fields in valid))
     import datasets
 
     dataset = datasets.load_dataset("json", data_files=str(clean), split="train")
@@ -702,37 +703,6 @@ def _torch_threads() -> int:
 # Files
 
 
-def _write_jsonl_atomic(path: Path, rows) -> None:
-    """Temporary name, fsync, rename, fsync the directory: readers see all rows or none."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        for row in rows:
-            f.write((json.dumps(row, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8"))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    if os.name == "posix":
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def load_samples(run_dir) -> list[dict]:
     """RUN/data/samples.jsonl rows {"id", "input_ids", "loss_mask"} in id order."""
     path = Path(run_dir) / "data" / SAMPLES_FILE
@@ -811,10 +781,10 @@ def main(cfg: Config) -> None:
     stats.samples = len(rows)
     stats.tokens = sum(len(r["input_ids"]) for r in rows)
     stats.assistant_tokens = sum(sum(r["loss_mask"]) for r in rows)
-    _write_json_atomic(data_dir / STATS_FILE, stats.__dict__)
+    write_json_atomic(data_dir / STATS_FILE, stats.__dict__)
     if not rows:
         raise UserInputError(f"data.source {cfg.data.source}: no sample left (see {data_dir / STATS_FILE})")
-    _write_jsonl_atomic(data_dir / SAMPLES_FILE, rows)
+    write_jsonl_atomic(data_dir / SAMPLES_FILE, rows)
     log.info(
         "%s: %d samples, %d tokens (%d assistant), %d truncated, %d dropped, %d malformed rows skipped",
         data_dir / SAMPLES_FILE, stats.samples, stats.tokens, stats.assistant_tokens, stats.truncated, stats.dropped, stats.skipped_malformed,

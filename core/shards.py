@@ -73,6 +73,7 @@ from typing import Any, Iterable
 
 import torch
 
+from .atomic import atomic_path, write_json_atomic
 from .config import UserInputError
 
 log = logging.getLogger(__name__)
@@ -121,13 +122,6 @@ def _umask() -> int:
     return mask
 
 
-def _fsync_dir(path: Path) -> None:
-    # The rename itself is durable only once the directory entry is on disk (POSIX).
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def disk_full_errno(err: BaseException) -> int | None:
@@ -150,20 +144,13 @@ def _disk_full_error(path: Path, code: int) -> UserInputError:
 
 
 def _write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".tmp-{path.name}")
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
+        write_json_atomic(path, data, indent=1)  # on failure the old manifest stays as it was
     except OSError as err:
-        tmp.unlink(missing_ok=True)  # the old manifest stays as it was
         code = disk_full_errno(err)
         if code is not None:
             raise _disk_full_error(path, code) from None
         raise
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def _read_json(path: Path) -> dict:
@@ -377,12 +364,9 @@ class ShardWriter:
         tensors = self._pack(samples)
         name = shard_name(index, self.group)
         final = self.hidden_dir / name
-        tmp = self.hidden_dir / f".tmp-{name}"
         # One metadata key only: safetensors keeps metadata in a hash map whose order varies
         # between processes, and resumed runs must write byte-identical shards.
-        self._save(tensors, tmp, {"format": "pt"})
-        os.replace(tmp, final)
-        _fsync_dir(self.hidden_dir)
+        self._save(tensors, final, {"format": "pt"})
         entry = {
             "file": name, "index": int(index), "group": self.group,
             "samples": len(samples), "tokens": int(tensors["input_ids"].numel()),
@@ -395,21 +379,19 @@ class ShardWriter:
         _write_json_atomic(self.manifest_path, {**self.header, "shards": self.entries})
         return entry
 
-    def _save(self, tensors: dict[str, torch.Tensor], tmp: Path, metadata: dict) -> None:
+    def _save(self, tensors: dict[str, torch.Tensor], path: Path, metadata: dict) -> None:
         from safetensors.torch import save_file
 
         try:
-            save_file(tensors, str(tmp), metadata=metadata)
-            # save_file creates the file 0600; give it the umask's usual permissions (readable by
-            # the training job's user or group, like the manifest).
-            os.chmod(tmp, 0o666 & ~_umask())
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-        except BaseException as err:
-            tmp.unlink(missing_ok=True)  # never leave a partial shard behind
+            with atomic_path(path) as tmp:  # never a partial shard under its final name
+                save_file(tensors, str(tmp), metadata=metadata)
+                # save_file creates the file 0600; give it the umask's usual permissions (readable
+                # by the training job's user or group, like the manifest).
+                os.chmod(tmp, 0o666 & ~_umask())
+        except Exception as err:  # OSError, or safetensors' SafetensorError "(os error 28)"
             code = disk_full_errno(err)
             if code is not None:
-                raise _disk_full_error(tmp.with_name(tmp.name.removeprefix(".tmp-")), code) from None
+                raise _disk_full_error(path, code) from None
             raise
 
     def _pack(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -29,6 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from .atomic import atomic_path
 from .config import Config, UserInputError, run_main, save_config
 
 log = logging.getLogger(__name__)
@@ -183,11 +184,8 @@ def _up_to_date(files: list[Path], identity: str) -> bool:
 
 
 def _save_atomic(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
 
 
 def training_sample_count(num_samples: int, holdout_samples: int, source: str) -> int:

@@ -22,7 +22,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from eagleforge.config import Config, ConfigError, UserInputError, load_config
-from eagleforge.data import Stats, _RowChecker, _read_local, _write_jsonl_atomic, load_records
+from eagleforge.atomic import write_jsonl_atomic
+from eagleforge.data import Stats, _RowChecker, _read_local, load_records
 
 REPO = Path(__file__).resolve().parents[1]
 FUZZ = settings(max_examples=250, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
@@ -98,7 +99,7 @@ def test_fuzzed_jsonl_rows_give_only_project_errors(lines, strict, regenerate, v
                 assert all(m["role"] in ("system", "user", "assistant") and isinstance(m["content"], str) for m in fields["messages"])
         # Valid rows must survive the canonical rewrite (RUN/data/input.clean.jsonl) and read back equal.
         clean = Path(tmp) / "clean.jsonl"
-        _write_jsonl_atomic(clean, (f for _, f in valid))
+        write_jsonl_atomic(clean, (f for _, f in valid))
         assert [json.loads(x) for x in clean.read_text(encoding="utf-8").splitlines()] == [f for _, f in valid]
 
 

@@ -222,23 +222,22 @@ def test_real_file_size_limit_leaves_no_partial_shard(tmp_path):
 
 def test_disk_full_on_the_manifest_keeps_the_old_one(tmp_path, monkeypatch):
     import errno
-
-    import eagleforge.shards as shards
+    import pathlib
 
     writer, _ = _write(tmp_path, chunks=((0, [3]),))
     before = (tmp_path / MANIFEST).read_text()
-    real_dump = json.dump
+    real_write_bytes = pathlib.Path.write_bytes
 
-    def dump_then_enospc(data, f, **kwargs):
-        real_dump(data, f, **kwargs)
+    def half_then_enospc(self, data):  # the manifest's temporary file fills the disk halfway
+        real_write_bytes(self, data[: len(data) // 2])
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(shards.json, "dump", dump_then_enospc)
+    monkeypatch.setattr(pathlib.Path, "write_bytes", half_then_enospc)
     gen = torch.Generator().manual_seed(2)
     with pytest.raises(UserInputError, match=r"manifest\.json: cannot write, no space left on device \(errno ENOSPC"):
         writer.write_shard(1, _random_samples(gen, [4]), [100])
+    monkeypatch.setattr(pathlib.Path, "write_bytes", real_write_bytes)
     assert (tmp_path / MANIFEST).read_text() == before and not list(tmp_path.glob(".tmp-*"))
-    monkeypatch.setattr(shards.json, "dump", real_dump)
     # The shard written before the manifest failed is not listed: a rerun writes it again.
     again = ShardWriter(tmp_path, _header())
     assert again.is_complete(0, [0]) and not again.is_complete(1, [100])

@@ -22,13 +22,13 @@ from __future__ import annotations
 import gzip
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from ..atomic import write_json_atomic
 from ..config import Config, UserInputError, save_config
 from . import plots
 from .specdec import (
@@ -314,9 +314,9 @@ def evaluate(cfg: Config) -> dict:
     else:
         results["equals_greedy"] = None  # not checked (eval.check_greedy=false)
 
-    _write_json(out_dir / RESULTS, results)
+    write_json_atomic(out_dir / RESULTS, results)
     results["plots"] = _draw(results, run_dir, out_dir)
-    _write_json(out_dir / RESULTS, results)
+    write_json_atomic(out_dir / RESULTS, results)
     print(format_table(results))
     return results
 
@@ -369,12 +369,6 @@ def _draw(results: dict, run_dir: Path, out_dir: Path) -> list[str]:
     if curve is not None:
         drawn += [curve, curve.with_suffix(".png")]
     return [str(p) for p in drawn]
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def format_table(results: dict) -> str:

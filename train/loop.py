@@ -28,7 +28,6 @@ train/distributed.py (FSDP2 or DDP); checkpoints are torch.distributed.checkpoin
 from __future__ import annotations
 
 import csv
-import json
 import logging
 import math
 import time
@@ -39,9 +38,10 @@ from typing import Callable
 import torch
 
 from eagleforge.config import Config, UserInputError
-from eagleforge.target import resolve_device, target_path
+from eagleforge.target import target_path
 from eagleforge.vocab import coverage, load_target_head, load_vocab_map, read_target_head, training_sample_count
 
+from ..atomic import write_json_atomic
 from .batching import Batch, collate, make_batches, rank_micro_batches
 from .checkpoint import checkpoint_dir, export_checkpoint, find_resume_checkpoint, load_checkpoint, save_checkpoint
 from .distributed import (
@@ -572,7 +572,7 @@ class Trainer:
                 log.warning("train.holdout_samples=0: no held-out evaluation, simulated_acceptance_length is null")
             summary["simulated_acceptance_length"] = None
         if self.env.is_main:
-            _write_json_atomic(self.cfg.run / SUMMARY_NAME, summary)
+            write_json_atomic(self.cfg.run / SUMMARY_NAME, summary, indent=1)
             export_checkpoint(checkpoint_dir(self.cfg.run) / f"step-{self.step:06d}", self.cfg.run / "draft")
         barrier(self.env)
         return summary
@@ -631,12 +631,6 @@ class MetricLogger:
     def close(self) -> None:
         if self.tensorboard is not None:
             self.tensorboard.close()
-
-
-def _write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
-    tmp.replace(path)
 
 
 def train(cfg: Config, stop_after_step: int | None = None) -> dict | None:
