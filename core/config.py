@@ -153,6 +153,9 @@ class EvalConfig:
     ngram_min: int = 1
     draft_path: str = ""  # empty = RUN/draft
     check_greedy: bool = False  # also decode plainly and check both drafters' outputs equal it
+    # The n-gram baseline depends only on the target, its dtype and device, the prompts, k and
+    # the decoding code: reuse its last result for the same inputs (EAGLEFORGE_CACHE/ngram).
+    reuse_ngram: bool = True
 
 
 @dataclass

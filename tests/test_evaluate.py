@@ -34,6 +34,43 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def private_ngram_cache(tmp_path, monkeypatch):
+    """Each test its own n-gram result store (never the user's ~/.cache)."""
+    from eagleforge.train import evaluate
+
+    monkeypatch.setattr(evaluate, "ngram_cache_dir", lambda: tmp_path / "ngram-cache")
+    return tmp_path / "ngram-cache"
+
+
+def test_ngram_baseline_is_reused_only_for_the_same_inputs(smollm2, private_ngram_cache, caplog):
+    from eagleforge.train.evaluate import load_prompts, ngram_baseline
+    from eagleforge.train.specdec import copy_classifier, eos_token_ids
+
+    model, tokenizer = smollm2
+    prompts = load_prompts("humaneval", 2, tokenizer)
+    eos = eos_token_ids(model, tokenizer)
+
+    def run(*overrides):
+        cfg = load_config(None, ["target.device=cpu", "target.dtype=float32", "eval.max_new_tokens=6", "eval.k=2", *overrides])
+        return ngram_baseline(cfg, model, prompts, eos, copy_classifier())
+
+    first = run()
+    assert "cached_from" not in first["metrics"] and len(list(private_ngram_cache.glob("*.json"))) == 1
+    again = run()
+    assert again["metrics"].pop("cached_from").startswith(str(private_ngram_cache))
+    assert again == json.loads(json.dumps(first))  # the same metrics and outputs, as stored
+    other_k = run("eval.k=3")  # another k: computed, stored beside the first
+    assert "cached_from" not in other_k["metrics"] and len(list(private_ngram_cache.glob("*.json"))) == 2
+    assert "cached_from" not in run("eval.reuse_ngram=false")["metrics"]
+    for path in private_ngram_cache.glob("*.json"):
+        path.write_text("{not json")
+    with caplog.at_level("WARNING"):
+        redone = run()
+    assert "cached_from" not in redone["metrics"] and "unreadable n-gram result" in caplog.text
+    assert redone["outputs"] == first["outputs"]
+
+
 def _export_random_draft(model, out_dir, draft_vocab_size=5003):
     from eagleforge.draft import Eagle3Config, Eagle3Draft, save_draft
 
