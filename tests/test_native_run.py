@@ -137,6 +137,28 @@ def test_planner_kimi_on_96gb_and_refusal():
         plan_memory(a, 24, "ep")
 
 
+@pytest.mark.parametrize("layers,experts,tp", [(61, 384, 8), (12, 384, 8), (4, 384, 2), (4, 100, 8), (5, 384, 16)])
+@pytest.mark.parametrize("layout", ["ep", "tp"])
+def test_planner_weights_equal_the_built_model_on_every_rank(layers, experts, tp, layout):
+    """Issue 10's memory check where no 8-GPU machine is lent: the planner's weight bytes per GPU
+    against the bytes of the parameters and buffers the native model builds on each rank (meta
+    tensors, no memory): Kimi-K2.5 at tp 8 and 16, the Kimi-shaped 12- and 4-layer bench models,
+    and 100 experts over 8 ranks (uneven: the planner must plan for the fullest rank)."""
+    from eagleforge.extract.native.model import DeepseekV3ForExtraction
+    from eagleforge.extract.native.parallel import TensorParallel
+
+    args = ModelArgs.from_config({**KIMI_K25_TEXT_CONFIG, "num_hidden_layers": layers, "n_routed_experts": experts})
+    plan = plan_memory(args, tp, layout)
+    built = []
+    for rank in range(tp):
+        with torch.device("meta"):
+            model = DeepseekV3ForExtraction(args, TensorParallel(size=tp, rank=rank), layout, torch.bfloat16, True)
+        built.append(sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]))
+    assert abs(plan.weights_bytes - max(built)) <= 1e-4 * max(built), (plan.components, built)
+    if layout == "ep" and experts % tp:
+        assert min(built) < max(built)  # uneven expert ranges: the ranks differ, the plan takes the fullest
+
+
 # ---------------------------------------------------------------------------- loader refusals
 
 
