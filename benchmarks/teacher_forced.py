@@ -35,14 +35,26 @@ from eagleforge.train.specdec import eos_token_ids, teacher_forced_acceptance, t
 
 
 def heldout_rows(run: Path, holdout: int) -> list[dict]:
-    """The last `holdout` samples by id (the trainer's held-out split), from samples.jsonl(.gz)."""
+    """The trainer's held-out samples (the last `holdout` of the extracted shards, in their
+    order), read from RUN/data/samples.jsonl(.gz). Without the shards (a run copied without
+    RUN/hidden) the last `holdout` ids of samples.jsonl, which is the same split when extraction
+    skipped no sample (it says how many it skipped)."""
+    from eagleforge.shards import MANIFEST, ShardReader
+
+    if holdout <= 0:
+        raise SystemExit(f"{run}: train.holdout_samples = {holdout}: the run has no held-out samples")
     path = run / "data" / "samples.jsonl"
     opener = open if path.is_file() else gzip.open
     if not path.is_file():
         path = path.with_suffix(".jsonl.gz")
     with opener(path, "rt", encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return sorted(rows, key=lambda r: r["id"])[-holdout:]
+        rows = {r["id"]: r for r in (json.loads(line) for line in f if line.strip())}
+    if (run / "hidden" / MANIFEST).is_file():
+        ids = ShardReader(run / "hidden").sample_ids()[-holdout:]
+    else:
+        print(f"{run}/hidden: no shard manifest; held-out = the last {holdout} ids of {path.name}")
+        ids = sorted(rows)[-holdout:]
+    return [rows[i] for i in ids]
 
 
 def on_heldout(draft, target, tokenizer, rows: list[dict], answer_tokens: int, k: int) -> dict:

@@ -38,11 +38,11 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         yield tmp
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)  # after a rename there is nothing left to remove
         raise
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:

@@ -45,7 +45,7 @@ def private_ngram_cache(tmp_path, monkeypatch):
 
 def test_ngram_baseline_is_reused_only_for_the_same_inputs(smollm2, private_ngram_cache, caplog):
     from eagleforge.train.evaluate import load_prompts, ngram_baseline
-    from eagleforge.train.specdec import copy_classifier, eos_token_ids
+    from eagleforge.train.specdec import eos_token_ids
 
     model, tokenizer = smollm2
     prompts = load_prompts("humaneval", 2, tokenizer)
@@ -53,7 +53,7 @@ def test_ngram_baseline_is_reused_only_for_the_same_inputs(smollm2, private_ngra
 
     def run(*overrides):
         cfg = load_config(None, ["target.device=cpu", "target.dtype=float32", "eval.max_new_tokens=6", "eval.k=2", *overrides])
-        return ngram_baseline(cfg, model, prompts, eos, copy_classifier())
+        return ngram_baseline(cfg, model, prompts, eos)
 
     first = run()
     assert "cached_from" not in first["metrics"] and len(list(private_ngram_cache.glob("*.json"))) == 1

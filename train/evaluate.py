@@ -23,6 +23,7 @@ import gzip
 import hashlib
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -292,7 +293,7 @@ def evaluate(cfg: Config) -> dict:
     # each drafter wins and loses (HumanEval's answers restate their prompt).
     classify = copy_classifier(cfg.eval.ngram_max, cfg.eval.ngram_min)
     eagle = run_drafter("eagle3", target, Eagle3Drafter(draft, target), prompts, k, max_new, eos_ids, classify)
-    ngram = ngram_baseline(cfg, target, prompts, eos_ids, classify)
+    ngram = ngram_baseline(cfg, target, prompts, eos_ids)
     simulated, simulated_rates = simulated_acceptance(run_dir, k)
     results = _results(cfg, target_path(cfg.target), draft_path, prompts, eagle, ngram, simulated, simulated_rates)
     results["teacher_forced"] = on_own_outputs(draft, target, prompts, eagle["outputs"], k)
@@ -326,25 +327,26 @@ def ngram_cache_dir() -> Path:
     return cache_root() / "ngram"
 
 
-def ngram_baseline(cfg: Config, target, prompts: list[dict], eos_ids, classify) -> dict:
-    """run_drafter for prompt lookup, or its stored result for exactly the same inputs (the
-    target's files, dtype and device, prompt tokens, k, max_new_tokens, n-gram sizes, EOS ids,
-    and the source of the decoding engine). A stored result says where it came from
-    (metrics["cached_from"]); its timings are those of the run that made it. Torch and
-    transformers versions are part of the key too (their kernels decide near-ties)."""
+def ngram_baseline(cfg: Config, target, prompts: list[dict], eos_ids) -> dict:
+    """run_drafter for prompt lookup (rounds labelled by copy_classifier), or its stored result
+    for exactly the same inputs: the target's files (and GGUF file), dtype, device and machine,
+    prompt tokens, k, max_new_tokens, n-gram sizes, EOS ids, the source of the decoding and
+    attention code, and the torch/transformers versions (their kernels decide near-ties). A
+    stored result says where it came from (metrics["cached_from"], and the table)."""
     e = cfg.eval
     key = _ngram_key(cfg, target, prompts, eos_ids)
     path = ngram_cache_dir() / f"{key}.json"
-    if e.reuse_ngram and path.is_file():
+    if e.reuse_ngram:
         try:
-            stored = json.loads(path.read_text(encoding="utf-8"))
-            stored["metrics"]["cached_from"] = str(path)
-            log.info("eval ngram: reusing %s (eval.reuse_ngram=false recomputes it)", path)
-            return stored
+            if path.is_file():
+                stored = json.loads(path.read_text(encoding="utf-8"))
+                stored["metrics"]["cached_from"] = str(path)
+                log.info("eval ngram: reusing %s (eval.reuse_ngram=false recomputes it)", path)
+                return stored
         except (OSError, ValueError, KeyError, TypeError) as err:
             log.warning("%s: unreadable n-gram result (%s); recomputing it", path, err)
     result = run_drafter("ngram", target, NgramDrafter(e.ngram_max, e.ngram_min), prompts, e.k, e.max_new_tokens,
-                         eos_ids, classify)
+                         eos_ids, copy_classifier(e.ngram_max, e.ngram_min))
     if e.reuse_ngram:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -355,18 +357,27 @@ def ngram_baseline(cfg: Config, target, prompts: list[dict], eos_ids, classify) 
 
 
 def _ngram_key(cfg: Config, target, prompts: list[dict], eos_ids) -> str:
+    import platform
+
     import transformers
 
+    from .. import target as target_module
     from ..target import target_path
     from . import specdec
 
     root = Path(target_path(cfg.target))
     files = sorted(root.iterdir()) if root.is_dir() else [root]
+    device = next(target.parameters()).device
+    sources = (specdec.__file__, __file__, target_module.__file__)  # decoding, metrics, CPU attention
     identity = {
-        "engine": hashlib.sha256(Path(specdec.__file__).read_bytes()).hexdigest(),
+        "engine": [hashlib.sha256(Path(f).read_bytes()).hexdigest() for f in sources],
         "versions": [torch.__version__, transformers.__version__],
-        "target": [str(root)] + [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()],
-        "dtype": str(next(target.parameters()).dtype), "device": str(next(target.parameters()).device),
+        "target": [str(root), cfg.target.gguf_file] + [(f.name, f.stat().st_size, f.stat().st_mtime_ns)
+                                                       for f in files if f.is_file()],
+        "dtype": str(next(target.parameters()).dtype), "device": str(device),
+        # the stored timings are this machine's: another machine (or thread count) measures anew
+        "machine": [platform.machine(), platform.processor(), os.cpu_count(), torch.get_num_threads(),
+                    torch.cuda.get_device_name(device) if device.type == "cuda" else None],
         "prompts": [p["input_ids"] for p in prompts], "eos": sorted(int(i) for i in eos_ids),
         "k": cfg.eval.k, "max_new_tokens": cfg.eval.max_new_tokens,
         "ngram": [cfg.eval.ngram_max, cfg.eval.ngram_min],
@@ -377,9 +388,10 @@ def _ngram_key(cfg: Config, target, prompts: list[dict], eos_ids) -> str:
 def on_own_outputs(draft, target, prompts: list[dict], outputs: list[list[int]], k: int) -> dict:
     """The draft's teacher-forced acceptance on the eval's own text (each prompt + the target's
     greedy answer; one target forward and forward_ttt per prompt), `replayed` over the rounds the
-    engine runs and over `every_row`. measured == replayed: the serving path computes what
-    training computes (up to the dtype's rounding); every_row vs the held-out `simulated`: the
-    text's distribution; replayed vs every_row: rounds start more often where the draft misses."""
+    engine runs (those wholly inside the answers) and over `every_row`. measured ~= replayed:
+    the serving path computes what training computes (up to the dtype's rounding and the last
+    rounds, which the replay leaves out); every_row vs the held-out `simulated`: the text's
+    distribution; replayed vs every_row: how rounds fall on the text."""
     hits = [teacher_forced_hits(draft, target, p["input_ids"] + out, k)
             for p, out in zip(tqdm(prompts, desc="eval teacher-forced", unit="prompt"), outputs)]
     return teacher_forced_acceptance(hits, [len(p["input_ids"]) - 1 for p in prompts], k)
@@ -436,7 +448,7 @@ def format_table(results: dict) -> str:
         f"max_new_tokens={results['max_new_tokens']}",
         f"{'drafter':<10} {'accept_len':>10} {'tok/fwd':>8} {'tok/s':>8} {'rounds':>7}  per-position acceptance",
     ]
-    for name, m in (("eagle3", e), ("ngram", n)):
+    for name, m in (("eagle3", e), ("ngram" + (" (stored)" if n.get("cached_from") else ""), n)):
         rates = " ".join(f"{r:.2f}" for r in m["per_position_acceptance"])
         lines.append(
             f"{name:<10} {fmt(m['acceptance_length']):>10} {fmt(m['tokens_per_target_forward'], '.2f'):>8} "

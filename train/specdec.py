@@ -406,9 +406,11 @@ def teacher_forced_acceptance(hits: Sequence[torch.Tensor], starts: Sequence[int
     every_row: every row t >= start as a round start; position j's rate = share of rows whose
         first j+1 hits are all True.
     replayed: the rounds chain speculative decoding would run on this text: from the start row,
-        accept the leading run a of hits[t], go on at row t + a + 1. Equal to the measured
-        acceptance when the serving path computes what training computed; below every_row
-        because the rows after a miss start rounds more often than the rows inside a run."""
+        accept the leading run a of hits[t], go on at row t + a + 1. Over those rounds it equals
+        the measured acceptance when the serving path computes what training computed (the
+        engine also counts the last rounds, whose drafts run past the answer). It differs from
+        every_row because rounds fall unevenly: one starts right after every miss, while the
+        rows inside an accepted run start none (on real text it came out lower)."""
     every, replayed = [], []
     for h, start in zip(hits, starts):
         last = h.shape[0] - 2 - k  # the last row whose k positions lie inside: t + 1 + k <= T - 1
