@@ -414,19 +414,13 @@ def teacher_forced_acceptance(hits: Sequence[torch.Tensor], starts: Sequence[int
     every, replayed = [], []
     for h, start in zip(hits, starts):
         last = h.shape[0] - 2 - k  # the last row whose k positions lie inside: t + 1 + k <= T - 1
-        runs = torch.cumprod(h.int(), dim=1)  # [T, k]: 1 while every earlier position hit too
-        every.append(runs[start: max(start, last + 1)])
+        accepted = torch.cumprod(h.int(), dim=1).sum(dim=1).tolist()  # [T]: the leading run of hits
+        every += [RoundStats(proposed=k, accepted=accepted[t]) for t in range(start, last + 1)]
         row = start
         while row <= last:
-            replayed.append(runs[row])
-            row += int(runs[row].sum()) + 1
-    return {"every_row": _rates(every, k), "replayed": _rates([torch.stack(replayed)] if replayed else [], k)}
-
-
-def _rates(runs: list[torch.Tensor], k: int) -> dict:
-    joint = torch.cat(runs) if runs else torch.zeros(0, k, dtype=torch.int)
-    rates = joint.float().mean(0).tolist() if len(joint) else [0.0] * k
-    return {"acceptance_length": 1.0 + sum(rates), "per_position_acceptance": rates, "rounds": int(len(joint))}
+            replayed.append(RoundStats(proposed=k, accepted=accepted[row]))
+            row += accepted[row] + 1
+    return {"every_row": acceptance_metrics(every, k), "replayed": acceptance_metrics(replayed, k)}
 
 
 def copy_classifier(ngram_max: int = 3, ngram_min: int = 1) -> Callable[[list[int], int], bool]:
