@@ -140,7 +140,7 @@ J2)
   }
   variant 0 g4 train.epochs=8 &
   variant 1 g5 train.epochs=8 draft.intermediate_size=6144 &
-  [ -f retest.txt ] && CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pytest -q -rs -p no:cacheprovider $(cat retest.txt) > "$RES/retest.log" 2>&1
+  [ -s retest.txt ] && CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pytest -q -rs -p no:cacheprovider $(cat retest.txt) > "$RES/retest.log" 2>&1
   wait
   ;;
 K1)
