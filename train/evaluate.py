@@ -334,9 +334,8 @@ def ngram_baseline(cfg: Config, target, prompts: list[dict], eos_ids) -> dict:
     attention code, and the torch/transformers versions (their kernels decide near-ties). A
     stored result says where it came from (metrics["cached_from"], and the table)."""
     e = cfg.eval
-    key = _ngram_key(cfg, target, prompts, eos_ids)
-    path = ngram_cache_dir() / f"{key}.json"
-    if e.reuse_ngram:
+    path = ngram_cache_dir() / f"{_ngram_key(cfg, target, prompts, eos_ids)}.json" if e.reuse_ngram else None
+    if path is not None:
         try:
             if path.is_file():
                 stored = json.loads(path.read_text(encoding="utf-8"))
@@ -347,7 +346,7 @@ def ngram_baseline(cfg: Config, target, prompts: list[dict], eos_ids) -> dict:
             log.warning("%s: unreadable n-gram result (%s); recomputing it", path, err)
     result = run_drafter("ngram", target, NgramDrafter(e.ngram_max, e.ngram_min), prompts, e.k, e.max_new_tokens,
                          eos_ids, copy_classifier(e.ngram_max, e.ngram_min))
-    if e.reuse_ngram:
+    if path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_json_atomic(path, result)

@@ -208,18 +208,10 @@ class Eagle3Drafter:
     """
 
     def __init__(self, draft, target):
-        from ..extract.capture import HiddenStateCapture
-        from ..target import decoder_layers, final_norm
-
         self.draft = draft
         self.target = target
         self.aux_layer_ids = list(draft.config.aux_layer_ids)
-        num_layers = len(decoder_layers(target))
-        if not self.aux_layer_ids or max(self.aux_layer_ids) >= num_layers or min(self.aux_layer_ids) < 0:
-            raise ValueError(
-                f"draft aux_layer_ids {self.aux_layer_ids} do not fit a target with {num_layers} decoder layers"
-            )
-        self._capture = HiddenStateCapture(decoder_layers(target), self.aux_layer_ids, final_norm(target))
+        self._capture = aux_capture(draft, target)
         self._cache = None
         self._draft_param = next(draft.parameters())
 
@@ -368,6 +360,20 @@ def acceptance_metrics(rounds: Iterable[RoundStats], k: int) -> dict:
     }
 
 
+def aux_capture(draft, target):
+    """HiddenStateCapture hooks on the target's decoder layers the draft reads (its config's
+    aux_layer_ids, checked against the target's depth): what the draft is fed, in serving and
+    teacher-forced alike."""
+    from ..extract.capture import HiddenStateCapture
+    from ..target import decoder_layers, final_norm
+
+    ids = list(draft.config.aux_layer_ids)
+    num_layers = len(decoder_layers(target))
+    if not ids or max(ids) >= num_layers or min(ids) < 0:
+        raise ValueError(f"draft aux_layer_ids {ids} do not fit a target with {num_layers} decoder layers")
+    return HiddenStateCapture(decoder_layers(target), ids, final_norm(target))
+
+
 def teacher_forced_hits(draft, target, token_ids: Sequence[int], k: int) -> torch.Tensor:
     """Which draft positions of a round starting at each row the draft gets right when it is fed
     the true tokens: bool [T, k], hits[t, j] = TTT step j at row t (predicting token t+2+j from
@@ -379,13 +385,10 @@ def teacher_forced_hits(draft, target, token_ids: Sequence[int], k: int) -> torc
     of hits[t] (tests check this round by round; `teacher_forced_acceptance` turns hits into
     acceptance lengths). Beside the measured acceptance it separates what the serving path
     loses (nothing, when they agree) from what the text asks of the draft."""
-    from ..extract.capture import HiddenStateCapture
-    from ..target import decoder_layers, final_norm
-
     ids = torch.tensor([list(token_ids)], dtype=torch.long, device=model_device(target))  # [1, T]
     param = next(draft.parameters())
     with torch.inference_mode():
-        with HiddenStateCapture(decoder_layers(target), list(draft.config.aux_layer_ids), final_norm(target)) as capture:
+        with aux_capture(draft, target) as capture:
             target(input_ids=ids, use_cache=False)
             aux = capture.aux_hidden_states.to(device=param.device, dtype=param.dtype)  # [1, T, k*Ht]
         normed = draft.forward_ttt(aux, ids.to(param.device), k)  # k x [1, T, H]
