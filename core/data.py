@@ -304,11 +304,12 @@ def _load_hub(name: str, split: str, checker: _RowChecker) -> list[Record]:
     return records
 
 
-def _stdlib_records(num_prompts: int, seed: int, stats: Stats, code_share: float = 0.0) -> list[Record]:
+def _stdlib_records(num_prompts: int, seed: int, stats: Stats, code_share: float = 0.0,
+                    extra_modules: tuple[str, ...] = ()) -> list[Record]:
     from .prompts import build_prompts
 
     try:
-        prompts = build_prompts(num_prompts, seed, code_share)
+        prompts = build_prompts(num_prompts, seed, code_share, tuple(extra_modules))
     except ValueError as err:
         raise UserInputError(str(err)) from None
     stats.formats["prompt"] = len(prompts)
@@ -320,7 +321,7 @@ def load_records(cfg: Config, data_dir: Path, vocab_size: int | None, stats: Sta
     source, data = cfg.data.source, cfg.data
     stats.source = source
     if source == "stdlib":
-        return _stdlib_records(data.num_prompts, data.seed, stats, data.code_share)
+        return _stdlib_records(data.num_prompts, data.seed, stats, data.code_share, data.extra_modules)
     path = Path(source)
     checker = _RowChecker(f"data.source {path}", data.regenerate, data.strict, vocab_size, stats)
     if path.is_file():

