@@ -35,6 +35,8 @@
 #       their tests pass there
 #   L2: data regeneration with numpy's doctest stubs (runs/g7), then extraction; samples come back
 #   L3: vocab + training (9 epochs; 8 if the extraction had to be redone), the draft comes back
+#   L4a, L4b: the A/B of L3's lift: the same samples (carried), 6 epochs as g3 had (runs/g8);
+#       then the two tests the pad-token fix touched, on the image's transformers
 set -u
 PHASE=$1; shift
 RES=/tmp/res_$PHASE; rm -rf "$RES"; mkdir -p "$RES"
@@ -192,6 +194,22 @@ L3)
   cp runs/g7/draft/config.json "$RES/draft_config.json" 2>/dev/null
   tail -5 "$RES/g7.log"
   [ -f runs/g7/draft/model.safetensors ] && split -b 15m runs/g7/draft/model.safetensors "$OUT/g7_model.part."
+  ;;
+L4a)
+  [ -f .carry/smollm2.whl.part.aa ] && cp .carry/smollm2.whl.part.aa /tmp/
+  ;;
+L4b)
+  mkdir -p runs/g8/data; gunzip -c .carry/g7_samples.jsonl.gz > runs/g8/data/samples.jsonl
+  ( STAGES="extract vocab train" timeout 480 bash benchmarks/smollm2_gpu.sh runs/g8 train.epochs=6 > "$RES/g8.log" 2>&1 )
+  if [ ! -f runs/g8/draft/model.safetensors ]; then
+    python3 -c "from eagleforge.train.checkpoint import latest_checkpoint, export_checkpoint; c = latest_checkpoint('runs/g8'); print('exporting', c); c and export_checkpoint(c, 'runs/g8/draft')" >> "$RES/g8.log" 2>&1
+  fi
+  cp runs/g8/timings.txt runs/g8/train_summary.json runs/g8/train_log.csv "$RES/" 2>/dev/null
+  cp runs/g8/draft/config.json "$RES/draft_config.json" 2>/dev/null
+  tail -3 "$RES/g8.log"
+  [ -f runs/g8/draft/model.safetensors ] && split -b 15m runs/g8/draft/model.safetensors "$OUT/g8_model.part."
+  timeout 60 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_data.py tests/test_extract.py -k "padding or generate or regenerat or capture_matches_transformers" > "$RES/pad_tests.log" 2>&1
+  tail -3 "$RES/pad_tests.log"
   ;;
 G)
   timeout 420 torchrun --standalone --nproc-per-node 2 benchmarks/bench_extract.py --tokens 16384 32768 --no-write \
