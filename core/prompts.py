@@ -1,4 +1,5 @@
-"""Training prompts built offline from the Python standard library's docstrings.
+"""Training prompts built offline from the docstrings of the Python standard library (and of
+installed libraries named in `data.extra_modules`, numpy by default).
 
 The embedded default (DESIGN section 7, `data.source: stdlib`) needs thousands of real,
 varied prompts without a network: every Python ships its standard library, and its public
@@ -9,8 +10,11 @@ compare) so that the target's answers mix prose and code, as a coding assistant'
     from eagleforge.prompts import build_prompts
     prompts = build_prompts(num_prompts=640, seed=0)   # [StdlibPrompt(id, name, template, text)]
 
-Deterministic for a given Python version and seed: the module list is fixed, members are
-walked in sorted order, and the selection uses its own `random.Random(seed)`. HumanEval (the
+Objects whose docstrings hold doctest examples (numpy's "Examples" sections) become stubs in
+HumanEval's shape: imports, signature, a docstring of the summary then `>>>` calls and outputs.
+
+Deterministic for a given Python version, numpy version (when listed) and seed: the module
+list is fixed, members are walked in sorted order, and the selection uses its own `random.Random(seed)`. HumanEval (the
 held-out evaluation set) is never used: objects whose name is a HumanEval entry point and any
 text that quotes a HumanEval prompt line are excluded (`humaneval_guard`).
 """
@@ -20,7 +24,6 @@ from __future__ import annotations
 import functools
 import gzip
 import importlib
-import importlib.util
 import inspect
 import json
 import logging
@@ -71,7 +74,7 @@ TEMPLATES = {
 MIN_DOC_CHARS = 80  # shorter docstrings ("Return self==value.") say too little to ask about
 # Prompt tokens cost prefill time (and are trained on only with train.loss_positions=all): on a 2-core CPU a batch of 16
 # prompts of ~150 tokens takes about as long to read as to answer with 60 tokens.
-MAX_DOC_CHARS = 500
+MAX_DOC_CHARS = 500  # a stub with examples may reach MAX_DOC_CHARS // 2 + MAX_EXAMPLE_CHARS
 # Doctest examples kept in a stub (HumanEval's prompts show two or three): the model answers
 # them by restating the calls as "# Example usage" prints, text an n-gram drafter copies and a
 # draft must learn to copy. Blocks with longer output (big arrays) are skipped.
@@ -94,6 +97,7 @@ class DocItem:
     signature: str = "(*args, **kwargs)"  # inspect.signature, when the object has one
     summary: str = ""  # the docstring's first paragraph
     examples: str = ""  # its first doctest examples (`_doctest_examples`), "" if none
+    example_imports: str = ""  # the import statements those doctests made, one per line
 
 
 @dataclass(frozen=True)
@@ -203,32 +207,43 @@ def _stable_signature(signature: inspect.Signature) -> str:
     return str(signature.replace(parameters=params))
 
 
-def _doctest_examples(doc: str) -> str:
-    """The first doctest examples of `doc`, dedented: each block is a `>>>` statement, its `...`
-    continuations and the output lines up to the next statement or blank line. Imports are
-    dropped (the stub states them), so are blocks longer than MAX_EXAMPLE_BLOCK_CHARS; stops
-    after MAX_EXAMPLES blocks that show an output or at MAX_EXAMPLE_CHARS. "" when no kept
-    block shows an output."""
-    blocks, block, indent = [], None, 0
+def _doctest_blocks(doc: str) -> list[tuple[list[str], bool]]:
+    """(lines, has_output) per doctest block of `doc`: a `>>>` statement, its `...`
+    continuations, then its output lines (which may themselves start with `...`, doctest's
+    ellipsis) up to the next statement, a blank line or prose."""
+    blocks, block = [], None
     for line in inspect.cleandoc(doc).splitlines():
         stripped = line.strip()
         if stripped.startswith(">>>"):
-            block, indent = [line], len(line) - len(line.lstrip())
+            block = [[line], False]
             blocks.append(block)
-        elif block is not None and stripped and not stripped.startswith((">>>",)):
-            block.append(line)
+        elif block is not None and stripped:
+            block[0].append(line)
+            block[1] = block[1] or not stripped.startswith("...")
         else:
-            block = None  # a blank line or prose ends the block
-    kept, shown, size = [], 0, 0
-    for block in blocks:
-        indent = len(block[0]) - len(block[0].lstrip())
-        text = "\n".join(line[indent:].rstrip() if line[:indent].isspace() or not line[:indent] else line.strip() for line in block)
-        source = block[0].strip()[3:].strip()
-        if source.startswith(("import ", "from ")) or len(text) > MAX_EXAMPLE_BLOCK_CHARS or '"""' in text:
+            block = None
+    return [(lines, has_output) for lines, has_output in blocks]
+
+
+def _doctest_examples(doc: str) -> tuple[str, str]:
+    """(examples, imports) of `doc`: its first doctest blocks dedented, and the one-line import
+    statements among them (which the stub states at its top instead, as HumanEval does).
+    Blocks longer than MAX_EXAMPLE_BLOCK_CHARS or holding a triple quote are skipped; stops
+    after MAX_EXAMPLES blocks that show an output or at MAX_EXAMPLE_CHARS; a trailing statement
+    without output is dropped. ("", "") when no kept block shows an output."""
+    kept, imports, shown, size = [], [], 0, 0
+    for lines, has_output in _doctest_blocks(doc):
+        indent = len(lines[0]) - len(lines[0].lstrip())
+        text = "\n".join(line[indent:].rstrip() if not line[:indent].strip() else line.strip() for line in lines)
+        source = lines[0].strip()[3:].strip()
+        if source.startswith(("import ", "from ")):
+            if len(lines) == 1 and source not in imports:
+                imports.append(source)
+            continue
+        if len(text) > MAX_EXAMPLE_BLOCK_CHARS or '"""' in text:
             continue
         if size + len(text) > MAX_EXAMPLE_CHARS:
             break
-        has_output = any(not line.strip().startswith(("...", ">>>")) for line in block[1:])
         kept.append((text, has_output))
         size += len(text) + 1
         shown += has_output
@@ -236,14 +251,17 @@ def _doctest_examples(doc: str) -> str:
             break
     while kept and not kept[-1][1]:  # a trailing statement whose result is never shown
         kept.pop()
-    return "\n".join(text for text, _ in kept)
+    if not kept:
+        return "", ""
+    return "\n".join(text for text, _ in kept), "\n".join(imports)
 
 
 def _summary(doc: str, name: str) -> str:
     """The first paragraph of `doc` that is not the C signature line ("lexsort(keys, axis=-1)"),
     at most MAX_DOC_CHARS // 2."""
     paragraphs = [p.strip() for p in inspect.cleandoc(doc).strip().split("\n\n") if p.strip()]
-    while len(paragraphs) > 1 and re.match(rf"{re.escape(name)}\(.*\)", paragraphs[0]):
+    signature = re.compile(rf"(?:\w+\.)*{re.escape(name)}\(.*\)(?:\s*->.*)?", re.S)  # also "a.sort(axis=-1)"
+    while len(paragraphs) > 1 and signature.fullmatch(paragraphs[0]):
         paragraphs.pop(0)
     return _shorten(paragraphs[0], MAX_DOC_CHARS // 2) if paragraphs else ""
 
@@ -259,7 +277,9 @@ def _item(name: str, kind: str, module: str, obj) -> list[DocItem]:
         signature = _stable_signature(inspect.signature(obj))
     except (TypeError, ValueError):  # builtins without text signatures
         signature = "(*args, **kwargs)"
-    return [DocItem(name, kind, module, doc, signature, _summary(raw, name.rsplit('.', 1)[-1]), _doctest_examples(raw))]
+    summary = _summary(raw, name.rsplit(".", 1)[-1])
+    examples, imports = _doctest_examples(raw) if '"""' not in summary else ("", "")
+    return [DocItem(name, kind, module, doc, signature, summary, examples, imports)]
 
 
 _TYPING_NAMES = ("Any", "Callable", "Dict", "Iterable", "Iterator", "List", "Optional", "Sequence", "Tuple", "Union")
@@ -276,19 +296,18 @@ def _stub(item: DocItem) -> str:
 
 
 def _imports(item: DocItem) -> str:
-    """`import numpy as np` / `import <module>` when the examples call through them, and the
-    typing names the signature uses; each group followed by two blank lines as in HumanEval."""
-    lines = []
-    root = item.module.split(".", 1)[0]
-    if root == "numpy" and re.search(r"\bnp\.", item.examples):
+    """The imports the doctests made, `import numpy as np` / `import <module>` when the
+    examples call through a name no import bound, and the typing names the signature uses;
+    followed by two blank lines as in HumanEval."""
+    lines = item.example_imports.splitlines() if item.examples else []
+    if re.search(r"\bnp\.", item.examples) and not any(re.search(r"\bas np\b", line) for line in lines):
         lines.append("import numpy as np")
-    elif re.search(rf"\b{re.escape(item.module)}\.", item.examples):
+    elif re.search(rf"\b{re.escape(item.module)}\.", item.examples) and f"import {item.module}" not in lines:
         lines.append(f"import {item.module}")
     used = [name for name in _TYPING_NAMES if re.search(rf"\b{name}\b", item.signature)]
     if used:
         lines.append(f"from typing import {', '.join(used)}")
     return "\n".join(lines) + "\n\n\n" if lines else ""
-
 
 
 @lru_cache(maxsize=1)
@@ -325,12 +344,14 @@ def stdlib_items(extra_modules: tuple[str, ...] = ()) -> tuple[DocItem, ...]:
     """Every usable (object, docstring) of STDLIB_MODULES and then `extra_modules` (installed
     libraries, each must import), deduplicated by docstring, in walk order."""
     for module_name in extra_modules:
+        if not isinstance(module_name, str) or not module_name.strip():
+            raise ValueError(f"data.extra_modules: each entry must be a module name, got {module_name!r}")
         try:
-            found = importlib.util.find_spec(module_name) is not None
-        except ImportError:  # its parent package is missing
-            found = False
-        if not found:
-            raise ValueError(f"data.extra_modules: {module_name!r} is not installed")
+            importlib.import_module(module_name)
+        except ModuleNotFoundError:
+            raise ValueError(f"data.extra_modules: {module_name!r} is not installed") from None
+        except Exception as err:  # installed but broken: say so rather than skip it
+            raise ValueError(f"data.extra_modules: cannot import {module_name!r} ({type(err).__name__}: {err})") from None
     names, lines = humaneval_guard()
     seen_docs, items = set(), []
     for module_name in STDLIB_MODULES + tuple(m for m in extra_modules if m not in STDLIB_MODULES):
@@ -358,7 +379,7 @@ def build_prompts(num_prompts: int, seed: int = 0, code_share: float = 0.0,
 
     code_share: the share of objects whose first prompt is the "implement" (function to
     complete) template, the rest drawing their first template uniformly; 0 keeps the uniform
-    draw (and exactly the prompts of earlier versions).
+    draw.
 
     Round r gives each object (in a seeded shuffle) the template after the one it got in
     round r - 1, so a repeat always asks something new. Raises ValueError when even all
