@@ -116,8 +116,8 @@ class RowParallelLinear(nn.Linear):
         return self.tp.all_reduce(y) if self.reduce else y
 
 
-class VocabParallelEmbedding(nn.Module):
-    """Token rows [start, end) of the embedding; other ranks' tokens give zeros, then all-reduce."""
+class _VocabRows(nn.Module):
+    """This rank's rows [start, end) of a [V, H] vocabulary matrix (embedding or lm_head)."""
 
     def __init__(self, vocab_size: int, dim: int, tp: TensorParallel, dtype: torch.dtype):
         super().__init__()
@@ -125,6 +125,10 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.end - self.start, dim, dtype=dtype), requires_grad=False)
         self.shard_spec = {"weight": (0, self.start, self.end, vocab_size)}
         self.tp = tp
+
+
+class VocabParallelEmbedding(_VocabRows):
+    """Token rows [start, end) of the embedding; other ranks' tokens give zeros, then all-reduce."""
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # [B, T] -> [B, T, H]
@@ -152,15 +156,8 @@ def expert_partition(n_experts: int, intermediate: int, tp: TensorParallel, layo
     raise ValueError(f"target.expert_layout must be 'ep' or 'tp', got {layout!r}")
 
 
-class VocabParallelHead(nn.Module):
+class VocabParallelHead(_VocabRows):
     """lm_head rows [start, end) of [V, H]; only its greedy token is needed, combined across ranks."""
-
-    def __init__(self, vocab_size: int, dim: int, tp: TensorParallel, dtype: torch.dtype):
-        super().__init__()
-        self.start, self.end = split_range(vocab_size, tp.rank, tp.size)
-        self.weight = nn.Parameter(torch.empty(self.end - self.start, dim, dtype=dtype), requires_grad=False)
-        self.shard_spec = {"weight": (0, self.start, self.end, vocab_size)}
-        self.tp = tp
 
     @torch.no_grad()
     def argmax(self, hidden: torch.Tensor, chunk_tokens: int = 1024) -> torch.Tensor:
