@@ -14,9 +14,10 @@ Objects whose docstrings hold doctest examples (numpy's "Examples" sections) bec
 HumanEval's shape: imports, signature, a docstring of the summary then `>>>` calls and outputs.
 
 Deterministic for a given Python version, numpy version (when listed) and seed: the module
-list is fixed, members are walked in sorted order, and the selection uses its own `random.Random(seed)`. HumanEval (the
-held-out evaluation set) is never used: objects whose name is a HumanEval entry point and any
-text that quotes a HumanEval prompt line are excluded (`humaneval_guard`).
+list is fixed, members are walked in sorted order, and the selection uses its own
+`random.Random(seed)`. HumanEval (the held-out evaluation set) is never used: objects whose
+name is a HumanEval entry point and any text that quotes a HumanEval prompt line are excluded
+(`humaneval_guard`).
 """
 
 from __future__ import annotations
@@ -222,7 +223,7 @@ def _doctest_blocks(doc: str) -> list[tuple[list[str], bool]]:
             block[1] = block[1] or not stripped.startswith("...")
         else:
             block = None
-    return [(lines, has_output) for lines, has_output in blocks]
+    return [tuple(block) for block in blocks]
 
 
 def _doctest_examples(doc: str) -> tuple[str, str]:
