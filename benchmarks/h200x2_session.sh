@@ -52,6 +52,20 @@ export PYTHONPATH=/tmp/site:$PWD
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . > "$RES/install.log" 2>&1
 nvidia-smi -L; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__)'
 finish() { tar czf "$OUT/$PHASE.tgz" -C "$RES" . ; ls -la "$RES"; }
+# train_run RUN SECONDS [overrides...]: extract + vocab + train of configs/smollm2_gpu.yaml into
+# runs/RUN under a time limit; a run cut by it exports its last checkpoint. The logs and summaries
+# go to $RES/RUN/, the draft's weights to $OUT/RUN_model.part.* (the tool's per-file limit).
+train_run() {
+  local run=$1 seconds=$2; shift 2
+  mkdir -p "$RES/$run"
+  STAGES="extract vocab train" timeout "$seconds" bash benchmarks/smollm2_gpu.sh runs/$run "$@" > "$RES/$run/train.log" 2>&1
+  if [ ! -f runs/$run/draft/model.safetensors ]; then
+    python3 -c "from eagleforge.train.checkpoint import latest_checkpoint, export_checkpoint; c = latest_checkpoint('runs/$run'); print('exporting', c); c and export_checkpoint(c, 'runs/$run/draft')" >> "$RES/$run/train.log" 2>&1
+  fi
+  cp runs/$run/timings.txt runs/$run/train_summary.json runs/$run/train_log.csv runs/$run/draft/config.json "$RES/$run/" 2>/dev/null
+  tail -3 "$RES/$run/train.log"
+  [ -f runs/$run/draft/model.safetensors ] && split -b 15m runs/$run/draft/model.safetensors "$OUT/${run}_model.part."
+}
 case $PHASE in
 A)
   [ -f .carry/smollm2.whl.part.aa ] && cp .carry/smollm2.whl.part.aa /tmp/
@@ -119,13 +133,7 @@ H2)
   ;;
 I)
   mkdir -p runs/g3/data && gunzip -c runs/g3/data/samples.jsonl.gz > runs/g3/data/samples.jsonl
-  ( STAGES="extract vocab train" timeout 555 bash benchmarks/smollm2_gpu.sh runs/g3 > "$RES/smollm2.log" 2>&1 )
-  if [ ! -f runs/g3/draft/model.safetensors ]; then  # cut by the time limit: export the last checkpoint
-    python3 -c 'from eagleforge.train.checkpoint import latest_checkpoint, export_checkpoint; c = latest_checkpoint("runs/g3"); print("exporting", c); c and export_checkpoint(c, "runs/g3/draft")' >> "$RES/smollm2.log" 2>&1
-  fi
-  cp runs/g3/timings.txt runs/g3/train_summary.json runs/g3/train_log.csv "$RES/" 2>/dev/null
-  cp runs/g3/draft/config.json "$RES/draft_config.json" 2>/dev/null
-  [ -f runs/g3/draft/model.safetensors ] && split -b 15m runs/g3/draft/model.safetensors "$OUT/draft_model.part."
+  train_run g3 555
   ;;
 J1)
   [ -f .carry/smollm2.whl.part.aa ] && cp .carry/smollm2.whl.part.aa /tmp/
@@ -137,17 +145,8 @@ J1)
   ;;
 J2)
   for r in g4 g5; do mkdir -p runs/$r/data; gunzip -c runs/g3/data/samples.jsonl.gz > runs/$r/data/samples.jsonl; done
-  variant() {  # GPU RUN overrides...
-    local gpu=$1 run=$2; shift 2
-    CUDA_VISIBLE_DEVICES=$gpu STAGES="extract vocab train" timeout 545 bash benchmarks/smollm2_gpu.sh runs/$run "$@" > "$RES/$run.log" 2>&1
-    if [ ! -f runs/$run/draft/model.safetensors ]; then  # cut by the time limit: export the last checkpoint
-      python3 -c "from eagleforge.train.checkpoint import latest_checkpoint, export_checkpoint; c = latest_checkpoint('runs/$run'); print('exporting', c); c and export_checkpoint(c, 'runs/$run/draft')" >> "$RES/$run.log" 2>&1
-    fi
-    mkdir -p "$RES/$run"; cp runs/$run/timings.txt runs/$run/train_summary.json runs/$run/train_log.csv runs/$run/draft/config.json "$RES/$run/" 2>/dev/null
-    [ -f runs/$run/draft/model.safetensors ] && split -b 15m runs/$run/draft/model.safetensors "$OUT/${run}_model.part."
-  }
-  variant 0 g4 train.epochs=8 &
-  variant 1 g5 train.epochs=8 draft.intermediate_size=6144 &
+  CUDA_VISIBLE_DEVICES=0 train_run g4 545 train.epochs=8 &
+  CUDA_VISIBLE_DEVICES=1 train_run g5 545 train.epochs=8 draft.intermediate_size=6144 &
   [ -s retest.txt ] && CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pytest -q -rs -p no:cacheprovider $(cat retest.txt) > "$RES/retest.log" 2>&1
   wait
   ;;
@@ -158,13 +157,7 @@ K1)
   ;;
 K2)
   mkdir -p runs/g6/data; gunzip -c runs/g3/data/samples.jsonl.gz > runs/g6/data/samples.jsonl
-  ( STAGES="extract vocab train" timeout 500 bash benchmarks/smollm2_gpu.sh runs/g6 draft.intermediate_size=6144 > "$RES/g6.log" 2>&1
-    if [ ! -f runs/g6/draft/model.safetensors ]; then
-      python3 -c "from eagleforge.train.checkpoint import latest_checkpoint, export_checkpoint; c = latest_checkpoint('runs/g6'); print('exporting', c); c and export_checkpoint(c, 'runs/g6/draft')" >> "$RES/g6.log" 2>&1
-    fi
-    cp runs/g6/timings.txt runs/g6/train_summary.json runs/g6/train_log.csv "$RES/" 2>/dev/null
-    cp runs/g6/draft/config.json "$RES/draft_config.json" 2>/dev/null
-    [ -f runs/g6/draft/model.safetensors ] && split -b 15m runs/g6/draft/model.safetensors "$OUT/g6_model.part." ) &
+  train_run g6 500 draft.intermediate_size=6144 &
   sleep 150  # the tests after the extraction's disk writing
   OMP_NUM_THREADS=1 timeout 300 python3 -m pytest -q -rfEs -n 4 -p no:cacheprovider tests > "$RES/gpu_tests.log" 2>&1; tail -30 "$RES/gpu_tests.log"
   wait
@@ -186,28 +179,14 @@ L3)
     mkdir -p runs/g7/data; gunzip -c .carry/g7_samples.jsonl.gz > runs/g7/data/samples.jsonl; EPOCHS=8
   fi
   ls runs/g7 runs/g7/shards 2>/dev/null | head
-  ( STAGES="extract vocab train" timeout 570 bash benchmarks/smollm2_gpu.sh runs/g7 train.epochs=$EPOCHS > "$RES/g7.log" 2>&1 )
-  if [ ! -f runs/g7/draft/model.safetensors ]; then  # cut by the time limit: export the last checkpoint
-    python3 -c "from eagleforge.train.checkpoint import latest_checkpoint, export_checkpoint; c = latest_checkpoint('runs/g7'); print('exporting', c); c and export_checkpoint(c, 'runs/g7/draft')" >> "$RES/g7.log" 2>&1
-  fi
-  cp runs/g7/timings.txt runs/g7/train_summary.json runs/g7/train_log.csv "$RES/" 2>/dev/null
-  cp runs/g7/draft/config.json "$RES/draft_config.json" 2>/dev/null
-  tail -5 "$RES/g7.log"
-  [ -f runs/g7/draft/model.safetensors ] && split -b 15m runs/g7/draft/model.safetensors "$OUT/g7_model.part."
+  train_run g7 570 train.epochs=$EPOCHS
   ;;
 L4a)
   [ -f .carry/smollm2.whl.part.aa ] && cp .carry/smollm2.whl.part.aa /tmp/
   ;;
 L4b)
   mkdir -p runs/g8/data; gunzip -c .carry/g7_samples.jsonl.gz > runs/g8/data/samples.jsonl
-  ( STAGES="extract vocab train" timeout 480 bash benchmarks/smollm2_gpu.sh runs/g8 train.epochs=6 > "$RES/g8.log" 2>&1 )
-  if [ ! -f runs/g8/draft/model.safetensors ]; then
-    python3 -c "from eagleforge.train.checkpoint import latest_checkpoint, export_checkpoint; c = latest_checkpoint('runs/g8'); print('exporting', c); c and export_checkpoint(c, 'runs/g8/draft')" >> "$RES/g8.log" 2>&1
-  fi
-  cp runs/g8/timings.txt runs/g8/train_summary.json runs/g8/train_log.csv "$RES/" 2>/dev/null
-  cp runs/g8/draft/config.json "$RES/draft_config.json" 2>/dev/null
-  tail -3 "$RES/g8.log"
-  [ -f runs/g8/draft/model.safetensors ] && split -b 15m runs/g8/draft/model.safetensors "$OUT/g8_model.part."
+  train_run g8 480 train.epochs=6
   timeout 60 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_data.py tests/test_extract.py -k "padding or generate or regenerat or capture_matches_transformers" > "$RES/pad_tests.log" 2>&1
   tail -3 "$RES/pad_tests.log"
   ;;
