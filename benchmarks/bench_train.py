@@ -38,8 +38,9 @@ comes from the shards), 2 H V for SpecForge (full vocabulary, as it does). MFU i
 
 Variants (issue 7, old vs new side by side in ONE run; --variants picks them, each a spec
 `key=value,...` with ckpt = step | none | selective | selective_all (draft.model.CHECKPOINT_MODES),
-attn = flex | merged | sdpa (draft.attention), compile = 0 | 1 (fused elementwise pieces),
-packed = 0 | 1 (the loss's packed TTT form)). The default list starts with the 2026-11-29
+attn = flex | merged | merged_cudnn | sdpa (draft.attention), compile = 0 | 1 (fused elementwise pieces),
+packed = 0 | 1 (the loss's packed TTT form), fusegrad = 0 | 1 (midlayer weight gradients accumulated by the
+GEMM itself, draft.grad_accum)). The default list starts with the 2026-11-29
 configuration (ckpt=step,attn=flex). Rows carry "vs SpecForge" ratios against SpecForge measured
 in the same run, or else against its 2026-11-29 numbers (SPECFORGE_2026_11_29).
 
@@ -238,6 +239,7 @@ class Variant:
     attn: str = "flex"
     compile: bool = False
     packed: bool = False
+    fusegrad: bool = False
 
     @classmethod
     def parse(cls, spec: str) -> "Variant":
@@ -249,18 +251,19 @@ class Variant:
             mode, _, first = value.partition(":")
             if key == "ckpt" and mode in CHECKPOINT_MODES and (first == "" or first.isdigit()):
                 out.ckpt = value  # "selective:4": selective for the first 4 TTT steps, step for the rest
-            elif key == "attn" and value in ("flex", "merged", "sdpa", "reference", "fast", "auto"):
+            elif key == "attn" and value in ("flex", "merged", "merged_cudnn", "sdpa", "reference", "fast", "auto"):
                 out.attn = value
-            elif key in ("compile", "packed") and value in ("0", "1"):
+            elif key in ("compile", "packed", "fusegrad") and value in ("0", "1"):
                 setattr(out, key, value == "1")
             else:
                 raise SystemExit(f"bench_train: bad variant item {item!r} in {spec!r} (ckpt={'|'.join(CHECKPOINT_MODES)}"
-                                 f"[:N for the first N steps, step after], attn=flex|merged|sdpa, compile=0|1, packed=0|1)")
+                                 f"[:N for the first N steps, step after], attn=flex|merged|merged_cudnn|sdpa, compile=0|1, packed=0|1, fusegrad=0|1)")
         return out
 
     @property
     def name(self) -> str:
-        return f"ckpt={self.ckpt},attn={self.attn},compile={int(self.compile)},packed={int(self.packed)}"
+        name = f"ckpt={self.ckpt},attn={self.attn},compile={int(self.compile)},packed={int(self.packed)}"
+        return name + (",fusegrad=1" if self.fusegrad else "")
 
 
 def ttt_weights(loss_mask: torch.Tensor, target_argmax: torch.Tensor, t2d: torch.Tensor, steps: int) -> torch.Tensor:
@@ -283,13 +286,15 @@ class OurStep:
     """Builds the draft (bf16), the optimizer and one training step over a batch."""
 
     def __init__(self, s: Shape, device: torch.device, used_ids: torch.Tensor, ckpt: str, attention: str,
-                 embed_device: str, chunk_tokens: int | None, compile: bool = False, packed: bool = False):
+                 embed_device: str, chunk_tokens: int | None, compile: bool = False, packed: bool = False,
+                 fusegrad: bool = False):
         self.s, self.device, self.ckpt, self.attention, self.chunk = s, device, ckpt, attention, chunk_tokens
         self.compile, self.packed = compile, packed
         torch.manual_seed(0)
         with torch.device(device):
             draft = Eagle3Draft(s.draft_config())
         draft.to(torch.bfloat16)
+        draft.fuse_weight_grads = fusegrad  # midlayer weight gradients added into .grad by each GEMM
         d2t = used_ids - torch.arange(s.draft_vocab)
         t2d = torch.zeros(s.vocab, dtype=torch.bool)
         t2d[used_ids] = True
@@ -433,6 +438,21 @@ def check_loss(ours: OurStep, batch: dict) -> dict:
         out.update({f"{tag}loss": loss.item(), f"{tag}loss_rel_err": abs(loss.item() - ref.item()) / abs(ref.item()),
                     f"{tag}step_loss_max_rel_err": ((steps - ref_steps).abs() / ref_steps.abs().clamp_min(1e-30)).max().item(),
                     f"{tag}grad_max_rel_err": max(grad_errs)})
+    return out
+
+
+def check_fused_weight_grads(ours: OurStep, batch: dict) -> dict:
+    """The whole step's gradients with draft.fuse_weight_grads on against off (same weights,
+    same batch): the largest relative error over the trainable tensors, and the loss of each."""
+    out, grads = {"tokens": batch["input_ids_dev"].shape[1]}, {}
+    for fused in (False, True):
+        ours.draft.fuse_weight_grads = fused
+        loss, _, _ = ours.forward_loss(batch)
+        loss.backward()
+        out[f"loss_fused_{int(fused)}"] = loss.item()
+        grads[fused] = [p.grad.float() for p in ours.params]
+        ours.opt.zero_grad(set_to_none=True)
+    out["grad_max_rel_err"] = max(rel_err(a, b) for a, b in zip(grads[True], grads[False]))
     return out
 
 
@@ -632,7 +652,8 @@ def main(argv=None) -> dict:
     else:
         variants = [Variant.parse(v) for v in (args.variants or DEFAULT_VARIANTS)]
     if args.cpu_check:  # no flex on the CPU; compile stays on when asked (inductor's C++ backend)
-        variants = [Variant(v.ckpt, "merged" if v.attn == "flex" else v.attn, v.compile, v.packed) for v in variants]
+        variants = [Variant(v.ckpt, "merged" if v.attn == "flex" else v.attn, v.compile, v.packed, v.fusegrad)
+                    for v in variants]
     used_ids = torch.sort(torch.randperm(s.vocab, generator=torch.Generator().manual_seed(0))[: s.draft_vocab]).values
     report: dict = {"shape": vars(s), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                     "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()},
@@ -652,7 +673,8 @@ def main(argv=None) -> dict:
 
     if args.profile:
         for v in variants:
-            method = OurStep(s, device, used_ids, v.ckpt, v.attn, args.embed_device, args.chunk_tokens, v.compile, v.packed)
+            method = OurStep(s, device, used_ids, v.ckpt, v.attn, args.embed_device, args.chunk_tokens, v.compile, v.packed,
+                             v.fusegrad)
             profile_step(f"ours {v.name}", method, s, args.profile, device, used_ids)
             del method
             free_memory(device)
@@ -670,13 +692,22 @@ def main(argv=None) -> dict:
         log.info("loss check: %s", report["checks"]["loss"])
         del ours
         free_memory(device)
+        fused = next((v for v in variants if v.fusegrad), None)
+        if fused:
+            ours = OurStep(s, device, used_ids, fused.ckpt, fused.attn, args.embed_device, args.chunk_tokens, fused.compile,
+                           fused.packed)
+            report["checks"]["fusegrad"] = check_fused_weight_grads(
+                ours, make_batch(s, min(1024, args.check_tokens), device, used_ids, seed=4))
+            log.info("fused weight-gradient check: %s", report["checks"]["fusegrad"])
+            del ours
+        free_memory(device)
         save()
 
     for v in variants:
         tokens = [t for t in args.tokens if v.ckpt != "none" or t <= args.no_ckpt_max_tokens]
         run_method(f"ours {v.name}",
                    lambda v=v: OurStep(s, device, used_ids, v.ckpt, v.attn, args.embed_device, args.chunk_tokens,
-                                       v.compile, v.packed),
+                                       v.compile, v.packed, v.fusegrad),
                    s, tokens, device, used_ids, args.warmup, args.iters, args.peak_tflops, s.draft_vocab, report["results"])
         versus_specforge(report["results"])
         save()

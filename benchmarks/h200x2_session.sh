@@ -37,6 +37,11 @@
 #   L3: vocab + training (9 epochs; 8 if the extraction had to be redone), the draft comes back
 #   L4a, L4b: the A/B of L3's lift: the same samples (carried), 6 epochs as g3 had (runs/g8);
 #       then the two tests the pad-token fix touched, on the image's transformers
+# Fifth session of 2026-11-30 (nvidia-h200, back to back), issue 7's two new levers:
+#   M1: the GPU tests of merged_cudnn and fuse_weight_grads; the TTT attention alone (FA2 vs
+#       cuDNN, compiled merge) at 2K/8K/32K; bench-train at 2K and 8K (old best, cuDNN alone,
+#       cuDNN + fused weight gradients) beside SpecForge; a profile of the new step at 2K
+#   M2: bench-train at 16K and 32K (old best vs new) beside SpecForge, and the new one at 65536
 set -u
 PHASE=$1; shift
 RES=/tmp/res_$PHASE; rm -rf "$RES"; mkdir -p "$RES"
@@ -189,6 +194,28 @@ L4b)
   train_run g8 480 train.epochs=6
   timeout 60 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_data.py tests/test_extract.py -k "padding or generate or regenerat or capture_matches_transformers" > "$RES/pad_tests.log" 2>&1
   tail -3 "$RES/pad_tests.log"
+  ;;
+M1)
+  OLD="ckpt=selective_all,attn=merged,compile=1,packed=1"
+  timeout 120 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_draft_attention.py \
+    "tests/test_draft.py::test_accumulating_linear_matches_linear" > "$RES/gpu_tests.log" 2>&1; tail -3 "$RES/gpu_tests.log"
+  timeout 120 python3 benchmarks/bench_train.py --attention-bench --attention-modes merged+compile merged_cudnn+compile \
+    --attention-tokens 2048 8192 32768 --json "$RES/attention.json" > "$RES/attention.log" 2>&1; tail -8 "$RES/attention.log"
+  timeout 270 python3 benchmarks/bench_train.py --variants "$OLD" "${OLD/attn=merged/attn=merged_cudnn}" \
+    "${OLD/attn=merged/attn=merged_cudnn},fusegrad=1" --no-attention-bench --tokens 2048 8192 --specforge-tokens 2048 8192 \
+    --json "$RES/bench_train_2k_8k.json" > "$RES/bench_train_2k_8k.log" 2>&1; tail -14 "$RES/bench_train_2k_8k.log"
+  timeout 80 python3 benchmarks/bench_train.py --profile 2048 --no-specforge \
+    --variants "${OLD/attn=merged/attn=merged_cudnn},fusegrad=1" > "$RES/profile_2048.log" 2>&1
+  ;;
+M2)
+  OLD="ckpt=selective_all,attn=merged,compile=1,packed=1"
+  NEW="${OLD/attn=merged/attn=merged_cudnn},fusegrad=1"
+  timeout 420 python3 benchmarks/bench_train.py --variants "$OLD" "$NEW" --no-attention-bench --no-checks \
+    --tokens 16384 32768 --specforge-tokens 16384 32768 --json "$RES/bench_train_16k_32k.json" \
+    > "$RES/bench_train_16k_32k.log" 2>&1; tail -10 "$RES/bench_train_16k_32k.log"
+  timeout 150 python3 benchmarks/bench_train.py --variants "$NEW" --no-attention-bench --no-checks --no-specforge \
+    --tokens 65536 --iters 2 --warmup 1 --json "$RES/bench_train_64k.json" > "$RES/bench_train_64k.log" 2>&1
+  tail -4 "$RES/bench_train_64k.log"
   ;;
 G)
   timeout 420 torchrun --standalone --nproc-per-node 2 benchmarks/bench_extract.py --tokens 16384 32768 --no-write \

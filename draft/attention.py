@@ -20,6 +20,10 @@ Four implementations, equal up to rounding (tests/test_draft_attention.py):
   restricted to the causal keys (ring attention's trick); the diagonal keys' share is j
   elementwise dot products. No [T, (j+1)T] keys are concatenated. CPU: the CPU flash ops (any
   float dtype); CUDA: FlashAttention-2 (fp16/bf16, head_dim <= 256), else it falls back to sdpa.
+- `merged_cudnn`: the same Function around cuDNN's fused attention forward/backward instead of
+  FlashAttention-2 (CUDA; cuDNN's backward also derives rowsum(dO * O) from the out and lse it is
+  given, so the merged pair works unchanged). Where cuDNN refuses the inputs it warns once and
+  runs FlashAttention-2. On the CPU it is `merged`.
 - `ttt_attention_flex`: flex_attention with a block mask over the concatenated keys (CUDA,
   compiled; block sparsity skips the masked-out blocks).
 `ttt_attention(..., mode="auto")` picks flex on CUDA when it is available, else merged.
@@ -37,7 +41,7 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-ATTENTION_MODES = ("auto", "reference", "fast", "sdpa", "merged", "flex")
+ATTENTION_MODES = ("auto", "reference", "fast", "sdpa", "merged", "merged_cudnn", "flex")
 
 
 def _check(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
@@ -178,23 +182,54 @@ def _flash_supported(q: torch.Tensor) -> bool:
     return False
 
 
-def _flash_forward(q, k, v, scale: float):
+CUDA_KERNELS = ("flash", "cudnn")
+_cudnn_refused: set[tuple] = set()  # input signatures cuDNN refused once (warned, then flash)
+
+
+def _cudnn_forward(q, k, v, scale: float):
+    """cuDNN causal attention: (out, lse [B, H, T] fp32, aux) like `_flash_forward`. cuDNN
+    returns its softmax stats (the row logsumexp of the scaled scores) as [B, H, T, 1]; aux keeps
+    that shape for the backward."""
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, True, False, scale=scale)
+    b, h, t, _ = q.shape
+    return out, lse.reshape(b, h, t), ("cudnn", tuple(lse.shape), cum_q, cum_k, max_q, max_k, seed, offset)
+
+
+def _flash_forward(q, k, v, scale: float, kernel: str = "flash"):
     """Causal flash attention. q, k, v [B, H, T, D] -> (out [B, H, T, D], lse [B, H, T] fp32, aux).
-    `aux` carries what the CUDA backward needs besides out and lse (sequence bookkeeping, rng)."""
+    `aux` carries what the CUDA backward needs besides out and lse (the kernel, sequence
+    bookkeeping, rng). kernel: "flash" (FlashAttention-2) or "cudnn" on CUDA; the CPU has one."""
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
         return out, lse, None
+    if kernel == "cudnn":
+        signature = (q.dtype, tuple(q.shape), q.device.index)
+        if signature not in _cudnn_refused:
+            try:
+                return _cudnn_forward(q, k, v, scale)
+            except RuntimeError as err:  # e.g. a cuDNN without a plan for these shapes
+                _cudnn_refused.add(signature)
+                log.warning("cuDNN attention refused q %s %s (%s); using FlashAttention-2 for these inputs",
+                            tuple(q.shape), q.dtype, str(err).splitlines()[0][:200])
     out, lse, cum_q, cum_k, max_q, max_k, rng_state, unused, _ = torch.ops.aten._scaled_dot_product_flash_attention(
         q, k, v, 0.0, True, False, scale=scale)
-    return out, lse, (cum_q, cum_k, max_q, max_k, rng_state, unused)
+    return out, lse, ("flash", cum_q, cum_k, max_q, max_k, rng_state, unused)
 
 
 def _flash_backward(grad_out, q, k, v, out, lse, aux, scale: float):
-    """Causal flash backward given (out, lse): -> (dq, dk, dv)."""
+    """Causal flash backward given (out, lse [B, H, T] fp32), by the kernel that ran the forward
+    (named in aux): -> (dq, dk, dv)."""
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, q, k, v, out, lse, 0.0, True, scale=scale)
-    cum_q, cum_k, max_q, max_k, rng_state, unused = aux
+    if aux[0] == "cudnn":
+        _, lse_shape, cum_q, cum_k, max_q, max_k, seed, offset = aux
+        # out and dO in one layout: the merged out is a fresh contiguous tensor.
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            grad_out.contiguous(), q, k, v, out.contiguous(), lse.contiguous().reshape(lse_shape), seed, offset, None,
+            cum_q, cum_k, max_q, max_k, 0.0, True, scale=scale)
+    _, cum_q, cum_k, max_q, max_k, rng_state, unused = aux
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
         grad_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, rng_state, unused, scale=scale)
 
@@ -268,8 +303,8 @@ class _MergedTTTAttention(torch.autograd.Function):
     diagonal inputs, which the caller keeps anyway): no probabilities, no concatenation."""
 
     @staticmethod
-    def forward(ctx, scale, compile, q, k0, v0, *diag):
-        out0, lse0, aux = _flash_forward(q, k0, v0, scale)  # [B, H, T, D], [B, H, T] fp32
+    def forward(ctx, scale, compile, kernel, q, k0, v0, *diag):
+        out0, lse0, aux = _flash_forward(q, k0, v0, scale, kernel)  # [B, H, T, D], [B, H, T] fp32
         if diag:
             out, lse = _run_merge(0, compile, scale, q, out0, lse0, *diag)
         else:
@@ -285,23 +320,27 @@ class _MergedTTTAttention(torch.autograd.Function):
         # Causal block with the merged (out, lse): the exact share of the union softmax's gradient.
         dq, dk0, dv0 = _flash_backward(grad_out, q, k0, v0, out, lse, ctx.aux, ctx.scale)
         if not diag:
-            return None, None, dq, dk0, dv0
+            return None, None, None, dq, dk0, dv0
         dq, *diag_grads = _run_merge(1, ctx.compile, ctx.scale, q, out, lse, grad_out, dq, *diag)
-        return (None, None, dq, dk0, dv0, *diag_grads)
+        return (None, None, None, dq, dk0, dv0, *diag_grads)
 
 
-def ttt_attention_merged(q, keys, values, scale: float, compile: bool | str = False) -> torch.Tensor:
+def ttt_attention_merged(q, keys, values, scale: float, compile: bool | str = False, kernel: str = "flash") -> torch.Tensor:
     """Flash causal attention over the step-0 keys merged with the diagonal keys of steps 1..j,
     forward and backward in one autograd.Function (see the module docstring). compile: the
-    merge's elementwise passes through torch.compile. Falls back to `ttt_attention_sdpa` where
-    the device's flash kernel does not take the inputs."""
+    merge's elementwise passes through torch.compile. kernel: the CUDA causal kernel, "flash"
+    (FlashAttention-2) or "cudnn". Falls back to `ttt_attention_sdpa` where the device's flash
+    kernel does not take the inputs."""
     _check(q, keys, values)
+    if kernel not in CUDA_KERNELS:
+        raise ValueError(f"merged attention kernel {kernel!r} is not one of {CUDA_KERNELS}")
     if not _flash_supported(q):
         return ttt_attention_sdpa(q, keys, values, scale)
     n_rep = q.shape[1] // keys[0].shape[1]
     ks = [repeat_kv(k, n_rep) for k in keys]  # GQA: autograd sums the repeated heads' gradients
     vs = [repeat_kv(v, n_rep) for v in values]
-    return _MergedTTTAttention.apply(float(scale), compile if compile == "dynamic" else bool(compile), q, ks[0], vs[0], *ks[1:], *vs[1:])
+    compile = compile if compile == "dynamic" else bool(compile)
+    return _MergedTTTAttention.apply(float(scale), compile, kernel, q, ks[0], vs[0], *ks[1:], *vs[1:])
 
 
 @functools.lru_cache(maxsize=1)
@@ -351,7 +390,8 @@ def ttt_attention_flex(q, keys, values, scale: float, compiled: bool = True) -> 
 
 
 def ttt_attention(q, keys, values, scale: float, mode: str = "auto", compile: bool | str = False) -> torch.Tensor:
-    """Dispatch: "reference", "sdpa", "merged", "flex", "fast" (= flex on CUDA, else merged), "auto" (= fast).
+    """Dispatch: "reference", "sdpa", "merged", "merged_cudnn", "flex", "fast" (= flex on CUDA, else
+    merged), "auto" (= fast).
     compile: fuse the merged mode's elementwise work (the other modes ignore it)."""
     if mode not in ATTENTION_MODES:
         raise ValueError(f"attention mode {mode!r} is not one of {ATTENTION_MODES}")
@@ -361,4 +401,5 @@ def ttt_attention(q, keys, values, scale: float, mode: str = "auto", compile: bo
         return ttt_attention_flex(q, keys, values, scale)
     if mode == "sdpa":
         return ttt_attention_sdpa(q, keys, values, scale)
-    return ttt_attention_merged(q, keys, values, scale, compile=compile)
+    return ttt_attention_merged(q, keys, values, scale, compile=compile,
+                                kernel="cudnn" if mode == "merged_cudnn" else "flash")

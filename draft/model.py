@@ -35,6 +35,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from .attention import many_graphs, repeat_kv, ttt_attention
+from .grad_accum import accumulating_linear
 from .config import Eagle3Config
 
 
@@ -274,6 +275,10 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("t2d", t2d)
         # A plain fp32 tensor, not a buffer: module.to(bfloat16) must not round the frequencies.
         self.inv_freq, self.attention_scaling = rope_parameters(config)
+        # ttt_step's midlayer matmuls add their weight gradients straight into .grad (one GEMM
+        # with beta = 1 per step instead of a new [out, in] tensor plus an add): see grad_accum.
+        # Off by default: one process, parameters in the compute dtype (bf16) only.
+        self.fuse_weight_grads = False
         self.reset_parameters()
 
     # ------------------------------------------------------------------ setup
@@ -387,16 +392,18 @@ class Eagle3Draft(nn.Module):
         layer, attn_mod, mlp = self.midlayer, self.midlayer.self_attn, self.midlayer.mlp
         eps = self.config.rms_norm_eps
         b, t, _ = hidden.shape
+        lin = (lambda m, x: accumulating_linear(x, m.weight)) if self.fuse_weight_grads else (lambda m, x: m(x))
         x = ew["norm_cat"](embeds, hidden, layer.input_layernorm.weight, layer.hidden_norm.weight, eps)  # [B, T, 2H]
-        q = attn_mod.q_proj(x).view(b, t, attn_mod.num_heads, attn_mod.head_dim).transpose(1, 2)  # [B, Hq, T, D]
-        k = attn_mod.k_proj(x).view(b, t, attn_mod.num_kv_heads, attn_mod.head_dim).transpose(1, 2)
-        v = attn_mod.v_proj(x).view(b, t, attn_mod.num_kv_heads, attn_mod.head_dim).transpose(1, 2)
+        q = lin(attn_mod.q_proj, x).view(b, t, attn_mod.num_heads, attn_mod.head_dim).transpose(1, 2)  # [B, Hq, T, D]
+        k = lin(attn_mod.k_proj, x).view(b, t, attn_mod.num_kv_heads, attn_mod.head_dim).transpose(1, 2)
+        v = lin(attn_mod.v_proj, x).view(b, t, attn_mod.num_kv_heads, attn_mod.head_dim).transpose(1, 2)
         cos, sin = cos[:, None].to(q.dtype), sin[:, None].to(q.dtype)  # [1, 1, T, D]
         q, k = ew["rope"](q, cos, sin), ew["rope"](k, cos, sin)
         keys, values = list(kv[:n_prev]) + [k], list(kv[n_prev:]) + [v]
         attn = ttt_attention(q, keys, values, attn_mod.scale, mode=attention, compile=compile)  # [B, Hq, T, D]
-        h, y = ew["add_norm"](hidden, attn_mod.out(attn), layer.post_attention_layernorm.weight, eps)
-        mlp_out = mlp.down_proj(ew["silu_mul"](mlp.gate_proj(y), mlp.up_proj(y)))
+        attn = attn.transpose(1, 2).reshape(b, t, attn_mod.num_heads * attn_mod.head_dim)  # [B, T, Hq * D]
+        h, y = ew["add_norm"](hidden, lin(attn_mod.o_proj, attn), layer.post_attention_layernorm.weight, eps)
+        mlp_out = lin(mlp.down_proj, ew["silu_mul"](lin(mlp.gate_proj, y), lin(mlp.up_proj, y)))
         out, normed = ew["add_norm"](h, mlp_out, self.norm.weight, eps)
         return out, normed, k, v
 

@@ -495,6 +495,54 @@ def test_forward_ttt_checkpoint_modes_equal_no_checkpoint(checkpoint, attention)
         assert err < 1e-5, f"{checkpoint}/{attention} {name}: relative gradient error {err:.2e}"
 
 
+@pytest.mark.parametrize("checkpoint", ["none", "step", "selective", ("selective_all", "none", "step", "selective")])
+def test_fused_weight_grads_equal_autograd_accumulation(checkpoint):
+    """fuse_weight_grads (each midlayer matmul's weight gradient added into .grad in its
+    backward) gives the reference run's outputs and every parameter's gradient, under each
+    checkpoint mode (the recomputed forward must not add twice)."""
+    config = make_config("llama3", kv_heads=2)
+    draft = make_draft(config, seed=31)
+    aux, ids = random_inputs(config, 2, 13, seed=32)
+    weights = torch.randn(4, 2, 13, config.draft_vocab_size, generator=torch.Generator().manual_seed(33))
+    ref_out, ref_grads = _ttt_grads(draft, aux, ids, 4, weights, attention="reference")
+    draft.fuse_weight_grads = True
+    out, grads = _ttt_grads(draft, aux, ids, 4, weights, attention="merged", checkpoint=checkpoint)
+    for a, b in zip(out, ref_out):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert grads.keys() == ref_grads.keys()
+    for name, g in ref_grads.items():
+        err = (grads[name] - g).norm() / g.norm()
+        assert err < 1e-5, f"fused {checkpoint} {name}: relative gradient error {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_accumulating_linear_matches_linear(dtype):
+    """Three calls on one weight (odd shapes, a gradient already in .grad, a frozen weight, an
+    input without grad): dx as F.linear's, W.grad = old + the sum of the three dW."""
+    from eagleforge.draft.grad_accum import accumulating_linear
+
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(13, 29, generator=g).to(dtype).requires_grad_()
+    xs = [torch.randn(2, n, 29, generator=g).to(dtype).requires_grad_() for n in (5, 1, 7)]
+    ups = [torch.randn(2, n, 13, generator=g).to(dtype) for n in (5, 1, 7)]
+    old = torch.randn(13, 29, generator=g).to(dtype)
+    ref_w = w.detach().clone().requires_grad_()
+    ref_xs = [x.detach().clone().requires_grad_() for x in xs]
+    sum((torch.nn.functional.linear(x, ref_w) * u).sum() for x, u in zip(ref_xs, ups)).backward()
+    w.grad = old.clone()
+    sum((accumulating_linear(x, w) * u).sum() for x, u in zip(xs, ups)).backward()
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 2e-2}
+    for x, rx in zip(xs, ref_xs):
+        torch.testing.assert_close(x.grad, rx.grad, **tol)
+    torch.testing.assert_close(w.grad.float(), (old.float() + ref_w.grad.float()), **tol)
+    frozen = w.detach()
+    y = accumulating_linear(xs[0], frozen)
+    y.sum().backward()  # no weight gradient asked: nothing added anywhere
+    assert frozen.grad is None
+    with pytest.raises(ValueError, match="dtype"):
+        accumulating_linear(xs[0].float(), w.double())
+
+
 def test_selective_policy_saves_the_wide_matmuls_only():
     """The policy keeps matmuls whose inner dimension exceeds H (q/k/v from 2H, o_proj from
     heads*D > H, down from the intermediate) and recomputes gate/up (inner dim H)."""

@@ -158,21 +158,46 @@ def test_flex_mask_matches_reference_eager_cpu():
     torch.testing.assert_close(out, A.ttt_attention_reference(q, keys, values, 0.25), atol=1e-5, rtol=1e-5)
 
 
+def test_merged_cudnn_is_merged_on_cpu_and_checks_kernel():
+    """On the CPU the cuDNN mode runs the CPU flash kernel, bit for bit the merged mode."""
+    q, keys, values = _inputs(1, 4, 2, 37, 16, 3, seed=21)
+    torch.testing.assert_close(A.ttt_attention(q, keys, values, 0.3, mode="merged_cudnn"),
+                               A.ttt_attention(q, keys, values, 0.3, mode="merged"), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="kernel 'fa3'"):
+        A.ttt_attention_merged(q, keys, values, 0.3, kernel="fa3")
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["merged", "merged_cudnn"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_merged_flash_matches_reference_cuda(dtype):
-    """FlashAttention-2 forward/backward with the merged lse on CUDA, against the fp32 reference."""
+def test_merged_flash_matches_reference_cuda(dtype, mode):
+    """FlashAttention-2 / cuDNN forward and ONE backward with the merged out and lse on CUDA,
+    against the fp32 reference, at an odd T."""
     q, keys, values = _inputs(1, 8, 2, 333, 128, 5, seed=14)
     leaves = [x.cuda().to(dtype).requires_grad_() for x in [q, *keys, *values]]
     ref32 = [x.detach().float().requires_grad_() for x in leaves]
     ref = A.ttt_attention_reference(ref32[0], ref32[1:6], ref32[6:], 128**-0.5)
-    out = A.ttt_attention(leaves[0], leaves[1:6], leaves[6:], 128**-0.5, mode="merged")
+    out = A.ttt_attention(leaves[0], leaves[1:6], leaves[6:], 128**-0.5, mode=mode)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
     g_ref = torch.autograd.grad(ref.square().sum(), ref32)
     g_out = torch.autograd.grad(out.float().square().sum(), leaves)
     for i, (a, b) in enumerate(zip(g_out, g_ref)):
         err = ((a.float() - b).norm() / b.norm()).item()
         assert err < 2e-2, f"gradient of leaf {i}: relative error {err:.2e}"
+
+
+@pytest.mark.gpu
+def test_cudnn_kernel_runs_at_the_draft_shape_cuda():
+    """At the Kimi draft's head shape (D = 128, bf16) cuDNN must take the inputs: a silent
+    fallback to FlashAttention-2 would make the merged_cudnn mode's timings mean nothing."""
+    q, keys, values = _inputs(1, 64, 64, 1024, 128, 2, seed=3)
+    q, keys, values = q.cuda().bfloat16(), [k.cuda().bfloat16() for k in keys], [v.cuda().bfloat16() for v in values]
+    A._cudnn_refused.clear()
+    out0, lse0, aux = A._flash_forward(q, keys[0], values[0], 128**-0.5, "cudnn")
+    assert aux[0] == "cudnn" and not A._cudnn_refused
+    ref_out, ref_lse, _ = A._flash_forward(q, keys[0], values[0], 128**-0.5, "flash")
+    torch.testing.assert_close(out0.float(), ref_out.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse0, ref_lse.float(), atol=1e-3, rtol=1e-3)  # the same natural-log row lse
 
 
 @pytest.mark.gpu
