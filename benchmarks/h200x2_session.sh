@@ -42,6 +42,8 @@
 #       cuDNN, compiled merge) at 2K/8K/32K; bench-train at 2K and 8K (old best, cuDNN alone,
 #       cuDNN + fused weight gradients) beside SpecForge; a profile of the new step at 2K
 #   M2: bench-train at 16K and 32K (old best vs new) beside SpecForge, and the new one at 65536
+#   N (nvidia-h200-x2): issue 6's tp 1 -> 2 scaling at 16K with both on the SAME machine (the
+#      second session's 84.3% compared tp 2 with a tp 1 run of another machine)
 set -u
 PHASE=$1; shift
 RES=/tmp/res_$PHASE; rm -rf "$RES"; mkdir -p "$RES"
@@ -216,6 +218,13 @@ M2)
   timeout 150 python3 benchmarks/bench_train.py --variants "$NEW" --no-attention-bench --no-checks --no-specforge \
     --tokens 65536 --iters 2 --warmup 1 --json "$RES/bench_train_64k.json" > "$RES/bench_train_64k.log" 2>&1
   tail -4 "$RES/bench_train_64k.log"
+  ;;
+N)
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/bench_extract.py --tokens 16384 --no-write \
+    --json "$RES/extract_tp1.json" > "$RES/extract_tp1.log" 2>&1; tail -4 "$RES/extract_tp1.log"
+  timeout 300 torchrun --standalone --nproc-per-node 2 benchmarks/bench_extract.py --tokens 16384 --no-write \
+    --baseline-json "$RES/extract_tp1.json" --json "$RES/extract_tp2.json" > "$RES/extract_tp2.log" 2>&1
+  tail -6 "$RES/extract_tp2.log"
   ;;
 G)
   timeout 420 torchrun --standalone --nproc-per-node 2 benchmarks/bench_extract.py --tokens 16384 32768 --no-write \
