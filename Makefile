@@ -19,7 +19,7 @@ PY := $(VENV)/bin/python
 ARGS := $(if $(CONFIG),--config $(CONFIG)) run_dir=$(RUN) $(OVERRIDES)
 STAMP := $(VENV)/.installed
 
-.PHONY: install data extract vocab train eval plan test test-fast bench-extract-cpu bench-extract bench-moe bench-loss bench-train bench-teacher-forced clean
+.PHONY: install data extract vocab train eval plan test test-fast bench-extract-cpu bench-extract bench-moe bench-loss bench-train bench-prefill-attention bench-teacher-forced clean
 
 install: $(STAMP)
 
@@ -65,6 +65,9 @@ bench-loss: $(STAMP)
 
 bench-train: $(STAMP)
 	$(PY) benchmarks/bench_train.py
+
+bench-prefill-attention: $(STAMP)
+	$(PY) benchmarks/bench_prefill_attention.py
 
 # Where a trained draft's acceptance is lost: teacher-forced on HumanEval vs its own held-out text.
 bench-teacher-forced: $(STAMP)

@@ -43,7 +43,10 @@
 #       cuDNN + fused weight gradients) beside SpecForge; a profile of the new step at 2K
 #   M2: bench-train at 16K and 32K (old best vs new) beside SpecForge, and the new one at 65536
 #   N (nvidia-h200-x2): issue 6's tp 1 -> 2 scaling at 16K with both on the SAME machine (the
-#      second session's 84.3% compared tp 2 with a tp 1 run of another machine)
+#      second session's 84.3% compared tp 2 with a tp 1 run of another machine); NOT run: the
+#      x2 kind was not lent when it was asked for
+#   O (nvidia-h200): issue 6's prefill attention by kernel (FA2 vs cuDNN, MLA head dims), and
+#      bench-extract at 16K with the default kernel and with EAGLEFORGE_PREFILL_ATTENTION=cudnn
 set -u
 PHASE=$1; shift
 RES=/tmp/res_$PHASE; rm -rf "$RES"; mkdir -p "$RES"
@@ -225,6 +228,16 @@ N)
   timeout 300 torchrun --standalone --nproc-per-node 2 benchmarks/bench_extract.py --tokens 16384 --no-write \
     --baseline-json "$RES/extract_tp1.json" --json "$RES/extract_tp2.json" > "$RES/extract_tp2.log" 2>&1
   tail -6 "$RES/extract_tp2.log"
+  ;;
+O)
+  timeout 90 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_int4_moe.py -k prefill > "$RES/gpu_tests.log" 2>&1
+  tail -3 "$RES/gpu_tests.log"
+  timeout 120 python3 benchmarks/bench_prefill_attention.py --json "$RES/prefill_attention.json" \
+    > "$RES/prefill_attention.log" 2>&1; tail -14 "$RES/prefill_attention.log"
+  for K in auto cudnn; do
+    EAGLEFORGE_PREFILL_ATTENTION=$K timeout 200 python3 benchmarks/bench_extract.py --tokens 16384 --no-write \
+      --json "$RES/extract_tp1_$K.json" > "$RES/extract_tp1_$K.log" 2>&1; tail -4 "$RES/extract_tp1_$K.log"
+  done
   ;;
 G)
   timeout 420 torchrun --standalone --nproc-per-node 2 benchmarks/bench_extract.py --tokens 16384 32768 --no-write \

@@ -234,6 +234,38 @@ def test_prefill_attention_chunks_match_explicit_softmax(T, chunk):
     assert float((got - want).abs().max()) < 1e-12
 
 
+def test_prefill_attention_backend_checked_and_cpu_equal():
+    """Every backend is the same math on the CPU; an unknown one is refused with its name."""
+    from eagleforge.extract.native.model import prefill_attention
+
+    q, k, v = torch.randn(1, 11, 2, 8), torch.randn(1, 11, 2, 8), torch.randn(1, 11, 2, 6)
+    base = prefill_attention(q, k, v, 0.3, chunk_tokens=4, backend="auto")
+    for backend in ("sdpa", "cudnn"):
+        torch.testing.assert_close(prefill_attention(q, k, v, 0.3, chunk_tokens=4, backend=backend), base)
+    with pytest.raises(ValueError, match="'fa9'"):
+        prefill_attention(q, k, v, 0.3, backend="fa9")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend,chunk", [("auto", 300), ("sdpa", None), ("cudnn", None), ("cudnn", 300)])
+def test_prefill_attention_cuda_backends_match_float64(backend, chunk):
+    """MLA head dims (q/k 192, v 128), odd T, bf16 on CUDA, each kernel choice (one chunk or
+    several, bottom-right aligned) against the float64 softmax."""
+    from eagleforge.extract.native.model import prefill_attention
+
+    T, n, scale = 1031, 4, 192**-0.5
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(1, T, n, 192, generator=g).double(), torch.randn(1, T, n, 192, generator=g).double()
+    v = torch.randn(1, T, n, 128, generator=g).double()
+    scores = torch.einsum("btnd,bsnd->bnts", q, k) * scale
+    want = torch.einsum("bnts,bsnd->btnd", scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1),
+                                                               float("-inf")).softmax(-1), v)
+    got = prefill_attention(*(x.cuda().bfloat16() for x in (q, k, v)), scale, chunk_tokens=chunk, backend=backend)
+    assert got.shape == (1, T, n, 128)
+    err = float((got.cpu().double() - want).abs().max() / want.abs().max())
+    assert err < 2e-2, f"{backend}: max relative error {err:.2e}"
+
+
 def test_routed_experts_backends_agree():
     """routed_experts_forward's loop and grouped_mm backends on a random Kimi-shaped toy layer (bf16)."""
     from eagleforge.extract.native import model as M

@@ -184,6 +184,11 @@ class RMSNorm(nn.Module):
 # Query rows per attention call: bounds q's transposed copy and the output buffer of one call to
 # C x heads x 192 x 2 bytes (8192 x 64 heads: 192 MiB); keys always cover the whole prefix.
 ATTENTION_CHUNK_TOKENS = 8192
+# Prefill attention kernel on CUDA: "auto" = flash_attn's kernel when the package is installed,
+# else torch's SDPA choice (FlashAttention-2 for bf16); "cudnn" = SDPA with cuDNN's fused
+# attention first (FlashAttention-2 where cuDNN refuses the inputs); "sdpa" = torch's choice.
+PREFILL_BACKENDS = ("auto", "sdpa", "cudnn")
+PREFILL_BACKEND = os.environ.get("EAGLEFORGE_PREFILL_ATTENTION", "auto")
 
 
 def _flash_attn_func():
@@ -195,32 +200,55 @@ def _flash_attn_func():
     return flash_attn_func
 
 
+def _sdpa_backends(backend: str):
+    """Context restricting SDPA to fused kernels in `backend`'s order of preference (never the
+    math kernel, whose [n, t, T] scores would not fit at long T), or a no-op for "sdpa"."""
+    from contextlib import nullcontext
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if backend != "cudnn":
+        return nullcontext()
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    return sdpa_kernel(order, set_priority=True)
+
+
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                      chunk_tokens: int | None = None) -> torch.Tensor:
+                      chunk_tokens: int | None = None, backend: str | None = None) -> torch.Tensor:
     """Causal attention over a whole prompt: q, k [B, T, n, d_qk], v [B, T, n, d_v] -> [B, T, n, d_v].
 
     Right padding only, so a causal mask is all a batch needs. Queries go in chunks of
     `chunk_tokens` rows; chunk [s, e) attends to keys [0, e) with the causal diagonal at its
     bottom right (torch's causal_lower_right, which SDPA maps to flash attention). On CUDA, v is
     zero-padded to d_qk (MLA: 128 -> 192) because the flash kernels want one head dim; the padded
-    output columns are zeros and are cut off. flash_attn's own kernel is used when installed.
+    output columns are zeros and are cut off. backend: one of PREFILL_BACKENDS (default
+    PREFILL_BACKEND, from $EAGLEFORGE_PREFILL_ATTENTION). "cudnn" on CUDA runs the whole prompt
+    as one causal call unless chunk_tokens is given: the fused kernels' memory is linear in T
+    (chunks bound the math kernel's scores, which it never uses), and cuDNN takes only the
+    top-left causal mask of a first chunk (a later chunk's bottom-right mask goes to FA2).
     """
-    chunk = chunk_tokens or ATTENTION_CHUNK_TOKENS
+    backend = backend or PREFILL_BACKEND
+    if backend not in PREFILL_BACKENDS:
+        raise ValueError(f"prefill attention backend {backend!r} is not one of {PREFILL_BACKENDS} "
+                         "(set by EAGLEFORGE_PREFILL_ATTENTION or the backend argument)")
     T, d_v = q.shape[1], v.shape[-1]
+    fused = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+    chunk = chunk_tokens or (max(T, 1) if fused and backend == "cudnn" else ATTENTION_CHUNK_TOKENS)
     if q.is_cuda and d_v < q.shape[-1]:
         v = F.pad(v, (0, q.shape[-1] - d_v))
-    flash = _flash_attn_func() if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) else None
+    flash = _flash_attn_func() if fused and backend == "auto" else None
     out = torch.empty(q.shape[:-1] + (d_v,), dtype=q.dtype, device=q.device)
-    for s in range(0, T, chunk):
-        e = min(T, s + chunk)
-        if flash is not None:  # [B, t, n, d] layout, bottom-right causal alignment
-            part = flash(q[:, s:e], k[:, :e], v[:, :e], softmax_scale=scale, causal=True)
-        else:
-            mask = {"is_causal": True} if s == 0 else {"attn_mask": causal_lower_right(e - s, e)}
-            part = F.scaled_dot_product_attention(
-                q[:, s:e].transpose(1, 2), k[:, :e].transpose(1, 2), v[:, :e].transpose(1, 2), scale=scale, **mask
-            ).transpose(1, 2)  # [B, n, t, d] -> [B, t, n, d]
-        out[:, s:e] = part[..., :d_v]
+    with _sdpa_backends(backend if fused else "sdpa"):
+        for s in range(0, T, chunk):
+            e = min(T, s + chunk)
+            if flash is not None:  # [B, t, n, d] layout, bottom-right causal alignment
+                part = flash(q[:, s:e], k[:, :e], v[:, :e], softmax_scale=scale, causal=True)
+            else:
+                mask = {"is_causal": True} if s == 0 else {"attn_mask": causal_lower_right(e - s, e)}
+                part = F.scaled_dot_product_attention(
+                    q[:, s:e].transpose(1, 2), k[:, :e].transpose(1, 2), v[:, :e].transpose(1, 2), scale=scale, **mask
+                ).transpose(1, 2)  # [B, n, t, d] -> [B, t, n, d]
+            out[:, s:e] = part[..., :d_v]
     return out
 
 
