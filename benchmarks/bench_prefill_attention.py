@@ -3,11 +3,12 @@
 One rank's heads at tp 1 (64 heads, q/k head dim 192 = 128 nope + 64 rope, v head dim 128), one
 causal sequence of T tokens, forward only, bf16, through extract.native.model.prefill_attention:
 
-    auto, chunks of 8192     the default until now: SDPA (FlashAttention-2), v padded to 192
-    sdpa, one chunk          the same kernel over the whole prompt at once
-    cudnn, one chunk         SDPA with cuDNN's fused attention first, v padded to 192
-    cudnn, v unpadded        cuDNN alone on q, k [.., 192] and v [.., 128] (no wasted PV work),
-                             if this torch's cuDNN path takes different head dims
+    flash, chunks of 8192    the default until 2026-11-30: FlashAttention-2 through SDPA, v
+                             padded to 192, query chunks of 8192 (bottom-right causal masks)
+    flash, one call          the same kernel over the whole prompt at once
+    cudnn, v padded          SDPA with cuDNN's fused attention alone, v padded to 192
+    auto (cudnn, v unpadded) the default now: cuDNN on q, k [.., 192] and v [.., 128] (no wasted
+                             PV work)
 
 Each row: median ms (do_bench), TFLOP/s of the causal core (2 x n x T^2/2 x (192 + 128), the
 unpadded math), and the largest error against a float64 softmax at T = 1031 (odd).
@@ -36,20 +37,22 @@ from eagleforge.extract.native.model import prefill_attention  # noqa: E402
 log = logging.getLogger("bench_prefill_attention")
 
 
-def cudnn_unpadded(q, k, v, scale):
-    """cuDNN alone, v at its own head dim. q, k [B, T, n, 192], v [B, T, n, 128]."""
+def cudnn_padded(q, k, v, scale):
+    """cuDNN alone, v zero-padded to q's head dim and cut back. q, k [B, T, n, 192], v [B, T, n, 128]."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    d_v = v.shape[-1]
+    v = F.pad(v, (0, q.shape[-1] - d_v))
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale,
-                                              is_causal=True).transpose(1, 2)
+                                              is_causal=True).transpose(1, 2)[..., :d_v]
 
 
 VARIANTS = {
-    "auto, chunks of 8192": lambda q, k, v, s: prefill_attention(q, k, v, s, backend="auto"),
-    "sdpa, one chunk": lambda q, k, v, s: prefill_attention(q, k, v, s, chunk_tokens=q.shape[1], backend="sdpa"),
-    "cudnn, one chunk": lambda q, k, v, s: prefill_attention(q, k, v, s, backend="cudnn"),
-    "cudnn, v unpadded": cudnn_unpadded,
+    "flash, chunks of 8192": lambda q, k, v, s: prefill_attention(q, k, v, s, chunk_tokens=8192, backend="flash"),
+    "flash, one call": lambda q, k, v, s: prefill_attention(q, k, v, s, backend="flash"),
+    "cudnn, v padded": cudnn_padded,
+    "auto (cudnn, v unpadded)": lambda q, k, v, s: prefill_attention(q, k, v, s, backend="auto"),
 }
 
 

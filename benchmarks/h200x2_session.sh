@@ -47,6 +47,9 @@
 #      x2 kind was not lent when it was asked for
 #   O (nvidia-h200): issue 6's prefill attention by kernel (FA2 vs cuDNN, MLA head dims), and
 #      bench-extract at 16K with the default kernel and with EAGLEFORGE_PREFILL_ATTENTION=cudnn
+#      (the tests did not collect there: compressed-tensors travels in .carry/w2)
+#   P (nvidia-h200): the new default (cuDNN, one call, v unpadded): its GPU tests, the prefill
+#      attention table again, bench-extract at 8K, 16K and 32K
 set -u
 PHASE=$1; shift
 RES=/tmp/res_$PHASE; rm -rf "$RES"; mkdir -p "$RES"
@@ -238,6 +241,14 @@ O)
     EAGLEFORGE_PREFILL_ATTENTION=$K timeout 200 python3 benchmarks/bench_extract.py --tokens 16384 --no-write \
       --json "$RES/extract_tp1_$K.json" > "$RES/extract_tp1_$K.log" 2>&1; tail -4 "$RES/extract_tp1_$K.log"
   done
+  ;;
+P)
+  timeout 90 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_int4_moe.py -k prefill > "$RES/gpu_tests.log" 2>&1
+  tail -3 "$RES/gpu_tests.log"
+  timeout 120 python3 benchmarks/bench_prefill_attention.py --json "$RES/prefill_attention.json" \
+    > "$RES/prefill_attention.log" 2>&1; tail -14 "$RES/prefill_attention.log"
+  timeout 330 python3 benchmarks/bench_extract.py --tokens 8192 16384 32768 --no-write \
+    --json "$RES/extract_tp1.json" > "$RES/extract_tp1.log" 2>&1; tail -5 "$RES/extract_tp1.log"
   ;;
 G)
   timeout 420 torchrun --standalone --nproc-per-node 2 benchmarks/bench_extract.py --tokens 16384 32768 --no-write \

@@ -240,17 +240,18 @@ def test_prefill_attention_backend_checked_and_cpu_equal():
 
     q, k, v = torch.randn(1, 11, 2, 8), torch.randn(1, 11, 2, 8), torch.randn(1, 11, 2, 6)
     base = prefill_attention(q, k, v, 0.3, chunk_tokens=4, backend="auto")
-    for backend in ("sdpa", "cudnn"):
+    for backend in ("flash", "cudnn"):
         torch.testing.assert_close(prefill_attention(q, k, v, 0.3, chunk_tokens=4, backend=backend), base)
     with pytest.raises(ValueError, match="'fa9'"):
         prefill_attention(q, k, v, 0.3, backend="fa9")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend,chunk", [("auto", 300), ("sdpa", None), ("cudnn", None), ("cudnn", 300)])
+@pytest.mark.parametrize("backend,chunk", [("auto", None), ("auto", 300), ("flash", None), ("flash", 300)])
 def test_prefill_attention_cuda_backends_match_float64(backend, chunk):
-    """MLA head dims (q/k 192, v 128), odd T, bf16 on CUDA, each kernel choice (one chunk or
-    several, bottom-right aligned) against the float64 softmax."""
+    """MLA head dims (q/k 192, v 128), odd T, bf16 on CUDA, each kernel choice (cuDNN in one
+    call with v unpadded, FA2 in one call or in bottom-right aligned chunks) against the float64
+    softmax; auto must not have fallen back from cuDNN."""
     from eagleforge.extract.native.model import prefill_attention
 
     T, n, scale = 1031, 4, 192**-0.5
@@ -264,6 +265,9 @@ def test_prefill_attention_cuda_backends_match_float64(backend, chunk):
     assert got.shape == (1, T, n, 128)
     err = float((got.cpu().double() - want).abs().max() / want.abs().max())
     assert err < 2e-2, f"{backend}: max relative error {err:.2e}"
+    from eagleforge.extract.native.model import _cudnn_refused
+
+    assert not _cudnn_refused, f"cuDNN refused {_cudnn_refused}"
 
 
 def test_routed_experts_backends_agree():

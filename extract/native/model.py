@@ -21,6 +21,7 @@ bf16 resolution since the latent's mean square is many orders above either eps).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -42,6 +43,8 @@ from .parallel import (
     VocabParallelHead,
     expert_partition,
 )
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -183,12 +186,19 @@ class RMSNorm(nn.Module):
 
 # Query rows per attention call: bounds q's transposed copy and the output buffer of one call to
 # C x heads x 192 x 2 bytes (8192 x 64 heads: 192 MiB); keys always cover the whole prefix.
+# Query rows per chunk where the attention runs unfused (CPU, fp32): the math kernel holds
+# [n, chunk, T] scores. The fused CUDA kernels need no chunks (their memory is linear in T).
 ATTENTION_CHUNK_TOKENS = 8192
-# Prefill attention kernel on CUDA: "auto" = flash_attn's kernel when the package is installed,
-# else torch's SDPA choice (FlashAttention-2 for bf16); "cudnn" = SDPA with cuDNN's fused
-# attention first (FlashAttention-2 where cuDNN refuses the inputs); "sdpa" = torch's choice.
-PREFILL_BACKENDS = ("auto", "sdpa", "cudnn")
+# Prefill attention kernel on CUDA (bf16/fp16), measured by benchmarks/bench_prefill_attention.py:
+#   auto        cuDNN's fused attention, one causal call, v at its own head dim (MLA: 128, no
+#               padding to 192); where cuDNN refuses the inputs, flash_attn's kernel when the
+#               package is installed, else FlashAttention-2 through SDPA with v padded
+#   cudnn       the same as auto (the name says what is wanted)
+#   flash       FlashAttention-2 through SDPA, v padded to d_qk, one call (chunks when asked)
+#   flash_attn  the flash_attn package's kernel (chunks aligned bottom-right), v padded
+PREFILL_BACKENDS = ("auto", "cudnn", "flash", "flash_attn")
 PREFILL_BACKEND = os.environ.get("EAGLEFORGE_PREFILL_ATTENTION", "auto")
+_cudnn_refused: set[tuple] = set()  # (dtype, shapes) cuDNN refused once: not asked again
 
 
 def _flash_attn_func():
@@ -200,56 +210,73 @@ def _flash_attn_func():
     return flash_attn_func
 
 
-def _sdpa_backends(backend: str):
-    """Context restricting SDPA to fused kernels in `backend`'s order of preference (never the
-    math kernel, whose [n, t, T] scores would not fit at long T), or a no-op for "sdpa"."""
-    from contextlib import nullcontext
-
+def _cudnn_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """cuDNN's causal attention in one call, v unpadded: [B, T, n, d_v], or None where cuDNN
+    refuses these inputs (then remembered, and the caller falls back)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    if backend != "cudnn":
-        return nullcontext()
-    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
-    return sdpa_kernel(order, set_priority=True)
+    key = (q.dtype, tuple(q.shape), tuple(v.shape), q.device.index)
+    if key in _cudnn_refused:
+        return None
+    try:
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale, is_causal=True
+            ).transpose(1, 2)  # [B, n, T, d_v] -> [B, T, n, d_v]
+    except RuntimeError as err:
+        _cudnn_refused.add(key)
+        log.warning("cuDNN attention refused q %s v %s (%s); prefill attention falls back to FlashAttention-2",
+                    tuple(q.shape), tuple(v.shape), str(err).splitlines()[0][:200])
+        return None
+
+
+def _chunked_attention(q, k, v, scale: float, chunk: int, flash) -> torch.Tensor:
+    """Query chunks [s, e) over keys [0, e), causal diagonal at the chunk's bottom right:
+    flash_attn's kernel when given, else SDPA (causal_lower_right for chunks after the first).
+    On CUDA, v is zero-padded to d_qk (the flash kernels want one head dim) and cut back."""
+    T, d_v = q.shape[1], v.shape[-1]
+    if q.is_cuda and d_v < q.shape[-1]:
+        v = F.pad(v, (0, q.shape[-1] - d_v))
+    out = torch.empty(q.shape[:-1] + (d_v,), dtype=q.dtype, device=q.device)
+    for s in range(0, T, chunk):
+        e = min(T, s + chunk)
+        if flash is not None:  # [B, t, n, d] layout, bottom-right causal alignment
+            part = flash(q[:, s:e], k[:, :e], v[:, :e], softmax_scale=scale, causal=True)
+        else:
+            mask = {"is_causal": True} if s == 0 else {"attn_mask": causal_lower_right(e - s, e)}
+            part = F.scaled_dot_product_attention(
+                q[:, s:e].transpose(1, 2), k[:, :e].transpose(1, 2), v[:, :e].transpose(1, 2), scale=scale, **mask
+            ).transpose(1, 2)  # [B, n, t, d] -> [B, t, n, d]
+        out[:, s:e] = part[..., :d_v]
+    return out
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                       chunk_tokens: int | None = None, backend: str | None = None) -> torch.Tensor:
     """Causal attention over a whole prompt: q, k [B, T, n, d_qk], v [B, T, n, d_v] -> [B, T, n, d_v].
 
-    Right padding only, so a causal mask is all a batch needs. Queries go in chunks of
-    `chunk_tokens` rows; chunk [s, e) attends to keys [0, e) with the causal diagonal at its
-    bottom right (torch's causal_lower_right, which SDPA maps to flash attention). On CUDA, v is
-    zero-padded to d_qk (MLA: 128 -> 192) because the flash kernels want one head dim; the padded
-    output columns are zeros and are cut off. backend: one of PREFILL_BACKENDS (default
-    PREFILL_BACKEND, from $EAGLEFORGE_PREFILL_ATTENTION). "cudnn" on CUDA runs the whole prompt
-    as one causal call unless chunk_tokens is given: the fused kernels' memory is linear in T
-    (chunks bound the math kernel's scores, which it never uses), and cuDNN takes only the
-    top-left causal mask of a first chunk (a later chunk's bottom-right mask goes to FA2).
+    Right padding only, so a causal mask is all a batch needs. backend: one of PREFILL_BACKENDS
+    (default PREFILL_BACKEND, from $EAGLEFORGE_PREFILL_ATTENTION). On CUDA in bf16/fp16 the
+    whole prompt is one fused call unless chunk_tokens is given (on 2026-11-30 the 8192-row
+    chunks' bottom-right mask sent SDPA to a kernel 1.7-1.9x slower than one causal call at
+    16-32K); elsewhere queries go in chunks of chunk_tokens (default ATTENTION_CHUNK_TOKENS) so
+    the math kernel's scores stay bounded.
     """
     backend = backend or PREFILL_BACKEND
     if backend not in PREFILL_BACKENDS:
         raise ValueError(f"prefill attention backend {backend!r} is not one of {PREFILL_BACKENDS} "
                          "(set by EAGLEFORGE_PREFILL_ATTENTION or the backend argument)")
-    T, d_v = q.shape[1], v.shape[-1]
     fused = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
-    chunk = chunk_tokens or (max(T, 1) if fused and backend == "cudnn" else ATTENTION_CHUNK_TOKENS)
-    if q.is_cuda and d_v < q.shape[-1]:
-        v = F.pad(v, (0, q.shape[-1] - d_v))
-    flash = _flash_attn_func() if fused and backend == "auto" else None
-    out = torch.empty(q.shape[:-1] + (d_v,), dtype=q.dtype, device=q.device)
-    with _sdpa_backends(backend if fused else "sdpa"):
-        for s in range(0, T, chunk):
-            e = min(T, s + chunk)
-            if flash is not None:  # [B, t, n, d] layout, bottom-right causal alignment
-                part = flash(q[:, s:e], k[:, :e], v[:, :e], softmax_scale=scale, causal=True)
-            else:
-                mask = {"is_causal": True} if s == 0 else {"attn_mask": causal_lower_right(e - s, e)}
-                part = F.scaled_dot_product_attention(
-                    q[:, s:e].transpose(1, 2), k[:, :e].transpose(1, 2), v[:, :e].transpose(1, 2), scale=scale, **mask
-                ).transpose(1, 2)  # [B, n, t, d] -> [B, t, n, d]
-            out[:, s:e] = part[..., :d_v]
-    return out
+    if not fused:
+        return _chunked_attention(q, k, v, scale, chunk_tokens or ATTENTION_CHUNK_TOKENS, None)
+    if backend in ("auto", "cudnn") and chunk_tokens is None:
+        out = _cudnn_causal(q, k, v, scale)
+        if out is not None:
+            return out
+    flash = _flash_attn_func() if backend in ("auto", "cudnn", "flash_attn") else None
+    if backend == "flash_attn" and flash is None:
+        raise ValueError("prefill attention backend 'flash_attn' needs the flash_attn package (pip install flash-attn)")
+    return _chunked_attention(q, k, v, scale, chunk_tokens or max(q.shape[1], 1), flash)
 
 
 class MLA(nn.Module):
