@@ -207,7 +207,7 @@ def test_flex_compiled_matches_reference_cuda():
     for t in [q, *keys, *values]:
         t.requires_grad_(True)
     ref = A.ttt_attention_reference(q, keys, values, 0.125)
-    out = A.ttt_attention(q, keys, values, 0.125, mode="auto")
+    out = A.ttt_attention(q, keys, values, 0.125, mode="flex")
     torch.testing.assert_close(out, ref, atol=2e-4, rtol=2e-4)
     g_ref = torch.autograd.grad(ref.square().sum(), [q, *keys, *values])
     g_out = torch.autograd.grad(out.square().sum(), [q, *keys, *values])
