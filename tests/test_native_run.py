@@ -137,6 +137,25 @@ def test_planner_kimi_on_96gb_and_refusal():
         plan_memory(a, 24, "ep")
 
 
+def test_planner_activations_follow_the_attention_kernel():
+    """bf16 runs the fused attention in one call (no [T, T] scores): the activation estimate grows
+    linearly in T; fp32 runs the math kernel in query chunks, so its scores term is bounded by
+    the chunk: quadratic only up to ATTENTION_CHUNK_TOKENS, then linear."""
+    from eagleforge.extract.native.model import ATTENTION_CHUNK_TOKENS
+
+    a = ModelArgs.from_config(KIMI_K25_TEXT_CONFIG)
+
+    def act(T, b):
+        return plan_memory(a, 8, "ep", dtype_bytes=b, batch_tokens=T, max_length=T).components["activations"]
+
+    for T in (8192, 16384, 32768):
+        assert act(2 * T, 2) <= 2 * act(T, 2), T  # linear (plus constants)
+    big = 4 * ATTENTION_CHUNK_TOKENS
+    heads = a.num_attention_heads // 8
+    assert act(big, 4) >= ATTENTION_CHUNK_TOKENS * heads * big * 4  # the chunk's fp32 scores are counted
+    assert act(2 * big, 4) <= 2 * act(big, 4)  # past the chunk linear: not [T, T] scores (4x)
+
+
 @pytest.mark.parametrize("layers,experts,tp", [(61, 384, 8), (12, 384, 8), (4, 384, 2), (4, 100, 8), (5, 384, 16)])
 @pytest.mark.parametrize("layout", ["ep", "tp"])
 def test_planner_weights_equal_the_built_model_on_every_rank(layers, experts, tp, layout):

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ...config import Config, UserInputError, run_main
 from . import int4
-from .model import ModelArgs
+from .model import ATTENTION_CHUNK_TOKENS, ModelArgs
 from .parallel import split_range
 
 log = logging.getLogger(__name__)
@@ -130,8 +130,12 @@ def _activation_bytes(a: ModelArgs, tp: int, layout: str, b: int, T: int, max_le
     residual = 4 * T * H * b  # residual stream, normed input, block output, all-reduce buffer
     captured = (k + 1) * T * H * b
     qkv = T * heads * (2 * a.qk_head_dim + 2 * a.v_head_dim + a.qk_nope_head_dim + a.v_head_dim) * b
-    scores = T * heads * seq * 4  # fp32 scores if the attention kernel materializes them
-    attention = qkv + scores + T * ((a.q_lora_rank or 0) + a.kv_lora_rank) * b
+    if b <= 2:  # bf16/fp16 on CUDA: a fused kernel in one call (model.prefill_attention); its row
+        # lse, plus v zero-padded to the q/k head dim where it falls back to FlashAttention-2
+        kernel = T * heads * 4 + T * heads * a.qk_head_dim * b
+    else:  # unfused (CPU, fp32): query chunks of the math kernel's fp32 scores
+        kernel = min(T, ATTENTION_CHUNK_TOKENS) * heads * seq * 4
+    attention = qkv + kernel + T * ((a.q_lora_rank or 0) + a.kv_lora_rank) * b
     inter = a.moe_intermediate_size if layout == "ep" else a.moe_intermediate_size // tp
     moe = T * a.n_routed_experts * 4 * 3 + T * H * (4 + b) + T * inter * b * 3 \
         + 3 * H * inter * b + T * a.moe_intermediate_size * a.n_shared_experts // tp * b * 3
