@@ -43,8 +43,8 @@
 #       cuDNN + fused weight gradients) beside SpecForge; a profile of the new step at 2K
 #   M2: bench-train at 16K and 32K (old best vs new) beside SpecForge, and the new one at 65536
 #   N (nvidia-h200-x2): issue 6's tp 1 -> 2 scaling at 16K with both on the SAME machine (the
-#      second session's 84.3% compared tp 2 with a tp 1 run of another machine); NOT run: the
-#      x2 kind was not lent when it was asked for
+#      second session's 84.3% compared tp 2 with a tp 1 run of another machine); refused at first
+#      (the x2 kind was not lent), run after P
 #   O (nvidia-h200): issue 6's prefill attention by kernel (FA2 vs cuDNN, MLA head dims), and
 #      bench-extract at 16K with the default kernel and with EAGLEFORGE_PREFILL_ATTENTION=cudnn
 #      (the tests did not collect there: compressed-tensors travels in .carry/w2)
@@ -226,9 +226,9 @@ M2)
   tail -4 "$RES/bench_train_64k.log"
   ;;
 N)
-  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/bench_extract.py --tokens 16384 --no-write \
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/bench_extract.py --tokens 16384 --no-write \
     --json "$RES/extract_tp1.json" > "$RES/extract_tp1.log" 2>&1; tail -4 "$RES/extract_tp1.log"
-  timeout 300 torchrun --standalone --nproc-per-node 2 benchmarks/bench_extract.py --tokens 16384 --no-write \
+  timeout 230 torchrun --standalone --nproc-per-node 2 benchmarks/bench_extract.py --tokens 16384 --no-write \
     --baseline-json "$RES/extract_tp1.json" --json "$RES/extract_tp2.json" > "$RES/extract_tp2.log" 2>&1
   tail -6 "$RES/extract_tp2.log"
   ;;
