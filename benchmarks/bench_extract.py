@@ -181,7 +181,9 @@ def components(model, args, state, T: int) -> dict:
 
 def bench_length(model, args, state, T, reps, aux_layers, write_dir, matmul):
     device, tp = state.device, state.tp
-    ids = torch.randint(0, args.vocab_size, (1, T), device=device)
+    # the same ids on every rank (a tp group sees one batch): drawn on the CPU from a fixed seed,
+    # not from each rank's own CUDA generator
+    ids = torch.randint(0, args.vocab_size, (1, T), generator=torch.Generator().manual_seed(T)).to(device)
     with torch.inference_mode():
         r = capture_write_modes(model, args, state, ids, reps, aux_layers, write_dir)
         comp = components(model, args, state, T)
