@@ -32,8 +32,24 @@ def import_eagleforge() -> None:
     eagleforge.__path__.append(str(ROOT))  # eagleforge.extract -> ROOT/extract, eagleforge.kernels -> ROOT/kernels
 
 
-def median_ms(fn, device: torch.device, rep_ms: int = 100, cpu_reps: int = 3) -> float:
-    """do_bench median on CUDA; perf_counter median on the CPU."""
+def median_ms(fn, device: torch.device, rep_ms: int = 100, cpu_reps: int = 3, fixed_iters: int | None = None) -> float:
+    """do_bench median on CUDA; perf_counter median on the CPU.
+
+    fixed_iters: time exactly that many calls (after 3 warm-up calls), each between CUDA events.
+    Needed where fn holds collectives: do_bench picks its number of calls from each rank's own
+    first timings, so ranks would issue different numbers of all-reduces, which then pair with
+    the wrong calls or hang at exit (phase N, 2026-11-30)."""
+    if device.type == "cuda" and fixed_iters:
+        for _ in range(3):
+            fn()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(fixed_iters)]
+        for start, end in events:
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        times = sorted(start.elapsed_time(end) for start, end in events)
+        return times[len(times) // 2]
     if device.type == "cuda":
         import triton.testing
 

@@ -36,7 +36,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench_common import import_eagleforge, matmul_tflops, median_ms  # noqa: E402
+from _bench_common import import_eagleforge, matmul_tflops  # noqa: E402
+from _bench_common import median_ms as _median_ms  # noqa: E402
 
 import_eagleforge()
 from eagleforge.extract.capture import HiddenStateCapture  # noqa: E402
@@ -152,8 +153,14 @@ def capture_write_modes(model, args, state, ids, reps: int, aux_layers: list[int
 
 
 def components(model, args, state, T: int) -> dict:
-    """Each part alone on the same kind of input (do_bench medians), ms; at tp > 1 the layers include their all-reduces."""
+    """Each part alone on the same kind of input (medians), ms; at tp > 1 the layers include their
+    all-reduces, and every rank times the same fixed number of calls (see median_ms)."""
     device, tp = state.device, state.tp
+    iters = 20 if tp.size > 1 else None
+
+    def median_ms(fn, device):
+        return _median_ms(fn, device, fixed_iters=iters)
+
     x = torch.randn(1, T, args.hidden_size, device=device, dtype=torch.bfloat16)
     flat = x[0]
     positions = torch.arange(T, device=device, dtype=torch.float32)
