@@ -153,10 +153,11 @@ def capture_write_modes(model, args, state, ids, reps: int, aux_layers: list[int
 
 
 def components(model, args, state, T: int) -> dict:
-    """Each part alone on the same kind of input (medians), ms; at tp > 1 the layers include their
-    all-reduces, and every rank times the same fixed number of calls (see median_ms)."""
+    """Each part alone on the same kind of input (medians of 20 calls between CUDA events, the
+    same count at every tp so the tp 1 and tp 2 columns compare), ms; at tp > 1 the layers
+    include their all-reduces, and every rank times the same number of calls (see median_ms)."""
     device, tp = state.device, state.tp
-    iters = 20 if tp.size > 1 else None
+    iters = 20
 
     def median_ms(fn, device):
         return _median_ms(fn, device, fixed_iters=iters)

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _bench_common import import_eagleforge, median_ms  # noqa: E402
 
 import_eagleforge()
-from eagleforge.extract.native.model import prefill_attention  # noqa: E402
+from eagleforge.extract.native.model import _cudnn_refused, prefill_attention  # noqa: E402
 
 log = logging.getLogger("bench_prefill_attention")
 
@@ -105,7 +105,8 @@ def main(argv=None) -> list[dict]:
         q, k, v = inputs(tokens, args.heads, d_qk, d_v, device, dtype, seed=2)
         flops = 2 * args.heads * tokens * tokens / 2 * (d_qk + d_v)
         for name, fn in VARIANTS.items():
-            row = {"tokens": tokens, "variant": name, "max_rel_err_T_check": errors[name]}
+            row = {"tokens": tokens, "variant": name, "max_rel_err_T_check": errors[name],
+                   "cudnn_refused_so_far": sorted(map(str, _cudnn_refused))}  # auto's fallbacks, if any
             if isinstance(errors[name], str):
                 row["error"] = errors[name]
             else:

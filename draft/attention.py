@@ -8,7 +8,7 @@ Shapes: q [B, Hq, T, D]; keys[i], values[i] [B, Hkv, T, D] for steps i = 0..j; H
 Hkv (GQA: query head h uses kv head h // (Hq // Hkv), as transformers' repeat_kv). Output
 [B, Hq, T, D] in q's dtype. All softmax arithmetic in fp32.
 
-Four implementations, equal up to rounding (tests/test_draft_attention.py):
+Five implementations, equal up to rounding (tests/test_draft_attention.py):
 - `ttt_attention_reference`: one explicit boolean mask over the concatenated keys of all steps.
 - `ttt_attention_sdpa`: causal scaled_dot_product_attention over the step-0 keys, then the j
   diagonal keys merged in by log-sum-exp. Exact, with exact gradients (see `_causal_lse`), but
@@ -26,10 +26,12 @@ Four implementations, equal up to rounding (tests/test_draft_attention.py):
   runs FlashAttention-2. On the CPU it is `merged`.
 - `ttt_attention_flex`: flex_attention with a block mask over the concatenated keys (CUDA,
   compiled; block sparsity skips the masked-out blocks).
-`ttt_attention(..., mode="auto")` picks merged_cudnn on CUDA and merged elsewhere; "fast" is the
-same as "auto"; flex runs only when named. Measured by `benchmarks/bench_train.py
---attention-bench` on an H200 (2026-11-30, forward + backward per TTT step, merge compiled):
-8K 8.8 ms merged_cudnn, 14.1 merged, 15.3 flex; 2K 1.5 ms for both merged forms.
+`ttt_attention(..., mode="auto")` picks flex on CUDA when it is available, else merged; "fast"
+is the same as "auto". Measured by `benchmarks/bench_train.py --attention-bench` on an H200
+(2026-11-30, forward + backward per TTT step, merge compiled, fixed T): 8K 8.8 ms merged_cudnn,
+14.1 merged, 15.3 flex; 2K 1.5 ms for both merged forms. auto stays flex because the trainer's
+batches vary in length and cuDNN builds a plan per new shape, a cost not yet measured; name
+merged_cudnn (bench-train does) where T is fixed or known to take few values.
 """
 
 from __future__ import annotations
@@ -187,6 +189,23 @@ CUDA_KERNELS = ("flash", "cudnn")
 _cudnn_refused: set[tuple] = set()  # input signatures cuDNN refused once (warned, then flash)
 
 
+def _cudnn_allowed(q, k, v) -> bool:
+    """torch's own checks for its cuDNN attention (switch, version, shapes), as SDPA asks them."""
+    if not torch.backends.cuda.cudnn_sdp_enabled():
+        return False
+    try:
+        from torch.backends.cuda import SDPAParams, can_use_cudnn_attention
+    except ImportError:  # older torch: the kernel's own refusal is the only check
+        return True
+    return bool(can_use_cudnn_attention(SDPAParams(q, k, v, None, 0.0, True, False)))
+
+
+def _like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """t with ref's strides (a copy only when they differ): cuDNN gets O and dO in q's layout,
+    the layout its own SDPA path hands it, so the plans it caches per shape serve both."""
+    return t if t.stride() == ref.stride() else torch.empty_like(ref).copy_(t)
+
+
 def _cudnn_forward(q, k, v, scale: float):
     """cuDNN causal attention: (out, lse [B, H, T] fp32, aux) like `_flash_forward`. cuDNN
     returns its softmax stats (the row logsumexp of the scaled scores) as [B, H, T, 1]; aux keeps
@@ -208,11 +227,20 @@ def _flash_forward(q, k, v, scale: float, kernel: str = "flash"):
         signature = (q.dtype, tuple(q.shape), q.device.index)
         if signature not in _cudnn_refused:
             try:
-                return _cudnn_forward(q, k, v, scale)
+                if _cudnn_allowed(q, k, v):
+                    return _cudnn_forward(q, k, v, scale)
+                reason = "torch's checks (torch.backends.cuda.can_use_cudnn_attention) say no"
+            except torch.OutOfMemoryError:
+                raise  # not a refusal: FA2 would need the same memory
             except RuntimeError as err:  # e.g. a cuDNN without a plan for these shapes
-                _cudnn_refused.add(signature)
-                log.warning("cuDNN attention refused q %s %s (%s); using FlashAttention-2 for these inputs",
-                            tuple(q.shape), q.dtype, str(err).splitlines()[0][:200])
+                reason = str(err).splitlines()[0][:200]
+            _cudnn_refused.add(signature)
+            log.warning("cuDNN attention refused q %s %s (%s); using FlashAttention-2 for these inputs",
+                        tuple(q.shape), q.dtype, reason)
+    return _fa2_forward(q, k, v, scale)
+
+
+def _fa2_forward(q, k, v, scale: float):
     out, lse, cum_q, cum_k, max_q, max_k, rng_state, unused, _ = torch.ops.aten._scaled_dot_product_flash_attention(
         q, k, v, 0.0, True, False, scale=scale)
     return out, lse, ("flash", cum_q, cum_k, max_q, max_k, rng_state, unused)
@@ -226,10 +254,17 @@ def _flash_backward(grad_out, q, k, v, out, lse, aux, scale: float):
             grad_out, q, k, v, out, lse, 0.0, True, scale=scale)
     if aux[0] == "cudnn":
         _, lse_shape, cum_q, cum_k, max_q, max_k, seed, offset = aux
-        # out and dO in one layout: the merged out is a fresh contiguous tensor.
-        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            grad_out.contiguous(), q, k, v, out.contiguous(), lse.contiguous().reshape(lse_shape), seed, offset, None,
-            cum_q, cum_k, max_q, max_k, 0.0, True, scale=scale)
+        try:
+            return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                _like(grad_out, q), q, k, v, _like(out, q), lse.contiguous().reshape(lse_shape), seed, offset, None,
+                cum_q, cum_k, max_q, max_k, 0.0, True, scale=scale)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as err:  # cuDNN took the forward but not the backward: FA2 with the same (out, lse)
+            _cudnn_refused.add((q.dtype, tuple(q.shape), q.device.index))
+            log.warning("cuDNN attention backward refused q %s (%s); FlashAttention-2's backward instead",
+                        tuple(q.shape), str(err).splitlines()[0][:200])
+            aux = _fa2_forward(q, k, v, scale)[2]  # its sequence bookkeeping; out and lse stay the merged ones
     _, cum_q, cum_k, max_q, max_k, rng_state, unused = aux
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
         grad_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, rng_state, unused, scale=scale)
@@ -391,17 +426,15 @@ def ttt_attention_flex(q, keys, values, scale: float, compiled: bool = True) -> 
 
 
 def ttt_attention(q, keys, values, scale: float, mode: str = "auto", compile: bool | str = False) -> torch.Tensor:
-    """Dispatch: "reference", "sdpa", "merged", "merged_cudnn", "flex", "fast" (= merged_cudnn on
-    CUDA, else merged), "auto" (= fast).
+    """Dispatch: "reference", "sdpa", "merged", "merged_cudnn", "flex", "fast" (= flex on CUDA, else
+    merged), "auto" (= fast).
     compile: fuse the merged mode's elementwise work (the other modes ignore it)."""
     if mode not in ATTENTION_MODES:
         raise ValueError(f"attention mode {mode!r} is not one of {ATTENTION_MODES}")
     if mode == "reference":
         return ttt_attention_reference(q, keys, values, scale)
-    if mode == "flex":
+    if mode == "flex" or (mode in ("auto", "fast") and flex_available(q.device)):
         return ttt_attention_flex(q, keys, values, scale)
-    if mode in ("auto", "fast") and q.is_cuda:
-        mode = "merged_cudnn"
     if mode == "sdpa":
         return ttt_attention_sdpa(q, keys, values, scale)
     return ttt_attention_merged(q, keys, values, scale, compile=compile,

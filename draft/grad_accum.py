@@ -56,4 +56,8 @@ def accumulating_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x.dtype != weight.dtype:
         raise ValueError(f"accumulating_linear: input dtype {x.dtype} differs from weight dtype {weight.dtype} "
                          "(the fusion needs parameters in the compute dtype; turn fuse_weight_grads off under autocast)")
+    if torch.is_autocast_enabled(x.device.type):
+        raise ValueError(f"accumulating_linear: autocast to {torch.get_autocast_dtype(x.device.type)} is on: the "
+                         "matmul would run in that dtype and its weight gradient would not match .grad's "
+                         f"{weight.dtype}; turn fuse_weight_grads off under autocast")
     return _AccumulatingLinear.apply(x, weight)

@@ -496,17 +496,25 @@ def test_forward_ttt_checkpoint_modes_equal_no_checkpoint(checkpoint, attention)
 
 
 @pytest.mark.parametrize("checkpoint", ["none", "step", "selective", ("selective_all", "none", "step", "selective")])
-def test_fused_weight_grads_equal_autograd_accumulation(checkpoint):
+def test_fused_weight_grads_equal_autograd_accumulation(checkpoint, monkeypatch):
     """fuse_weight_grads (each midlayer matmul's weight gradient added into .grad in its
     backward) gives the reference run's outputs and every parameter's gradient, under each
-    checkpoint mode (the recomputed forward must not add twice)."""
+    checkpoint mode (the recomputed forward must not add twice): 7 matmuls x 4 steps, each
+    weight gradient added by the fused path exactly once."""
+    from eagleforge.draft import grad_accum
+
     config = make_config("llama3", kv_heads=2)
     draft = make_draft(config, seed=31)
     aux, ids = random_inputs(config, 2, 13, seed=32)
     weights = torch.randn(4, 2, 13, config.draft_vocab_size, generator=torch.Generator().manual_seed(33))
     ref_out, ref_grads = _ttt_grads(draft, aux, ids, 4, weights, attention="reference")
+    calls = []
+    original = grad_accum.accumulate_weight_grad
+    monkeypatch.setattr(grad_accum, "accumulate_weight_grad", lambda w, *a: (calls.append(w), original(w, *a)))
     draft.fuse_weight_grads = True
     out, grads = _ttt_grads(draft, aux, ids, 4, weights, attention="merged", checkpoint=checkpoint)
+    assert len(calls) == 7 * 4, len(calls)
+    assert {id(w) for w in calls} == {id(m.weight) for m in draft.midlayer.modules() if isinstance(m, torch.nn.Linear)}
     for a, b in zip(out, ref_out):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert grads.keys() == ref_grads.keys()
@@ -541,6 +549,8 @@ def test_accumulating_linear_matches_linear(dtype):
     assert frozen.grad is None
     with pytest.raises(ValueError, match="dtype"):
         accumulating_linear(xs[0].float(), w.double())
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="autocast to torch.bfloat16"):
+        accumulating_linear(xs[0].float(), w.detach().float())
 
 
 def test_selective_policy_saves_the_wide_matmuls_only():

@@ -184,8 +184,6 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-# Query rows per attention call: bounds q's transposed copy and the output buffer of one call to
-# C x heads x 192 x 2 bytes (8192 x 64 heads: 192 MiB); keys always cover the whole prefix.
 # Query rows per chunk where the attention runs unfused (CPU, fp32): the math kernel holds
 # [n, chunk, T] scores. The fused CUDA kernels need no chunks (their memory is linear in T).
 ATTENTION_CHUNK_TOKENS = 8192
@@ -194,8 +192,9 @@ ATTENTION_CHUNK_TOKENS = 8192
 #               padding to 192); where cuDNN refuses the inputs, flash_attn's kernel when the
 #               package is installed, else FlashAttention-2 through SDPA with v padded
 #   cudnn       the same as auto (the name says what is wanted)
-#   flash       FlashAttention-2 through SDPA, v padded to d_qk, one call (chunks when asked)
-#   flash_attn  the flash_attn package's kernel (chunks aligned bottom-right), v padded
+#   flash       torch SDPA's own choice with v padded to d_qk (FlashAttention-2 for one causal
+#               call in bf16), one call, or query chunks when chunk_tokens is given
+#   flash_attn  the flash_attn package's kernel with v padded, one call or chunks as flash
 PREFILL_BACKENDS = ("auto", "cudnn", "flash", "flash_attn")
 PREFILL_BACKEND = os.environ.get("EAGLEFORGE_PREFILL_ATTENTION", "auto")
 _cudnn_refused: set[tuple] = set()  # (dtype, shapes) cuDNN refused once: not asked again
@@ -223,6 +222,8 @@ def _cudnn_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
             return F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale, is_causal=True
             ).transpose(1, 2)  # [B, n, T, d_v] -> [B, T, n, d_v]
+    except torch.OutOfMemoryError:
+        raise  # not a refusal: the fallback pads v and needs more
     except RuntimeError as err:
         _cudnn_refused.add(key)
         log.warning("cuDNN attention refused q %s v %s (%s); prefill attention falls back to FlashAttention-2",

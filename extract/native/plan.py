@@ -133,8 +133,8 @@ def _activation_bytes(a: ModelArgs, tp: int, layout: str, b: int, T: int, max_le
     if b <= 2:  # bf16/fp16 on CUDA: a fused kernel in one call (model.prefill_attention); its row
         # lse, plus v zero-padded to the q/k head dim where it falls back to FlashAttention-2
         kernel = T * heads * 4 + T * heads * a.qk_head_dim * b
-    else:  # unfused (CPU, fp32): query chunks of the math kernel's fp32 scores
-        kernel = min(T, ATTENTION_CHUNK_TOKENS) * heads * seq * 4
+    else:  # unfused (CPU, fp32): query chunks of the math kernel's fp32 scores, [rows, n, chunk, L]
+        kernel = T * min(seq, ATTENTION_CHUNK_TOKENS) * heads * 4  # T = rows x L
     attention = qkv + kernel + T * ((a.q_lora_rank or 0) + a.kv_lora_rank) * b
     inter = a.moe_intermediate_size if layout == "ep" else a.moe_intermediate_size // tp
     moe = T * a.n_routed_experts * 4 * 3 + T * H * (4 + b) + T * inter * b * 3 \
