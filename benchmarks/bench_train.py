@@ -100,6 +100,7 @@ DEFAULT_VARIANTS = [
     "ckpt=selective_all,attn=merged,compile=1,packed=1",
     "ckpt=step,attn=merged,compile=1,packed=1",
     "ckpt=none,attn=merged,compile=1,packed=1",
+    "ckpt=selective_all,attn=merged_cudnn,compile=1,packed=1,fusegrad=1",  # the best of 2026-11-30
 ]
 
 
@@ -621,7 +622,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--attention-bench", action="store_true", help="only time the TTT attention modes (--attention-modes)")
     ap.add_argument("--no-attention-bench", action="store_true",
                     help="skip the TTT attention timing that otherwise runs first, before the step variants")
-    ap.add_argument("--attention-modes", nargs="+", default=["flex", "merged", "merged+compile"],
+    ap.add_argument("--attention-modes", nargs="+", default=["flex", "merged", "merged+compile", "merged_cudnn+compile"],
                     help="ttt_attention modes; '+compile' fuses the merged mode's elementwise work")
     ap.add_argument("--attention-tokens", type=int, nargs="+", default=[8192, 32768])
     ap.add_argument("--embed-device", default="cpu", choices=["cpu", "cuda"])
