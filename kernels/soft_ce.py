@@ -643,11 +643,14 @@ def fused_soft_cross_entropy_ttt(
                          f"got {weight.dtype} {tuple(weight.shape)} on {weight.device}")
     if teacher_shift < 0:
         raise ValueError(f"teacher_shift must be >= 0, got {teacher_shift}")
-    for j in range(k_steps):
+    # rows without a teacher (n + shift + j >= N) must carry weight 0: one check (one host sync) for all steps
+    no_teacher = torch.arange(n_rows, device=weight.device)[None, :] + teacher_shift \
+        + torch.arange(k_steps, device=weight.device)[:, None] >= n_rows  # [K, N]
+    if bool(((weight != 0) & no_teacher).any()):
+        j = int(((weight != 0) & no_teacher).any(1).nonzero()[0])
         tail = max(0, n_rows - teacher_shift - j)
-        if tail < n_rows and bool((weight[j, tail:] != 0).any()):
-            raise ValueError(f"weight[{j}, {tail}:] must be 0: those rows' teacher (row n + {teacher_shift} + {j}) "
-                             f"lies past the last of {n_rows} rows")
+        raise ValueError(f"weight[{j}, {tail}:] must be 0: those rows' teacher (row n + {teacher_shift} + {j}) "
+                         f"lies past the last of {n_rows} rows")
     backend = resolve_backend(backend, teacher_hidden.device)
     chunk = chunk_tokens or default_chunk_tokens(vocab, draft_head.dtype, teacher_hidden.device)
     _check_chunk(chunk)

@@ -237,6 +237,11 @@ def test_ttt_rejects_weight_without_teacher():
     weight = torch.ones(2, 9)
     with pytest.raises(ValueError, match=r"weight\[0, 8:\] must be 0"):
         soft_ce.fused_soft_cross_entropy_ttt(hiddens, w, torch.randn(9, 8), w, weight, backend=BACKEND)
+    weight[0, 8] = 0  # step 0 now fine; step 1's row 7 has no teacher either (7 + 1 + 1 = 9)
+    with pytest.raises(ValueError, match=r"weight\[1, 7:\] must be 0"):
+        soft_ce.fused_soft_cross_entropy_ttt(hiddens, w, torch.randn(9, 8), w, weight, backend=BACKEND)
+    weight[1, 7:] = 0
+    soft_ce.fused_soft_cross_entropy_ttt(hiddens, w, torch.randn(9, 8), w, weight, backend=BACKEND)  # accepted
 
 
 def test_preconditions_name_the_values():
