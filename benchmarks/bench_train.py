@@ -52,6 +52,9 @@ in the same run, or else against its 2026-11-29 numbers (SPECFORGE_2026_11_29).
     make bench-train                                          # = python benchmarks/bench_train.py
     python benchmarks/bench_train.py --tokens 2048 8192 --no-specforge --json out.json
     python benchmarks/bench_train.py --cpu-check              # tiny shapes on the CPU: checks the script
+    python benchmarks/bench_train.py --varying 24 --tokens 8192 --variants \
+        ckpt=selective_all,attn=merged,compile=dynamic,packed=1 \
+        ckpt=selective_all,attn=merged_cudnn,compile=dynamic,packed=1   # lengths changing every step
 
 On the H200 device machine (wheels carried in .whl/):
 
@@ -238,7 +241,7 @@ class Variant:
 
     ckpt: str = "step"
     attn: str = "flex"
-    compile: bool = False
+    compile: bool | str = False  # False, True (a graph per length) or "dynamic"
     packed: bool = False
     fusegrad: bool = False
 
@@ -254,6 +257,8 @@ class Variant:
                 out.ckpt = value  # "selective:4": selective for the first 4 TTT steps, step for the rest
             elif key == "attn" and value in ("flex", "merged", "merged_cudnn", "sdpa", "reference", "fast", "auto"):
                 out.attn = value
+            elif key == "compile" and value == "dynamic":
+                out.compile = "dynamic"  # one graph for every length (the trainer's setting)
             elif key in ("compile", "packed", "fusegrad") and value in ("0", "1"):
                 setattr(out, key, value == "1")
             else:
@@ -263,7 +268,8 @@ class Variant:
 
     @property
     def name(self) -> str:
-        name = f"ckpt={self.ckpt},attn={self.attn},compile={int(self.compile)},packed={int(self.packed)}"
+        compiled = self.compile if self.compile == "dynamic" else int(self.compile)
+        name = f"ckpt={self.ckpt},attn={self.attn},compile={compiled},packed={int(self.packed)}"
         return name + (",fusegrad=1" if self.fusegrad else "")
 
 
@@ -516,6 +522,41 @@ def run_method(name, build, s, tokens_list, device, used_ids, warmup, iters, pea
     free_memory(device)
 
 
+def varying_lengths(max_tokens: int, count: int, seed: int = 0) -> list[int]:
+    """`count` lengths drawn uniformly from [max_tokens / 2, max_tokens] (seeded): the trainer's
+    batches, whose T is the longest sample of each, change from step to step."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(max_tokens // 2, max_tokens + 1, (count,), generator=gen).tolist()
+
+
+def run_varying(name, build, s, lengths, device, used_ids, peak_tflops, teacher_vocab, out):
+    """One step at each of `lengths` in turn, every step timed (first-use costs of a new shape,
+    such as cuDNN's plan per shape or a recompile, included): tokens/s over all of them."""
+    method = build()
+    batches = {t: make_batch(s, t, device, used_ids, seed=t) for t in sorted(set(lengths))}
+    try:
+        method.step(batches[lengths[0]])  # the first call's one-time setup (compile of the graphs) apart
+        sync(device)
+        t0 = time.perf_counter()
+        for t in lengths:
+            method.step(batches[t])
+        sync(device)
+        seconds = time.perf_counter() - t0
+        total = sum(lengths)
+        flops = sum(t * flops_per_token(s, t, teacher_vocab) for t in lengths)
+        row = {"method": name, "tokens": f"{len(lengths)} lengths {min(lengths)}-{max(lengths)}",
+               "step_ms": round(seconds * 1e3 / len(lengths), 1), "tokens_per_s": round(total / seconds),
+               "peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
+               "GFLOP_per_token": round(flops / total / 1e9, 2), "TFLOPs": round(flops / seconds / 1e12, 1),
+               "MFU": round(flops / seconds / 1e12 / peak_tflops, 3)}
+    except Exception as err:  # noqa: BLE001 - recorded; the next variant still runs
+        row = {"method": name, "tokens": "varying", "error": repr(err)[:300]}
+    log.info("%s", row)
+    out.append(row)
+    del method, batches
+    free_memory(device)
+
+
 def profile_step(name: str, method, s: Shape, tokens: int, device: torch.device, used_ids: torch.Tensor) -> None:
     """Print the top CUDA kernels of one training step (after two warm-up steps)."""
     from torch.profiler import ProfilerActivity, profile
@@ -633,6 +674,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-checks", action="store_true", help="skip the correctness checks at the start")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--profile", type=int, default=0, help="only profile one step of each variant at this T")
+    ap.add_argument("--varying", type=int, default=0, metavar="N",
+                    help="only time N steps of lengths varying in [T/2, T] (T = the largest --tokens), per variant: "
+                         "the trainer's case, with each new shape's first-use costs")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--cpu-check", action="store_true", help="tiny shapes on the CPU (checks the script)")
     args = ap.parse_args(argv)
@@ -665,12 +709,23 @@ def main(argv=None) -> dict:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(report, indent=1))
 
-    if args.attention_bench or not (args.no_attention_bench or args.profile):
+    if args.attention_bench or not (args.no_attention_bench or args.profile or args.varying):
         report["results"] = attention_bench(s, device, args.attention_tokens, args.attention_modes, args.warmup, args.iters)
         save()
         if args.attention_bench:
             print_table(report["results"])
             return report
+
+    if args.varying:
+        lengths = varying_lengths(max(args.tokens), args.varying)
+        for v in variants:
+            run_varying(f"ours {v.name}",
+                        lambda v=v: OurStep(s, device, used_ids, v.ckpt, v.attn, args.embed_device, args.chunk_tokens,
+                                            v.compile, v.packed, v.fusegrad),
+                        s, lengths, device, used_ids, args.peak_tflops, s.draft_vocab, report["results"])
+            save()
+        print_table(report["results"])
+        return report
 
     if args.profile:
         for v in variants:

@@ -50,6 +50,10 @@
 #      (the tests did not collect there: compressed-tensors travels in .carry/w2)
 #   P (nvidia-h200): the new default (cuDNN, one call, v unpadded): its GPU tests, the prefill
 #      attention table again, bench-extract at 8K, 16K and 32K
+# Prepared for the next session (not run: no device time left):
+#   Q (nvidia-h200): the review's changes to merged_cudnn on the GPU (its tests), and bench-train
+#      with lengths that change every step (the trainer's case: cuDNN's plan per new shape)
+#      for FA2 and cuDNN, compiled dynamic, to decide whether the trainer's auto may be cuDNN
 set -u
 PHASE=$1; shift
 RES=/tmp/res_$PHASE; rm -rf "$RES"; mkdir -p "$RES"
@@ -249,6 +253,14 @@ P)
     > "$RES/prefill_attention.log" 2>&1; tail -14 "$RES/prefill_attention.log"
   timeout 330 python3 benchmarks/bench_extract.py --tokens 8192 16384 32768 --no-write \
     --json "$RES/extract_tp1.json" > "$RES/extract_tp1.log" 2>&1; tail -5 "$RES/extract_tp1.log"
+  ;;
+Q)
+  timeout 120 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_draft_attention.py \
+    "tests/test_draft.py::test_accumulating_linear_matches_linear" > "$RES/gpu_tests.log" 2>&1; tail -3 "$RES/gpu_tests.log"
+  timeout 420 python3 benchmarks/bench_train.py --varying 24 --tokens 8192 --no-specforge --variants \
+    "ckpt=selective_all,attn=flex,compile=dynamic,packed=1" "ckpt=selective_all,attn=merged,compile=dynamic,packed=1" \
+    "ckpt=selective_all,attn=merged_cudnn,compile=dynamic,packed=1" --json "$RES/varying.json" > "$RES/varying.log" 2>&1
+  tail -6 "$RES/varying.log"
   ;;
 G)
   timeout 420 torchrun --standalone --nproc-per-node 2 benchmarks/bench_extract.py --tokens 16384 32768 --no-write \
