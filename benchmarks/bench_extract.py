@@ -24,6 +24,7 @@ tokens per forward):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import logging
@@ -157,10 +158,7 @@ def components(model, args, state, T: int) -> dict:
     same count at every tp so the tp 1 and tp 2 columns compare), ms; at tp > 1 the layers
     include their all-reduces, and every rank times the same number of calls (see median_ms)."""
     device, tp = state.device, state.tp
-    iters = 20
-
-    def median_ms(fn, device):
-        return _median_ms(fn, device, fixed_iters=iters)
+    median_ms = functools.partial(_median_ms, fixed_iters=20)
 
     x = torch.randn(1, T, args.hidden_size, device=device, dtype=torch.bfloat16)
     flat = x[0]

@@ -46,7 +46,7 @@ def main(argv=None) -> dict:
         with torch.inference_mode(), HiddenStateCapture(model.model.layers, aux_layers, model.model.norm) as capture:
             model(ids)
             aux = capture.aux_hidden_states[0].float()  # [T, k*H]
-            last = capture.last_hidden_state[0].float() if hasattr(capture, "last_hidden_state") else None
+            last = capture.last_hidden_state[0].float()
         per_layer = aux.view(tokens, len(aux_layers), -1)
         report = {
             "rank": state.rank, "tp": state.tp.size, "tokens": tokens,
@@ -55,8 +55,7 @@ def main(argv=None) -> dict:
             "argmin_token_per_aux_layer": [int(per_layer[:, i].norm(dim=-1).argmin()) for i in range(len(aux_layers))],
             "max_abs": round(float(aux.abs().max()), 4),
         }
-        if last is not None:
-            report["last_finite"] = bool(torch.isfinite(last).all())
+        report["last_finite"] = bool(torch.isfinite(last).all())
         if state.tp.size > 1:
             gathered = state.tp.all_gather(aux.contiguous())
             report["max_diff_between_ranks"] = max(float((g - aux).abs().max()) for g in gathered)

@@ -35,16 +35,16 @@ class _AccumulatingLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        # The parameter itself: under activation checkpointing the saved tensors come back as
-        # detached aliases, and .grad set on an alias would never reach the parameter.
+        ctx.save_for_backward(x)
+        # The parameter itself, not a saved tensor: under activation checkpointing saved tensors
+        # come back as detached aliases, and .grad set on an alias would never reach it.
         ctx.param = weight
         return F.linear(x, weight)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        x, weight = ctx.saved_tensors
-        grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None  # [..., in]
+        (x,) = ctx.saved_tensors
+        grad_x = grad_out.matmul(ctx.param) if ctx.needs_input_grad[0] else None  # [..., in]
         if ctx.needs_input_grad[1]:
             accumulate_weight_grad(ctx.param, grad_out, x)
         return grad_x, None
