@@ -70,3 +70,104 @@ def matmul_tflops(device: torch.device, n: int = 8192) -> float:
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     ms = median_ms(lambda: a @ a, device)
     return 2 * n**3 / ms / 1e9
+
+
+# ----------------------------------------------------------------------------------------------
+# Diagnostics: where the peak memory is, where the host waits on the GPU
+# ----------------------------------------------------------------------------------------------
+
+
+def _where(frames: list[dict]) -> str:
+    """The innermost frame inside this repository (the code that asked for the memory or made
+    the call), as 'path:line function'; else the innermost frame of all."""
+    for frame in frames:
+        path = str(frame.get("filename", ""))
+        if path.startswith(str(ROOT)) and not path.endswith("_bench_common.py"):
+            return f"{Path(path).relative_to(ROOT)}:{frame.get('line')} {frame.get('name')}"
+    if frames:
+        f = frames[0]
+        return f"{Path(str(f.get('filename', '?'))).name}:{f.get('line')} {f.get('name')}"
+    return "(no frame)"
+
+
+def peak_breakdown(events: list[dict], top: int = 15) -> dict:
+    """Replay an allocator trace (torch.cuda.memory._snapshot()["device_traces"][i]): find the
+    moment of the highest allocated memory and group the blocks live then by `_where`.
+
+    Sizes are relative to the start of the trace: blocks allocated before it are not in the
+    trace (their frees are, and lower the running total). Returns {"peak_delta_GiB", "peak_at",
+    "freed_preexisting_GiB" (freed before the peak), "groups": [(where, GiB, blocks), ...]}."""
+    def replay(stop: int | None):
+        live, current, best, best_i, freed_old = {}, 0, 0, -1, 0
+        for i, e in enumerate(events):
+            if stop is not None and i > stop:
+                break
+            action, addr, size = e.get("action"), e.get("addr"), int(e.get("size", 0))
+            if action == "alloc":
+                live[addr] = (size, e.get("frames") or [])
+                current += size
+            elif action == "free_completed":
+                if live.pop(addr, None) is None:
+                    freed_old += size
+                current -= size
+            else:
+                continue
+            if current > best:
+                best, best_i = current, i
+        return live, best, best_i, freed_old
+
+    _, best, best_i, _ = replay(None)
+    live, _, _, freed_old = replay(best_i)
+    groups: dict[str, list] = {}
+    for size, frames in live.values():
+        g = groups.setdefault(_where(frames), [0, 0])
+        g[0] += size
+        g[1] += 1
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
+    at = _where(events[best_i].get("frames") or []) if best_i >= 0 else "(no allocation)"
+    return {"peak_delta_GiB": round(best / 2**30, 3), "peak_at": at, "freed_preexisting_GiB": round(freed_old / 2**30, 3),
+            "groups": [(where, round(size / 2**30, 3), count) for where, (size, count) in ranked]}
+
+
+def memory_at_peak(fn, top: int = 15) -> dict:
+    """Run fn once on the current CUDA device with the allocator's history recorded and return
+    `peak_breakdown` of its trace, plus the memory allocated before it ("base_GiB")."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python")
+    try:
+        fn()
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    report = peak_breakdown(snapshot["device_traces"][torch.cuda.current_device()], top)
+    report["base_GiB"] = round(base / 2**30, 3)
+    return report
+
+
+def host_syncs(fn) -> dict[str, int]:
+    """Run fn once with CUDA's sync debug mode on: {where (see `_where`): count} of the calls
+    that made the host wait for the GPU (.item(), bool(tensor), nonzero, blocking copies)."""
+    import traceback
+    import warnings
+
+    found: dict[str, int] = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
+        frames = [{"filename": f.filename, "line": f.lineno, "name": f.name} for f in reversed(traceback.extract_stack())]
+        where = _where(frames)
+        found[where] = found.get(where, 0) + 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    return found

@@ -153,6 +153,33 @@ def capture_write_modes(model, args, state, ids, reps: int, aux_layers: list[int
     return r
 
 
+def layer_inputs(model, args, device, T: int):
+    """A decoder layer's inputs at T tokens: x [1, T, H] bf16 and RoPE cos/sin [T, rope/2]."""
+    x = torch.randn(1, T, args.hidden_size, device=device, dtype=torch.bfloat16)
+    positions = torch.arange(T, device=device, dtype=torch.float32)
+    angles = positions[:, None] * model.model.inv_freq.float()[None, :]
+    return x, (angles.cos() * model.model.rope_scale).to(x.dtype), (angles.sin() * model.model.rope_scale).to(x.dtype)
+
+
+def profile_moe_layer(model, args, state, T: int) -> None:
+    """Print (rank 0) the CUDA kernels of three calls of one MoE layer, every rank running them
+    (the layer holds all-reduces): what does not shrink from tp 1 to tp 2 shows here by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x, cos, sin = layer_inputs(model, args, state.device, T)
+    layer = model.model.layers[args.first_k_dense_replace]
+    for _ in range(2):
+        layer(x, cos, sin)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            layer(x, cos, sin)
+        torch.cuda.synchronize()
+    if state.is_main:
+        print(f"=== profile: one MoE layer x 3 calls, tp {state.tp.size}, T = {T}")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
+
+
 def components(model, args, state, T: int) -> dict:
     """Each part alone on the same kind of input (medians of 20 calls between CUDA events, the
     same count at every tp so the tp 1 and tp 2 columns compare), ms; at tp > 1 the layers
@@ -160,17 +187,15 @@ def components(model, args, state, T: int) -> dict:
     device, tp = state.device, state.tp
     median_ms = functools.partial(_median_ms, fixed_iters=20)
 
-    x = torch.randn(1, T, args.hidden_size, device=device, dtype=torch.bfloat16)
+    x, cos, sin = layer_inputs(model, args, device, T)
     flat = x[0]
-    positions = torch.arange(T, device=device, dtype=torch.float32)
-    angles = positions[:, None] * model.model.inv_freq.float()[None, :]
-    cos, sin = (angles.cos() * model.model.rope_scale).to(x.dtype), (angles.sin() * model.model.rope_scale).to(x.dtype)
     dense, moe_layer = model.model.layers[0], model.model.layers[args.first_k_dense_replace]
     moe = moe_layer.mlp
-    w, e = moe.gate(flat)
+    route = functools.partial(moe.tp.split_rows, moe.gate)  # as MoE.forward routes: 1/tp of the tokens per rank
+    w, e = route(flat)
     comp = {
         "attention": median_ms(lambda: moe_layer.self_attn(x, cos, sin), device),
-        "router": median_ms(lambda: moe.gate(flat), device),
+        "router": median_ms(lambda: route(flat), device),
         "routed_experts": median_ms(lambda: native_model.routed_experts_forward(flat, w, e, moe.experts), device),
         "shared_expert": median_ms(lambda: moe.shared_experts(flat), device),
         "dense_mlp": median_ms(lambda: dense.mlp(x), device),
@@ -185,7 +210,7 @@ def components(model, args, state, T: int) -> dict:
     return {k: round(v, 3) for k, v in comp.items()}
 
 
-def bench_length(model, args, state, T, reps, aux_layers, write_dir, matmul):
+def bench_length(model, args, state, T, reps, aux_layers, write_dir, matmul, profile: bool = False):
     device, tp = state.device, state.tp
     # the same ids on every rank (a tp group sees one batch): drawn on the CPU from a fixed seed,
     # not from each rank's own CUDA generator
@@ -194,6 +219,8 @@ def bench_length(model, args, state, T, reps, aux_layers, write_dir, matmul):
         r = capture_write_modes(model, args, state, ids, reps, aux_layers, write_dir)
         comp = components(model, args, state, T)
         r["components_ms"] = comp
+        if profile and state.device.type == "cuda":
+            profile_moe_layer(model, args, state, T)
         with HiddenStateCapture(model.model.layers, aux_layers, model.model.norm) as capture:
             model(ids)  # on every rank: the forward holds collectives
             aux = capture.aux_hidden_states[0]
@@ -273,6 +300,7 @@ def main(argv=None) -> dict:
     p.add_argument("--write-max-tokens", type=int, default=16384, help="the disk-writing mode only up to this T (time)")
     p.add_argument("--no-write", action="store_true", help="skip the disk-writing mode (capture + copy still run)")
     p.add_argument("--cpu-check", action="store_true", help="toy shapes on the CPU (gloo under torchrun)")
+    p.add_argument("--profile", action="store_true", help="also print the kernels of one MoE layer (rank 0)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if int(os.environ.get("RANK", "0")) == 0 else logging.WARNING, format="%(message)s")
@@ -308,7 +336,7 @@ def main(argv=None) -> dict:
             try:
                 if state.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats()
-                r = bench_length(model, args, state, T, a.reps, aux_layers, write_dir, res["matmul_TFLOPs"])
+                r = bench_length(model, args, state, T, a.reps, aux_layers, write_dir, res["matmul_TFLOPs"], a.profile)
                 plan = plan_memory(args, state.tp.size, "ep", batch_tokens=T, max_length=T, aux_layers=len(aux_layers))
                 r["planner_weights_plus_activations_GiB"] = round((plan.weights_bytes + plan.components["activations"]) / 2**30, 2)
                 if state.device.type == "cuda":
@@ -335,7 +363,7 @@ def main(argv=None) -> dict:
                 r = res[f"T={T}"]
                 assert "error" not in r, r
                 if state.is_group_leader:
-                    for name in ("copy", "write"):
+                    for name in ("copy",) if a.no_write else ("copy", "write"):
                         assert r[f"writer_{name}"]["items"] == a.reps + 4, r[f"writer_{name}"]
             log.info("cpu-check passed (tp %d)", state.tp.size)
         if state.is_main:

@@ -73,6 +73,7 @@ import logging
 import math
 import sys
 import time
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,7 +81,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import import_eagleforge  # noqa: E402
+from _bench_common import host_syncs, import_eagleforge, memory_at_peak  # noqa: E402
 
 import_eagleforge()  # a bare checkout (the device machine) runs without `pip install -e .`
 
@@ -244,6 +245,7 @@ class Variant:
     compile: bool | str = False  # False, True (a graph per length) or "dynamic"
     packed: bool = False
     fusegrad: bool = False
+    sync: bool = False  # the two host syncs of the loss before 2026-11-30's sixth session, for comparison
 
     @classmethod
     def parse(cls, spec: str) -> "Variant":
@@ -259,18 +261,23 @@ class Variant:
                 out.attn = value
             elif key == "compile" and value == "dynamic":
                 out.compile = "dynamic"  # one graph for every length (the trainer's setting)
-            elif key in ("compile", "packed", "fusegrad") and value in ("0", "1"):
+            elif key in ("compile", "packed", "fusegrad", "sync") and value in ("0", "1"):
                 setattr(out, key, value == "1")
             else:
                 raise SystemExit(f"bench_train: bad variant item {item!r} in {spec!r} (ckpt={'|'.join(CHECKPOINT_MODES)}"
-                                 f"[:N for the first N steps, step after], attn=flex|merged|merged_cudnn|sdpa, compile=0|1, packed=0|1, fusegrad=0|1)")
+                                 f"[:N for the first N steps, step after], attn=flex|merged|merged_cudnn|sdpa, compile=0|1, packed=0|1, fusegrad=0|1, sync=0|1)")
         return out
 
     @property
     def name(self) -> str:
         compiled = self.compile if self.compile == "dynamic" else int(self.compile)
         name = f"ckpt={self.ckpt},attn={self.attn},compile={compiled},packed={int(self.packed)}"
-        return name + (",fusegrad=1" if self.fusegrad else "")
+        return name + (",fusegrad=1" if self.fusegrad else "") + (",sync=1" if self.sync else "")
+
+    def step(self, s: "Shape", device: torch.device, used_ids: torch.Tensor, embed_device: str,
+             chunk_tokens: int | None) -> "OurStep":
+        return OurStep(s, device, used_ids, self.ckpt, self.attn, embed_device, chunk_tokens, self.compile, self.packed,
+                       self.fusegrad, self.sync)
 
 
 def ttt_weights(loss_mask: torch.Tensor, target_argmax: torch.Tensor, t2d: torch.Tensor, steps: int) -> torch.Tensor:
@@ -294,9 +301,9 @@ class OurStep:
 
     def __init__(self, s: Shape, device: torch.device, used_ids: torch.Tensor, ckpt: str, attention: str,
                  embed_device: str, chunk_tokens: int | None, compile: bool = False, packed: bool = False,
-                 fusegrad: bool = False):
+                 fusegrad: bool = False, sync: bool = False):
         self.s, self.device, self.ckpt, self.attention, self.chunk = s, device, ckpt, attention, chunk_tokens
-        self.compile, self.packed = compile, packed
+        self.compile, self.packed, self.sync = compile, packed, sync
         torch.manual_seed(0)
         with torch.device(device):
             draft = Eagle3Draft(s.draft_config())
@@ -357,10 +364,15 @@ class OurStep:
         weight = ttt_weights(batch["loss_mask"], batch["target_argmax"], draft.t2d, k_steps)
         return soft_ce.fused_soft_cross_entropy_ttt(
             normed, draft.lm_head.weight, batch["last"][0], self.teacher_head, weight,
-            teacher_shift=1, chunk_tokens=self.chunk, packed=self.packed)
+            teacher_shift=1, chunk_tokens=self.chunk, packed=self.packed,
+            check_weight=self.sync)  # ttt_weights zeroes the rows without a teacher: no check, no host sync
 
     def step(self, batch: dict) -> torch.Tensor:
         loss, step_losses, argmax = self.forward_loss(batch)
+        if self.sync and self.device.type == "cuda":
+            # sync=1: what the loss's backward did until 2026-11-30 (read the upstream gradient
+            # back to test it for 1), here as the same wait at the same moment
+            torch.cuda.synchronize()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, GRAD_CLIP, foreach=True)
         self.opt.step()
@@ -557,8 +569,10 @@ def run_varying(name, build, s, lengths, device, used_ids, peak_tflops, teacher_
     free_memory(device)
 
 
-def profile_step(name: str, method, s: Shape, tokens: int, device: torch.device, used_ids: torch.Tensor) -> None:
-    """Print the top CUDA kernels of one training step (after two warm-up steps)."""
+def profile_step(name: str, method, s: Shape, tokens: int, device: torch.device, used_ids: torch.Tensor) -> dict:
+    """Diagnose one training step (after two warm-up steps): the top CUDA kernels, the GPU's
+    kernel time against the step's wall time (a launch-bound step shows a gap), the calls where
+    the host waits for the GPU, and the blocks live at the step's peak memory."""
     from torch.profiler import ProfilerActivity, profile
 
     batch = make_batch(s, tokens, device, used_ids)
@@ -570,6 +584,21 @@ def profile_step(name: str, method, s: Shape, tokens: int, device: torch.device,
         sync(device)
     print(f"=== profile: {name}, T = {tokens}")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60))
+    kernel_ms = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+    wall_ms = time_steps(lambda: method.step(batch), device, 0, 3)[0] * 1e3
+    out = {"method": name, "tokens": tokens, "step_ms": round(wall_ms, 1), "gpu_kernel_ms": round(kernel_ms, 1)}
+    if device.type == "cuda":
+        out["host_syncs"] = host_syncs(lambda: method.step(batch))
+        out["memory"] = memory_at_peak(lambda: method.step(batch))
+    print(f"GPU kernel time {out['gpu_kernel_ms']} ms of a {out['step_ms']} ms step (unprofiled)")
+    print(f"host syncs per step: {json.dumps(out.get('host_syncs'))}")
+    mem = out.get("memory")
+    if mem:
+        print(f"memory: {mem['base_GiB']} GiB before the step, peak +{mem['peak_delta_GiB']} GiB at {mem['peak_at']} "
+              f"(pre-existing freed by then: {mem['freed_preexisting_GiB']} GiB); live at the peak, allocated in the step:")
+        for where, gib, count in mem["groups"]:
+            print(f"    {gib:8.3f} GiB  {count:5d} blocks  {where}")
+    return out
 
 
 def attention_bench(s: Shape, device: torch.device, tokens_list: list[int], modes: list[str], warmup: int,
@@ -697,8 +726,7 @@ def main(argv=None) -> dict:
     else:
         variants = [Variant.parse(v) for v in (args.variants or DEFAULT_VARIANTS)]
     if args.cpu_check:  # no flex on the CPU; compile stays on when asked (inductor's C++ backend)
-        variants = [Variant(v.ckpt, "merged" if v.attn == "flex" else v.attn, v.compile, v.packed, v.fusegrad)
-                    for v in variants]
+        variants = [dataclasses.replace(v, attn="merged" if v.attn == "flex" else v.attn) for v in variants]
     used_ids = torch.sort(torch.randperm(s.vocab, generator=torch.Generator().manual_seed(0))[: s.draft_vocab]).values
     report: dict = {"shape": vars(s), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                     "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()},
@@ -720,8 +748,7 @@ def main(argv=None) -> dict:
         lengths = varying_lengths(max(args.tokens), args.varying)
         for v in variants:
             run_varying(f"ours {v.name}",
-                        lambda v=v: OurStep(s, device, used_ids, v.ckpt, v.attn, args.embed_device, args.chunk_tokens,
-                                            v.compile, v.packed, v.fusegrad),
+                        lambda v=v: v.step(s, device, used_ids, args.embed_device, args.chunk_tokens),
                         s, lengths, device, used_ids, args.peak_tflops, s.draft_vocab, report["results"])
             save()
         print_table(report["results"])
@@ -729,13 +756,15 @@ def main(argv=None) -> dict:
 
     if args.profile:
         for v in variants:
-            method = OurStep(s, device, used_ids, v.ckpt, v.attn, args.embed_device, args.chunk_tokens, v.compile, v.packed,
-                             v.fusegrad)
-            profile_step(f"ours {v.name}", method, s, args.profile, device, used_ids)
+            method = v.step(s, device, used_ids, args.embed_device, args.chunk_tokens)
+            report["results"].append(profile_step(f"ours {v.name}", method, s, args.profile, device, used_ids))
+            save()
             del method
             free_memory(device)
         if not args.no_specforge:
-            profile_step("specforge", SpecForgeStep(s, device, used_ids), s, args.profile, device, used_ids)
+            report["results"].append(profile_step("specforge", SpecForgeStep(s, device, used_ids), s, args.profile, device,
+                                                  used_ids))
+            save()
         return report
 
     if not args.no_checks:
@@ -762,8 +791,7 @@ def main(argv=None) -> dict:
     for v in variants:
         tokens = [t for t in args.tokens if v.ckpt != "none" or t <= args.no_ckpt_max_tokens]
         run_method(f"ours {v.name}",
-                   lambda v=v: OurStep(s, device, used_ids, v.ckpt, v.attn, args.embed_device, args.chunk_tokens,
-                                       v.compile, v.packed, v.fusegrad),
+                   lambda v=v: v.step(s, device, used_ids, args.embed_device, args.chunk_tokens),
                    s, tokens, device, used_ids, args.warmup, args.iters, args.peak_tflops, s.draft_vocab, report["results"])
         versus_specforge(report["results"])
         save()

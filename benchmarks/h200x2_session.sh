@@ -54,6 +54,14 @@
 #   Q (nvidia-h200): the review's changes to merged_cudnn on the GPU (its tests), and bench-train
 #      with lengths that change every step (the trainer's case: cuDNN's plan per new shape)
 #      for FA2 and cuDNN, compiled dynamic, to decide whether the trainer's auto may be cuDNN
+# Sixth session of 2026-11-30 (nvidia-h200-x2):
+#   R1: the GPU tests of the changed pieces (loss without host syncs, the router's bf16 GEMM with
+#       fp32 output, merged_cudnn after the review); diagnostics of one bench-train step at 2K
+#       (kernel time vs wall time, host syncs, the blocks live at the peak) with and without the
+#       loss's two syncs; bench-extract at 16K on GPU 0 (tp 1), then on both (tp 2) against it,
+#       each with the kernels of one MoE layer
+#   R2: the timed tables: bench-train at 2K and 8K beside SpecForge, then the varying-length
+#       runs of Q (the trainer's case) for FA2 and cuDNN
 set -u
 PHASE=$1; shift
 RES=/tmp/res_$PHASE; rm -rf "$RES"; mkdir -p "$RES"
@@ -261,6 +269,20 @@ Q)
     "ckpt=selective_all,attn=flex,compile=dynamic,packed=1" "ckpt=selective_all,attn=merged,compile=dynamic,packed=1" \
     "ckpt=selective_all,attn=merged_cudnn,compile=dynamic,packed=1" --json "$RES/varying.json" > "$RES/varying.log" 2>&1
   tail -6 "$RES/varying.log"
+  ;;
+R1)
+  timeout 150 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_draft_attention.py tests/test_kernels.py \
+    "tests/test_draft.py::test_accumulating_linear_matches_linear" "tests/test_int4_moe.py::test_router_bf16_gemm_with_fp32_output_matches_the_fp32_gemm" \
+    > "$RES/gpu_tests.log" 2>&1; tail -3 "$RES/gpu_tests.log"
+  timeout 170 python3 benchmarks/bench_train.py --profile 2048 --no-specforge --variants \
+    "ckpt=selective_all,attn=merged_cudnn,compile=1,packed=1,fusegrad=1" \
+    "ckpt=selective_all,attn=merged_cudnn,compile=1,packed=1,fusegrad=1,sync=1" \
+    --json "$RES/train_profile.json" > "$RES/train_profile.log" 2>&1; grep -A22 "^GPU kernel time" "$RES/train_profile.log" | head -60
+  CUDA_VISIBLE_DEVICES=0 timeout 110 python3 benchmarks/bench_extract.py --tokens 16384 --no-write --reps 3 --profile \
+    --json "$RES/extract_tp1.json" > "$RES/extract_tp1.log" 2>&1; tail -3 "$RES/extract_tp1.log"
+  timeout 120 torchrun --standalone --nproc-per-node 2 benchmarks/bench_extract.py --tokens 16384 --no-write --reps 3 \
+    --profile --baseline-json "$RES/extract_tp1.json" --json "$RES/extract_tp2.json" > "$RES/extract_tp2.log" 2>&1
+  tail -3 "$RES/extract_tp2.log"
   ;;
 G)
   timeout 420 torchrun --standalone --nproc-per-node 2 benchmarks/bench_extract.py --tokens 16384 32768 --no-write \

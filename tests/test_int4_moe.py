@@ -291,3 +291,32 @@ def test_routed_experts_backends_agree():
         finally:
             M.MOE_BACKEND = "auto"
         assert rel_err(outs[backend], want) < 2e-2, (backend, rel_err(outs[backend], want))
+
+
+@pytest.mark.gpu
+def test_router_bf16_gemm_with_fp32_output_matches_the_fp32_gemm():
+    """The router's CUDA path (bf16 x bf16 GEMM, fp32 output) against the fp32 GEMM it replaces,
+    at the real width (7168 x 384) and an odd token count: scores to fp32 rounding, the same
+    experts chosen wherever the choice is not a near tie."""
+    from eagleforge.extract.native.bench_model import kimi_args
+    from eagleforge.extract.native.model import _MM_OUT_DTYPE, Router
+
+    assert _MM_OUT_DTYPE, "torch.mm(out_dtype=) missing: the router falls back to the fp32 GEMM"
+    args = kimi_args(2)
+    gen = torch.Generator().manual_seed(5)
+    router = Router(args, torch.bfloat16).cuda()
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=gen) * args.hidden_size**-0.5)
+        router.e_score_correction_bias.copy_(torch.rand(args.n_routed_experts, generator=gen) * 0.01)
+    x = torch.randn(4099, args.hidden_size, generator=gen).to("cuda", torch.bfloat16)
+    fast = router.logits(x)
+    ref = torch.nn.functional.linear(x.float(), router.weight.float())
+    assert fast.dtype == torch.float32
+    assert float((fast - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+    weights, ids = router(x)
+    scores = ref.sigmoid()
+    ref_ids = (scores + router.e_score_correction_bias).topk(args.num_experts_per_tok, dim=-1).indices
+    same = (ids.sort(-1).values == ref_ids.sort(-1).values).all(-1).float().mean()
+    if args.n_group <= 1:
+        assert same > 0.999, float(same)
+    assert torch.isfinite(weights).all()

@@ -244,6 +244,54 @@ def test_ttt_rejects_weight_without_teacher():
     soft_ce.fused_soft_cross_entropy_ttt(hiddens, w, torch.randn(9, 8), w, weight, backend=BACKEND)  # accepted
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["perstep", "packed"])
+def test_ttt_unchecked_weight_ignores_rows_without_teacher(packed):
+    """check_weight=False (no host sync): weight on rows without a teacher is ignored, never
+    scored against a row past the end; the numbers equal those with the weight zeroed."""
+    gen = torch.Generator().manual_seed(31)
+    n, k_steps = 11, 3
+    hiddens = [torch.randn(n, 8, generator=gen).requires_grad_() for _ in range(k_steps)]
+    w_d, t, w_t = torch.randn(23, 8, generator=gen), torch.randn(n, 8, generator=gen), torch.randn(23, 8, generator=gen)
+    dirty = torch.rand(k_steps, n, generator=gen)  # weight everywhere, past the end too
+    clean = dirty.clone()
+    for j in range(k_steps):
+        clean[j, n - 1 - j:] = 0
+    runs = []
+    for weight, check in ((dirty, False), (clean, True)):
+        loss, steps, argmax = soft_ce.fused_soft_cross_entropy_ttt(
+            hiddens, w_d, t, w_t, weight, chunk_tokens=5, backend=BACKEND, packed=packed, check_weight=check)
+        loss.backward()
+        runs.append((steps, argmax, [h.grad.clone() for h in hiddens]))
+        for h in hiddens:
+            h.grad = None
+    (s0, a0, g0), (s1, a1, g1) = runs
+    assert torch.equal(s0, s1) and torch.equal(a0, a1) and all(torch.equal(x, y) for x, y in zip(g0, g1))
+
+
+def test_ttt_upstream_scaled_in_fp32_and_second_backward_refused():
+    """The saved bf16 gradients are scaled by the upstream in fp32 (1/3 is not rounded to bf16
+    first), in place; a second backward through the same graph is refused, not scaled twice."""
+    gen = torch.Generator().manual_seed(37)
+    n, k_steps = 13, 2
+    hiddens = [torch.randn(n, 16, generator=gen).bfloat16().requires_grad_() for _ in range(k_steps)]
+    w_d = torch.randn(41, 16, generator=gen).bfloat16().requires_grad_()
+    t, w_t = torch.randn(n, 16, generator=gen).bfloat16(), torch.randn(41, 16, generator=gen).bfloat16()
+    weight = torch.rand(k_steps, n, generator=gen)
+    weight[0, n - 1:], weight[1, n - 2:] = 0, 0
+    grads = []
+    for upstream in (1.0, 1 / 3):
+        loss, _, _ = soft_ce.fused_soft_cross_entropy_ttt(hiddens, w_d, t, w_t, weight, chunk_tokens=4, backend=BACKEND)
+        (loss * upstream).backward(retain_graph=True)
+        grads.append([x.grad.clone() for x in hiddens + [w_d]])
+        for x in hiddens + [w_d]:
+            x.grad = None
+        if upstream != 1.0:
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                (loss * upstream).backward()
+    for unit, third in zip(*grads):
+        assert torch.equal(third, (unit.float() * torch.tensor(1 / 3)).bfloat16())
+
+
 def test_preconditions_name_the_values():
     h, w_d, t, w_t, weight = make_inputs(7, 8, 21, torch.float32, seed=1)
     lse = torch.zeros(7)

@@ -176,6 +176,51 @@ def test_tensor_parallel_matches_transformers(checkpoints, tmp_path, world):
             check_bytes_read(path, results, world, layout, n_experts=10)
 
 
+def _split_rows_worker(rank: int, world: int, port: int, n: int, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        tp = _state_from_world(world, torch.device("cpu"), True).tp
+        x = torch.arange(n * 3, dtype=torch.float64).view(n, 3)
+        seen = []
+
+        def fn(rows):  # row-wise; records which rows this rank computed
+            seen.append(rows[:, 0].long() // 3)
+            return rows.sum(-1, keepdim=True), (rows[:, :2] * 2).long()
+
+        total, doubled = tp.split_rows(fn, x)
+        save_file({"total": total, "doubled": doubled, "seen": seen[0]}, os.path.join(out_dir, f"rank{rank}.safetensors"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("n", [7, 2])
+def test_split_rows_gives_every_rank_all_rows_each_computed_once(tmp_path, n):
+    """TensorParallel.split_rows over 3 gloo ranks: uneven rows (7 = 3 + 3 + 1) and fewer rows
+    than ranks (2: the last rank computes none); every rank ends with fn(x) of all rows."""
+    world = 3
+    mp.spawn(_split_rows_worker, args=(world, free_port(), n, str(tmp_path)), nprocs=world, join=True)
+    x = torch.arange(n * 3, dtype=torch.float64).view(n, 3)
+    seen = []
+    for rank in range(world):
+        out = load_file(os.path.join(tmp_path, f"rank{rank}.safetensors"))
+        assert torch.equal(out["total"], x.sum(-1, keepdim=True)) and torch.equal(out["doubled"], (x[:, :2] * 2).long())
+        seen.append(out["seen"])
+    assert torch.equal(torch.cat(seen), torch.arange(n)), seen
+
+
+def test_split_router_matches_transformers_to_fp32_rounding(checkpoints, tmp_path, monkeypatch):
+    """Routing split over the ranks (forced down to one token; normally from 1024 tokens): each
+    rank routes its rows and the weights and ids are gathered. The fp32 router GEMM sums in an
+    order that depends on its row count, so the match is to fp32 rounding, and the greedy tokens
+    and the ranks' states are identical."""
+    monkeypatch.setenv("EAGLEFORGE_ROUTER_SPLIT_MIN_TOKENS", "1")  # read by the spawned ranks
+    path, input_ids, aux, normed, greedy = checkpoints["k25_yarn"]
+    results = run_world(path, 2, input_ids, tmp_path)
+    for (layout, rank), (tensors, _) in results.items():
+        assert_matches_reference(tensors, aux, normed, greedy, f"split router {layout} rank {rank}/2", tol=1e-5)
+        assert torch.equal(tensors["aux"], results[layout, 0][0]["aux"]), "ranks disagree"
+
+
 def test_bf16_error_is_of_the_order_of_transformers_own_bf16(checkpoints):
     """The production dtype: error vs the float64 reference comparable to transformers' own bf16.
 

@@ -72,6 +72,24 @@ class TensorParallel:
         return parts
 
 
+    def split_rows(self, fn, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """fn(x) for a row-wise fn returning a tuple of [N, ...] tensors, each rank computing
+        only its 1/size of the N rows, the results all-gathered (every rank ends with all N):
+        for per-token work that the ranks would otherwise all repeat (the router). The
+        gathered bytes are the outputs' (the router's [N, k] weights and ids), not x's."""
+        if self.size == 1:
+            return fn(x)
+        n = x.shape[0]
+        per = -(-n // self.size)  # rows per rank, the last rank's padded
+        lo, hi = min(n, self.rank * per), min(n, (self.rank + 1) * per)
+        gathered = []
+        for part in fn(x[lo:hi]):
+            local = part.new_zeros((per,) + tuple(part.shape[1:]))
+            local[: hi - lo] = part
+            gathered.append(torch.cat(self.all_gather(local))[:n])
+        return tuple(gathered)
+
+
 class AllReduce(nn.Module):
     """Sums partial outputs over the group: the single reduction of an MLP/MoE block."""
 
