@@ -60,7 +60,10 @@
 #       (kernel time vs wall time, host syncs, the blocks live at the peak) with and without the
 #       loss's two syncs; bench-extract at 16K on GPU 0 (tp 1), then on both (tp 2) against it,
 #       each with the kernels of one MoE layer
-#   R2: the timed tables: bench-train at 2K and 8K beside SpecForge, then the varying-length
+#   R2: R1 again after its fixes (the slot combine, the one-collective router split, the memory
+#       by phase): the GPU tests of the MoE kernels and the model, the 2K diagnostics (and the
+#       source lines at the peak for the variant without compile), bench-extract tp 1 / tp 2
+#   R3: the timed tables: bench-train at 2K and 8K beside SpecForge, then the varying-length
 #       runs of Q (the trainer's case) for FA2 and cuDNN
 set -u
 PHASE=$1; shift
@@ -283,6 +286,21 @@ R1)
   timeout 120 torchrun --standalone --nproc-per-node 2 benchmarks/bench_extract.py --tokens 16384 --no-write --reps 3 \
     --profile --baseline-json "$RES/extract_tp1.json" --json "$RES/extract_tp2.json" > "$RES/extract_tp2.log" 2>&1
   tail -3 "$RES/extract_tp2.log"
+  ;;
+R2)
+  timeout 150 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_int4_moe.py tests/test_native_model.py \
+    > "$RES/gpu_tests.log" 2>&1; tail -3 "$RES/gpu_tests.log"
+  timeout 200 python3 benchmarks/bench_train.py --profile 2048 --no-specforge --variants \
+    "ckpt=selective_all,attn=merged_cudnn,compile=1,packed=1,fusegrad=1" \
+    "ckpt=selective_all,attn=merged_cudnn,compile=1,packed=1,fusegrad=1,sync=1" \
+    "ckpt=selective_all,attn=merged_cudnn,compile=0,packed=1,fusegrad=1" \
+    --json "$RES/train_profile.json" > "$RES/train_profile.log" 2>&1
+  grep -E "^GPU kernel time|^host syncs|^memory|^    .* GiB |=== profile" "$RES/train_profile.log" | cut -c1-220
+  CUDA_VISIBLE_DEVICES=0 timeout 100 python3 benchmarks/bench_extract.py --tokens 16384 --no-write --reps 3 --profile \
+    --json "$RES/extract_tp1.json" > "$RES/extract_tp1.log" 2>&1; tail -1 "$RES/extract_tp1.log"
+  timeout 110 torchrun --standalone --nproc-per-node 2 benchmarks/bench_extract.py --tokens 16384 --no-write --reps 3 \
+    --profile --baseline-json "$RES/extract_tp1.json" --json "$RES/extract_tp2.json" > "$RES/extract_tp2.log" 2>&1
+  tail -1 "$RES/extract_tp2.log"
   ;;
 G)
   timeout 420 torchrun --standalone --nproc-per-node 2 benchmarks/bench_extract.py --tokens 16384 32768 --no-write \

@@ -19,8 +19,9 @@ bf16 scales [E, out, in/32]. Three implementations, same numbers up to bf16 roun
   end row), built on the device with no host sync, drives a grid over (N tiles, expert tiles).
   Kernel 1 gathers the token rows of x itself (no [N*k, H] copy) and computes gate and up in one
   pass with the silu(g) * u epilogue -> h [N*k, I] bf16 in sorted order. Kernel 2 multiplies h
-  by the down weights, scales by the router weight and scatters each row back to its (token,
-  slot) place -> [N, k, H]; a sum over k finishes (deterministic, no atomics). Each K step loads
+  by the down weights and scales by the router weight, still in sorted order; a combine kernel
+  sums each token's slots through the inverse order (reading only this rank's rows, adding an
+  optional [N, H] such as the shared expert, one rounding; deterministic, no atomics). Each K step loads
   packed int32 words [BN, BK/8] along K (contiguous) and unpacks them in registers.
   impl="v1" is the first version (measured 2026-11-29): nibble -> int -> fp32 convert, fp32
   scale, round to bf16: two conversion instructions per weight, which run at 16 per clock per
@@ -111,6 +112,31 @@ def sort_by_expert(ids: torch.Tensor, num_local: int, expert_start: int = 0):
     return order, counts
 
 
+def inverse_local_order(order: torch.Tensor, counts: torch.Tensor, num_local: int) -> torch.Tensor:
+    """order [N*k] (sort_by_expert) -> inv [N*k] int32: the sorted row of each (token, slot)
+    pair, -1 for pairs of other ranks' experts (they sort past the local rows)."""
+    rows = order.numel()
+    inv = torch.empty(rows, dtype=torch.int32, device=order.device)
+    inv[order] = torch.arange(rows, dtype=torch.int32, device=order.device)
+    local_rows = counts[:num_local].sum()  # a device scalar: no host sync
+    return torch.where(inv < local_rows, inv, -1)
+
+
+def combine_slots_reference(y_sorted: torch.Tensor, inv: torch.Tensor, k: int, add: torch.Tensor | None = None,
+                            out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """out[n] = sum over slots s of y_sorted[inv[n*k + s]] (slots with inv = -1 skipped), plus
+    add[n], summed in fp32 and rounded once to out_dtype. y_sorted [R, H], inv [N*k] -> [N, H]."""
+    rows, hidden = y_sorted.shape
+    padded = torch.cat([y_sorted, y_sorted.new_zeros(1, hidden)])  # row R: the zero of a foreign slot
+    index = torch.where(inv >= 0, inv, rows).long().view(-1, k)  # [N, k]
+    acc = torch.zeros(index.shape[0], hidden, dtype=torch.promote_types(y_sorted.dtype, torch.float32), device=y_sorted.device)
+    for slot in range(k):  # slot by slot: the kernel's order of the fp32 sum
+        acc += padded[index[:, slot]].to(acc.dtype)
+    if add is not None:
+        acc = acc + add.to(acc.dtype)
+    return acc.to(out_dtype)
+
+
 def tile_table(counts: torch.Tensor, num_local: int, block_m: int, num_rows: int):
     """(tile_expert, tile_begin, tile_end) int32 [max_tiles]: expert tiles of <= block_m rows.
 
@@ -151,6 +177,22 @@ if HAS_TRITON:
         q = tl.reshape(q, (BLOCK_N, BLOCK_K // GROUP, GROUP)).to(tl.float32)
         w = q * scale.to(tl.float32)[:, :, None]
         return tl.reshape(w.to(DOT_DTYPE), (BLOCK_N, BLOCK_K))
+
+    @triton.jit
+    def _combine_slots_kernel(y_ptr, inv_ptr, add_ptr, out_ptr, H, stride_y, stride_add, stride_out,
+                              K: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK_H: tl.constexpr):
+        """One program per (token n, block of H): out[n] = sum_s y[inv[n*K + s]] (+ add[n]) in fp32."""
+        n = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = offs < H
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for s in tl.static_range(K):
+            r = tl.load(inv_ptr + n * K + s).to(tl.int64)  # -1: another rank's expert
+            local = (offs * 0 + r) >= 0  # [BLOCK_H]: the slot's row is on this rank
+            acc += tl.load(y_ptr + tl.maximum(r, 0) * stride_y + offs, mask=mask & local, other=0.0).to(tl.float32)
+        if HAS_ADD:
+            acc += tl.load(add_ptr + n * stride_add + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + n * stride_out + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _int4_grouped_gemm_kernel(
@@ -472,10 +514,31 @@ def _check(x, weights, ids, gate_packed, gate_scale, up_packed, up_scale, down_p
         raise ValueError("int4_moe: " + "; ".join(problems))
 
 
+def combine_slots(y_sorted: torch.Tensor, inv: torch.Tensor, k: int, add: torch.Tensor | None = None,
+                  out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`combine_slots_reference` in one Triton pass (CUDA, or the CPU under TRITON_INTERPRET=1):
+    reads only the local rows, writes [N, H] once; the slot order is fixed (deterministic)."""
+    if not HAS_TRITON or not (y_sorted.is_cuda or INTERPRET):
+        return combine_slots_reference(y_sorted, inv, k, add, out_dtype)
+    n, hidden = inv.numel() // k, y_sorted.shape[1]
+    out = torch.empty(n, hidden, dtype=out_dtype, device=y_sorted.device)
+    if n == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(hidden))
+    add_t = add if add is not None else out
+    _combine_slots_kernel[(n, triton.cdiv(hidden, block))](
+        y_sorted, inv, add_t, out, hidden, y_sorted.stride(0), add_t.stride(0), out.stride(0),
+        K=k, HAS_ADD=add is not None, BLOCK_H=block)
+    return out
+
+
 def int4_moe(x, weights, ids, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale,
              expert_start: int = 0, num_experts: int | None = None, out_dtype: torch.dtype = torch.float32,
-             impl: str = "v1") -> torch.Tensor:
+             impl: str = "v1", add: torch.Tensor | None = None) -> torch.Tensor:
     """Triton W4A16 MoE: x [N, H] bf16, router weights [N, k] fp32 and ids [N, k] -> [N, H] out_dtype.
+
+    add [N, H] (optional, e.g. the shared expert's output): added to the sum over slots in fp32
+    before the one rounding to out_dtype.
 
     Weights are this rank's experts [expert_start, expert_start + E_l) of `num_experts` in all
     (default: E_l, every expert local). `impl`: "v2" (the interleave unpack, configs of both
@@ -496,8 +559,8 @@ def int4_moe(x, weights, ids, gate_packed, gate_scale, up_packed, up_scale, down
     rows = N * k
     order, counts = sort_by_expert(ids, E, expert_start)
     tokens = (order // k).to(torch.int32)  # [N*k]: the token of each sorted row
-    pairs = order.to(torch.int32)  # [N*k]: its flat (token, slot) index
-    pair_weight = weights.reshape(-1).float().contiguous()  # [N*k]
+    rows_out = torch.arange(rows, dtype=torch.int32, device=x.device)  # down writes row r to row r (sorted order)
+    sorted_weight = weights.reshape(-1).float()[order].contiguous()  # [N*k]: the router weight of each sorted row
     tables: dict = {}
 
     def table_for(block_m):
@@ -506,15 +569,15 @@ def int4_moe(x, weights, ids, gate_packed, gate_scale, up_packed, up_scale, down
         return tables[block_m]
 
     h = torch.empty(rows, I, dtype=torch.bfloat16, device=x.device)  # sorted order
-    # rows of other ranks' experts get no tile: zero them so the sum over slots ignores them
-    foreign = expert_start > 0 or (num_experts or E) > E
-    y = (torch.zeros if foreign else torch.empty)(N * k, H, dtype=torch.bfloat16, device=x.device)  # [N*k, H]
+    # sorted order too, weighted; rows of other ranks' experts (the tail) are never written, and
+    # the combine skips them: no zeroing, no reading of [N*k, H] beyond the local rows
+    y = torch.empty(rows, H, dtype=torch.bfloat16, device=x.device)
 
     def gate_up(config):
         _launch(config, x, tokens, gate_packed, gate_scale, up_packed, up_scale, h, None, None, table_for(config[1]), True, True, False)
 
     def down(config):
-        _launch(config, h, None, down_packed, down_scale, None, None, y, pairs, pair_weight, table_for(config[1]), False, False, True)
+        _launch(config, h, None, down_packed, down_scale, None, None, y, rows_out, sorted_weight, table_for(config[1]), False, False, True)
 
     if impl == "v1":
         block_m = choose_block_m(rows, E)
@@ -529,7 +592,7 @@ def int4_moe(x, weights, ids, gate_packed, gate_scale, up_packed, up_scale, down
             gu_configs = dn_configs = INTERPRET_CONFIGS
     gate_up(_pick_config(f"{impl}_gate_up", gu_configs, (I, H, GROUP_SIZE, key), gate_up))
     down(_pick_config(f"{impl}_down", dn_configs, (H, I, GROUP_SIZE, key), down))
-    return y.view(N, k, H).sum(1, dtype=out_dtype)  # [N, H]
+    return combine_slots(y, inverse_local_order(order, counts, E), k, add, out_dtype)  # [N, H]
 
 
 # ---------------------------------------------------------------------------- grouped_mm paths

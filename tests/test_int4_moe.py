@@ -201,6 +201,43 @@ def test_triton_unpack_matches_compressed_tensors(mode):
     assert float(((out.double().cpu() - want).abs() / want.abs().clamp(min=1e-30)).max()) <= tol
 
 
+@pytest.mark.skipif(not (INNER or HAS_CUDA), reason="runs in the TRITON_INTERPRET=1 subprocess (test_triton_interpreted) or on CUDA")
+@pytest.mark.parametrize("with_add", [False, True], ids=["routed", "plus_shared"])
+def test_triton_combine_slots_matches_reference(with_add):
+    """The slot combine: each token's local slots summed through the inverse sort order, slots
+    of other ranks' experts skipped (their rows never written: NaN here, so reading one shows),
+    an [N, H] add (the shared expert) included, bf16 out; against the torch reference and a
+    plain loop over slots in float64."""
+    device = "cuda" if HAS_CUDA and not INNER else "cpu"
+    gen = torch.Generator().manual_seed(11)
+    n, k, hidden, num_local, start = 37, 4, 1100, 5, 3  # hidden: not a power of two, > one 1024 block
+    ids = torch.randint(0, 12, (n, k), generator=gen)
+    order, counts = int4_moe.sort_by_expert(ids, num_local, start)
+    local_rows = int(counts[:num_local].sum())
+    y = torch.randn(n * k, hidden, generator=gen).to(torch.bfloat16)
+    y[local_rows:] = float("nan")  # the tail: other ranks' pairs, never written by the down kernel
+    add = torch.randn(n, hidden, generator=gen).to(torch.bfloat16) if with_add else None
+    inv = int4_moe.inverse_local_order(order, counts, num_local)
+    assert int((inv >= 0).sum()) == local_rows
+    args = (y.to(device), inv.to(device), k, None if add is None else add.to(device))
+    got32, got = int4_moe.combine_slots(*args, torch.float32), int4_moe.combine_slots(*args, torch.bfloat16)
+    ref32 = int4_moe.combine_slots_reference(y, inv, k, add, torch.float32)
+    ref = ref32.to(torch.bfloat16)
+    assert torch.equal(got32.cpu(), ref32)  # one fp32 sum in slot order: the same bits
+    want = torch.zeros(n, hidden, dtype=torch.float64)
+    for pair in range(n * k):
+        if start <= int(ids.flatten()[pair]) < start + num_local:
+            want[pair // k] += y[int(inv[pair])].double()
+    if add is not None:
+        want += add.double()
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    if INNER:  # the interpreter converts fp32 -> bf16 by truncation (seen: -4.2734 -> -4.25): one ulp
+        assert bool(((got.float() - ref.float()).abs() <= ref.float().abs() * 2 ** -7).all())
+    else:  # round to nearest on the GPU: the same bits
+        assert torch.equal(got.cpu(), ref)
+    assert float((ref.double() - want).abs().max()) <= 2 ** -7 * float(want.abs().max())
+
+
 @pytest.mark.skipif(INNER, reason="this is the outer launcher")
 @pytest.mark.skipif(HAS_CUDA, reason="CUDA is present: the compiled kernels run these cases directly (and Triton 3.6's "
                     "interpreter failed under numpy 2.5 on the device image)")
@@ -211,7 +248,7 @@ def test_triton_interpreted():
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(Path(__file__)),
                              "-k", "triton_"], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    n_cases = len(_triton_cases()) * len(TRITON_IMPLS) + 2
+    n_cases = len(_triton_cases()) * len(TRITON_IMPLS) + 2 + 2  # + the unpacks + the slot combines
     assert f"{n_cases} passed" in result.stdout, result.stdout[-2000:]
 
 

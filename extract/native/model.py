@@ -425,25 +425,49 @@ MOE_BACKEND = os.environ.get("EAGLEFORGE_MOE_BACKEND", "auto")
 ROUTER_SPLIT_MIN_TOKENS = int(os.environ.get("EAGLEFORGE_ROUTER_SPLIT_MIN_TOKENS", "1024"))
 
 
-def routed_experts_forward(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: RoutedExperts) -> torch.Tensor:
-    """x [N, H], router weights/ids [N, k] -> this rank's partial sum [N, H] (fp32 or wider).
+def routed_experts_forward(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: RoutedExperts,
+                           add: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [N, H], router weights/ids [N, k] -> this rank's partial sum [N, H] (fp32 or wider),
+    or, with out_dtype, (that sum + add [N, H]) rounded once to out_dtype.
 
     The one place the expert matmuls happen. INT4 experts on CUDA go through
-    eagleforge.kernels.int4_moe (tokens sorted by expert, fused dequantize + grouped GEMM);
-    elsewhere (CPU, float64 tests, bf16 experts) `routed_experts_loop`.
+    eagleforge.kernels.int4_moe (tokens sorted by expert, fused dequantize + grouped GEMM; its
+    combine adds `add` and rounds in the same pass); elsewhere (CPU, float64 tests, bf16
+    experts) `routed_experts_loop`.
     """
-    backend = MOE_BACKEND
-    if backend == "auto":
-        fast = experts.quantized and x.is_cuda and x.dtype == torch.bfloat16 and int4_moe.HAS_TRITON
-        backend = "triton" if fast else "loop"
+    if out_dtype is not None:
+        if _triton_experts(x, experts):
+            return _int4_triton(x, weights, ids, experts, add=add, out_dtype=out_dtype)
+        routed = routed_experts_forward(x, weights, ids, experts)
+        return (routed if add is None else routed + add.to(routed.dtype)).to(out_dtype)
+    backend = _moe_backend(x, experts)
     if backend == "loop" or not experts.quantized:
         return routed_experts_loop(x, weights, ids, experts)
-    packs = [getattr(experts, f"{proj}_{part}") for proj in experts.PROJS for part in ("packed", "scale")]
     if backend == "triton":
-        return int4_moe.int4_moe(x, weights, ids, *packs, expert_start=experts.start, num_experts=experts.num_experts)
+        return _int4_triton(x, weights, ids, experts)
     if backend == "grouped_mm":
-        return int4_moe.int4_moe_grouped_mm(x, weights, ids, *packs, expert_start=experts.start).float()
+        return int4_moe.int4_moe_grouped_mm(x, weights, ids, *_packs(experts), expert_start=experts.start).float()
     raise ValueError(f"EAGLEFORGE_MOE_BACKEND = {backend!r}: expected auto, triton, grouped_mm or loop")
+
+
+def _moe_backend(x: torch.Tensor, experts: RoutedExperts) -> str:
+    if MOE_BACKEND != "auto":
+        return MOE_BACKEND
+    fast = experts.quantized and x.is_cuda and x.dtype == torch.bfloat16 and int4_moe.HAS_TRITON
+    return "triton" if fast else "loop"
+
+
+def _triton_experts(x: torch.Tensor, experts: RoutedExperts) -> bool:
+    return experts.quantized and _moe_backend(x, experts) == "triton"
+
+
+def _packs(experts: RoutedExperts) -> list[torch.Tensor]:
+    return [getattr(experts, f"{proj}_{part}") for proj in experts.PROJS for part in ("packed", "scale")]
+
+
+def _int4_triton(x, weights, ids, experts: RoutedExperts, **kwargs) -> torch.Tensor:
+    return int4_moe.int4_moe(x, weights, ids, *_packs(experts), expert_start=experts.start,
+                             num_experts=experts.num_experts, **kwargs)
 
 
 def routed_experts_loop(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: RoutedExperts) -> torch.Tensor:
@@ -487,8 +511,8 @@ class MoE(nn.Module):
             weights, ids = self.tp.split_rows(self.gate, flat)  # each rank routes 1/tp of the tokens
         else:
             weights, ids = self.gate(flat)
-        routed = routed_experts_forward(flat, weights, ids, self.experts)
-        y = (routed + self.shared_experts(flat).to(routed.dtype)).to(x.dtype)
+        # routed (fp32 sum over slots) + shared, rounded once to x's dtype; one pass on the GPU
+        y = routed_experts_forward(flat, weights, ids, self.experts, add=self.shared_experts(flat), out_dtype=x.dtype)
         return self.reduce(y).view(shape)
 
 

@@ -28,6 +28,8 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -75,19 +77,30 @@ class TensorParallel:
     def split_rows(self, fn, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """fn(x) for a row-wise fn returning a tuple of [N, ...] tensors, each rank computing
         only its 1/size of the N rows, the results all-gathered (every rank ends with all N):
-        for per-token work that the ranks would otherwise all repeat (the router). The
-        gathered bytes are the outputs' (the router's [N, k] weights and ids), not x's."""
+        for per-token work that the ranks would otherwise all repeat (the router). One
+        collective for all outputs (their bytes side by side), and the bytes gathered are the
+        outputs' (the router's [N, k] weights and ids), not x's."""
         if self.size == 1:
             return fn(x)
         n = x.shape[0]
-        per = -(-n // self.size)  # rows per rank, the last rank's padded
+        per = -(-n // self.size)  # rows per rank, the last ranks' padded
         lo, hi = min(n, self.rank * per), min(n, (self.rank + 1) * per)
-        gathered = []
-        for part in fn(x[lo:hi]):
-            local = part.new_zeros((per,) + tuple(part.shape[1:]))
-            local[: hi - lo] = part
-            gathered.append(torch.cat(self.all_gather(local))[:n])
-        return tuple(gathered)
+        parts = [p.contiguous() for p in fn(x[lo:hi])]
+        # each output as raw bytes per row [rows, nbytes], side by side in one uint8 buffer
+        widths = [math.prod(p.shape[1:]) * p.element_size() for p in parts]
+        local = torch.zeros(per, sum(widths), dtype=torch.uint8, device=x.device)
+        col = 0
+        for p, w in zip(parts, widths):
+            local[: hi - lo, col:col + w] = p.reshape(hi - lo, w // p.element_size()).view(torch.uint8)
+            col += w
+        gathered = torch.empty(per * self.size, local.shape[1], dtype=torch.uint8, device=x.device)
+        dist.all_gather_into_tensor(gathered, local, group=self.group)
+        out, col = [], 0
+        for p, w in zip(parts, widths):
+            raw = gathered[:n, col:col + w].contiguous()
+            out.append(raw.view(p.dtype).reshape((n,) + tuple(p.shape[1:])))
+            col += w
+        return tuple(out)
 
 
 class AllReduce(nn.Module):
