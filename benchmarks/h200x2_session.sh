@@ -288,9 +288,10 @@ R1)
   tail -3 "$RES/extract_tp2.log"
   ;;
 R2)
-  timeout 150 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_int4_moe.py tests/test_native_model.py \
-    > "$RES/gpu_tests.log" 2>&1; tail -3 "$RES/gpu_tests.log"
-  timeout 200 python3 benchmarks/bench_train.py --profile 2048 --no-specforge --variants \
+  timeout 170 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_int4_moe.py tests/test_native_model.py \
+    -k "not test_one_rank and not test_tensor_parallel_matches and not bf16_error" > "$RES/gpu_tests.log" 2>&1
+  tail -3 "$RES/gpu_tests.log"
+  timeout 180 python3 benchmarks/bench_train.py --profile 2048 --no-specforge --variants \
     "ckpt=selective_all,attn=merged_cudnn,compile=1,packed=1,fusegrad=1" \
     "ckpt=selective_all,attn=merged_cudnn,compile=1,packed=1,fusegrad=1,sync=1" \
     "ckpt=selective_all,attn=merged_cudnn,compile=0,packed=1,fusegrad=1" \
