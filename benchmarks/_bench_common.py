@@ -171,3 +171,16 @@ def host_syncs(fn) -> dict[str, int]:
             torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     return found
+
+
+def gpu_busy_ms(prof) -> float:
+    """Milliseconds in which at least one CUDA kernel or copy ran (the union of their intervals):
+    the summed self times of the profiler's table count nested rows twice."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)  # microseconds
+    busy, end = 0.0, float("-inf")
+    for start, stop in spans:
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy / 1e3

@@ -63,8 +63,11 @@
 #   R2: R1 again after its fixes (the slot combine, the one-collective router split, the memory
 #       by phase): the GPU tests of the MoE kernels and the model, the 2K diagnostics (and the
 #       source lines at the peak for the variant without compile), bench-extract tp 1 / tp 2
-#   R3: the timed tables: bench-train at 2K and 8K beside SpecForge, then the varying-length
-#       runs of Q (the trainer's case) for FA2 and cuDNN
+#   R3: rope's copy fixed: the GPU tests of the one-pass RMSNorm and rope, the 2K diagnostics
+#       again, then the timed tables: bench-train at 2K and 8K (with and without the loss's two
+#       syncs) beside SpecForge
+#   R4 (right after R3, warm): bench-extract tp 1 / tp 2 at 16K with the one-pass RMSNorm
+#   (Q's varying-length runs: not run again, no device time)
 set -u
 PHASE=$1; shift
 RES=/tmp/res_$PHASE; rm -rf "$RES"; mkdir -p "$RES"
@@ -298,6 +301,25 @@ R2)
     --json "$RES/train_profile.json" > "$RES/train_profile.log" 2>&1
   grep -E "^GPU kernel time|^host syncs|^memory|^    .* GiB |=== profile" "$RES/train_profile.log" | cut -c1-220
   CUDA_VISIBLE_DEVICES=0 timeout 100 python3 benchmarks/bench_extract.py --tokens 16384 --no-write --reps 3 --profile \
+    --json "$RES/extract_tp1.json" > "$RES/extract_tp1.log" 2>&1; tail -1 "$RES/extract_tp1.log"
+  timeout 110 torchrun --standalone --nproc-per-node 2 benchmarks/bench_extract.py --tokens 16384 --no-write --reps 3 \
+    --profile --baseline-json "$RES/extract_tp1.json" --json "$RES/extract_tp2.json" > "$RES/extract_tp2.log" 2>&1
+  tail -1 "$RES/extract_tp2.log"
+  ;;
+R3)
+  timeout 90 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_rms_norm.py tests/test_draft.py -k "rope or rms" \
+    > "$RES/gpu_tests.log" 2>&1; tail -2 "$RES/gpu_tests.log"
+  timeout 110 python3 benchmarks/bench_train.py --profile 2048 --no-specforge --variants \
+    "ckpt=selective_all,attn=merged_cudnn,compile=1,packed=1,fusegrad=1" \
+    --json "$RES/train_profile.json" > "$RES/train_profile.log" 2>&1
+  grep -E "^GPU busy|^host syncs|^memory" "$RES/train_profile.log" | cut -c1-220
+  timeout 340 python3 benchmarks/bench_train.py --no-attention-bench --no-checks --tokens 2048 8192 \
+    --specforge-tokens 2048 8192 --variants "ckpt=selective_all,attn=merged_cudnn,compile=1,packed=1,fusegrad=1" \
+    "ckpt=selective_all,attn=merged_cudnn,compile=1,packed=1,fusegrad=1,sync=1" \
+    --json "$RES/train.json" > "$RES/train.log" 2>&1; grep "^|" "$RES/train.log" | tail -8
+  ;;
+R4)
+  CUDA_VISIBLE_DEVICES=0 timeout 100 python3 benchmarks/bench_extract.py --tokens 16384 --no-write --reps 3 \
     --json "$RES/extract_tp1.json" > "$RES/extract_tp1.log" 2>&1; tail -1 "$RES/extract_tp1.log"
   timeout 110 torchrun --standalone --nproc-per-node 2 benchmarks/bench_extract.py --tokens 16384 --no-write --reps 3 \
     --profile --baseline-json "$RES/extract_tp1.json" --json "$RES/extract_tp2.json" > "$RES/extract_tp2.log" 2>&1

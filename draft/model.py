@@ -319,10 +319,22 @@ class Eagle3Draft(nn.Module):
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B or 1, T] -> cos, sin [B or 1, T, D] in fp32 (non-interleaved halves)."""
-        inv_freq = self.inv_freq.to(positions.device)
+        inv_freq = self._inv_freq_on(positions.device)
         freqs = positions.float()[..., None] * inv_freq  # [.., T, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+
+    def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        """inv_freq on `device`, copied once: a copy per call from the host is a blocking
+        transfer (a host sync per TTT step, seen 2026-11-30 in bench-train's sync list)."""
+        cache = self.__dict__.setdefault("_inv_freq_cache", {})
+        if cache.get("source") is not self.inv_freq:  # a new table: drop the old copies
+            cache.clear()
+            cache["source"] = self.inv_freq  # held, so its id cannot be reused by another tensor
+        key = str(device)
+        if key not in cache:
+            cache[key] = self.inv_freq.to(device)
+        return cache[key]
 
     def fuse(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
         """aux [B, T, k*Ht] -> fc(aux) [B, T, H] in the model's dtype."""

@@ -2,6 +2,8 @@
 
 Each op lives in its own file beside its plain-torch reference and a CPU path:
 - `soft_ce`: the EAGLE-3 fused linear soft cross-entropy (DESIGN section 5).
+- `int4_moe`: the W4A16 routed experts of the native extraction (and its slot combine).
+- `rms_norm`: RMSNorm in one pass for the native extraction.
 """
 
 from eagleforge.kernels.soft_ce import (

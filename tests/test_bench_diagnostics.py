@@ -7,7 +7,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _bench_common import peak_breakdown  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+import torch  # noqa: E402
+from _bench_common import gpu_busy_ms, peak_breakdown  # noqa: E402
 
 
 def frame(rel: str, line: int, name: str) -> list[dict]:
@@ -40,3 +43,14 @@ def test_peak_breakdown_groups_blocks_live_at_the_peak():
 def test_peak_breakdown_of_an_empty_trace():
     out = peak_breakdown([])
     assert out["peak_delta_GiB"] == 0 and out["groups"] == [] and out["peak_at"] == "(no allocation)"
+
+
+def test_gpu_busy_is_the_union_of_device_intervals():
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(device, start, end):
+        return SimpleNamespace(device_type=device, time_range=SimpleNamespace(start=start, end=end))
+
+    # us: [0, 10] and [5, 12] overlap (12), [20, 25] (5), a nested [21, 22] adds nothing; CPU rows ignored
+    events = [event(cuda, 20, 25), event(cuda, 0, 10), event(cpu, 0, 100), event(cuda, 5, 12), event(cuda, 21, 22)]
+    assert gpu_busy_ms(SimpleNamespace(events=lambda: events)) == 17 / 1e3

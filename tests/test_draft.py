@@ -136,6 +136,19 @@ def test_rope_matches_transformers(rope):
     torch.testing.assert_close(sin, ref_sin, atol=1e-6, rtol=1e-6)
 
 
+def test_rope_frequencies_copied_once_per_device_and_follow_a_new_table():
+    """rope() keeps inv_freq's copy on the positions' device (a copy per call is a blocking
+    host -> device transfer on CUDA); a replaced inv_freq is picked up, not the stale copy."""
+    draft = Eagle3Draft(make_config("default"))
+    positions = torch.arange(7)[None]
+    cos, _ = draft.rope(positions)
+    assert draft._inv_freq_on(positions.device) is draft._inv_freq_on(positions.device)
+    draft.inv_freq = draft.inv_freq * 2
+    cos2, _ = draft.rope(positions)
+    torch.testing.assert_close(cos2, torch.cat([positions[..., None] * draft.inv_freq] * 2, -1).cos())
+    assert not torch.equal(cos, cos2)
+
+
 def test_rmsnorm_matches_transformers_in_bf16():
     draft = make_draft(make_config()).to(torch.bfloat16)
     x = torch.randn(3, 5, 40, dtype=torch.bfloat16) * 7
