@@ -236,6 +236,26 @@ def ttt_layer_step(draft: Eagle3Draft, attention: str, n_prev: int, hidden, emb,
     return draft.ttt_step(attention, n_prev, hidden, emb, cos, sin, *kv)
 
 
+def step_modes(ckpt: str, k_steps: int) -> list[str]:
+    """A variant's ckpt -> one checkpoint mode per TTT step: "selective_all" (every step),
+    "selective:4" (selective for steps 0..3, step after) or "selective*3+selective_all*4" (the
+    modes in order, "*n" repeating one; k_steps = 1 only checks the names)."""
+    from eagleforge.draft.model import CHECKPOINT_MODES
+
+    if "+" not in ckpt:
+        mode, _, first = ckpt.partition(":")
+        return [mode if not first or j < int(first) else "step" for j in range(k_steps)]
+    modes = []
+    for part in ckpt.split("+"):
+        mode, _, count = part.partition("*")
+        if mode not in CHECKPOINT_MODES or not (count == "" or count.isdigit()):
+            raise ValueError(f"ckpt {ckpt!r}: {part!r} is not MODE or MODE*N with MODE in {CHECKPOINT_MODES}")
+        modes += [mode] * int(count or 1)
+    if k_steps > 1 and len(modes) != k_steps:
+        raise ValueError(f"ckpt {ckpt!r} names {len(modes)} steps, the draft runs {k_steps}")
+    return modes
+
+
 @dataclass
 class Variant:
     """One configuration of our step, parsed from "ckpt=selective,attn=merged,compile=1,packed=1"."""
@@ -255,7 +275,13 @@ class Variant:
         for item in filter(None, spec.split(",")):
             key, _, value = item.partition("=")
             mode, _, first = value.partition(":")
-            if key == "ckpt" and mode in CHECKPOINT_MODES and (first == "" or first.isdigit()):
+            if key == "ckpt" and "+" in value:
+                try:
+                    step_modes(value, 1)
+                except ValueError as err:
+                    raise SystemExit(f"bench_train: {err}") from None
+                out.ckpt = value  # "selective*3+selective_all*4": one mode per TTT step
+            elif key == "ckpt" and mode in CHECKPOINT_MODES and (first == "" or first.isdigit()):
                 out.ckpt = value  # "selective:4": selective for the first 4 TTT steps, step for the rest
             elif key == "attn" and value in ("flex", "merged", "merged_cudnn", "sdpa", "reference", "fast", "auto"):
                 out.attn = value
@@ -350,8 +376,7 @@ class OurStep:
         emb = self.embeddings(batch)  # [1, T + K, H]
         hidden = draft.fuse(batch["aux"])  # [1, T, H]
         rows = torch.arange(tokens, device=self.device)[None]
-        mode, _, first = self.ckpt.partition(":")  # "selective:4" = selective for steps 0..3, then step
-        modes = [mode if not first or j < int(first) else "step" for j in range(k_steps)]
+        modes = step_modes(self.ckpt, k_steps)
         step_fns = {m: draft.ttt_step_fn(self.attention, m, self.compile) for m in set(modes)}  # forward_ttt's
         keys, values, normed = [], [], []
         for j in range(k_steps):

@@ -67,7 +67,9 @@
 #       again, then the timed tables: bench-train at 2K and 8K (with and without the loss's two
 #       syncs) beside SpecForge
 #   R4 (right after R3, warm): bench-extract tp 1 / tp 2 at 16K with the one-pass RMSNorm
-#   (Q's varying-length runs: not run again, no device time)
+#   R5: both goals of issue 7 at 2K at once: the step with 3 or 4 of the 7 TTT steps in
+#       selective (gate/up recomputed) instead of selective_all, beside SpecForge; then Q's
+#       varying-length runs (FA2 vs cuDNN, compiled dynamic, 16 steps)
 set -u
 PHASE=$1; shift
 RES=/tmp/res_$PHASE; rm -rf "$RES"; mkdir -p "$RES"
@@ -324,6 +326,15 @@ R4)
   timeout 110 torchrun --standalone --nproc-per-node 2 benchmarks/bench_extract.py --tokens 16384 --no-write --reps 3 \
     --profile --baseline-json "$RES/extract_tp1.json" --json "$RES/extract_tp2.json" > "$RES/extract_tp2.log" 2>&1
   tail -1 "$RES/extract_tp2.log"
+  ;;
+R5)
+  NEW="attn=merged_cudnn,compile=1,packed=1,fusegrad=1"
+  timeout 250 python3 benchmarks/bench_train.py --no-attention-bench --no-checks --tokens 2048 --specforge-tokens 2048 \
+    --variants "ckpt=selective_all,$NEW" "ckpt=selective*3+selective_all*4,$NEW" "ckpt=selective*4+selective_all*3,$NEW" \
+    --json "$RES/train.json" > "$RES/train.log" 2>&1; grep "^|" "$RES/train.log" | tail -4
+  timeout 230 python3 benchmarks/bench_train.py --varying 16 --tokens 8192 --no-specforge --variants \
+    "ckpt=selective_all,attn=flex,compile=dynamic,packed=1" "ckpt=selective_all,attn=merged_cudnn,compile=dynamic,packed=1" \
+    --json "$RES/varying.json" > "$RES/varying.log" 2>&1; grep "^|" "$RES/varying.log" | tail -3
   ;;
 G)
   timeout 420 torchrun --standalone --nproc-per-node 2 benchmarks/bench_extract.py --tokens 16384 32768 --no-write \
