@@ -753,7 +753,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--ckpt", nargs="+", default=None, choices=["step", "none", "selective", "selective_all"],
                     help="old interface: one variant per value with --attention, no compile, per-step loss")
     ap.add_argument("--no-ckpt-max-tokens", type=int, default=16384, help="ckpt=none variants run only up to this T")
-    ap.add_argument("--attention", default="fast", help="with --ckpt: our TTT attention mode (fast = flex on CUDA; merged_cudnn: the fastest measured)")
+    ap.add_argument("--attention", default="fast", help="with --ckpt: our TTT attention mode (fast = auto = merged_cudnn on CUDA)")
     ap.add_argument("--attention-bench", action="store_true", help="only time the TTT attention modes (--attention-modes)")
     ap.add_argument("--no-attention-bench", action="store_true",
                     help="skip the TTT attention timing that otherwise runs first, before the step variants")

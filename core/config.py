@@ -117,7 +117,7 @@ class TrainConfig:
     # eval proposes k = 5 and steps past k are never used there.
     ttt_steps: int = 5
     step_weight_decay: float = 0.8
-    attention: str = "auto"  # auto (flex on CUDA, merged on CPU) | reference | fast | sdpa | flex | merged | merged_cudnn
+    attention: str = "auto"  # auto (merged_cudnn on CUDA, merged on CPU) | reference | fast | sdpa | flex | merged | merged_cudnn
     loss: str = "auto"  # auto | reference | fused
     # bf16 autocast for the draft and the loss matmuls (fp32 master weights), on GPUs and on
     # CPUs with bf16 units (4x the fp32 matmul rate on the AVX512-BF16 CI machines).

@@ -26,12 +26,13 @@ Five implementations, equal up to rounding (tests/test_draft_attention.py):
   runs FlashAttention-2. On the CPU it is `merged`.
 - `ttt_attention_flex`: flex_attention with a block mask over the concatenated keys (CUDA,
   compiled; block sparsity skips the masked-out blocks).
-`ttt_attention(..., mode="auto")` picks flex on CUDA when it is available, else merged; "fast"
-is the same as "auto". Measured by `benchmarks/bench_train.py --attention-bench` on an H200
-(2026-11-30, forward + backward per TTT step, merge compiled, fixed T): 8K 8.8 ms merged_cudnn,
-14.1 merged, 15.3 flex; 2K 1.5 ms for both merged forms. auto stays flex because the trainer's
-batches vary in length and cuDNN builds a plan per new shape, a cost not yet measured; name
-merged_cudnn (bench-train does) where T is fixed or known to take few values.
+`ttt_attention(..., mode="auto")` is merged_cudnn on CUDA and merged elsewhere; "fast" is the
+same as "auto". Measured on an H200 (2026-11-30, BENCHMARKS.md): forward + backward per TTT step
+at a fixed 8K, merge compiled, 8.8 ms merged_cudnn, 14.1 merged, 15.3 flex (2K: 1.5 ms for both
+merged forms); and whole training steps whose length changes every step (16 lengths in
+[4K, 8K], compiled dynamic, every first use included): 560 ms per step with merged_cudnn,
+1281 ms with flex (its block mask and kernels per new length), so cuDNN's plan per new shape
+costs little beside it. flex stays available by name.
 """
 
 from __future__ import annotations
@@ -426,14 +427,16 @@ def ttt_attention_flex(q, keys, values, scale: float, compiled: bool = True) -> 
 
 
 def ttt_attention(q, keys, values, scale: float, mode: str = "auto", compile: bool | str = False) -> torch.Tensor:
-    """Dispatch: "reference", "sdpa", "merged", "merged_cudnn", "flex", "fast" (= flex on CUDA, else
-    merged), "auto" (= fast).
+    """Dispatch: "reference", "sdpa", "merged", "merged_cudnn", "flex", "fast" (= merged_cudnn on
+    CUDA, else merged), "auto" (= fast).
     compile: fuse the merged mode's elementwise work (the other modes ignore it)."""
     if mode not in ATTENTION_MODES:
         raise ValueError(f"attention mode {mode!r} is not one of {ATTENTION_MODES}")
     if mode == "reference":
         return ttt_attention_reference(q, keys, values, scale)
-    if mode == "flex" or (mode in ("auto", "fast") and flex_available(q.device)):
+    if mode in ("auto", "fast"):
+        mode = "merged_cudnn" if q.is_cuda else "merged"
+    if mode == "flex":
         return ttt_attention_flex(q, keys, values, scale)
     if mode == "sdpa":
         return ttt_attention_sdpa(q, keys, values, scale)
