@@ -70,6 +70,8 @@
 #   R5: both goals of issue 7 at 2K at once: the step with 3 or 4 of the 7 TTT steps in
 #       selective (gate/up recomputed) instead of selective_all, beside SpecForge; then Q's
 #       varying-length runs (FA2 vs cuDNN, compiled dynamic, 16 steps)
+#   R6 (nvidia-h200): the trainer on CUDA with auto attention (now merged_cudnn) against the plain
+#       step, and the attention tests
 set -u
 PHASE=$1; shift
 RES=/tmp/res_$PHASE; rm -rf "$RES"; mkdir -p "$RES"
@@ -335,6 +337,10 @@ R5)
   timeout 230 python3 benchmarks/bench_train.py --varying 16 --tokens 8192 --no-specforge --variants \
     "ckpt=selective_all,attn=flex,compile=dynamic,packed=1" "ckpt=selective_all,attn=merged_cudnn,compile=dynamic,packed=1" \
     --json "$RES/varying.json" > "$RES/varying.log" 2>&1; grep "^|" "$RES/varying.log" | tail -3
+  ;;
+R6)
+  timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_train.py tests/test_draft_attention.py \
+    -k "cuda or merged or auto" > "$RES/gpu_tests.log" 2>&1; tail -4 "$RES/gpu_tests.log"
   ;;
 G)
   timeout 420 torchrun --standalone --nproc-per-node 2 benchmarks/bench_extract.py --tokens 16384 32768 --no-write \

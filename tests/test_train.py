@@ -240,3 +240,32 @@ def test_kimi_config_training_options_give_the_plain_losses(tmp_path, tiny_llama
     assert counters["stats"]["unique_graphs"] > 0  # the kimi run did compile
     assert len(losses["plain"]) == 5
     assert losses["kimi"] == pytest.approx(losses["plain"], rel=1e-4), losses
+
+
+@pytest.mark.gpu
+def test_trainer_on_cuda_with_auto_attention_follows_the_plain_losses(tmp_path, tiny_llama_config):
+    """The trainer on CUDA in bf16 with its defaults for attention (auto = merged_cudnn there)
+    and the Kimi configs' checkpointing and dynamic compile, batches of several lengths: losses
+    within bf16 noise of the plain step (reference attention, no checkpoint, eager), and cuDNN
+    took every TTT attention shape (no fallback recorded)."""
+    from eagleforge.draft.attention import _cudnn_refused
+    from eagleforge.train.loop import train
+    from eagleforge.vocab import main as vocab_main
+
+    cfg, _, _ = build_tiny_run(tmp_path / "base", tiny_llama_config, n_samples=14, with_argmax=True)
+    _configure(cfg, max_steps=5, save_every=100, bf16=True, device="cuda")
+    vocab_main(cfg)
+    base, losses = cfg.run, {}
+    _cudnn_refused.clear()
+    for name, options in (("plain", dict(activation_checkpoint="none", attention="reference", compile=False)),
+                          ("auto", dict(activation_checkpoint="selective_all", attention="auto", compile=True))):
+        run = tmp_path / name
+        shutil.copytree(base, run, ignore=shutil.ignore_patterns("checkpoints", "draft", "train_log.csv", "train_summary.json"))
+        cfg.run_dir = str(run)
+        for key, value in options.items():
+            setattr(cfg.train, key, value)
+        train(cfg)
+        losses[name] = [float(r["loss"]) for r in _log_rows(run)]
+    assert len(losses["auto"]) == 5 and all(math.isfinite(x) for x in losses["auto"])
+    assert losses["auto"] == pytest.approx(losses["plain"], rel=3e-2), losses
+    assert not _cudnn_refused, f"cuDNN refused {_cudnn_refused}"
