@@ -237,23 +237,15 @@ def ttt_layer_step(draft: Eagle3Draft, attention: str, n_prev: int, hidden, emb,
 
 
 def step_modes(ckpt: str, k_steps: int) -> list[str]:
-    """A variant's ckpt -> one checkpoint mode per TTT step: "selective_all" (every step),
-    "selective:4" (selective for steps 0..3, step after) or "selective*3+selective_all*4" (the
-    modes in order, "*n" repeating one; k_steps = 1 only checks the names)."""
-    from eagleforge.draft.model import CHECKPOINT_MODES
+    """A variant's ckpt -> one checkpoint mode per TTT step: "selective:4" (selective for steps
+    0..3, step after; this script's own form), else draft.model.checkpoint_modes ("selective_all",
+    "selective*3+selective_all*4")."""
+    from eagleforge.draft.model import checkpoint_modes
 
-    if "+" not in ckpt:
-        mode, _, first = ckpt.partition(":")
-        return [mode if not first or j < int(first) else "step" for j in range(k_steps)]
-    modes = []
-    for part in ckpt.split("+"):
-        mode, _, count = part.partition("*")
-        if mode not in CHECKPOINT_MODES or not (count == "" or count.isdigit()):
-            raise ValueError(f"ckpt {ckpt!r}: {part!r} is not MODE or MODE*N with MODE in {CHECKPOINT_MODES}")
-        modes += [mode] * int(count or 1)
-    if k_steps > 1 and len(modes) != k_steps:
-        raise ValueError(f"ckpt {ckpt!r} names {len(modes)} steps, the draft runs {k_steps}")
-    return modes
+    mode, _, first = ckpt.partition(":")
+    if first:
+        return [mode if j < int(first) else "step" for j in range(k_steps)]
+    return checkpoint_modes(ckpt, k_steps)
 
 
 @dataclass
@@ -276,11 +268,7 @@ class Variant:
             key, _, value = item.partition("=")
             mode, _, first = value.partition(":")
             if key == "ckpt" and "+" in value:
-                try:
-                    step_modes(value, 1)
-                except ValueError as err:
-                    raise SystemExit(f"bench_train: {err}") from None
-                out.ckpt = value  # "selective*3+selective_all*4": one mode per TTT step
+                out.ckpt = value  # "selective*3+selective_all*4": one mode per TTT step (checked when built)
             elif key == "ckpt" and mode in CHECKPOINT_MODES and (first == "" or first.isdigit()):
                 out.ckpt = value  # "selective:4": selective for the first 4 TTT steps, step for the rest
             elif key == "attn" and value in ("flex", "merged", "merged_cudnn", "sdpa", "reference", "fast", "auto"):

@@ -267,7 +267,6 @@ _CHOICES = {
     "train.attention": ("auto", "reference", "fast", "sdpa", "flex", "merged", "merged_cudnn"),
     "train.loss": ("auto", "reference", "fused"),
     "train.parallel": ("auto", "none", "fsdp", "ddp"),
-    "train.activation_checkpoint": ("none", "step", "selective", "selective_all"),
     "train.loss_positions": ("assistant", "all"),
 }
 
@@ -278,10 +277,29 @@ def _validate(cfg: Config) -> None:
         value = getattr(getattr(cfg, section), leaf)
         if value not in choices:
             raise ConfigError(f"config key {key!r} must be one of {list(choices)}, got {value!r}")
+    _validate_checkpoint(cfg.train.activation_checkpoint, cfg.train.ttt_steps)
     for key in ("data.num_prompts", "data.max_length", "extract.samples_per_shard", "train.ttt_steps", "eval.k"):
         section, leaf = key.split(".")
         if getattr(getattr(cfg, section), leaf) < 1:
             raise ConfigError(f"config key {key!r} must be >= 1, got {getattr(getattr(cfg, section), leaf)}")
+
+
+_CHECKPOINT_MODES = ("none", "step", "selective", "selective_all")  # eagleforge.draft.model.CHECKPOINT_MODES
+
+
+def _validate_checkpoint(value: str, ttt_steps: int) -> None:
+    """train.activation_checkpoint: a mode for every TTT step, or one per step ("selective*3+selective_all*4")."""
+    if "+" not in str(value):
+        if value not in _CHECKPOINT_MODES:
+            raise ConfigError(f"config key 'train.activation_checkpoint' must be one of {list(_CHECKPOINT_MODES)} "
+                              f"or one mode per TTT step like 'selective*3+selective_all*4', got {value!r}")
+        return
+    from eagleforge.draft.model import checkpoint_modes  # the one parser of the per-step form
+
+    try:
+        checkpoint_modes(value, ttt_steps)
+    except ValueError as err:
+        raise ConfigError(f"config key 'train.activation_checkpoint': {err}") from None
 
 
 def config_to_dict(cfg: Config) -> dict:

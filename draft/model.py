@@ -55,6 +55,29 @@ CHECKPOINT_MODES = ("none", "step", "selective", "selective_all")
 COMPILE_MODES = (False, True, "dynamic")  # off, static shapes (a graph per shape), dynamic shapes
 
 
+def checkpoint_modes(spec: str | Sequence[str], ttt_steps: int) -> list[str]:
+    """One of CHECKPOINT_MODES per TTT step, from a mode for every step ("selective_all"), a list
+    of ttt_steps modes, or the same list as a string, "*n" repeating a mode:
+    "selective*3+selective_all*4" (the first 3 steps recompute gate/up, the last 4 keep them: at
+    2K tokens on an H200 0.42 GiB less peak memory for ~4 ms, BENCHMARKS.md 2026-11-30 R5)."""
+    if isinstance(spec, str) and "+" not in spec:
+        modes = [spec] * ttt_steps
+    elif isinstance(spec, str):
+        modes = []
+        for part in spec.split("+"):
+            mode, _, count = part.strip().partition("*")
+            if not (count == "" or (count.isdigit() and int(count) > 0)):
+                raise ValueError(f"checkpoint {spec!r}: {part!r} is not MODE or MODE*N")
+            modes += [mode] * int(count or 1)
+    else:
+        modes = list(spec)
+    bad = [m for m in modes if m not in CHECKPOINT_MODES]
+    if bad or len(modes) != ttt_steps:
+        raise ValueError(f"checkpoint {spec!r}: need one of {CHECKPOINT_MODES} per TTT step ({ttt_steps} steps), "
+                         f"as one mode, a list or 'MODE*N+MODE*M'; got {len(modes)} steps" + (f", unknown {bad}" if bad else ""))
+    return modes
+
+
 def _flash_ops() -> tuple:
     names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
              "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_efficient_attention")
@@ -374,10 +397,7 @@ class Eagle3Draft(nn.Module):
                              f"{tuple(input_ids.shape)} disagree on [B, T]")
         if ttt_steps < 1:
             raise ValueError(f"forward_ttt: ttt_steps must be >= 1, got {ttt_steps}")
-        modes = [checkpoint] * ttt_steps if isinstance(checkpoint, str) else list(checkpoint)
-        if len(modes) != ttt_steps or any(m not in CHECKPOINT_MODES for m in modes):
-            raise ValueError(f"forward_ttt: checkpoint {checkpoint!r} must be one of {CHECKPOINT_MODES} "
-                             f"or a list of {ttt_steps} of them (one per TTT step)")
+        modes = checkpoint_modes(checkpoint, ttt_steps)
         hidden = self.fuse(aux_hidden_states)  # [B, T, H]
         # Embeddings of all steps at once: step j reads rows 1+j .. T+j (ids 0 past the end).
         embeds = self.embed_tokens(F.pad(input_ids, (0, ttt_steps), value=0))  # [B, T + K, H]

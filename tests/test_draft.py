@@ -490,7 +490,8 @@ def _ttt_grads(draft, aux, ids, steps, weights, **kwargs):
     return [h.detach() for h in normed], {n: p.grad.clone() for n, p in draft.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("checkpoint", ["step", "selective", "selective_all", ("selective", "none", "step", "selective")])
+@pytest.mark.parametrize("checkpoint", ["step", "selective", "selective_all", ("selective", "none", "step", "selective"),
+                                        "selective*2+step+selective_all"])
 @pytest.mark.parametrize("attention", ["merged", "sdpa"])
 def test_forward_ttt_checkpoint_modes_equal_no_checkpoint(checkpoint, attention):
     """Activation checkpointing changes memory, not numbers: outputs and gradients match the
@@ -628,3 +629,16 @@ def test_forward_ttt_dynamic_compile_one_graph_for_every_length(compiled):
     aux, ids = random_inputs(config, 1, 5, seed=1)
     with pytest.raises(ValueError, match="compile must be one of"):
         draft.forward_ttt(aux, ids, 2, compile="static")
+
+
+def test_checkpoint_modes_per_step_forms_and_errors():
+    from eagleforge.draft.model import checkpoint_modes
+
+    assert checkpoint_modes("selective_all", 3) == ["selective_all"] * 3
+    assert checkpoint_modes("selective*3+selective_all*4", 7) == ["selective"] * 3 + ["selective_all"] * 4
+    assert checkpoint_modes(["none", "step"], 2) == ["none", "step"]
+    for spec, steps, what in (("selective*3+selective_all*3", 7, "got 6 steps"), ("selective*2+fast*1", 3, "unknown"),
+                              ("selective*0+step*2", 2, "MODE\\*N"), ("bogus", 2, "unknown")):
+        with pytest.raises(ValueError, match=what):
+            checkpoint_modes(spec, steps)
+

@@ -147,6 +147,15 @@ _value_text = st.one_of(
 )
 
 
+def test_activation_checkpoint_per_step_is_checked_against_ttt_steps():
+    cfg = load_config(None, ["train.ttt_steps=7", "train.activation_checkpoint=selective*3+selective_all*4"])
+    assert cfg.train.activation_checkpoint == "selective*3+selective_all*4"
+    for bad, what in (("selective*3+selective_all*3", "7 steps"), ("selective*3+quick*4", "unknown"),
+                      ("sometimes", "must be one of")):
+        with pytest.raises(ConfigError, match=what):
+            load_config(None, ["train.ttt_steps=7", f"train.activation_checkpoint={bad}"])
+
+
 @FUZZ
 @example(overrides=[("0\n0", "1", True)])  # found on the device run: the key was printed raw, newline and all
 @given(overrides=st.lists(st.tuples(st.one_of(st.sampled_from(_known_keys()), st.text(max_size=12)), _value_text,
