@@ -195,6 +195,7 @@ def test_shared_teacher_ttt_loss_equals_per_step_reference():
 
     loss_a, grads_a, head_a, stats_a = run(shared=True)
     loss_b, grads_b, head_b, stats_b = run(shared=False)
+    assert stats_a._device_sums is not None  # kept on the device (no host sync) until read
     assert torch.allclose(loss_a, loss_b, rtol=1e-5), (loss_a, loss_b)
     for ga, gb in zip(grads_a, grads_b):
         assert torch.allclose(ga, gb, atol=1e-6, rtol=1e-4)
@@ -202,3 +203,18 @@ def test_shared_teacher_ttt_loss_equals_per_step_reference():
     assert stats_a.n_valid == stats_b.n_valid and stats_a.n_correct == stats_b.n_correct
     assert stats_a.n_loss == stats_b.n_loss
     assert all(abs(a - b) < 1e-4 * max(1.0, abs(b)) for a, b in zip(stats_a.ce_sum, stats_b.ce_sum))
+
+
+def test_ttt_stats_device_sums_merge_and_read_back_once():
+    from eagleforge.train.loop import TTTStats
+
+    a = TTTStats(2, [1.0, 2.0], [3, 4], [1, 1], [5, 6], tokens=10)
+    b = TTTStats(2, tokens=7)
+    b.add_device_sums(torch.tensor([[0.5, 0.25], [2, 0], [1, 0], [3, 1]], dtype=torch.float64))
+    a.merge(b)
+    a.add_device_sums(torch.tensor([[1.0, 1.0], [1, 1], [0, 1], [1, 1]], dtype=torch.float64))
+    assert a._device_sums is not None and a.tokens == 17
+    assert a.n_loss == [6, 5] and a._device_sums is None  # the first read brings both sums back
+    assert a.ce_sum == [2.5, 3.25] and a.n_correct == [2, 2] and a.n_valid == [9, 8]
+    assert all(isinstance(x, int) for x in a.n_loss + a.n_correct + a.n_valid)
+

@@ -63,7 +63,13 @@ def test_collate_pads_with_masked_zeros():
     assert b.input_ids.tolist() == [[4, 5, 6], [7, 0, 0]]
     assert b.loss_mask.tolist() == [[False, True, True], [True, False, False]]
     assert b.aux_hidden_states.dtype == torch.float32 and torch.all(b.aux_hidden_states[1, 1:] == 0)
+    assert torch.equal(b.aux_hidden_states[0], s[0]["aux_hidden_states"].float())
+    assert torch.equal(b.last_hidden_state[1, :1], s[1]["last_hidden_state"].float()) and not b.last_hidden_state[1, 1:].any()
+    assert b.target_argmax.tolist() == [[1, 2, 3], [9, 0, 0]]
     assert b.lengths.tolist() == [3, 1] and b.num_tokens == 4
+    # samples stored in different dtypes: the batch holds each exactly (no rounding to the first's)
+    s[1]["aux_hidden_states"] = torch.randn(1, 6, dtype=torch.float64)
+    assert torch.equal(collate(s, dtype=torch.float64).aux_hidden_states[1, :1], s[1]["aux_hidden_states"])
 
 
 def test_lr_schedule_and_acceptance_formula():
