@@ -98,15 +98,19 @@ def peak_breakdown(events: list[dict], top: int = 15) -> dict:
     trace (their frees are, and lower the running total). Returns {"peak_delta_GiB", "peak_at",
     "freed_preexisting_GiB" (freed before the peak), "groups": [(where, GiB, blocks), ...]}."""
     def replay(stop: int | None):
-        live, current, best, best_i, freed_old = {}, 0, 0, -1, 0
+        live, current, best, best_i, freed_old, requested = {}, 0, 0, -1, 0, set()
         for i, e in enumerate(events):
             if stop is not None and i > stop:
                 break
             action, addr, size = e.get("action"), e.get("addr"), int(e.get("size", 0))
             if action == "alloc":
                 live[addr] = (size, e.get("frames") or [])
+                requested.discard(addr)
                 current += size
-            elif action == "free_completed":
+            elif action == "free_requested" or (action == "free_completed" and addr not in requested):
+                # memory_allocated drops at the request (a block used on other streams completes later)
+                if action == "free_requested":
+                    requested.add(addr)
                 if live.pop(addr, None) is None:
                     freed_old += size
                 current -= size
@@ -148,7 +152,9 @@ def memory_at_peak(fn, top: int = 15) -> dict:
 
 def host_syncs(fn) -> dict[str, int]:
     """Run fn once with CUDA's sync debug mode on: {where (see `_where`): count} of the calls
-    that made the host wait for the GPU (.item(), bool(tensor), nonzero, blocking copies)."""
+    that made the host wait for the GPU (.item(), bool(tensor), nonzero, blocking copies).
+    A sync inside a backward is reported where .backward() was called (the autograd engine
+    replays its warnings on the calling thread), not at the op that made it."""
     import traceback
     import warnings
 
@@ -176,8 +182,9 @@ def host_syncs(fn) -> dict[str, int]:
 def gpu_busy_ms(prof) -> float:
     """Milliseconds in which at least one CUDA kernel or copy ran (the union of their intervals):
     the summed self times of the profiler's table count nested rows twice."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA)  # microseconds
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()  # microseconds
+                   if e.device_type == torch.autograd.DeviceType.CUDA
+                   and not getattr(e, "is_user_annotation", False))  # e.g. Optimizer.step# ranges span idle gaps
     busy, end = 0.0, float("-inf")
     for start, stop in spans:
         if stop > end:

@@ -289,7 +289,7 @@ _CHECKPOINT_MODES = ("none", "step", "selective", "selective_all")  # eagleforge
 
 def _validate_checkpoint(value: str, ttt_steps: int) -> None:
     """train.activation_checkpoint: a mode for every TTT step, or one per step ("selective*3+selective_all*4")."""
-    if "+" not in str(value):
+    if "+" not in str(value) and "*" not in str(value):
         if value not in _CHECKPOINT_MODES:
             raise ConfigError(f"config key 'train.activation_checkpoint' must be one of {list(_CHECKPOINT_MODES)} "
                               f"or one mode per TTT step like 'selective*3+selective_all*4', got {value!r}")

@@ -60,12 +60,12 @@ def checkpoint_modes(spec: str | Sequence[str], ttt_steps: int) -> list[str]:
     of ttt_steps modes, or the same list as a string, "*n" repeating a mode:
     "selective*3+selective_all*4" (the first 3 steps recompute gate/up, the last 4 keep them: at
     2K tokens on an H200 0.42 GiB less peak memory for ~4 ms, BENCHMARKS.md 2026-11-30 R5)."""
-    if isinstance(spec, str) and "+" not in spec:
-        modes = [spec] * ttt_steps
+    if isinstance(spec, str) and "+" not in spec and "*" not in spec:
+        modes = [spec.strip()] * ttt_steps
     elif isinstance(spec, str):
         modes = []
         for part in spec.split("+"):
-            mode, _, count = part.strip().partition("*")
+            mode, _, count = (p.strip() for p in part.partition("*"))
             if not (count == "" or (count.isdigit() and int(count) > 0)):
                 raise ValueError(f"checkpoint {spec!r}: {part!r} is not MODE or MODE*N")
             modes += [mode] * int(count or 1)

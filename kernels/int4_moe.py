@@ -521,6 +521,10 @@ def combine_slots(y_sorted: torch.Tensor, inv: torch.Tensor, k: int, add: torch.
     if not HAS_TRITON or not (y_sorted.is_cuda or INTERPRET):
         return combine_slots_reference(y_sorted, inv, k, add, out_dtype)
     n, hidden = inv.numel() // k, y_sorted.shape[1]
+    if add is not None:
+        if tuple(add.shape) != (n, hidden):
+            raise ValueError(f"combine_slots: add must be [{n}, {hidden}], got {tuple(add.shape)}")
+        add = add.contiguous()  # the kernel reads rows with unit stride
     out = torch.empty(n, hidden, dtype=out_dtype, device=y_sorted.device)
     if n == 0:
         return out

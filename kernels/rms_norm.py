@@ -56,8 +56,12 @@ if HAS_TRITON:
 
 
 def _use_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The kernel's cases: a float dtype up to fp32 shared with a contiguous [H] weight, no
+    autograd (it has no backward: extraction runs under inference_mode)."""
     return (HAS_TRITON and (x.is_cuda or INTERPRET) and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and weight.dtype == x.dtype and weight.device == x.device and x.shape[-1] <= MAX_TRITON_WIDTH)
+            and weight.dtype == x.dtype and weight.device == x.device and x.shape[-1] <= MAX_TRITON_WIDTH
+            and weight.is_contiguous() and weight.numel() == x.shape[-1]
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -40,6 +40,7 @@ import os
 from typing import Sequence
 
 import torch
+from torch.autograd.function import once_differentiable
 
 log = logging.getLogger(__name__)
 
@@ -384,9 +385,11 @@ def _soft_ce_forward(draft_hidden, draft_head, teacher_hidden, teacher_head, tea
     dev = draft_hidden.device
     loss_rows = torch.empty(n_rows, dtype=torch.float32, device=dev)
     argmax = torch.empty(n_rows, dtype=torch.int64, device=dev)
-    grad_h = torch.empty_like(draft_hidden) if need_grad_h else None
+    # contiguous whatever the inputs' layout: `_scale_` scales them in place through a flat view
+    grad_h = torch.empty_like(draft_hidden, memory_format=torch.contiguous_format) if need_grad_h else None
     # empty: the first chunk's addmm has beta 0; zeros only when there is no chunk (N = 0)
-    grad_head = (torch.empty_like(draft_head) if n_rows else torch.zeros_like(draft_head)) if need_grad_head else None
+    grad_head = (torch.empty_like(draft_head, memory_format=torch.contiguous_format) if n_rows else torch.zeros_like(draft_head, memory_format=torch.contiguous_format)) \
+        if need_grad_head else None
     c_max = max(1, min(chunk, n_rows))
     zbuf = torch.empty(c_max, vocab, dtype=draft_head.dtype, device=dev)
     tbuf = torch.empty(c_max, vocab, dtype=teacher_head.dtype, device=dev)
@@ -432,6 +435,7 @@ class _FusedSoftCE(torch.autograd.Function):
         return loss, argmax
 
     @staticmethod
+    @once_differentiable  # the saved gradients are constants: a create_graph backward must fail, not drop terms
     def backward(ctx, grad_loss, grad_argmax):
         grad_h, grad_head = ctx.saved_tensors
         _scale_((grad_h, grad_head), grad_loss)
@@ -495,8 +499,8 @@ def _ttt_forward(draft_hiddens, draft_head, teacher_hidden, teacher_head, weight
     dev = teacher_hidden.device
     loss_rows = torch.zeros(k_steps, n_rows, dtype=torch.float32, device=dev)
     argmax = torch.empty(k_steps, n_rows, dtype=torch.int64, device=dev)
-    grads_h = [torch.zeros_like(h) if need_grad_h[j] else None for j, h in enumerate(draft_hiddens)]
-    grad_head = torch.zeros_like(draft_head) if need_grad_head else None
+    grads_h = [torch.zeros_like(h, memory_format=torch.contiguous_format) if need_grad_h[j] else None for j, h in enumerate(draft_hiddens)]
+    grad_head = torch.zeros_like(draft_head, memory_format=torch.contiguous_format) if need_grad_head else None
     c_max = max(1, min(chunk, n_rows))
     zbuf = torch.empty(c_max, vocab, dtype=draft_head.dtype, device=dev)
     tbuf = torch.empty(c_max, vocab, dtype=teacher_head.dtype, device=dev)
@@ -541,8 +545,8 @@ def _ttt_forward_packed(draft_hiddens, draft_head, teacher_hidden, teacher_head,
     hid, dev = draft_head.shape[1], teacher_hidden.device
     loss_rows = torch.zeros(k_steps, n_rows, dtype=torch.float32, device=dev)
     argmax = torch.empty(k_steps, n_rows, dtype=torch.int64, device=dev)
-    grads_h = [torch.zeros_like(h) if need_grad_h[j] else None for j, h in enumerate(draft_hiddens)]
-    grad_head = torch.zeros_like(draft_head) if need_grad_head else None
+    grads_h = [torch.zeros_like(h, memory_format=torch.contiguous_format) if need_grad_h[j] else None for j, h in enumerate(draft_hiddens)]
+    grad_head = torch.zeros_like(draft_head, memory_format=torch.contiguous_format) if need_grad_head else None
     t_chunk = max(1, chunk // k_steps)  # teacher positions per chunk
     p_max = max(1, min(t_chunk, n_rows) * k_steps)  # packed draft rows per chunk
     zbuf = torch.empty(p_max, vocab, dtype=draft_head.dtype, device=dev)  # logits, then G in place
@@ -606,6 +610,7 @@ class _FusedSoftCETTT(torch.autograd.Function):
         return step_losses.sum(), step_losses, argmax
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_loss, grad_steps, grad_argmax):
         grad_head, *grads_h = ctx.saved_tensors
         _scale_((grad_head, *grads_h), grad_loss)

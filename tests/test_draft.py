@@ -583,7 +583,7 @@ def test_selective_policy_saves_the_wide_matmuls_only():
     assert selective_policy(40, True)(None, mm, torch.empty(3, 40), torch.empty(40, 72)) == CheckpointPolicy.MUST_SAVE
     with pytest.raises(ValueError, match="checkpoint"):
         make_draft(make_config()).forward_ttt(*random_inputs(make_config(), 1, 5, seed=1), 2, checkpoint="some")
-    with pytest.raises(ValueError, match="list of 2"):
+    with pytest.raises(ValueError, match=r"\(2 steps\).*got 1 steps"):
         make_draft(make_config()).forward_ttt(*random_inputs(make_config(), 1, 5, seed=1), 2, checkpoint=["step"])
 
 
@@ -637,6 +637,8 @@ def test_checkpoint_modes_per_step_forms_and_errors():
     assert checkpoint_modes("selective_all", 3) == ["selective_all"] * 3
     assert checkpoint_modes("selective*3+selective_all*4", 7) == ["selective"] * 3 + ["selective_all"] * 4
     assert checkpoint_modes(["none", "step"], 2) == ["none", "step"]
+    assert checkpoint_modes("selective*7", 7) == ["selective"] * 7
+    assert checkpoint_modes("selective *3 + selective_all*4", 7) == ["selective"] * 3 + ["selective_all"] * 4
     for spec, steps, what in (("selective*3+selective_all*3", 7, "got 6 steps"), ("selective*2+fast*1", 3, "unknown"),
                               ("selective*0+step*2", 2, "MODE\\*N"), ("bogus", 2, "unknown")):
         with pytest.raises(ValueError, match=what):

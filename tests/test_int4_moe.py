@@ -16,6 +16,7 @@ checked against compressed-tensors' own unpack_from_int32.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -357,3 +358,22 @@ def test_router_bf16_gemm_with_fp32_output_matches_the_fp32_gemm():
     if args.n_group <= 1:
         assert same > 0.999, float(same)
     assert torch.isfinite(weights).all()
+
+
+def test_router_with_groups_on_zero_tokens_and_add_needs_out_dtype():
+    """A rank with no rows of a split router (few tokens, many ranks) routes nothing without
+    failing, group-limited routing included; routed_experts_forward refuses an `add` it would drop."""
+    from eagleforge.extract.native import model as M
+    from eagleforge.extract.native.bench_model import build_bench_model, tiny_args
+
+    args = dataclasses.replace(tiny_args(), n_group=2, topk_group=1)
+    router = M.Router(args, torch.float32)
+    weights, ids = router(torch.zeros(0, args.hidden_size))
+    assert weights.shape == ids.shape == (0, args.num_experts_per_tok)
+    model = build_bench_model(tiny_args(), device="cpu", seed=1)
+    moe = model.model.layers[1].mlp
+    x = torch.randn(5, model.args.hidden_size)
+    w, e = moe.gate(x)
+    with pytest.raises(ValueError, match="needs `out_dtype`"):
+        M.routed_experts_forward(x, w, e, moe.experts, add=x)
+

@@ -390,3 +390,30 @@ def test_triton_cuda_ttt_matches_single_steps():
     assert abs(loss.item() - total.item()) <= 1e-3 * abs(total.item())
     for ours_g, x in zip(ours, hiddens + [w_d]):
         assert rel_err(ours_g, x.grad) < 2e-2
+
+
+def test_transposed_inputs_and_second_order_refused():
+    """Inputs that are transposed views (their gradients are still made contiguous, as the
+    in-place upstream scaling needs) give the same gradients as contiguous ones; a create_graph
+    backward through the fused loss is refused (its saved gradients are constants)."""
+    gen = torch.Generator().manual_seed(41)
+    n, hid, vocab = 11, 8, 29
+    h_t = torch.randn(hid, n, generator=gen).requires_grad_()  # draft_hidden = h_t.T, a transposed view
+    w_t = torch.randn(hid, vocab, generator=gen).requires_grad_()  # draft_head = w_t.T
+    t, w_teacher = torch.randn(n, hid, generator=gen), torch.randn(vocab, hid, generator=gen)
+    weight = torch.rand(2, n, generator=gen)
+    weight[0, n - 1:], weight[1, n - 2:] = 0, 0
+    hiddens = [h_t.T, h_t.T * 0.5]
+    loss, _, _ = soft_ce.fused_soft_cross_entropy_ttt(hiddens, w_t.T, t, w_teacher, weight, chunk_tokens=4, backend=BACKEND)
+    (loss * 0.7).backward()
+    got = (h_t.grad.clone(), w_t.grad.clone())
+    h, w = h_t.detach().T.contiguous().requires_grad_(), w_t.detach().T.contiguous().requires_grad_()
+    ref, _, _ = soft_ce.fused_soft_cross_entropy_ttt([h, h * 0.5], w, t, w_teacher, weight, chunk_tokens=4, backend=BACKEND)
+    (ref * 0.7).backward()
+    torch.testing.assert_close(got[0], h.grad.T)
+    torch.testing.assert_close(got[1], w.grad.T)
+    loss2, _, _ = soft_ce.fused_soft_cross_entropy_ttt([h], w, t, w_teacher, weight[:1], chunk_tokens=4, backend=BACKEND)
+    (grad,) = torch.autograd.grad(loss2, h, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad|second"):
+        grad.sum().backward()
+

@@ -70,3 +70,12 @@ def test_triton_kernel_on_cuda_matches_reference():
         ulps = ((got.float() - want.float()).abs() / want.float().abs().clamp(min=1e-30)) / 2**-8
         assert float(ulps.max()) <= 2.0, (hidden, float(ulps.max()))
         assert float((got == want).float().mean()) > 0.99, hidden
+
+
+def test_autograd_inputs_take_the_differentiable_reference():
+    """The kernel has no backward: with autograd recording, the reference runs (gradients flow)."""
+    x, weight = _inputs(4, 64, torch.float32, 7)
+    x.requires_grad_()
+    rms_norm(x, weight, 1e-6).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+

@@ -368,7 +368,7 @@ class Router(nn.Module):
         choice = scores + self.e_score_correction_bias
         if a.n_group > 1:
             # a group's score is the sum of its two best experts; keep the best topk_group groups
-            grouped = choice.view(x.shape[0], a.n_group, -1)
+            grouped = choice.view(x.shape[0], a.n_group, a.n_routed_experts // a.n_group)  # explicit: N may be 0
             group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [N, G]
             keep = torch.zeros_like(group_scores, dtype=torch.bool)
             keep.scatter_(1, group_scores.topk(a.topk_group, dim=-1).indices, True)
@@ -435,6 +435,8 @@ def routed_experts_forward(x: torch.Tensor, weights: torch.Tensor, ids: torch.Te
     combine adds `add` and rounds in the same pass); elsewhere (CPU, float64 tests, bf16
     experts) `routed_experts_loop`.
     """
+    if add is not None and out_dtype is None:
+        raise ValueError("routed_experts_forward: `add` needs `out_dtype` (the sum is rounded once, with it)")
     if out_dtype is not None:
         if _triton_experts(x, experts):
             return _int4_triton(x, weights, ids, experts, add=add, out_dtype=out_dtype)
