@@ -72,6 +72,8 @@
 #       varying-length runs (FA2 vs cuDNN, compiled dynamic, 16 steps)
 #   R6 (nvidia-h200): the trainer on CUDA with auto attention (now merged_cudnn) against the plain
 #       step, and the attention tests
+#   R7 (nvidia-h200, the last 264 s): the trainer's CUDA tests after its syncs were removed (a
+#       step under CUDA's sync debug mode set to raise)
 set -u
 PHASE=$1; shift
 RES=/tmp/res_$PHASE; rm -rf "$RES"; mkdir -p "$RES"
@@ -341,6 +343,10 @@ R5)
 R6)
   timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_train.py tests/test_draft_attention.py \
     -k "cuda or merged or auto" > "$RES/gpu_tests.log" 2>&1; tail -4 "$RES/gpu_tests.log"
+  ;;
+R7)
+  timeout 150 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_train.py -k "cuda" > "$RES/gpu_tests.log" 2>&1
+  grep -E "passed|failed|Error|sync" "$RES/gpu_tests.log" | tail -8
   ;;
 G)
   timeout 420 torchrun --standalone --nproc-per-node 2 benchmarks/bench_extract.py --tokens 16384 32768 --no-write \

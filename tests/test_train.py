@@ -275,3 +275,28 @@ def test_trainer_on_cuda_with_auto_attention_follows_the_plain_losses(tmp_path, 
     assert len(losses["auto"]) == 5 and all(math.isfinite(x) for x in losses["auto"])
     assert losses["auto"] == pytest.approx(losses["plain"], rel=3e-2), losses
     assert not _cudnn_refused, f"cuDNN refused {_cudnn_refused}"
+
+
+@pytest.mark.gpu
+def test_train_step_on_cuda_makes_no_host_sync(tmp_path, tiny_llama_config):
+    """A training step (load, collate, forward_ttt, fused loss, backward, clipping, optimizer)
+    on CUDA runs with CUDA's sync debug mode set to raise: nothing in it waits for the GPU (the
+    logger reads the window's numbers back once per window instead)."""
+    from eagleforge.train.loop import Trainer
+    from eagleforge.vocab import main as vocab_main
+
+    cfg, _, _ = build_tiny_run(tmp_path, tiny_llama_config, n_samples=14, with_argmax=True)
+    _configure(cfg, max_steps=6, save_every=100, bf16=True, device="cuda", activation_checkpoint="selective_all",
+               attention="auto", compile=True)
+    vocab_main(cfg)
+    trainer = Trainer(cfg)
+    for _ in range(2):  # first uses: compilation, cuDNN plans, the allocator's pools
+        trainer.train_step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            stats, grad_norm = trainer.train_step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert math.isfinite(float(grad_norm)) and stats.n_valid[0] > 0

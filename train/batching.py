@@ -80,10 +80,11 @@ class Batch:
     last_hidden_state: torch.Tensor  # [B, T, Ht]
     target_argmax: torch.Tensor | None  # [B, T] int64, None when the shards lack it
     lengths: torch.Tensor  # [B] int64
+    host_tokens: int | None = None  # sum(lengths), known on the host (collate): no device read
 
     @property
     def num_tokens(self) -> int:
-        return int(self.lengths.sum())
+        return self.host_tokens if self.host_tokens is not None else int(self.lengths.sum())
 
 
 def collate(samples: list[dict], device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Batch:
@@ -127,7 +128,7 @@ def collate(samples: list[dict], device: torch.device | str = "cpu", dtype: torc
 
     lengths_t = torch.tensor(lengths, dtype=torch.int64)
     return Batch(to(input_ids), to(loss_mask), to(aux, dtype), to(last, dtype), to(argmax),
-                 to(lengths_t.pin_memory() if pin else lengths_t))
+                 to(lengths_t.pin_memory() if pin else lengths_t), host_tokens=sum(lengths))
 
 
 def iterate_batches(batches: list[list[int]], get_sample: Callable[[int], dict], device, dtype=torch.float32, start: int = 0):

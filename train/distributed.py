@@ -220,9 +220,11 @@ def gradient_sync(model: nn.Module, enabled: bool):
         yield
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
-    """clip_grad_norm_ over local or sharded (DTensor) gradients; the global norm as a float."""
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """clip_grad_norm_ over local or sharded (DTensor) gradients; the global norm as a 0-dim
+    tensor on the gradients' device (float() it when it is logged: reading it every step would
+    make the host wait for the GPU every step)."""
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
     if hasattr(norm, "full_tensor"):  # DTensor: the partial norms are reduced here
         norm = norm.full_tensor()
-    return float(norm)
+    return norm.detach()

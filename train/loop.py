@@ -454,7 +454,7 @@ class Trainer:
 
     def train_step(self) -> tuple[TTTStats, float]:
         """One optimizer step over the next world x grad_accum global batches (this rank runs
-        its share); returns (stats summed over all ranks, global grad norm).
+        its share); returns (stats summed over all ranks, global grad norm as a 0-dim device tensor).
 
         Normalization: the step's loss is the mean over its n real global batches of each
         batch's loss (sum_j decay^j x per-step mean). Each rank divides a batch's loss by
@@ -547,9 +547,11 @@ class Trainer:
             window.merge(stats)
             bar.update(1)
             if self.step % tc.log_every == 0 or self.step == self.total_steps:
+                norm = float(grad_norm)  # waits for the GPU: the window's time below includes its work
+                window.ce_sum  # noqa: B018 - reads the window's device sums back (the same wait)
                 elapsed = time.perf_counter() - window_start
                 if logger is not None:
-                    logger.log(self.step, self.epoch, window, tc.step_weight_decay, self.scheduler.get_last_lr()[0], grad_norm, window.tokens / max(elapsed, 1e-9))
+                    logger.log(self.step, self.epoch, window, tc.step_weight_decay, self.scheduler.get_last_lr()[0], norm, window.tokens / max(elapsed, 1e-9))
                 window, window_start = TTTStats(tc.ttt_steps), time.perf_counter()
             if self.step == stop_after_step:
                 self.save()
@@ -607,7 +609,10 @@ class Trainer:
 
 
 def reduce_stats(stats: TTTStats, env: DistEnv) -> TTTStats:
-    """The per-step sums of all ranks (one small all-reduce; a copy on one process)."""
+    """The per-step sums of all ranks (one small all-reduce). One process: the stats as they
+    are, their device sums not read back (the logger reads them once per window)."""
+    if not env.distributed:
+        return stats
     k = stats.steps
     flat = all_reduce_sum(stats.ce_sum + stats.n_loss + stats.n_correct + stats.n_valid + [stats.tokens], env)
     whole = [round(x) for x in flat[k:]]
