@@ -278,6 +278,8 @@ def _validate(cfg: Config) -> None:
         if value not in choices:
             raise ConfigError(f"config key {key!r} must be one of {list(choices)}, got {value!r}")
     _validate_checkpoint(cfg.train.activation_checkpoint, cfg.train.ttt_steps)
+    if not cfg.train.step_weight_decay > 0:  # the per-step losses are divided by decay^j for the stats
+        raise ConfigError(f"config key 'train.step_weight_decay' must be > 0, got {cfg.train.step_weight_decay!r}")
     for key in ("data.num_prompts", "data.max_length", "extract.samples_per_shard", "train.ttt_steps", "eval.k"):
         section, leaf = key.split(".")
         if getattr(getattr(cfg, section), leaf) < 1:

@@ -147,6 +147,12 @@ _value_text = st.one_of(
 )
 
 
+def test_step_weight_decay_must_be_positive():
+    for bad in ("0", "-0.5"):
+        with pytest.raises(ConfigError, match="step_weight_decay"):
+            load_config(None, [f"train.step_weight_decay={bad}"])
+
+
 def test_activation_checkpoint_per_step_is_checked_against_ttt_steps():
     cfg = load_config(None, ["train.ttt_steps=7", "train.activation_checkpoint=selective*3+selective_all*4"])
     assert cfg.train.activation_checkpoint == "selective*3+selective_all*4"

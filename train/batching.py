@@ -93,7 +93,9 @@ def collate(samples: list[dict], device: torch.device | str = "cpu", dtype: torc
     The padded hidden states are built in the samples' own (storage) dtype and converted to
     `dtype` on the device: half the bytes over PCIe for bf16 shards and no fp32 conversion on the
     host. For a CUDA device they are built in pinned memory, so the copies are asynchronous (a
-    copy from pageable memory first waits for the whole stream: a host sync per tensor)."""
+    copy from pageable memory first waits for the whole stream: a host sync per tensor). torch
+    keeps freed pinned blocks for reuse: the pool grows to about the largest batches in flight
+    (a few batches' hidden states, not the dataset)."""
     if not samples:
         raise ValueError("collate needs at least one sample")
     device = torch.device(device)

@@ -118,6 +118,16 @@ def broadcast_object(obj, env: DistEnv):
     return box[0]
 
 
+def all_reduce_tensor(tensor: torch.Tensor, env: DistEnv) -> torch.Tensor:
+    """A summed copy of `tensor` over all ranks, on its device (no host sync with NCCL)."""
+    out = tensor.clone()
+    if env.distributed:
+        import torch.distributed as dist
+
+        dist.all_reduce(out)
+    return out
+
+
 def all_reduce_sum(values: list[float], env: DistEnv) -> list[float]:
     """Element-wise sum of a list of numbers over all ranks (float64 on the collective's device)."""
     if not env.distributed:

@@ -46,7 +46,7 @@ from ..atomic import write_json_atomic
 from .batching import Batch, collate, make_batches, rank_micro_batches
 from .checkpoint import checkpoint_dir, export_checkpoint, find_resume_checkpoint, load_checkpoint, save_checkpoint
 from .distributed import (
-    DistEnv, DraftWithLoss, all_reduce_sum, barrier, clip_grad_norm, gradient_sync, init_distributed, parallelize,
+    DistEnv, DraftWithLoss, all_reduce_sum, all_reduce_tensor, barrier, clip_grad_norm, gradient_sync, init_distributed, parallelize,
     resolve_parallel, shutdown,
 )
 from .loss import get_loss_fn, teacher_logsumexp
@@ -93,6 +93,13 @@ class TTTStats:
     def add_device_sums(self, sums: torch.Tensor) -> None:
         """sums [4, steps] (ce_sum, n_loss, n_correct, n_valid), float64 on any device: added lazily."""
         self._device_sums = sums if self._device_sums is None else self._device_sums + sums.to(self._device_sums.device)
+
+    def pending_device_sums(self) -> torch.Tensor | None:
+        return self._device_sums
+
+    def host_lists(self) -> list[list]:
+        """The four host-side lists as they are (pending device sums not added)."""
+        return [self._lists[name] for name in self._NAMES]
 
     def _read_back(self) -> None:
         if self._device_sums is not None:
@@ -204,7 +211,7 @@ def ttt_loss_shared(
 
     No host sync: the rows of each step are masks, not index lists (no nonzero), the per-step
     counts stay on the device (the weights divide by them there), and the stats are device sums
-    (TTTStats.device_sums) read back once when the step's numbers are logged. (bench-train,
+    (TTTStats.add_device_sums) read back once when the step's numbers are logged. (bench-train,
     2026-11-30: nine syncs per step cost ~9 ms of a ~175 ms step at 2K tokens.)"""
     from eagleforge.kernels import fused_soft_cross_entropy_ttt
 
@@ -452,7 +459,7 @@ class Trainer:
         stats.tokens = batch.num_tokens
         return loss, stats
 
-    def train_step(self) -> tuple[TTTStats, float]:
+    def train_step(self) -> tuple[TTTStats, torch.Tensor]:
         """One optimizer step over the next world x grad_accum global batches (this rank runs
         its share); returns (stats summed over all ranks, global grad norm as a 0-dim device tensor).
 
@@ -462,7 +469,6 @@ class Trainer:
         single-process gradient over the same n batches. A rank past the epoch's tail runs a
         batch with weight 0: every rank does the same forwards and backwards (no hang)."""
         tc = self.cfg.train
-        start = time.perf_counter()
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         stats = TTTStats(tc.ttt_steps)
@@ -475,14 +481,15 @@ class Trainer:
                 (loss / share if ids is not None else loss * 0.0).backward()
             if ids is not None:
                 stats.merge(batch_stats)
-        stats = reduce_stats(stats, self.env)
+        # the step's tokens over all ranks, from the host's own lengths (every rank knows the global batches)
+        global_tokens = sum(self.lengths[i] for ids in step_batches for i in ids)
+        stats = reduce_stats(stats, self.env, global_tokens)
         grad_norm = clip_grad_norm(self.params, tc.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
         self.train_tokens += stats.tokens
-        self.train_seconds += time.perf_counter() - start
-        self.session_tokens += stats.tokens
+        self.session_tokens += stats.tokens  # train_seconds: counted by run() between host syncs
         return stats, grad_norm
 
     def _next_batches(self, count: int) -> list[list[int]]:
@@ -550,6 +557,7 @@ class Trainer:
                 norm = float(grad_norm)  # waits for the GPU: the window's time below includes its work
                 window.ce_sum  # noqa: B018 - reads the window's device sums back (the same wait)
                 elapsed = time.perf_counter() - window_start
+                self.train_seconds += elapsed
                 if logger is not None:
                     logger.log(self.step, self.epoch, window, tc.step_weight_decay, self.scheduler.get_last_lr()[0], norm, window.tokens / max(elapsed, 1e-9))
                 window, window_start = TTTStats(tc.ttt_steps), time.perf_counter()
@@ -558,7 +566,9 @@ class Trainer:
                 bar.close()
                 return None
             if tc.save_every > 0 and self.step % tc.save_every == 0 and self.step < self.total_steps:
+                saving = time.perf_counter()
                 self.save()
+                window_start += time.perf_counter() - saving  # a checkpoint is not training time
         bar.close()
         latest = find_resume_checkpoint(self.cfg, self.env)
         if latest is None or latest.name != f"step-{self.step:06d}":
@@ -608,12 +618,24 @@ class Trainer:
         return summary
 
 
-def reduce_stats(stats: TTTStats, env: DistEnv) -> TTTStats:
+def reduce_stats(stats: TTTStats, env: DistEnv, global_tokens: int | None = None) -> TTTStats:
     """The per-step sums of all ranks (one small all-reduce). One process: the stats as they
-    are, their device sums not read back (the logger reads them once per window)."""
+    are, their device sums not read back (the logger reads them once per window).
+
+    Under torchrun with `global_tokens` (the step's token count over all ranks, which every rank
+    knows on the host): one all-reduce of the [4, steps] sums on the device, no host sync. Every
+    rank must take the same branch (a rank that ran only a zero-weight batch sends zeros)."""
     if not env.distributed:
         return stats
     k = stats.steps
+    if global_tokens is not None:
+        sums = stats.pending_device_sums()
+        sums = torch.zeros(4, k, dtype=torch.float64, device=env.device) if sums is None else sums.to(env.device)
+        if any(any(v) for v in stats.host_lists()):  # the reference loss keeps its sums on the host (a copy)
+            sums = sums + torch.tensor(stats.host_lists(), dtype=torch.float64).to(env.device)
+        summed = TTTStats(k, tokens=global_tokens)
+        summed.add_device_sums(all_reduce_tensor(sums, env))
+        return summed
     flat = all_reduce_sum(stats.ce_sum + stats.n_loss + stats.n_correct + stats.n_valid + [stats.tokens], env)
     whole = [round(x) for x in flat[k:]]
     return TTTStats(k, list(flat[:k]), whole[:k], whole[k : 2 * k], whole[2 * k : 3 * k], whole[3 * k])
