@@ -217,20 +217,20 @@ def test_loss_positions_all_reads_every_real_position(tmp_path, tiny_llama_confi
     assert counts["all"][0][0] > counts["assistant"][0][0]  # the fixture's prompts are not all masked out
 
 
-@pytest.mark.slow
-def test_kimi_config_training_options_give_the_plain_losses(tmp_path, tiny_llama_config, compiled):
-    """The Kimi configs' step options together (selective_all checkpointing, merged attention,
-    dynamic-shape compile) through the real Trainer, fp32, batches of several lengths: the same
-    losses step for step as the plain step (no checkpoint, reference attention, eager)."""
+PLAIN_STEP = dict(activation_checkpoint="none", attention="reference", compile=False)
+
+
+def _losses_of_step_options(tmp_path, target_config, common: dict, variants: dict) -> tuple:
+    """One tiny run (14 samples of several lengths), trained 5 steps per variant of the step
+    options from the same start: (the base run's path, {variant: [loss per step]})."""
     from eagleforge.train.loop import train
     from eagleforge.vocab import main as vocab_main
 
-    cfg, _, _ = build_tiny_run(tmp_path / "base", tiny_llama_config, n_samples=14, with_argmax=True)
-    _configure(cfg, max_steps=5, save_every=100, bf16=False, device="cpu")
+    cfg, _, _ = build_tiny_run(tmp_path / "base", target_config, n_samples=14, with_argmax=True)
+    _configure(cfg, max_steps=5, save_every=100, **common)
     vocab_main(cfg)
     base, losses = cfg.run, {}
-    for name, options in (("plain", dict(activation_checkpoint="none", attention="reference", compile=False)),
-                          ("kimi", dict(activation_checkpoint="selective_all", attention="merged", compile=True))):
+    for name, options in variants.items():
         run = tmp_path / name
         shutil.copytree(base, run, ignore=shutil.ignore_patterns("checkpoints", "draft", "train_log.csv", "train_summary.json"))
         cfg.run_dir = str(run)
@@ -238,6 +238,16 @@ def test_kimi_config_training_options_give_the_plain_losses(tmp_path, tiny_llama
             setattr(cfg.train, key, value)
         train(cfg)
         losses[name] = [float(r["loss"]) for r in _log_rows(run)]
+    return base, losses
+
+
+@pytest.mark.slow
+def test_kimi_config_training_options_give_the_plain_losses(tmp_path, tiny_llama_config, compiled):
+    """The Kimi configs' step options together (selective_all checkpointing, merged attention,
+    dynamic-shape compile) through the real Trainer, fp32, batches of several lengths: the same
+    losses step for step as the plain step (no checkpoint, reference attention, eager)."""
+    base, losses = _losses_of_step_options(tmp_path, tiny_llama_config, dict(bf16=False, device="cpu"), {
+        "plain": PLAIN_STEP, "kimi": dict(activation_checkpoint="selective_all", attention="merged", compile=True)})
     from eagleforge.shards import ShardReader
 
     assert len(set(ShardReader(base / "hidden").sample_lengths())) > 3  # several batch shapes
@@ -255,23 +265,10 @@ def test_trainer_on_cuda_with_auto_attention_follows_the_plain_losses(tmp_path, 
     within bf16 noise of the plain step (reference attention, no checkpoint, eager), and cuDNN
     took every TTT attention shape (no fallback recorded)."""
     from eagleforge.draft.attention import _cudnn_refused
-    from eagleforge.train.loop import train
-    from eagleforge.vocab import main as vocab_main
 
-    cfg, _, _ = build_tiny_run(tmp_path / "base", tiny_llama_config, n_samples=14, with_argmax=True)
-    _configure(cfg, max_steps=5, save_every=100, bf16=True, device="cuda")
-    vocab_main(cfg)
-    base, losses = cfg.run, {}
     _cudnn_refused.clear()
-    for name, options in (("plain", dict(activation_checkpoint="none", attention="reference", compile=False)),
-                          ("auto", dict(activation_checkpoint="selective_all", attention="auto", compile=True))):
-        run = tmp_path / name
-        shutil.copytree(base, run, ignore=shutil.ignore_patterns("checkpoints", "draft", "train_log.csv", "train_summary.json"))
-        cfg.run_dir = str(run)
-        for key, value in options.items():
-            setattr(cfg.train, key, value)
-        train(cfg)
-        losses[name] = [float(r["loss"]) for r in _log_rows(run)]
+    _, losses = _losses_of_step_options(tmp_path, tiny_llama_config, dict(bf16=True, device="cuda"), {
+        "plain": PLAIN_STEP, "auto": dict(activation_checkpoint="selective_all", attention="auto", compile=True)})
     assert len(losses["auto"]) == 5 and all(math.isfinite(x) for x in losses["auto"])
     assert losses["auto"] == pytest.approx(losses["plain"], rel=3e-2), losses
     assert not _cudnn_refused, f"cuDNN refused {_cudnn_refused}"
