@@ -74,6 +74,11 @@
 #       step, and the attention tests
 #   R7 (nvidia-h200, the last 264 s): the trainer's CUDA tests after its syncs were removed (a
 #       step under CUDA's sync debug mode set to raise)
+# Prepared for the next session (not run):
+#   S1 (nvidia-h200): bench-extract at 8K and 32K with this session's MoE combine and RMSNorm
+#      (the 8-GPU projection was last measured at those lengths before them), then the CUDA tests
+#      of the trainer after the review's fixes
+#   S2 (nvidia-h200): bench-train at 16K and 32K, NEW (no host sync left) beside SpecForge
 set -u
 PHASE=$1; shift
 RES=/tmp/res_$PHASE; rm -rf "$RES"; mkdir -p "$RES"
@@ -347,6 +352,17 @@ R6)
 R7)
   timeout 150 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_train.py -k "cuda" > "$RES/gpu_tests.log" 2>&1
   grep -E "passed|failed|Error|sync" "$RES/gpu_tests.log" | tail -8
+  ;;
+S1)
+  timeout 330 python3 benchmarks/bench_extract.py --tokens 8192 32768 --no-write --json "$RES/extract_tp1.json" \
+    > "$RES/extract_tp1.log" 2>&1; tail -2 "$RES/extract_tp1.log"
+  timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_train.py -k cuda > "$RES/gpu_tests.log" 2>&1
+  tail -2 "$RES/gpu_tests.log"
+  ;;
+S2)
+  timeout 560 python3 benchmarks/bench_train.py --no-attention-bench --no-checks --tokens 16384 32768 \
+    --specforge-tokens 16384 32768 --variants "ckpt=selective_all,attn=merged_cudnn,compile=1,packed=1,fusegrad=1" \
+    --json "$RES/train.json" > "$RES/train.log" 2>&1; grep "^|" "$RES/train.log" | tail -6
   ;;
 G)
   timeout 420 torchrun --standalone --nproc-per-node 2 benchmarks/bench_extract.py --tokens 16384 32768 --no-write \
