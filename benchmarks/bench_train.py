@@ -295,19 +295,11 @@ class Variant:
 
 
 def ttt_weights(loss_mask: torch.Tensor, target_argmax: torch.Tensor, t2d: torch.Tensor, steps: int) -> torch.Tensor:
-    """weight [K, T] fp32 for fused_soft_cross_entropy_ttt (batch 1): step j's row t predicts
-    token t+2+j, its teacher is row t+1+j; weight = loss_mask[t+2+j] x t2d[argmax[t+1+j]] x
-    0.8^j / (rows of step j in the draft vocabulary), the trainer's mean per step."""
-    mask, tokens = loss_mask[0].bool(), loss_mask.shape[1]
-    in_vocab = t2d[target_argmax[0].long()]  # [T], at teacher rows
-    weight = torch.zeros(steps, tokens, dtype=torch.float32, device=loss_mask.device)
-    for j in range(steps):
-        n = tokens - 2 - j
-        if n <= 0:
-            continue
-        rows = mask[2 + j:] & in_vocab[1 + j: 1 + j + n]  # [n]
-        weight[j, :n] = rows.float() * (STEP_WEIGHT_DECAY**j / rows.sum().clamp_min(1))
-    return weight
+    """weight [K, T] fp32 for fused_soft_cross_entropy_ttt (batch 1): the trainer's own
+    (train.loop.ttt_loss_weights: loss row x teacher token in the draft vocabulary x 0.8^j / rows)."""
+    from eagleforge.train.loop import ttt_loss_weights
+
+    return ttt_loss_weights(loss_mask, target_argmax, t2d, steps, STEP_WEIGHT_DECAY)[0]
 
 
 class OurStep:

@@ -190,6 +190,34 @@ def ttt_loss(
     return total, stats
 
 
+def ttt_loss_weights(loss_mask: torch.Tensor, target_argmax: torch.Tensor, t2d: torch.Tensor, steps: int,
+                     step_weight_decay: float) -> tuple[torch.Tensor, ...]:
+    """The TTT loss weights of a batch as masks on the device (no host sync), for
+    fused_soft_cross_entropy_ttt with teacher_shift 1. loss_mask, target_argmax [B, T]; t2d [V].
+
+    Step j, row t of sample b is a loss row when loss_mask[b, t + 2 + j]; its teacher is row
+    t + 1 + j, whose target argmax is the token it predicts. Returns, over the flat rows N = B*T:
+    weight [K, N] fp32 = loss row x (that token in the draft vocabulary) x decay^j / (such rows
+    of step j), zero on rows without a teacher; valid [K, N] bool (the loss rows); teacher_ids
+    [K, N] int64; n_in [K] (in-vocabulary rows per step); decay [K] fp32."""
+    batch, length = loss_mask.shape
+    dev = loss_mask.device
+    mask = loss_mask.to(torch.bool)
+    argmax = F.pad(target_argmax.reshape(batch, length).long(), (0, steps + 1))  # [B, T + K + 1]: no read past a row
+    valid = torch.zeros(steps, batch, length, dtype=torch.bool, device=dev)
+    teacher_ids = torch.zeros(steps, batch, length, dtype=torch.long, device=dev)
+    for j in range(steps):
+        if 2 + j < length:
+            valid[j, :, : length - 2 - j] = mask[:, 2 + j:]
+        teacher_ids[j] = argmax[:, 1 + j: 1 + j + length]  # the target's greedy token t + 2 + j
+    valid, teacher_ids = valid.reshape(steps, -1), teacher_ids.reshape(steps, -1)
+    in_vocab = valid & t2d[teacher_ids]  # [K, N]
+    n_in = in_vocab.sum(1)  # [K], on the device
+    decay = step_weight_decay ** torch.arange(steps, device=dev, dtype=torch.float32)
+    weight = in_vocab.float() * (decay / n_in.clamp_min(1))[:, None]
+    return weight, valid, teacher_ids, n_in, decay
+
+
 def ttt_loss_shared(
     normed_hiddens: list[torch.Tensor],
     draft_head: torch.Tensor,
@@ -217,21 +245,8 @@ def ttt_loss_shared(
 
     steps = len(normed_hiddens)
     batch, length, h_target = last_hidden.shape
-    n_rows, dev = batch * length, last_hidden.device
-    # step j, row t of sample b: a loss row when loss_mask[b, t + 2 + j]; its teacher is row t + 1 + j
-    mask = loss_mask.to(torch.bool)
-    argmax = F.pad(target_argmax.reshape(batch, length).long(), (0, steps + 1))  # [B, T + K + 1]: no read past a row
-    valid = torch.zeros(steps, batch, length, dtype=torch.bool, device=dev)
-    teacher_ids = torch.zeros(steps, batch, length, dtype=torch.long, device=dev)
-    for j in range(steps):
-        if 2 + j < length:
-            valid[j, :, : length - 2 - j] = mask[:, 2 + j:]
-        teacher_ids[j] = argmax[:, 1 + j: 1 + j + length]  # the target's greedy token t + 2 + j
-    valid, teacher_ids = valid.reshape(steps, n_rows), teacher_ids.reshape(steps, n_rows)
-    in_vocab = valid & t2d[teacher_ids]  # [K, N]
-    n_in = in_vocab.sum(1)  # [K], on the device
-    decay = step_weight_decay ** torch.arange(steps, device=dev, dtype=torch.float32)
-    weight = in_vocab.float() * (decay / n_in.clamp_min(1))[:, None]  # [K, N]: zero on rows without a teacher
+    n_rows = batch * length
+    weight, valid, teacher_ids, n_in, decay = ttt_loss_weights(loss_mask, target_argmax, t2d, steps, step_weight_decay)
     hiddens = [h.reshape(n_rows, -1).to(compute_dtype) for h in normed_hiddens]
     loss, step_losses, draft_argmax = fused_soft_cross_entropy_ttt(
         hiddens, draft_head.to(compute_dtype), last_hidden.reshape(n_rows, h_target).to(compute_dtype),
