@@ -537,15 +537,15 @@ def combine_slots(y_sorted: torch.Tensor, inv: torch.Tensor, k: int, add: torch.
 
 
 def int4_moe(x, weights, ids, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale,
-             expert_start: int = 0, num_experts: int | None = None, out_dtype: torch.dtype = torch.float32,
+             expert_start: int = 0, out_dtype: torch.dtype = torch.float32,
              impl: str = "v1", add: torch.Tensor | None = None) -> torch.Tensor:
     """Triton W4A16 MoE: x [N, H] bf16, router weights [N, k] fp32 and ids [N, k] -> [N, H] out_dtype.
 
     add [N, H] (optional, e.g. the shared expert's output): added to the sum over slots in fp32
     before the one rounding to out_dtype.
 
-    Weights are this rank's experts [expert_start, expert_start + E_l) of `num_experts` in all
-    (default: E_l, every expert local). `impl`: "v2" (the interleave unpack, configs of both
+    Weights are this rank's experts [expert_start, expert_start + E_l); pairs routed to other
+    experts contribute nothing (the combine skips them). `impl`: "v2" (the interleave unpack, configs of both
     kernels timed per shape) or "v1" (the first kernel, kept for comparison). Needs CUDA, or
     CPU tensors under TRITON_INTERPRET=1.
     """

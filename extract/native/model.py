@@ -395,7 +395,6 @@ class RoutedExperts(nn.Module):
             args.n_routed_experts, args.moe_intermediate_size, tp, layout, int4.GROUP_SIZE if quantized else 1
         )
         self.quantized, self.dtype = quantized, dtype
-        self.num_experts = args.n_routed_experts
         E, H, I = self.end - self.start, args.hidden_size, self.i1 - self.i0
         shapes = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
         for proj, (rows, cols) in shapes.items():
@@ -468,8 +467,7 @@ def _packs(experts: RoutedExperts) -> list[torch.Tensor]:
 
 
 def _int4_triton(x, weights, ids, experts: RoutedExperts, **kwargs) -> torch.Tensor:
-    return int4_moe.int4_moe(x, weights, ids, *_packs(experts), expert_start=experts.start,
-                             num_experts=experts.num_experts, **kwargs)
+    return int4_moe.int4_moe(x, weights, ids, *_packs(experts), expert_start=experts.start, **kwargs)
 
 
 def routed_experts_loop(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: RoutedExperts) -> torch.Tensor:
