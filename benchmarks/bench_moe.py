@@ -6,7 +6,8 @@ process, all on the SAME weights: random INT4 experts, dequantized to bf16 for t
     hf_deepseekv3_bf16        transformers' DeepseekV3MoE as shipped (bf16 experts)
     grouped_mm_bf16           anchor (b): sort by expert + torch._grouped_mm, bf16 (speed of light)
     int4_v1                   the first Triton W4A16 kernel as measured on 2026-11-29 (impl="v1")
-    int4_v2                   ours now: interleave unpack, configs of both kernels timed (impl="v2")
+    int4_v3                   ours now: one K = 16 dot per nibble position, conversion-free unpack,
+                              configs of both kernels timed per shape (impl="v3")
     int4_dequant_grouped_mm   dequantize all experts to bf16 per call, then grouped_mm
     *_experts_only            routed experts alone, routing precomputed
 
@@ -85,8 +86,10 @@ def print_table(res: dict, tokens: list) -> None:
 
 
 def aot_report(configs=None) -> dict:
-    """Build the v1/v2 gate+up and down kernels for sm_90 here (no GPU): registers, spills, and SASS
-    instructions per K step of the main loop against that step's tensor-core time (4096 FLOP/clock/SM)."""
+    """Build the v1/v3 gate+up and down kernels for sm_90 here (no GPU) with the installed Triton
+    (pip install --target DIR triton==3.6.0 and PYTHONPATH=DIR for the device's version): registers,
+    spills, and SASS instructions per K step of the main loop against that step's tensor-core time
+    (4096 FLOP/clock/SM). Integer arguments get the divisibility by 16 that the JIT specializes on."""
     import re
     import subprocess
 
@@ -99,18 +102,24 @@ def aot_report(configs=None) -> dict:
     ptr_types = {"b_ptr": "*i32", "b2_ptr": "*i32", "a_rows_ptr": "*i32", "c_rows_ptr": "*i32", "tile_expert_ptr": "*i32",
                  "tile_begin_ptr": "*i32", "tile_end_ptr": "*i32", "c_scale_ptr": "*fp32"}
     out = {}
-    configs = configs or sorted({c for v in (int4_moe.V2_CONFIGS, int4_moe.V2_DOWN_CONFIGS) for cs in v.values() for c in cs}
+    configs = configs or sorted({c for v in (int4_moe.V3_CONFIGS, int4_moe.V3_DOWN_CONFIGS) for cs in v.values() for c in cs}
                                 | {("v1", 128, 128, 128, 8, 2), ("v1", 64, 64, 128, 4, 3)})
     for kernel_name in ("gate_up", "down"):
         for impl, bm, bn, bk, warps, stages in configs:
-            kern = int4_moe._int4_moe_swapped_kernel if impl == "s" else int4_moe._int4_grouped_gemm_kernel
-            consts = dict(GROUP=32, BLOCK_N=bn, BLOCK_K=bk, GATHER_A=kernel_name == "gate_up", GATE_UP=kernel_name == "gate_up",
-                          SCATTER_C=kernel_name == "down", DOT_DTYPE=tl.bfloat16, DEQUANT=0 if impl == "v1" else 2)
-            consts["BLOCK_T" if impl == "s" else "BLOCK_M"] = bm
+            gate_up = kernel_name == "gate_up"
+            consts = dict(GROUP=32, BLOCK_N=bn, GATHER_A=gate_up, GATE_UP=gate_up, SCATTER_C=not gate_up, DOT_DTYPE=tl.bfloat16)
+            if impl == "v1":
+                kern = int4_moe._int4_grouped_gemm_kernel
+                consts.update(BLOCK_M=bm, BLOCK_K=bk)
+            else:
+                kern = int4_moe._int4_moe_v3_kernel
+                consts.update(BLOCK_T=bm, SWAP=impl == "s", PERMUTE_N=gate_up)
             sig = {n: ("constexpr" if n in consts else ptr_types.get(n, "*bf16") if n.endswith("_ptr") else "i32") for n in kern.arg_names}
+            attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kern.arg_names)
+                     if n not in consts and (n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K"))}
             key = f"{kernel_name} {(impl, bm, bn, bk, warps, stages)}"
             try:
-                k = triton.compile(ASTSource(kern, sig, consts), target=GPUTarget("cuda", 90, 32),
+                k = triton.compile(ASTSource(kern, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                                    options=dict(num_warps=warps, num_stages=stages))
             except Exception as err:  # noqa: BLE001 - a report, not a guard: any compiler failure is printed
                 out[key] = {"error": str(err)[-300:]}
@@ -155,7 +164,7 @@ def main(argv=None) -> dict:
                 json.dump(res, f, indent=1)
         return res
     if a.cpu_check:
-        device, (H, I, E, K), tokens = torch.device("cpu"), (256, 64, 16, 4), [37, 101]
+        device, (H, I, E, K), tokens = torch.device("cpu"), (256, 128, 16, 4), [37, 101]
     else:
         device, (H, I, E, K), tokens = torch.device("cuda"), (7168, 2048, 384, 8), a.tokens
     res = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
@@ -189,7 +198,7 @@ def main(argv=None) -> dict:
             rows[T][name] = {"error": f"{type(err).__name__}: {str(err)[:400]}"}
             log.error("T=%d %s failed: %s", T, name, err)
 
-    impls = ["v2"] if a.skip_v1 else ["v1", "v2"]
+    impls = ["v3"] if a.skip_v1 else ["v1", "v3"]
     with torch.no_grad():
         if not a.skip_hf:  # (a) transformers as shipped
             for T in tokens:
@@ -238,7 +247,7 @@ def main(argv=None) -> dict:
     res["config_search_ms"] = {str(k): v for k, v in int4_moe._TIMES.items()}
     res["failed_configs"] = {str(k): v for k, v in int4_moe._FAILED.items()}
     for T in tokens:
-        r = rows[T].get("int4_v2", {})
+        r = rows[T].get("int4_v3", {})
         if "ms" in r and device.type == "cuda":
             res.setdefault("goals", {})[f"T={T}"] = {"x_grouped": r.get("x_grouped"), "MFU": r["MFU"],
                                                       "goal": "x_grouped >= 1.2" if T >= 16384 else "MFU >= 0.40" if T <= 4096 else None}

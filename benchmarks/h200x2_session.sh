@@ -79,6 +79,10 @@
 #      (the 8-GPU projection was last measured at those lengths before them), then the CUDA tests
 #      of the trainer after the review's fixes
 #   S2 (nvidia-h200): bench-train at 16K and 32K, NEW (no host sync left) beside SpecForge
+# Seventh session of 2026-11-30 (nvidia-h200), issue 6's INT4 kernel v3 (one K = 16 dot per nibble):
+#   T1: its GPU tests (both orientations against the float64 formula, the unpack against
+#       compressed-tensors), bench-moe v1 vs v3 vs bf16 grouped_mm at 4K and 16K, bench-extract
+#       at 16K with v3 (the default now) and its MoE layer's kernels
 set -u
 PHASE=$1; shift
 RES=/tmp/res_$PHASE; rm -rf "$RES"; mkdir -p "$RES"
@@ -352,6 +356,14 @@ R6)
 R7)
   timeout 150 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_train.py -k "cuda" > "$RES/gpu_tests.log" 2>&1
   grep -E "passed|failed|Error|sync" "$RES/gpu_tests.log" | tail -8
+  ;;
+T1)
+  timeout 90 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_int4_moe.py -k "triton or permute" \
+    > "$RES/gpu_tests.log" 2>&1; tail -3 "$RES/gpu_tests.log"
+  timeout 300 python3 benchmarks/bench_moe.py --tokens 4096 16384 --skip-hf --skip-dequant --json "$RES/moe.json" \
+    > "$RES/moe.log" 2>&1; grep -A16 "^     T variant" "$RES/moe.log"; grep -i "error\|failed" "$RES/moe.log" | head -5
+  timeout 150 python3 benchmarks/bench_extract.py --tokens 16384 --no-write --reps 3 --profile \
+    --json "$RES/extract_tp1.json" > "$RES/extract_tp1.log" 2>&1; tail -4 "$RES/extract_tp1.log"
   ;;
 S1)
   timeout 330 python3 benchmarks/bench_extract.py --tokens 8192 32768 --no-write --json "$RES/extract_tp1.json" \

@@ -21,18 +21,16 @@ bf16 scales [E, out, in/32]. Three implementations, same numbers up to bf16 roun
   pass with the silu(g) * u epilogue -> h [N*k, I] bf16 in sorted order. Kernel 2 multiplies h
   by the down weights and scales by the router weight, still in sorted order; a combine kernel
   sums each token's slots through the inverse order (reading only this rank's rows, adding an
-  optional [N, H] such as the shared expert, one rounding; deterministic, no atomics). Each K step loads
-  packed int32 words [BN, BK/8] along K (contiguous) and unpacks them in registers.
-  impl="v1" is the first version (measured 2026-11-29): nibble -> int -> fp32 convert, fp32
-  scale, round to bf16: two conversion instructions per weight, which run at 16 per clock per
-  SM; the default: on the H200 with Triton 3.6 (2026-11-30) v1 took 57.2 ms at 16K tokens and
-  v2 88.5 ms, because Triton 3.6 failed to compile v2's large-tile configs ("Illegal shared
-  layout" in TritonGPUOptimizeDotOperands) and fell back to the swapped kernel. impl="v2" unpacks without any conversion (the bf16 "magic number": OR-ing the
-  nibble into the mantissa of 128.0 gives 128 + nibble exactly, then one packed bf16 subtract
-  and multiply) and merges the eight nibbles of a word with a tree of tl.interleave instead of a
-  3-D reshape (which Triton lowered to 16-bit shared-memory shuffles); it times a few configs
-  per (rows-per-expert bucket, N, K) on first use, of two kernels: tokens on the MMA's M side
-  (the v1 kernel, DEQUANT=2) or swapped (weights on the M side, tokens on the N side, 16-256).
+  optional [N, H] such as the shared expert, one rounding; deterministic, no atomics).
+  impl="v3" (the default where H and I are multiples of 128): per 128 columns each weight row's
+  16 packed words are loaded once and nibble position n (n = 0..7) becomes its own [BN, 16] tile,
+  unpacked elementwise without an int -> float conversion (the bf16 magic number 0x4300), in a
+  dot of K = 16 against A's columns permuted to match (permute_k128 on x; the gate+up kernel
+  writes h already permuted). impl="v1" is the first version (measured 2026-11-29: 57.2 ms at 16K
+  tokens on the H200): words [BN, BK/8] unpacked through a 3-D reshape, nibble -> int -> fp32,
+  fp32 scale, round to bf16 (two conversions per weight, at 16 per clock per SM). A second
+  version with an interleave-tree unpack did not compile in Triton 3.6 ("Illegal shared layout")
+  and was removed; v3 replaced it.
 
 `bf16_grouped_mm_moe` is the speed-of-light reference of the same math with bf16 weights (the
 anchor's sort-by-expert torch._grouped_mm), used by benchmarks/bench_moe.py.
@@ -204,8 +202,8 @@ if HAS_TRITON:
         stride_be, stride_bn, stride_se, stride_sn,
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GATHER_A: tl.constexpr, GATE_UP: tl.constexpr, SCATTER_C: tl.constexpr, DOT_DTYPE: tl.constexpr,
-        DEQUANT: tl.constexpr = 0,
     ):
+        """v1: C tile [BM, BN] = A rows [BM, K] @ W tile [BN, K]^T, W unpacked per K step by _dequant_tile."""
         # axis 0 (fastest) walks N tiles, so consecutive programs share one A tile and stream
         # one expert's weights; that expert's other M tiles follow and find them in L2.
         pid_n = tl.program_id(0)
@@ -231,16 +229,17 @@ if HAS_TRITON:
             # words [BN, BK/8] and scales [BN, BK/GROUP] per step, each read once, vector loads
             b_off = expert * stride_be + offs_n[:, None].to(tl.int64) * stride_bn + offs_w[None, :]
             s_off = expert * stride_se + offs_n[:, None].to(tl.int64) * stride_sn + offs_g[None, :]
-            sw_off = expert * stride_se + offs_n[:, None].to(tl.int64) * stride_sn + (offs_w // (GROUP // 8))[None, :]
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 a = tl.load(a_ptrs + k0, mask=m_mask[:, None], other=0.0).to(DOT_DTYPE)
-                w = _weight_tile(b_ptr, s_ptr, b_off, s_off, sw_off, k0, n_mask, shifts, BLOCK_N, BLOCK_K, GROUP, DEQUANT, DOT_DTYPE)
-                acc = tl.dot(a, tl.trans(w), acc)
+                words = tl.load(b_ptr + b_off + k0 // 8, mask=n_mask[:, None], other=0)  # [BN, BK/8] int32
+                scale = tl.load(s_ptr + s_off + k0 // GROUP, mask=n_mask[:, None], other=0.0)  # [BN, BK/GROUP]
+                acc = tl.dot(a, tl.trans(_dequant_tile(words, scale, shifts, BLOCK_N, BLOCK_K, GROUP, DOT_DTYPE)), acc)
                 if GATE_UP:
-                    w2 = _weight_tile(b2_ptr, s2_ptr, b_off, s_off, sw_off, k0, n_mask, shifts, BLOCK_N, BLOCK_K, GROUP, DEQUANT, DOT_DTYPE)
-                    acc2 = tl.dot(a, tl.trans(w2), acc2)
+                    words = tl.load(b2_ptr + b_off + k0 // 8, mask=n_mask[:, None], other=0)
+                    scale = tl.load(s2_ptr + s_off + k0 // GROUP, mask=n_mask[:, None], other=0.0)
+                    acc2 = tl.dot(a, tl.trans(_dequant_tile(words, scale, shifts, BLOCK_N, BLOCK_K, GROUP, DOT_DTYPE)), acc2)
             if GATE_UP:
                 acc = acc * tl.sigmoid(acc) * acc2  # silu(gate) * up
             c_mask = m_mask[:, None] & n_mask[None, :]
@@ -255,92 +254,58 @@ if HAS_TRITON:
 
 
     @triton.jit
-    def _dequant_magic(words, scale, shifts, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                       FP32_MATH: tl.constexpr):
-        """words int32 [BN, BK/8], scale bf16 [BN, BK/GROUP] -> W tile [BN, BK] (bf16; fp32 under FP32_MATH).
+    def _nibble_times_scale(words, n: tl.constexpr, scale_w, FP32_MATH: tl.constexpr):
+        """Nibble n of each word times its scale: int32 [BN, 16] -> [BN, 16] bf16 (fp32 under FP32_MATH).
 
-        No int -> float conversion instruction (16 per clock per SM on Hopper, twice per weight in
-        the v1 unpack): OR-ing a nibble into the mantissa of bf16 128.0 (bits 0x4300) gives the
-        bf16 value 128 + nibble exactly, so W = (that - 136) * scale is one exact bf16 subtraction
-        and one correctly rounded bf16 multiply (the same bits as dequantize_int4's bf16 math).
+        No int -> float conversion instruction (16 per clock per SM on Hopper; v1 spends two per
+        weight): OR-ing a nibble into the mantissa of bf16 128.0 (bits 0x4300) gives the bf16
+        value 128 + nibble exactly, so W = (that - 136) * scale is one exact bf16 subtraction and
+        one correctly rounded bf16 multiply (the bits of dequantize_int4's bf16 math).
         """
-        nib = ((words[:, :, None] >> shifts[None, None, :]) & 0xF) | 0x4300  # [BN, BK/8, 8]
-        b = nib.to(tl.int16).to(tl.bfloat16, bitcast=True)  # 128 + nibble
-        b = tl.reshape(b, (BLOCK_N, BLOCK_K // GROUP, GROUP))
-        if FP32_MATH:  # interpreter: numpy has no bf16 arithmetic; the same values in fp32
-            w = (b.to(tl.float32) - 136.0) * scale.to(tl.float32)[:, :, None]
-        else:
-            w = (b - 136.0) * scale[:, :, None]
-        return tl.reshape(w, (BLOCK_N, BLOCK_K))
-
-    @triton.jit
-    def _nibble_bf16(words, i: tl.constexpr, scale_w, FP32_MATH: tl.constexpr):
-        """Nibble i of each word as (q * scale): int32 [BN, W] -> [BN, W], conversion-free (see _dequant_magic)."""
-        b = (((words >> (4 * i)) & 0xF) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)  # 128 + nibble
-        if FP32_MATH:
+        b = (((words >> (4 * n)) & 0xF) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)  # 128 + nibble
+        if FP32_MATH:  # the interpreter: numpy has no bf16 arithmetic; the same values in fp32
             return (b.to(tl.float32) - 136.0) * scale_w.to(tl.float32)
         return (b - 136.0) * scale_w
 
     @triton.jit
-    def _dequant_join(words, scale_w, FP32_MATH: tl.constexpr):
-        """words int32 [BN, BK/8], scale_w bf16 [BN, BK/8] (the scale of each word's group) -> [BN, BK].
+    def _word_scales(s_ptr, s_off, k0, n_mask, word_group, GROUP: tl.constexpr):
+        """[BN, 16]: the scale of each packed word of the 128 columns at k0 (a word lies in one group).
 
-        The eight nibbles are unpacked as eight elementwise [BN, BK/8] tensors (no 3-D broadcast)
-        and merged by a tree of tl.interleave, which keeps the new dimension inside each thread's
-        registers (no shared-memory shuffle): interleave(interleave(interleave(n0, n4),
-        interleave(n2, n6)), interleave(interleave(n1, n5), interleave(n3, n7))) puts nibble r of
-        word j at column 8j + r.
+        Built from 128 / GROUP per-row [BN] loads and selects, elementwise, so the tile keeps the
+        words' register layout (a [BN, 16] load of repeated addresses made Triton 3.6 convert the
+        weights through shared memory: 2x the instructions, sm_90 build).
         """
-        n0 = _nibble_bf16(words, 0, scale_w, FP32_MATH)
-        n1 = _nibble_bf16(words, 1, scale_w, FP32_MATH)
-        n2 = _nibble_bf16(words, 2, scale_w, FP32_MATH)
-        n3 = _nibble_bf16(words, 3, scale_w, FP32_MATH)
-        n4 = _nibble_bf16(words, 4, scale_w, FP32_MATH)
-        n5 = _nibble_bf16(words, 5, scale_w, FP32_MATH)
-        n6 = _nibble_bf16(words, 6, scale_w, FP32_MATH)
-        n7 = _nibble_bf16(words, 7, scale_w, FP32_MATH)
-        left = tl.interleave(tl.interleave(n0, n4), tl.interleave(n2, n6))
-        right = tl.interleave(tl.interleave(n1, n5), tl.interleave(n3, n7))
-        return tl.interleave(left, right)
+        scale_w = tl.load(s_ptr + s_off + k0 // GROUP, mask=n_mask, other=0.0)[:, None] + tl.zeros_like(word_group).to(s_ptr.dtype.element_ty)
+        for g in tl.static_range(1, 128 // GROUP):
+            scale_g = tl.load(s_ptr + s_off + k0 // GROUP + g, mask=n_mask, other=0.0)
+            scale_w = tl.where(word_group == g, scale_g[:, None], scale_w)
+        return scale_w
 
     @triton.jit
-    def _weight_tile(b_ptr, s_ptr, b_off, s_off, sw_off, k0, n_mask, shifts, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP: tl.constexpr, DEQUANT: tl.constexpr, DOT_DTYPE: tl.constexpr):
-        """One K step of one expert's weights, dequantized: W tile [BN, BK].
-
-        DEQUANT 0: v1's unpack (int -> fp32 convert, fp32 scale, round to bf16);
-        1: the conversion-free magic-number unpack through a [BN, BK/8, 8] reshape;
-        2: the same through a tl.interleave tree (per-word scales).
-        DOT_DTYPE fp32 (the interpreter, which has no bf16 arithmetic) computes the same values in fp32.
-        """
-        words = tl.load(b_ptr + b_off + k0 // 8, mask=n_mask[:, None], other=0)  # [BN, BK/8] int32
-        if DEQUANT == 2:
-            scale_w = tl.load(s_ptr + sw_off + k0 // GROUP, mask=n_mask[:, None], other=0.0)  # [BN, BK/8]
-            return _dequant_join(words, scale_w, DOT_DTYPE == tl.float32)
-        scale = tl.load(s_ptr + s_off + k0 // GROUP, mask=n_mask[:, None], other=0.0)  # [BN, BK/GROUP]
-        if DEQUANT == 1:
-            return _dequant_magic(words, scale, shifts, BLOCK_N, BLOCK_K, GROUP, DOT_DTYPE == tl.float32)
-        return _dequant_tile(words, scale, shifts, BLOCK_N, BLOCK_K, GROUP, DOT_DTYPE)
-
-    @triton.jit
-    def _int4_moe_swapped_kernel(
-        a_ptr, a_rows_ptr, stride_am,  # activations [*, K] bf16; sorted row r reads a[a_rows[r]] when GATHER_A
-        b_ptr, s_ptr, b2_ptr, s2_ptr,  # packed int32 [E, N, K/8], scales bf16 [E, N, K/GROUP]; b2/s2: up
+    def _int4_moe_v3_kernel(
+        a_ptr, a_rows_ptr, stride_am,  # A [*, K] bf16, columns permuted by permute_k128; row r reads A[a_rows[r]] when GATHER_A
+        b_ptr, s_ptr, b2_ptr, s2_ptr,  # packed int32 [E, N, K/8], scales bf16 [E, N, K/GROUP] (checkpoint layout); b2/s2: up
         c_ptr, c_rows_ptr, c_scale_ptr, stride_cm,  # SCATTER_C: sorted row r -> c[c_rows[r]] * c_scale[c_rows[r]]
         tile_expert_ptr, tile_begin_ptr, tile_end_ptr,
         N, K,
         stride_be, stride_bn, stride_se, stride_sn,
-        GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+        GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
         GATHER_A: tl.constexpr, GATE_UP: tl.constexpr, SCATTER_C: tl.constexpr, DOT_DTYPE: tl.constexpr,
-        DEQUANT: tl.constexpr,
+        SWAP: tl.constexpr, PERMUTE_N: tl.constexpr,
     ):
-        """v2: C^T tile [BN, BT] = W tile [BN, K] @ X tile [BT, K]^T ("swap AB").
+        """v3: one dot of K = 16 per nibble position, so the unpack never merges nibbles.
 
-        The dequantized weights are the LEFT operand, which Hopper's wgmma reads from registers,
-        so the unpacked tile goes straight from the unpack into the tensor cores; the token tile
-        (a plain bf16 load, pipelined through shared memory by Triton) is the right operand,
-        whose width BT may be anything from 16 to 256: an expert's last partial tile wastes
-        less than with a 64-row minimum, and small experts (4K tokens: ~85 rows) fit one tile.
+        Per 128 columns at k0 the [BN, 16] packed words of each weight row are loaded once; nibble
+        n of word j is column k0 + 8j + n, so the eight nibble tiles [BN, 16] (n = 0..7) hold the
+        column sets {k0 + 8j + n : j < 16}; A's columns come permuted the same way (permute_k128:
+        A column k0 + 16n + j holds column k0 + 8j + n), so nibble tile n meets the contiguous A
+        slice [k0 + 16n, k0 + 16n + 16) in a dot of K = 16. The unpack is elementwise on the words
+        (no reshape, no shuffle: the v2 interleave tree did not compile in Triton 3.6).
+
+        SWAP: C^T [BN, BT] = W [BN, 16] @ A^T [16, BT] (weights on the MMA's M side, the operand
+        wgmma reads from registers; tokens on its N side, 16-256 wide), else C [BT, BN].
+        PERMUTE_N (gate+up): output column p is weight row c(p) = 128 (p // 128) + 8 (p % 16) +
+        (p % 128) // 16, so h is written already permuted for the down kernel, in contiguous rows.
         """
         pid_n = tl.program_id(0)  # fastest: consecutive programs share one token tile, walk one expert
         pid_t = tl.program_id(1)
@@ -354,66 +319,87 @@ if HAS_TRITON:
                 a_rows = tl.load(a_rows_ptr + offs_t, mask=t_mask, other=0).to(tl.int64)
             else:
                 a_rows = offs_t.to(tl.int64)
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < N
-            offs_w = tl.arange(0, BLOCK_K // 8)
-            offs_g = tl.arange(0, BLOCK_K // GROUP)
-            shifts = tl.arange(0, 8) * 4
-            offs_k = tl.arange(0, BLOCK_K)
-            a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]  # [BT, BK]
-            b_off = expert * stride_be + offs_n[:, None].to(tl.int64) * stride_bn + offs_w[None, :]  # [BN, BK/8]
-            s_off = expert * stride_se + offs_n[:, None].to(tl.int64) * stride_sn + offs_g[None, :]  # [BN, BK/G]
-            sw_off = expert * stride_se + offs_n[:, None].to(tl.int64) * stride_sn + (offs_w // (GROUP // 8))[None, :]
-            acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
-            acc2 = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
-            # (Triton 3.9 does not pipeline this load through shared memory when the dot's other
-            # operand comes from registers, seen in the sm_90 TTGIR; a hand prefetch one K step
-            # ahead cost registers that spilled, so it is loaded in place.)
-            for k0 in range(0, K, BLOCK_K):
-                x = tl.load(a_ptrs + k0, mask=t_mask[:, None], other=0.0)
-                xt = tl.trans(x.to(DOT_DTYPE))  # [BK, BT]
-                w = _weight_tile(b_ptr, s_ptr, b_off, s_off, sw_off, k0, n_mask, shifts, BLOCK_N, BLOCK_K, GROUP, DEQUANT, DOT_DTYPE)
-                acc = tl.dot(w, xt, acc)
+            offs_p = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns
+            n_mask = offs_p < N
+            if PERMUTE_N:
+                offs_n = (offs_p // 128) * 128 + 8 * (offs_p % 16) + (offs_p % 128) // 16
+            else:
+                offs_n = offs_p
+            offs_j = tl.arange(0, 16)
+            a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_j[None, :]  # [BT, 16]
+            b_off = expert * stride_be + offs_n[:, None].to(tl.int64) * stride_bn + offs_j[None, :]  # [BN, 16] words
+            s_off = expert * stride_se + offs_n.to(tl.int64) * stride_sn  # [BN]
+            word_group = (offs_j * 8 // GROUP)[None, :]  # [1, 16]
+            if SWAP:
+                acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+                acc2 = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+            else:
+                acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+                acc2 = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, 128):
+                words = tl.load(b_ptr + b_off + k0 // 8, mask=n_mask[:, None], other=0)
+                scale_w = _word_scales(s_ptr, s_off, k0, n_mask, word_group, GROUP)
                 if GATE_UP:
-                    w2 = _weight_tile(b2_ptr, s2_ptr, b_off, s_off, sw_off, k0, n_mask, shifts, BLOCK_N, BLOCK_K, GROUP, DEQUANT, DOT_DTYPE)
-                    acc2 = tl.dot(w2, xt, acc2)
+                    words2 = tl.load(b2_ptr + b_off + k0 // 8, mask=n_mask[:, None], other=0)
+                    scale_w2 = _word_scales(s2_ptr, s_off, k0, n_mask, word_group, GROUP)
+                for n in tl.static_range(8):
+                    a = tl.load(a_ptrs + (k0 + 16 * n), mask=t_mask[:, None], other=0.0).to(DOT_DTYPE)  # [BT, 16]
+                    w = _nibble_times_scale(words, n, scale_w, DOT_DTYPE == tl.float32)
+                    if SWAP:
+                        acc = tl.dot(w, tl.trans(a), acc)
+                    else:
+                        acc = tl.dot(a, tl.trans(w), acc)
+                    if GATE_UP:
+                        w2 = _nibble_times_scale(words2, n, scale_w2, DOT_DTYPE == tl.float32)
+                        if SWAP:
+                            acc2 = tl.dot(w2, tl.trans(a), acc2)
+                        else:
+                            acc2 = tl.dot(a, tl.trans(w2), acc2)
             if GATE_UP:
-                acc = acc * tl.sigmoid(acc) * acc2  # silu(gate) * up, [BN, BT]
-            c_mask = n_mask[:, None] & t_mask[None, :]
+                acc = acc * tl.sigmoid(acc) * acc2  # silu(gate) * up
             if SCATTER_C:
                 c_rows = tl.load(c_rows_ptr + offs_t, mask=t_mask, other=0).to(tl.int64)
                 row_scale = tl.load(c_scale_ptr + c_rows, mask=t_mask, other=0.0)
-                acc = acc * row_scale[None, :]
             else:
                 c_rows = offs_t.to(tl.int64)
-            c_ptrs = c_ptr + c_rows[None, :] * stride_cm + offs_n[:, None]  # [BN, BT], transposed store
-            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+            if SWAP:
+                if SCATTER_C:
+                    acc = acc * row_scale[None, :]
+                c_ptrs = c_ptr + c_rows[None, :] * stride_cm + offs_p[:, None]  # [BN, BT], transposed store
+                tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=n_mask[:, None] & t_mask[None, :])
+            else:
+                if SCATTER_C:
+                    acc = acc * row_scale[:, None]
+                c_ptrs = c_ptr + c_rows[:, None] * stride_cm + offs_p[None, :]
+                tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=t_mask[:, None] & n_mask[None, :])
 
 
 # ---------------------------------------------------------------------------- launch configs
 #
 # A config is (impl, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages):
 #   "v1"  the first kernel as measured on 2026-11-29 (int -> fp32 unpack), BLOCK_M by choose_block_m
-#   "b"   the same kernel with the interleave unpack (DEQUANT 2): tokens on the MMA's M side
-#   "s"   the swapped kernel (weights on the MMA's M side, tokens on its N side, BLOCK_M = BLOCK_T)
-# Static counts from sm_90 builds (Triton 3.9, AOT here; benchmarks/bench_moe.py --aot prints
-# them): SASS instructions per K step of the gate+up loop against the tensor-core time of that
-# step, v1 (128, 128, 128, 8, 2) 1601 instructions (1.56x the MMA issue time, 808 B of spills);
-# b (128, 128, 64, 8, 3) 510 (1.00x, 32 B); s (BN 128, BT 64, 64, 8, 3) 380 (1.48x, none).
+#   "s"   v3, swapped: weights on the MMA's M side (BLOCK_N rows), tokens on its N side (BLOCK_M = BLOCK_T)
+#   "m"   v3, tokens on the MMA's M side (BLOCK_M rows)
+# v3's BLOCK_K is 128 (one step = the 16 words of each weight row). Static counts of sm_90 builds
+# with Triton 3.6 (the device's version; benchmarks/bench_moe.py --aot prints them), SASS
+# instructions per K step of the gate+up loop against that step's tensor-core time: v1 (128,
+# 128, 128, 8, 2) 1430 (1.40x; it measured 230 TFLOP/s, its 128 int -> float conversions per
+# thread and step alone take as long as the MMA); v3 ("s", 128, 128, 128, 8, 3) 681 (0.67x).
 
 V1_GATE_UP_CONFIGS = [(128, 64, 8, 3), (64, 128, 4, 3), (128, 128, 8, 2), (64, 32, 4, 4)]  # (BN, BK, warps, stages)
 V1_DOWN_CONFIGS = [(128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 3), (64, 32, 4, 4)]
 
-# new candidates per rows-per-expert bucket; the first of a list is used untimed under the interpreter
-V2_CONFIGS = {
-    "large": [("b", 128, 128, 64, 8, 3), ("b", 128, 128, 64, 8, 4), ("s", 64, 128, 64, 8, 3), ("b", 64, 128, 64, 4, 3)],
-    "small": [("b", 64, 128, 64, 4, 3), ("b", 128, 128, 64, 8, 3), ("s", 64, 128, 64, 8, 3), ("s", 32, 128, 64, 8, 4)],
+# v3 candidates per rows-per-expert bucket, each timed once per shape; the first is used untimed
+# under the interpreter (INTERPRET_CONFIGS there)
+V3_CONFIGS = {
+    "large": [("s", 128, 128, 128, 8, 3), ("s", 128, 128, 128, 8, 4), ("s", 64, 128, 128, 8, 3), ("m", 128, 128, 128, 8, 3)],
+    "small": [("s", 64, 128, 128, 8, 3), ("s", 32, 128, 128, 8, 3), ("s", 128, 128, 128, 8, 3), ("m", 64, 128, 128, 4, 3)],
 }
-V2_DOWN_CONFIGS = {
-    "large": [("b", 128, 128, 64, 8, 3), ("b", 128, 128, 64, 8, 4), ("s", 64, 128, 64, 8, 3), ("b", 64, 128, 64, 4, 4)],
-    "small": [("b", 64, 128, 64, 4, 4), ("b", 128, 128, 64, 8, 3), ("s", 64, 128, 64, 8, 3), ("s", 32, 128, 64, 8, 4)],
+V3_DOWN_CONFIGS = {
+    "large": [("s", 128, 128, 128, 8, 3), ("s", 128, 128, 128, 8, 4), ("s", 256, 128, 128, 8, 2), ("m", 128, 128, 128, 8, 3)],
+    "small": [("s", 64, 128, 128, 8, 3), ("s", 32, 128, 128, 8, 3), ("s", 128, 128, 128, 8, 3), ("m", 64, 128, 128, 4, 3)],
 }
-INTERPRET_CONFIGS = [("b", 16, 32, 32, 4, 1)]  # what v2 runs under TRITON_INTERPRET=1 (tests switch it)
+INTERPRET_CONFIGS = [("s", 16, 32, 128, 4, 1)]  # what v3 runs under TRITON_INTERPRET=1 (tests switch it)
 _CHOSEN: dict = {}
 _FAILED: dict = {}  # config -> error text, for the benchmark's report
 _TIMES: dict = {}  # shape key -> {config: ms} of the search
@@ -435,6 +421,13 @@ def size_bucket(rows: int, num_local: int) -> str:
     return "large" if rows >= 192 * num_local else "small"
 
 
+def permute_k128(a: torch.Tensor) -> torch.Tensor:
+    """[R, K] -> [R, K], K % 128 == 0: in each block of 128 columns, column 16n + j <- column 8j + n
+    (the order in which v3 meets the packed words' nibbles: nibble n of word j is column 8j + n)."""
+    rows, k = a.shape
+    return a.reshape(rows, k // 128, 16, 8).transpose(-1, -2).reshape(rows, k)
+
+
 def _launch(config, a, a_rows, b, s, b2, s2, c, c_rows, c_scale, table, gather, gate_up, scatter):
     impl, block_m, block_n, block_k, warps, stages = config
     n, k = b.shape[1], b.shape[2] * PACK_FACTOR
@@ -447,13 +440,13 @@ def _launch(config, a, a_rows, b, s, b2, s2, c, c_rows, c_scale, table, gather, 
             n, k, b.stride(0), b.stride(1), s.stride(0), s.stride(1))
     # the interpreter computes bf16 arithmetic on the raw 16-bit integers: give it fp32 (the same
     # values: every bf16 is exact in fp32; on the GPU the products are rounded to bf16 once)
-    common = dict(GROUP=k // s.shape[2], BLOCK_N=block_n, BLOCK_K=block_k, GATHER_A=gather, GATE_UP=gate_up,
+    common = dict(GROUP=k // s.shape[2], BLOCK_N=block_n, GATHER_A=gather, GATE_UP=gate_up,
                   SCATTER_C=scatter, DOT_DTYPE=tl.float32 if INTERPRET else tl.bfloat16,
                   **({} if INTERPRET else {"num_warps": warps, "num_stages": stages}))
-    if impl == "s":
-        _int4_moe_swapped_kernel[grid](*args, BLOCK_T=block_m, DEQUANT=2, **common)
-    else:
-        _int4_grouped_gemm_kernel[grid](*args, BLOCK_M=block_m, DEQUANT=0 if impl == "v1" else 2, **common)
+    if impl == "v1":
+        _int4_grouped_gemm_kernel[grid](*args, BLOCK_M=block_m, BLOCK_K=block_k, **common)
+    else:  # v3: the gate+up kernel writes h in the permuted column order the down kernel reads
+        _int4_moe_v3_kernel[grid](*args, BLOCK_T=block_m, SWAP=impl == "s", PERMUTE_N=gate_up, **common)
 
 
 def _compile_errors():
@@ -538,28 +531,36 @@ def combine_slots(y_sorted: torch.Tensor, inv: torch.Tensor, k: int, add: torch.
 
 def int4_moe(x, weights, ids, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale,
              expert_start: int = 0, out_dtype: torch.dtype = torch.float32,
-             impl: str = "v1", add: torch.Tensor | None = None) -> torch.Tensor:
+             impl: str = "auto", add: torch.Tensor | None = None) -> torch.Tensor:
     """Triton W4A16 MoE: x [N, H] bf16, router weights [N, k] fp32 and ids [N, k] -> [N, H] out_dtype.
 
     add [N, H] (optional, e.g. the shared expert's output): added to the sum over slots in fp32
     before the one rounding to out_dtype.
 
     Weights are this rank's experts [expert_start, expert_start + E_l); pairs routed to other
-    experts contribute nothing (the combine skips them). `impl`: "v2" (the interleave unpack, configs of both
-    kernels timed per shape) or "v1" (the first kernel, kept for comparison). Needs CUDA, or
-    CPU tensors under TRITON_INTERPRET=1.
+    experts contribute nothing (the combine skips them). `impl`: "v3" (one K = 16 dot per nibble
+    position, configs of both kernels timed per shape; needs H and I multiples of 128 and a scale
+    group dividing 128), "v1" (the first kernel, kept for comparison), or "auto" (v3 where its
+    shapes allow, else v1). Needs CUDA, or CPU tensors under TRITON_INTERPRET=1.
     """
     if not HAS_TRITON:
         raise RuntimeError("int4_moe needs triton (pip install triton); use moe_reference on this machine")
-    if impl not in ("v1", "v2"):
-        raise ValueError(f"int4_moe: impl = {impl!r}, expected 'v1' or 'v2'")
     _check(x, weights, ids, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale)
-    x = x.contiguous()
     N, k = ids.shape
     E, I, H = gate_packed.shape[0], gate_packed.shape[1], x.shape[1]
+    group = H // gate_scale.shape[2]
+    v3_fits = H % 128 == 0 and I % 128 == 0 and group % 8 == 0 and 128 % group == 0 and I // down_scale.shape[2] == group
+    if impl == "auto":
+        impl = "v3" if v3_fits else "v1"
+    if impl not in ("v1", "v3"):
+        raise ValueError(f"int4_moe: impl = {impl!r}, expected 'auto', 'v1' or 'v3'")
+    if impl == "v3" and not v3_fits:
+        raise ValueError(f"int4_moe: v3 needs hidden {H} and intermediate {I} to be multiples of 128 and a scale "
+                         f"group dividing 128 (got {group}); impl='v1' takes multiples of 64")
     for dim, what in ((H, "hidden size"), (I, "intermediate size")):
         if dim % 64 and not INTERPRET:
             raise ValueError(f"int4_moe: {what} {dim} is not a multiple of 64 (BLOCK_K of every config)")
+    x = permute_k128(x) if impl == "v3" else x.contiguous()  # [N, H]: v3 meets the columns in nibble order
     rows = N * k
     order, counts = sort_by_expert(ids, E, expert_start)
     tokens = (order // k).to(torch.int32)  # [N*k]: the token of each sorted row
@@ -572,7 +573,7 @@ def int4_moe(x, weights, ids, gate_packed, gate_scale, up_packed, up_scale, down
             tables[block_m] = tile_table(counts, E, block_m, rows)
         return tables[block_m]
 
-    h = torch.empty(rows, I, dtype=torch.bfloat16, device=x.device)  # sorted order
+    h = torch.empty(rows, I, dtype=torch.bfloat16, device=x.device)  # sorted order (v3: columns permuted)
     # sorted order too, weighted; rows of other ranks' experts (the tail) are never written, and
     # the combine skips them: no zeroing, no reading of [N*k, H] beyond the local rows
     y = torch.empty(rows, H, dtype=torch.bfloat16, device=x.device)
@@ -591,11 +592,11 @@ def int4_moe(x, weights, ids, gate_packed, gate_scale, up_packed, up_scale, down
         key = block_m
     else:
         key = size_bucket(rows, E)
-        gu_configs, dn_configs = V2_CONFIGS[key], V2_DOWN_CONFIGS[key]
+        gu_configs, dn_configs = V3_CONFIGS[key], V3_DOWN_CONFIGS[key]
         if INTERPRET:  # small tiles: the interpreter runs every program in numpy
             gu_configs = dn_configs = INTERPRET_CONFIGS
-    gate_up(_pick_config(f"{impl}_gate_up", gu_configs, (I, H, GROUP_SIZE, key), gate_up))
-    down(_pick_config(f"{impl}_down", dn_configs, (H, I, GROUP_SIZE, key), down))
+    gate_up(_pick_config(f"{impl}_gate_up", gu_configs, (I, H, group, key), gate_up))
+    down(_pick_config(f"{impl}_down", dn_configs, (H, I, group, key), down))
     return combine_slots(y, inverse_local_order(order, counts, E), k, add, out_dtype)  # [N, H]
 
 

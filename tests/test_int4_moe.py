@@ -9,9 +9,9 @@ and across BLOCK_K.
 
 The Triton kernels run on the CPU under TRITON_INTERPRET=1 in a subprocess (the variable must be
 set before triton is imported), and directly on CUDA where there is a GPU: the first kernel as
-measured ("v1"), and v2's two kernels with the interleave unpack ("b": tokens on the MMA's M
-side, "s": swapped, weights on the M side), each on every routing case. The unpack alone is
-checked against compressed-tensors' own unpack_from_int32.
+measured ("v1"), and v3's kernel in both orientations ("s": weights on the MMA's M side, "m":
+tokens on it), each on every routing case (v3's with dims that are multiples of 128). v3's
+unpack alone is checked against compressed-tensors' own unpack_from_int32.
 """
 
 from __future__ import annotations
@@ -125,27 +125,38 @@ def test_rejects_bad_shapes():
 # ---------------------------------------------------------------------------- Triton
 
 
-def _triton_cases():
+def _triton_cases(impl: str):
     # (N, k, E, I, H, empty experts, EP range)
-    return [
-        (13, 3, 7, 64, 96, (2,), (0, 7)),  # 3 groups along H; expert 2 has no token
-        (29, 4, 9, 96, 64, (0, 8), (0, 9)),  # down's K = 96: groups straddle BLOCK_K 64
-        (17, 2, 8, 64, 128, (5,), (3, 8)),  # EP: this rank owns experts 3..7 of 8
-        (1, 1, 3, 32, 32, (), (0, 3)),  # one token, one group
+    if impl == "v1":
+        return [
+            (13, 3, 7, 64, 96, (2,), (0, 7)),  # 3 groups along H; expert 2 has no token
+            (29, 4, 9, 96, 64, (0, 8), (0, 9)),  # down's K = 96: groups straddle BLOCK_K 64
+            (17, 2, 8, 64, 128, (5,), (3, 8)),  # EP: this rank owns experts 3..7 of 8
+            (1, 1, 3, 32, 32, (), (0, 3)),  # one token, one group
+        ]
+    return [  # v3 works in blocks of 128 columns
+        (13, 3, 7, 128, 256, (2,), (0, 7)),  # two 128-blocks along H; expert 2 has no token
+        (29, 4, 9, 256, 128, (0, 8), (0, 9)),  # two blocks along I (the permuted h spans both)
+        (17, 2, 8, 128, 384, (5,), (3, 8)),  # EP: this rank owns experts 3..7 of 8
+        (1, 1, 3, 128, 128, (), (0, 3)),  # one token, one block
     ]
 
 
-TRITON_IMPLS = ["v1", "b", "s"]
+TRITON_IMPLS = ["v1", "s", "m"]
+TRITON_CASES = [(impl, case) for impl in TRITON_IMPLS for case in _triton_cases(impl)]
 
 
 @pytest.mark.skipif(not (INNER or HAS_CUDA), reason="runs in the TRITON_INTERPRET=1 subprocess (test_triton_interpreted) or on CUDA")
-@pytest.mark.parametrize("impl", TRITON_IMPLS)
-@pytest.mark.parametrize("case", _triton_cases(), ids=lambda c: f"N{c[0]}k{c[1]}E{c[2]}I{c[3]}H{c[4]}ep{c[6][0]}")
-def test_triton_matches_formula(case, impl, monkeypatch):
+@pytest.mark.parametrize("impl,case", TRITON_CASES, ids=lambda c: c if isinstance(c, str) else f"N{c[0]}k{c[1]}E{c[2]}I{c[3]}H{c[4]}ep{c[6][0]}")
+def test_triton_matches_formula(impl, case, monkeypatch):
     N, k, E, I, H, empty, (lo, hi) = case
     device = "cuda" if HAS_CUDA and not INNER else "cpu"
-    if impl != "v1" and INNER:  # BLOCK_K 32: one scale group per K step, and K = 96 is not a multiple of 64
-        monkeypatch.setattr(int4_moe, "INTERPRET_CONFIGS", [(impl, 16, 32, 32, 4, 1)])
+    if impl != "v1":  # one orientation of v3 (the config search would pick either)
+        config = (impl, 16, 32, 128, 4, 1) if INNER else (impl, 64, 64, 128, 4, 2)
+        monkeypatch.setattr(int4_moe, "INTERPRET_CONFIGS", [config])
+        monkeypatch.setattr(int4_moe, "V3_CONFIGS", {"large": [config], "small": [config]})
+        monkeypatch.setattr(int4_moe, "V3_DOWN_CONFIGS", {"large": [config], "small": [config]})
+        monkeypatch.setattr(int4_moe, "_CHOSEN", {})
     if device == "cuda" and (H % 64 or I % 64):
         pytest.skip("the CUDA configs need dims that are multiples of 64 (BLOCK_K; int4_moe refuses others); "
                     "these shapes run under the Triton interpreter on machines without CUDA")
@@ -153,7 +164,7 @@ def test_triton_matches_formula(case, impl, monkeypatch):
     ids, weights = routing(N, k, E, empty, seed=N)
     x = torch.randn(N, H, generator=torch.Generator().manual_seed(N)).to(torch.bfloat16)
     got = int4_moe.int4_moe(x.to(device), weights.to(device), ids.to(device), *[t.to(device) for t in args_of(packs, lo, hi)],
-                            expert_start=lo, impl="v1" if impl == "v1" else "v2")
+                            expert_start=lo, impl="v1" if impl == "v1" else "v3")
     want = formula(x, weights, ids, dense, lo, hi)
     assert got.dtype == torch.float32 and got.shape == (N, H)
     assert rel_err(got, want) < 1.5e-2, rel_err(got, want)
@@ -163,40 +174,53 @@ def test_triton_matches_formula(case, impl, monkeypatch):
     assert rel_err(got, want) < 3 * rel_err(torch_bf16, want) + 1e-3
 
 
+def test_permute_k128_and_impl_choice():
+    """permute_k128 puts column 8j + n of each 128-block at 16n + j; "auto" takes v3 only where its
+    shapes fit, and an explicit v3 on other shapes is refused with the dims named."""
+    a = torch.arange(2 * 256).view(2, 256)
+    p = int4_moe.permute_k128(a)
+    for block, n, j in ((0, 0, 1), (0, 3, 5), (1, 7, 15), (1, 2, 0)):
+        assert int(p[1, 128 * block + 16 * n + j]) == int(a[1, 128 * block + 8 * j + n])
+    assert sorted(p[0].tolist()) == a[0].tolist()
+    packs, _ = make_experts(3, 64, 96, seed=0)
+    x = torch.randn(4, 96, dtype=torch.bfloat16)
+    ids, weights = routing(4, 2, 3, empty=(), seed=0)
+    with pytest.raises(ValueError, match="hidden 96 and intermediate 64"):
+        int4_moe.int4_moe(x, weights, ids, *args_of(packs), impl="v3")
+    with pytest.raises(ValueError, match="'v2'"):
+        int4_moe.int4_moe(x, weights, ids, *args_of(packs), impl="v2")
+
+
 @pytest.mark.skipif(not (INNER or HAS_CUDA), reason="runs in the TRITON_INTERPRET=1 subprocess (test_triton_interpreted) or on CUDA")
-@pytest.mark.parametrize("mode", [1, 2])
-def test_triton_unpack_matches_compressed_tensors(mode):
-    """The magic-number unpacks (reshape: mode 1, interleave tree: mode 2) element by element against
-    compressed-tensors' unpack_from_int32 times the group scale, on all 16 nibble values."""
+@pytest.mark.parametrize("group", [32, 64])
+def test_triton_unpack_matches_compressed_tensors(group):
+    """v3's unpack (nibble tile n of the 16 words of a 128-column block, times each word's group
+    scale), element by element against compressed-tensors' unpack_from_int32 times the scale, on
+    all 16 nibble values and two group sizes."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def unpack_kernel(b_ptr, s_ptr, out_ptr, K: tl.constexpr, BN: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr,
-                      DTYPE: tl.constexpr):
+    def unpack_kernel(b_ptr, s_ptr, out_ptr, BN: tl.constexpr, GROUP: tl.constexpr, DTYPE: tl.constexpr):
         offs_n = tl.arange(0, BN)
-        offs_w = tl.arange(0, K // 8)
-        offs_g = tl.arange(0, K // GROUP)
-        b_off = offs_n[:, None] * (K // 8) + offs_w[None, :]
-        s_off = offs_n[:, None] * (K // GROUP) + offs_g[None, :]
-        sw_off = offs_n[:, None] * (K // GROUP) + (offs_w // (GROUP // 8))[None, :]
-        w = int4_moe._weight_tile(b_ptr, s_ptr, b_off, s_off, sw_off, 0, offs_n < BN, tl.arange(0, 8) * 4, BN, K, GROUP, MODE,
-                                  DTYPE)
-        offs_k = tl.arange(0, K)
-        tl.store(out_ptr + offs_n[:, None] * K + offs_k[None, :], w.to(tl.float32))
+        offs_j = tl.arange(0, 16)
+        words = tl.load(b_ptr + offs_n[:, None] * 16 + offs_j[None, :])  # [BN, 16]: one 128-column block
+        scale_w = int4_moe._word_scales(s_ptr, offs_n * (128 // GROUP), 0, offs_n < BN, (offs_j * 8 // GROUP)[None, :], GROUP)
+        for n in tl.static_range(8):  # nibble n of word j: column 8j + n
+            w = int4_moe._nibble_times_scale(words, n, scale_w, DTYPE == tl.float32)
+            tl.store(out_ptr + offs_n[:, None] * 128 + 8 * offs_j[None, :] + n, w.to(tl.float32))
 
     device = "cuda" if HAS_CUDA and not INNER else "cpu"
-    BN, K = 8, 64
-    g = torch.Generator().manual_seed(mode)
+    BN, K = 8, 128
+    g = torch.Generator().manual_seed(group)
     q = torch.randint(-8, 8, (BN, K), generator=g, dtype=torch.int8)
     q[0, :16] = torch.arange(-8, 8, dtype=torch.int8)  # every nibble value once
     packed = pack_to_int32(q, 4)
-    scale = (torch.rand(BN, K // 32, generator=g) + 0.5).to(torch.bfloat16)
-    want = unpack_from_int32(packed, 4, torch.Size([BN, K])).double() * scale.double().repeat_interleave(32, -1)
+    scale = (torch.rand(BN, K // group, generator=g) + 0.5).to(torch.bfloat16)
+    want = unpack_from_int32(packed, 4, torch.Size([BN, K])).double() * scale.double().repeat_interleave(group, -1)
     assert torch.equal(unpack_from_int32(packed, 4, torch.Size([BN, K])), q)  # the fixture's own layout
     out = torch.empty(BN, K, device=device)
-    unpack_kernel[(1,)](packed.to(device), scale.to(device), out, K=K, BN=BN, GROUP=32, MODE=mode,
-                        DTYPE=tl.float32 if INNER else tl.bfloat16)
+    unpack_kernel[(1,)](packed.to(device), scale.to(device), out, BN=BN, GROUP=group, DTYPE=tl.float32 if INNER else tl.bfloat16)
     # q * scale is exact in fp32 (4-bit x 8-bit mantissas); on the GPU it is rounded to bf16 once
     tol = 0 if INNER else 2 ** -8
     assert float(((out.double().cpu() - want).abs() / want.abs().clamp(min=1e-30)).max()) <= tol
@@ -249,7 +273,7 @@ def test_triton_interpreted():
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(Path(__file__)),
                              "-k", "triton_"], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    n_cases = len(_triton_cases()) * len(TRITON_IMPLS) + 2 + 2  # + the unpacks + the slot combines
+    n_cases = len(TRITON_CASES) + 2 + 2  # + the unpacks + the slot combines
     assert f"{n_cases} passed" in result.stdout, result.stdout[-2000:]
 
 
