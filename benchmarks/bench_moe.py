@@ -6,8 +6,9 @@ process, all on the SAME weights: random INT4 experts, dequantized to bf16 for t
     hf_deepseekv3_bf16        transformers' DeepseekV3MoE as shipped (bf16 experts)
     grouped_mm_bf16           anchor (b): sort by expert + torch._grouped_mm, bf16 (speed of light)
     int4_v1                   the first Triton W4A16 kernel as measured on 2026-11-29 (impl="v1")
-    int4_v3                   ours now: one K = 16 dot per nibble position, conversion-free unpack,
-                              configs of both kernels timed per shape (impl="v3")
+    int4_v1m                  v1 with the conversion-free unpack (impl="v1m")
+    int4_v3                   one K = 16 dot per nibble position, conversion-free unpack (impl="v3")
+    int4_auto                 ours now: the faster of v1m and v3 for the shape, timed once (impl="auto")
     int4_dequant_grouped_mm   dequantize all experts to bf16 per call, then grouped_mm
     *_experts_only            routed experts alone, routing precomputed
 
@@ -103,14 +104,14 @@ def aot_report(configs=None) -> dict:
                  "tile_begin_ptr": "*i32", "tile_end_ptr": "*i32", "c_scale_ptr": "*fp32"}
     out = {}
     configs = configs or sorted({c for v in (int4_moe.V3_CONFIGS, int4_moe.V3_DOWN_CONFIGS) for cs in v.values() for c in cs}
-                                | {("v1", 128, 128, 128, 8, 2), ("v1", 64, 64, 128, 4, 3)})
+                                | {(v, 128, 128, 128, 8, 2) for v in ("v1", "v1m")} | {(v, 64, 64, 128, 4, 3) for v in ("v1", "v1m")})
     for kernel_name in ("gate_up", "down"):
         for impl, bm, bn, bk, warps, stages in configs:
             gate_up = kernel_name == "gate_up"
             consts = dict(GROUP=32, BLOCK_N=bn, GATHER_A=gate_up, GATE_UP=gate_up, SCATTER_C=not gate_up, DOT_DTYPE=tl.bfloat16)
-            if impl == "v1":
+            if impl in ("v1", "v1m"):
                 kern = int4_moe._int4_grouped_gemm_kernel
-                consts.update(BLOCK_M=bm, BLOCK_K=bk)
+                consts.update(BLOCK_M=bm, BLOCK_K=bk, MAGIC=impl == "v1m")
             else:
                 kern = int4_moe._int4_moe_v3_kernel
                 consts.update(BLOCK_T=bm, SWAP=impl == "s", PERMUTE_N=gate_up)
@@ -198,7 +199,7 @@ def main(argv=None) -> dict:
             rows[T][name] = {"error": f"{type(err).__name__}: {str(err)[:400]}"}
             log.error("T=%d %s failed: %s", T, name, err)
 
-    impls = ["v3"] if a.skip_v1 else ["v1", "v3"]
+    impls = (["v1"] if not a.skip_v1 else []) + ["v1m", "v3", "auto"]
     with torch.no_grad():
         if not a.skip_hf:  # (a) transformers as shipped
             for T in tokens:
@@ -247,7 +248,7 @@ def main(argv=None) -> dict:
     res["config_search_ms"] = {str(k): v for k, v in int4_moe._TIMES.items()}
     res["failed_configs"] = {str(k): v for k, v in int4_moe._FAILED.items()}
     for T in tokens:
-        r = rows[T].get("int4_v3", {})
+        r = rows[T].get("int4_auto", {})
         if "ms" in r and device.type == "cuda":
             res.setdefault("goals", {})[f"T={T}"] = {"x_grouped": r.get("x_grouped"), "MFU": r["MFU"],
                                                       "goal": "x_grouped >= 1.2" if T >= 16384 else "MFU >= 0.40" if T <= 4096 else None}

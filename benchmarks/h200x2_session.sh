@@ -83,6 +83,9 @@
 #   T1: its GPU tests (both orientations against the float64 formula, the unpack against
 #       compressed-tensors), bench-moe v1 vs v3 vs bf16 grouped_mm at 4K and 16K, bench-extract
 #       at 16K with v3 (the default now) and its MoE layer's kernels
+#   T2: T1 showed v3 1.37x v1 at 4K but 0.93x at 16K (each K = 16 dot waits for its wgmma: 16
+#       serialized dots per step, seen in the sm_90 SASS); v1 with the conversion-free unpack
+#       ("v1m") and "auto" (the faster of v1m and v3 per shape, the new default): the same three
 set -u
 PHASE=$1; shift
 RES=/tmp/res_$PHASE; rm -rf "$RES"; mkdir -p "$RES"
@@ -357,7 +360,7 @@ R7)
   timeout 150 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_train.py -k "cuda" > "$RES/gpu_tests.log" 2>&1
   grep -E "passed|failed|Error|sync" "$RES/gpu_tests.log" | tail -8
   ;;
-T1)
+T1|T2)
   timeout 90 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_int4_moe.py -k "triton or permute" \
     > "$RES/gpu_tests.log" 2>&1; tail -3 "$RES/gpu_tests.log"
   timeout 300 python3 benchmarks/bench_moe.py --tokens 4096 16384 --skip-hf --skip-dequant --json "$RES/moe.json" \

@@ -177,6 +177,26 @@ if HAS_TRITON:
         return tl.reshape(w.to(DOT_DTYPE), (BLOCK_N, BLOCK_K))
 
     @triton.jit
+    def _dequant_tile_magic(words, scale, shifts, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+                            FP32_MATH: tl.constexpr):
+        """_dequant_tile's values without its two conversions per weight (see _nibble_times_scale):
+        words int32 [BN, BK/8], scale bf16 [BN, BK/GROUP] -> [BN, BK] bf16 (fp32 under FP32_MATH)."""
+        nib = ((words[:, :, None] >> shifts[None, None, :]) & 0xF) | 0x4300  # [BN, BK/8, 8]
+        b = tl.reshape(nib.to(tl.int16).to(tl.bfloat16, bitcast=True), (BLOCK_N, BLOCK_K // GROUP, GROUP))  # 128 + nibble
+        if FP32_MATH:  # the interpreter: numpy has no bf16 arithmetic; the same values in fp32
+            w = (b.to(tl.float32) - 136.0) * scale.to(tl.float32)[:, :, None]
+        else:
+            w = (b - 136.0) * scale[:, :, None]
+        return tl.reshape(w, (BLOCK_N, BLOCK_K))
+
+    @triton.jit
+    def _v1_unpack(words, scale, shifts, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+                   DOT_DTYPE: tl.constexpr, MAGIC: tl.constexpr):
+        if MAGIC:
+            return _dequant_tile_magic(words, scale, shifts, BLOCK_N, BLOCK_K, GROUP, DOT_DTYPE == tl.float32).to(DOT_DTYPE)
+        return _dequant_tile(words, scale, shifts, BLOCK_N, BLOCK_K, GROUP, DOT_DTYPE)
+
+    @triton.jit
     def _combine_slots_kernel(y_ptr, inv_ptr, add_ptr, out_ptr, H, stride_y, stride_add, stride_out,
                               K: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK_H: tl.constexpr):
         """One program per (token n, block of H): out[n] = sum_s y[inv[n*K + s]] (+ add[n]) in fp32."""
@@ -202,8 +222,10 @@ if HAS_TRITON:
         stride_be, stride_bn, stride_se, stride_sn,
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GATHER_A: tl.constexpr, GATE_UP: tl.constexpr, SCATTER_C: tl.constexpr, DOT_DTYPE: tl.constexpr,
+        MAGIC: tl.constexpr = False,
     ):
-        """v1: C tile [BM, BN] = A rows [BM, K] @ W tile [BN, K]^T, W unpacked per K step by _dequant_tile."""
+        """v1: C tile [BM, BN] = A rows [BM, K] @ W tile [BN, K]^T, W unpacked per K step (one dot of
+        K = BLOCK_K) by _dequant_tile, or with MAGIC by _dequant_tile_magic (the same values)."""
         # axis 0 (fastest) walks N tiles, so consecutive programs share one A tile and stream
         # one expert's weights; that expert's other M tiles follow and find them in L2.
         pid_n = tl.program_id(0)
@@ -235,11 +257,11 @@ if HAS_TRITON:
                 a = tl.load(a_ptrs + k0, mask=m_mask[:, None], other=0.0).to(DOT_DTYPE)
                 words = tl.load(b_ptr + b_off + k0 // 8, mask=n_mask[:, None], other=0)  # [BN, BK/8] int32
                 scale = tl.load(s_ptr + s_off + k0 // GROUP, mask=n_mask[:, None], other=0.0)  # [BN, BK/GROUP]
-                acc = tl.dot(a, tl.trans(_dequant_tile(words, scale, shifts, BLOCK_N, BLOCK_K, GROUP, DOT_DTYPE)), acc)
+                acc = tl.dot(a, tl.trans(_v1_unpack(words, scale, shifts, BLOCK_N, BLOCK_K, GROUP, DOT_DTYPE, MAGIC)), acc)
                 if GATE_UP:
                     words = tl.load(b2_ptr + b_off + k0 // 8, mask=n_mask[:, None], other=0)
                     scale = tl.load(s2_ptr + s_off + k0 // GROUP, mask=n_mask[:, None], other=0.0)
-                    acc2 = tl.dot(a, tl.trans(_dequant_tile(words, scale, shifts, BLOCK_N, BLOCK_K, GROUP, DOT_DTYPE)), acc2)
+                    acc2 = tl.dot(a, tl.trans(_v1_unpack(words, scale, shifts, BLOCK_N, BLOCK_K, GROUP, DOT_DTYPE, MAGIC)), acc2)
             if GATE_UP:
                 acc = acc * tl.sigmoid(acc) * acc2  # silu(gate) * up
             c_mask = m_mask[:, None] & n_mask[None, :]
@@ -443,8 +465,8 @@ def _launch(config, a, a_rows, b, s, b2, s2, c, c_rows, c_scale, table, gather, 
     common = dict(GROUP=k // s.shape[2], BLOCK_N=block_n, GATHER_A=gather, GATE_UP=gate_up,
                   SCATTER_C=scatter, DOT_DTYPE=tl.float32 if INTERPRET else tl.bfloat16,
                   **({} if INTERPRET else {"num_warps": warps, "num_stages": stages}))
-    if impl == "v1":
-        _int4_grouped_gemm_kernel[grid](*args, BLOCK_M=block_m, BLOCK_K=block_k, **common)
+    if impl in ("v1", "v1m"):
+        _int4_grouped_gemm_kernel[grid](*args, BLOCK_M=block_m, BLOCK_K=block_k, MAGIC=impl == "v1m", **common)
     else:  # v3: the gate+up kernel writes h in the permuted column order the down kernel reads
         _int4_moe_v3_kernel[grid](*args, BLOCK_T=block_m, SWAP=impl == "s", PERMUTE_N=gate_up, **common)
 
@@ -483,8 +505,8 @@ def _pick_config(name: str, configs: list, key: tuple, run) -> tuple:
     return _CHOSEN[full_key]
 
 
-def _v1_configs(configs: list, block_m: int, k_dim: int) -> list:
-    usable = [("v1", block_m) + c for c in configs if k_dim % c[1] == 0 and c[1] % GROUP_SIZE == 0]
+def _v1_configs(impl: str, configs: list, block_m: int, k_dim: int) -> list:
+    usable = [(impl, block_m) + c for c in configs if k_dim % c[1] == 0 and c[1] % GROUP_SIZE == 0]
     return usable[:3]  # each candidate costs a compile on first use
 
 
@@ -538,25 +560,39 @@ def int4_moe(x, weights, ids, gate_packed, gate_scale, up_packed, up_scale, down
     before the one rounding to out_dtype.
 
     Weights are this rank's experts [expert_start, expert_start + E_l); pairs routed to other
-    experts contribute nothing (the combine skips them). `impl`: "v3" (one K = 16 dot per nibble
-    position, configs of both kernels timed per shape; needs H and I multiples of 128 and a scale
-    group dividing 128), "v1" (the first kernel, kept for comparison), or "auto" (v3 where its
-    shapes allow, else v1). Needs CUDA, or CPU tensors under TRITON_INTERPRET=1.
+    experts contribute nothing (the combine skips them). `impl`:
+      "v1"   the first kernel as measured on 2026-11-29 (int -> fp32 -> bf16 unpack), kept for comparison;
+      "v1m"  the same kernel with the conversion-free unpack (the same values);
+      "v3"   one K = 16 dot per nibble position (H and I multiples of 128, a scale group dividing 128);
+      "auto" the faster of v1m and v3 (where v3 fits) for this shape, timed once per (dims, size bucket).
+    Each impl times its own launch configs once per shape. Needs CUDA, or CPU tensors under
+    TRITON_INTERPRET=1 (where auto takes v3 where it fits, untimed).
     """
     if not HAS_TRITON:
         raise RuntimeError("int4_moe needs triton (pip install triton); use moe_reference on this machine")
     _check(x, weights, ids, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale)
-    N, k = ids.shape
+    args = (x, weights, ids, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale, expert_start, out_dtype)
     E, I, H = gate_packed.shape[0], gate_packed.shape[1], x.shape[1]
     group = H // gate_scale.shape[2]
     v3_fits = H % 128 == 0 and I % 128 == 0 and group % 8 == 0 and 128 % group == 0 and I // down_scale.shape[2] == group
     if impl == "auto":
-        impl = "v3" if v3_fits else "v1"
-    if impl not in ("v1", "v3"):
-        raise ValueError(f"int4_moe: impl = {impl!r}, expected 'auto', 'v1' or 'v3'")
+        candidates = (["v3"] if v3_fits else []) + ["v1m"]
+        key = (I, H, group, size_bucket(ids.numel(), E))
+        impl = _pick_config("impl", candidates, key, lambda c: _int4_moe_with(c, *args, add=add)) if len(candidates) > 1 else candidates[0]
+    if impl not in ("v1", "v1m", "v3"):
+        raise ValueError(f"int4_moe: impl = {impl!r}, expected 'auto', 'v1', 'v1m' or 'v3'")
     if impl == "v3" and not v3_fits:
         raise ValueError(f"int4_moe: v3 needs hidden {H} and intermediate {I} to be multiples of 128 and a scale "
-                         f"group dividing 128 (got {group}); impl='v1' takes multiples of 64")
+                         f"group dividing 128 (got {group}); impl='v1m' takes multiples of 64")
+    return _int4_moe_with(impl, *args, add=add)
+
+
+def _int4_moe_with(impl, x, weights, ids, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale,
+                   expert_start, out_dtype, add=None) -> torch.Tensor:
+    """int4_moe with one impl (checked by the caller)."""
+    N, k = ids.shape
+    E, I, H = gate_packed.shape[0], gate_packed.shape[1], x.shape[1]
+    group = H // gate_scale.shape[2]
     for dim, what in ((H, "hidden size"), (I, "intermediate size")):
         if dim % 64 and not INTERPRET:
             raise ValueError(f"int4_moe: {what} {dim} is not a multiple of 64 (BLOCK_K of every config)")
@@ -584,9 +620,9 @@ def int4_moe(x, weights, ids, gate_packed, gate_scale, up_packed, up_scale, down
     def down(config):
         _launch(config, h, None, down_packed, down_scale, None, None, y, rows_out, sorted_weight, table_for(config[1]), False, False, True)
 
-    if impl == "v1":
+    if impl != "v3":
         block_m = choose_block_m(rows, E)
-        gu_configs, dn_configs = _v1_configs(V1_GATE_UP_CONFIGS, block_m, H), _v1_configs(V1_DOWN_CONFIGS, block_m, I)
+        gu_configs, dn_configs = _v1_configs(impl, V1_GATE_UP_CONFIGS, block_m, H), _v1_configs(impl, V1_DOWN_CONFIGS, block_m, I)
         if not gu_configs or not dn_configs:
             raise ValueError(f"int4_moe: hidden {H} / intermediate {I} are not multiples of a v1 BLOCK_K")
         key = block_m

@@ -9,7 +9,7 @@ and across BLOCK_K.
 
 The Triton kernels run on the CPU under TRITON_INTERPRET=1 in a subprocess (the variable must be
 set before triton is imported), and directly on CUDA where there is a GPU: the first kernel as
-measured ("v1"), and v3's kernel in both orientations ("s": weights on the MMA's M side, "m":
+measured ("v1"), the same with v3's conversion-free unpack ("v1m"), and v3's kernel in both orientations ("s": weights on the MMA's M side, "m":
 tokens on it), each on every routing case (v3's with dims that are multiples of 128). v3's
 unpack alone is checked against compressed-tensors' own unpack_from_int32.
 """
@@ -127,7 +127,7 @@ def test_rejects_bad_shapes():
 
 def _triton_cases(impl: str):
     # (N, k, E, I, H, empty experts, EP range)
-    if impl == "v1":
+    if impl in ("v1", "v1m"):
         return [
             (13, 3, 7, 64, 96, (2,), (0, 7)),  # 3 groups along H; expert 2 has no token
             (29, 4, 9, 96, 64, (0, 8), (0, 9)),  # down's K = 96: groups straddle BLOCK_K 64
@@ -142,7 +142,7 @@ def _triton_cases(impl: str):
     ]
 
 
-TRITON_IMPLS = ["v1", "s", "m"]
+TRITON_IMPLS = ["v1", "v1m", "s", "m"]  # v1m: v1 with the conversion-free unpack; s, m: v3
 TRITON_CASES = [(impl, case) for impl in TRITON_IMPLS for case in _triton_cases(impl)]
 
 
@@ -151,7 +151,7 @@ TRITON_CASES = [(impl, case) for impl in TRITON_IMPLS for case in _triton_cases(
 def test_triton_matches_formula(impl, case, monkeypatch):
     N, k, E, I, H, empty, (lo, hi) = case
     device = "cuda" if HAS_CUDA and not INNER else "cpu"
-    if impl != "v1":  # one orientation of v3 (the config search would pick either)
+    if impl in ("s", "m"):  # one orientation of v3 (the config search would pick either)
         config = (impl, 16, 32, 128, 4, 1) if INNER else (impl, 64, 64, 128, 4, 2)
         monkeypatch.setattr(int4_moe, "INTERPRET_CONFIGS", [config])
         monkeypatch.setattr(int4_moe, "V3_CONFIGS", {"large": [config], "small": [config]})
@@ -164,7 +164,7 @@ def test_triton_matches_formula(impl, case, monkeypatch):
     ids, weights = routing(N, k, E, empty, seed=N)
     x = torch.randn(N, H, generator=torch.Generator().manual_seed(N)).to(torch.bfloat16)
     got = int4_moe.int4_moe(x.to(device), weights.to(device), ids.to(device), *[t.to(device) for t in args_of(packs, lo, hi)],
-                            expert_start=lo, impl="v1" if impl == "v1" else "v3")
+                            expert_start=lo, impl=impl if impl in ("v1", "v1m") else "v3")
     want = formula(x, weights, ids, dense, lo, hi)
     assert got.dtype == torch.float32 and got.shape == (N, H)
     assert rel_err(got, want) < 1.5e-2, rel_err(got, want)
