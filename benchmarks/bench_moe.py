@@ -100,7 +100,7 @@ def aot_report(configs=None) -> dict:
     from triton.compiler import ASTSource
 
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    ptr_types = {"b_ptr": "*i32", "b2_ptr": "*i32", "a_rows_ptr": "*i32", "c_rows_ptr": "*i32", "tile_expert_ptr": "*i32",
+    ptr_types = {"b_ptr": "*i32", "b2_ptr": "*i32", "a_rows_ptr": "*i32", "c_rows_ptr": "*i32", "tile_expert_ptr": "*i32", "word_group_ptr": "*i32",
                  "tile_begin_ptr": "*i32", "tile_end_ptr": "*i32", "c_scale_ptr": "*fp32"}
     out = {}
     configs = configs or sorted({c for v in (int4_moe.V3_CONFIGS, int4_moe.V3_DOWN_CONFIGS) for cs in v.values() for c in cs}

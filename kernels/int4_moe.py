@@ -295,7 +295,7 @@ if HAS_TRITON:
 
         Built from 128 / GROUP per-row [BN] loads and selects, elementwise, so the tile keeps the
         words' register layout (a [BN, 16] load of repeated addresses made Triton 3.6 convert the
-        weights through shared memory: 2x the instructions, sm_90 build).
+        weights through shared memory: 2x the instructions, sm_90 build). word_group [1, 16].
         """
         scale_w = tl.load(s_ptr + s_off + k0 // GROUP, mask=n_mask, other=0.0)[:, None] + tl.zeros_like(word_group).to(s_ptr.dtype.element_ty)
         for g in tl.static_range(1, 128 // GROUP):
@@ -311,6 +311,7 @@ if HAS_TRITON:
         tile_expert_ptr, tile_begin_ptr, tile_end_ptr,
         N, K,
         stride_be, stride_bn, stride_se, stride_sn,
+        word_group_ptr,  # int32 [16]: (8 j) // GROUP, the scale group of word j of a 128-column block
         GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
         GATHER_A: tl.constexpr, GATE_UP: tl.constexpr, SCATTER_C: tl.constexpr, DOT_DTYPE: tl.constexpr,
         SWAP: tl.constexpr, PERMUTE_N: tl.constexpr,
@@ -351,7 +352,10 @@ if HAS_TRITON:
             a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_j[None, :]  # [BT, 16]
             b_off = expert * stride_be + offs_n[:, None].to(tl.int64) * stride_bn + offs_j[None, :]  # [BN, 16] words
             s_off = expert * stride_se + offs_n.to(tl.int64) * stride_sn  # [BN]
-            word_group = (offs_j * 8 // GROUP)[None, :]  # [1, 16]
+            # [1, 16], loaded rather than computed from offs_j: Triton 3.6 then unpacks the words
+            # straight into the MMA's operand registers; with the arange-derived form it sent every
+            # unpacked tile through shared memory (a store, two barriers and ldmatrix per K = 16 dot)
+            word_group = tl.load(word_group_ptr + offs_j)[None, :]
             if SWAP:
                 acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
                 acc2 = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
@@ -404,22 +408,26 @@ if HAS_TRITON:
 #   "m"   v3, tokens on the MMA's M side (BLOCK_M rows)
 # v3's BLOCK_K is 128 (one step = the 16 words of each weight row). Static counts of sm_90 builds
 # with Triton 3.6 (the device's version; benchmarks/bench_moe.py --aot prints them), SASS
-# instructions per K step of the gate+up loop against that step's tensor-core time: v1 (128,
-# 128, 128, 8, 2) 1430 (1.40x; it measured 230 TFLOP/s, its 128 int -> float conversions per
-# thread and step alone take as long as the MMA); v3 ("s", 128, 128, 128, 8, 3) 681 (0.67x).
+# instructions per thread and K step of the gate+up loop against that step's tensor-core time:
+# v1 (128, 128, 128, 8, 2) 1430 (1.40x), v1m 1238 (1.21x), v3 ("s", 128, 128, 128, 8, 2) 804
+# (0.79x). The counts miss what decides: how often the warps wait. Each of v3's K = 16 dots waits
+# for its wgmma, and with an arange-derived word_group every unpacked tile also made a round trip
+# through shared memory (two barriers per dot; 2026-11-30 T1: v3 35 ms for gate+up at 16K, v1 34).
+# 4-warp configs under ~110 KB of shared memory let two CTAs share an SM and cover each other's waits.
 
-V1_GATE_UP_CONFIGS = [(128, 64, 8, 3), (64, 128, 4, 3), (128, 128, 8, 2), (64, 32, 4, 4)]  # (BN, BK, warps, stages)
+V1_GATE_UP_CONFIGS = [(128, 64, 8, 3), (64, 128, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 32, 4, 4)]  # (BN, BK, warps, stages)
 V1_DOWN_CONFIGS = [(128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 3), (64, 32, 4, 4)]
 
 # v3 candidates per rows-per-expert bucket, each timed once per shape; the first is used untimed
 # under the interpreter (INTERPRET_CONFIGS there)
 V3_CONFIGS = {
-    "large": [("s", 128, 128, 128, 8, 3), ("s", 128, 128, 128, 8, 4), ("s", 64, 128, 128, 8, 3), ("m", 128, 128, 128, 8, 3)],
-    "small": [("s", 64, 128, 128, 8, 3), ("s", 32, 128, 128, 8, 3), ("s", 128, 128, 128, 8, 3), ("m", 64, 128, 128, 4, 3)],
+    "large": [("s", 128, 128, 128, 8, 2), ("s", 128, 64, 128, 4, 2), ("s", 128, 128, 128, 8, 3), ("s", 128, 64, 128, 4, 3),
+              ("m", 128, 64, 128, 4, 2)],
+    "small": [("s", 128, 128, 128, 8, 2), ("s", 128, 64, 128, 4, 2), ("s", 64, 64, 128, 4, 2), ("s", 64, 128, 128, 8, 3)],
 }
 V3_DOWN_CONFIGS = {
-    "large": [("s", 128, 128, 128, 8, 3), ("s", 128, 128, 128, 8, 4), ("s", 256, 128, 128, 8, 2), ("m", 128, 128, 128, 8, 3)],
-    "small": [("s", 64, 128, 128, 8, 3), ("s", 32, 128, 128, 8, 3), ("s", 128, 128, 128, 8, 3), ("m", 64, 128, 128, 4, 3)],
+    "large": [("s", 256, 128, 128, 8, 2), ("s", 128, 128, 128, 8, 2), ("s", 128, 64, 128, 4, 2), ("s", 256, 64, 128, 4, 2)],
+    "small": [("s", 128, 128, 128, 8, 2), ("s", 128, 64, 128, 4, 2), ("s", 64, 64, 128, 4, 2), ("s", 256, 128, 128, 8, 2)],
 }
 INTERPRET_CONFIGS = [("s", 16, 32, 128, 4, 1)]  # what v3 runs under TRITON_INTERPRET=1 (tests switch it)
 _CHOSEN: dict = {}
@@ -468,7 +476,19 @@ def _launch(config, a, a_rows, b, s, b2, s2, c, c_rows, c_scale, table, gather, 
     if impl in ("v1", "v1m"):
         _int4_grouped_gemm_kernel[grid](*args, BLOCK_M=block_m, BLOCK_K=block_k, MAGIC=impl == "v1m", **common)
     else:  # v3: the gate+up kernel writes h in the permuted column order the down kernel reads
-        _int4_moe_v3_kernel[grid](*args, BLOCK_T=block_m, SWAP=impl == "s", PERMUTE_N=gate_up, **common)
+        _int4_moe_v3_kernel[grid](*args, _word_group_table(common["GROUP"], b.device), BLOCK_T=block_m, SWAP=impl == "s",
+                                  PERMUTE_N=gate_up, **common)
+
+
+_WORD_GROUPS: dict = {}
+
+
+def _word_group_table(group: int, device: torch.device) -> torch.Tensor:
+    """int32 [16]: the scale group (8 j) // group of packed word j in a 128-column block (v3's word_group_ptr)."""
+    key = (group, str(device))
+    if key not in _WORD_GROUPS:
+        _WORD_GROUPS[key] = (torch.arange(16, dtype=torch.int32) * 8 // group).to(device)
+    return _WORD_GROUPS[key]
 
 
 def _compile_errors():
@@ -507,7 +527,7 @@ def _pick_config(name: str, configs: list, key: tuple, run) -> tuple:
 
 def _v1_configs(impl: str, configs: list, block_m: int, k_dim: int) -> list:
     usable = [(impl, block_m) + c for c in configs if k_dim % c[1] == 0 and c[1] % GROUP_SIZE == 0]
-    return usable[:3]  # each candidate costs a compile on first use
+    return usable[:4]  # each candidate costs a compile on first use
 
 
 def _check(x, weights, ids, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale):

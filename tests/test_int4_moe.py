@@ -201,11 +201,11 @@ def test_triton_unpack_matches_compressed_tensors(group):
     import triton.language as tl
 
     @triton.jit
-    def unpack_kernel(b_ptr, s_ptr, out_ptr, BN: tl.constexpr, GROUP: tl.constexpr, DTYPE: tl.constexpr):
+    def unpack_kernel(b_ptr, s_ptr, wg_ptr, out_ptr, BN: tl.constexpr, GROUP: tl.constexpr, DTYPE: tl.constexpr):
         offs_n = tl.arange(0, BN)
         offs_j = tl.arange(0, 16)
         words = tl.load(b_ptr + offs_n[:, None] * 16 + offs_j[None, :])  # [BN, 16]: one 128-column block
-        scale_w = int4_moe._word_scales(s_ptr, offs_n * (128 // GROUP), 0, offs_n < BN, (offs_j * 8 // GROUP)[None, :], GROUP)
+        scale_w = int4_moe._word_scales(s_ptr, offs_n * (128 // GROUP), 0, offs_n < BN, tl.load(wg_ptr + offs_j)[None, :], GROUP)
         for n in tl.static_range(8):  # nibble n of word j: column 8j + n
             w = int4_moe._nibble_times_scale(words, n, scale_w, DTYPE == tl.float32)
             tl.store(out_ptr + offs_n[:, None] * 128 + 8 * offs_j[None, :] + n, w.to(tl.float32))
@@ -220,7 +220,8 @@ def test_triton_unpack_matches_compressed_tensors(group):
     want = unpack_from_int32(packed, 4, torch.Size([BN, K])).double() * scale.double().repeat_interleave(group, -1)
     assert torch.equal(unpack_from_int32(packed, 4, torch.Size([BN, K])), q)  # the fixture's own layout
     out = torch.empty(BN, K, device=device)
-    unpack_kernel[(1,)](packed.to(device), scale.to(device), out, BN=BN, GROUP=group, DTYPE=tl.float32 if INNER else tl.bfloat16)
+    unpack_kernel[(1,)](packed.to(device), scale.to(device), int4_moe._word_group_table(group, torch.device(device)), out, BN=BN,
+                        GROUP=group, DTYPE=tl.float32 if INNER else tl.bfloat16)
     # q * scale is exact in fp32 (4-bit x 8-bit mantissas); on the GPU it is rounded to bf16 once
     tol = 0 if INNER else 2 ** -8
     assert float(((out.double().cpu() - want).abs() / want.abs().clamp(min=1e-30)).max()) <= tol
