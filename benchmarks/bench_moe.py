@@ -7,8 +7,8 @@ process, all on the SAME weights: random INT4 experts, dequantized to bf16 for t
     grouped_mm_bf16           anchor (b): sort by expert + torch._grouped_mm, bf16 (speed of light)
     int4_v1                   the first Triton W4A16 kernel as measured on 2026-11-29 (impl="v1")
     int4_v1m                  v1 with the conversion-free unpack (impl="v1m")
-    int4_v3                   one K = 16 dot per nibble position, conversion-free unpack (impl="v3")
-    int4_auto                 ours now: the faster of v1m and v3 for the shape, timed once (impl="auto")
+    int4_v3                   ours now: one K = 16 dot per nibble position, conversion-free unpack
+                              (impl="v3"; "auto" takes it where H and I are multiples of 128)
     int4_dequant_grouped_mm   dequantize all experts to bf16 per call, then grouped_mm
     *_experts_only            routed experts alone, routing precomputed
 
@@ -114,7 +114,7 @@ def aot_report(configs=None) -> dict:
                 consts.update(BLOCK_M=bm, BLOCK_K=bk, MAGIC=impl == "v1m")
             else:
                 kern = int4_moe._int4_moe_v3_kernel
-                consts.update(BLOCK_T=bm, SWAP=impl == "s", PERMUTE_N=gate_up)
+                consts.update(BLOCK_T=bm, PERMUTE_N=gate_up, ASM=impl == "sa")
             sig = {n: ("constexpr" if n in consts else ptr_types.get(n, "*bf16") if n.endswith("_ptr") else "i32") for n in kern.arg_names}
             attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kern.arg_names)
                      if n not in consts and (n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K"))}
@@ -199,7 +199,7 @@ def main(argv=None) -> dict:
             rows[T][name] = {"error": f"{type(err).__name__}: {str(err)[:400]}"}
             log.error("T=%d %s failed: %s", T, name, err)
 
-    impls = (["v1"] if not a.skip_v1 else []) + ["v1m", "v3", "auto"]
+    impls = (["v1"] if not a.skip_v1 else []) + ["v1m", "v3"]
     with torch.no_grad():
         if not a.skip_hf:  # (a) transformers as shipped
             for T in tokens:
@@ -248,7 +248,7 @@ def main(argv=None) -> dict:
     res["config_search_ms"] = {str(k): v for k, v in int4_moe._TIMES.items()}
     res["failed_configs"] = {str(k): v for k, v in int4_moe._FAILED.items()}
     for T in tokens:
-        r = rows[T].get("int4_auto", {})
+        r = rows[T].get("int4_v3", {})
         if "ms" in r and device.type == "cuda":
             res.setdefault("goals", {})[f"T={T}"] = {"x_grouped": r.get("x_grouped"), "MFU": r["MFU"],
                                                       "goal": "x_grouped >= 1.2" if T >= 16384 else "MFU >= 0.40" if T <= 4096 else None}

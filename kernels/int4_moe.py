@@ -290,6 +290,49 @@ if HAS_TRITON:
         return (b - 136.0) * scale_w
 
     @triton.jit
+    def _nibbles_times_scale_asm(words, scale_w):
+        """All eight nibble tiles of the words at once, two nibbles per 32-bit operation (sm_90 PTX):
+        int32 [BN, 16], bf16 [BN, 16] -> eight bf16 [BN, 16], the values of _nibble_times_scale.
+
+        (w >> 4i) & 0x000F000F | 0x43004300 puts nibbles i and i + 4 into the mantissas of a bf16
+        pair (128 + nibble each); one bf16x2 subtraction of 136 (exact) and one bf16x2 multiply by
+        the word's scale (rounded once) give both weights.
+        """
+        return tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 t, w, s2, c;
+            mov.b32 s2, {$9, $9};
+            mov.b32 c, 0x43084308;
+            lop3.b32 t, $8, 0x000f000f, 0x43004300, 0xea;
+            sub.rn.bf16x2 t, t, c;
+            mul.rn.bf16x2 t, t, s2;
+            mov.b32 {$0, $4}, t;
+            shr.u32 w, $8, 4;
+            lop3.b32 t, w, 0x000f000f, 0x43004300, 0xea;
+            sub.rn.bf16x2 t, t, c;
+            mul.rn.bf16x2 t, t, s2;
+            mov.b32 {$1, $5}, t;
+            shr.u32 w, $8, 8;
+            lop3.b32 t, w, 0x000f000f, 0x43004300, 0xea;
+            sub.rn.bf16x2 t, t, c;
+            mul.rn.bf16x2 t, t, s2;
+            mov.b32 {$2, $6}, t;
+            shr.u32 w, $8, 12;
+            lop3.b32 t, w, 0x000f000f, 0x43004300, 0xea;
+            sub.rn.bf16x2 t, t, c;
+            mul.rn.bf16x2 t, t, s2;
+            mov.b32 {$3, $7}, t;
+            }
+            """,
+            constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,h",
+            args=[words, scale_w],
+            dtype=(tl.bfloat16,) * 8,
+            is_pure=True,
+            pack=1,
+        )
+
+    @triton.jit
     def _word_scales(s_ptr, s_off, k0, n_mask, word_group, GROUP: tl.constexpr):
         """[BN, 16]: the scale of each packed word of the 128 columns at k0 (a word lies in one group).
 
@@ -314,19 +357,19 @@ if HAS_TRITON:
         word_group_ptr,  # int32 [16]: (8 j) // GROUP, the scale group of word j of a 128-column block
         GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
         GATHER_A: tl.constexpr, GATE_UP: tl.constexpr, SCATTER_C: tl.constexpr, DOT_DTYPE: tl.constexpr,
-        SWAP: tl.constexpr, PERMUTE_N: tl.constexpr,
+        PERMUTE_N: tl.constexpr, ASM: tl.constexpr,
     ):
-        """v3: one dot of K = 16 per nibble position, so the unpack never merges nibbles.
+        """v3: C^T [BN, BT] = W [BN, K] @ A^T [K, BT], one dot of K = 16 per nibble position.
 
         Per 128 columns at k0 the [BN, 16] packed words of each weight row are loaded once; nibble
         n of word j is column k0 + 8j + n, so the eight nibble tiles [BN, 16] (n = 0..7) hold the
         column sets {k0 + 8j + n : j < 16}; A's columns come permuted the same way (permute_k128:
         A column k0 + 16n + j holds column k0 + 8j + n), so nibble tile n meets the contiguous A
         slice [k0 + 16n, k0 + 16n + 16) in a dot of K = 16. The unpack is elementwise on the words
-        (no reshape, no shuffle: the v2 interleave tree did not compile in Triton 3.6).
-
-        SWAP: C^T [BN, BT] = W [BN, 16] @ A^T [16, BT] (weights on the MMA's M side, the operand
-        wgmma reads from registers; tokens on its N side, 16-256 wide), else C [BT, BN].
+        (no reshape, no shuffle), so Triton builds it directly in the registers of wgmma's left
+        operand: the weights sit on the MMA's M side (BN rows), the tokens on its N side (BT,
+        16-256 wide), read from shared memory. ASM: the unpack in inline PTX, two nibbles per
+        32-bit operation (sm_90); else in Triton ops (the interpreter's path).
         PERMUTE_N (gate+up): output column p is weight row c(p) = 128 (p // 128) + 8 (p % 16) +
         (p % 128) // 16, so h is written already permuted for the down kernel, in contiguous rows.
         """
@@ -356,61 +399,54 @@ if HAS_TRITON:
             # straight into the MMA's operand registers; with the arange-derived form it sent every
             # unpacked tile through shared memory (a store, two barriers and ldmatrix per K = 16 dot)
             word_group = tl.load(word_group_ptr + offs_j)[None, :]
-            if SWAP:
-                acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
-                acc2 = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
-            else:
-                acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-                acc2 = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+            acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+            acc2 = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
             for k0 in range(0, K, 128):
                 words = tl.load(b_ptr + b_off + k0 // 8, mask=n_mask[:, None], other=0)
                 scale_w = _word_scales(s_ptr, s_off, k0, n_mask, word_group, GROUP)
+                if ASM:
+                    tiles = _nibbles_times_scale_asm(words, scale_w)
                 if GATE_UP:
                     words2 = tl.load(b2_ptr + b_off + k0 // 8, mask=n_mask[:, None], other=0)
                     scale_w2 = _word_scales(s2_ptr, s_off, k0, n_mask, word_group, GROUP)
+                    if ASM:
+                        tiles2 = _nibbles_times_scale_asm(words2, scale_w2)
                 for n in tl.static_range(8):
-                    a = tl.load(a_ptrs + (k0 + 16 * n), mask=t_mask[:, None], other=0.0).to(DOT_DTYPE)  # [BT, 16]
-                    w = _nibble_times_scale(words, n, scale_w, DOT_DTYPE == tl.float32)
-                    if SWAP:
-                        acc = tl.dot(w, tl.trans(a), acc)
+                    at = tl.trans(tl.load(a_ptrs + (k0 + 16 * n), mask=t_mask[:, None], other=0.0).to(DOT_DTYPE))  # [16, BT]
+                    if ASM:
+                        acc = tl.dot(tiles[n], at, acc)
                     else:
-                        acc = tl.dot(a, tl.trans(w), acc)
+                        acc = tl.dot(_nibble_times_scale(words, n, scale_w, DOT_DTYPE == tl.float32), at, acc)
                     if GATE_UP:
-                        w2 = _nibble_times_scale(words2, n, scale_w2, DOT_DTYPE == tl.float32)
-                        if SWAP:
-                            acc2 = tl.dot(w2, tl.trans(a), acc2)
+                        if ASM:
+                            acc2 = tl.dot(tiles2[n], at, acc2)
                         else:
-                            acc2 = tl.dot(a, tl.trans(w2), acc2)
+                            acc2 = tl.dot(_nibble_times_scale(words2, n, scale_w2, DOT_DTYPE == tl.float32), at, acc2)
             if GATE_UP:
-                acc = acc * tl.sigmoid(acc) * acc2  # silu(gate) * up
+                acc = acc * tl.sigmoid(acc) * acc2  # silu(gate) * up, [BN, BT]
             if SCATTER_C:
                 c_rows = tl.load(c_rows_ptr + offs_t, mask=t_mask, other=0).to(tl.int64)
-                row_scale = tl.load(c_scale_ptr + c_rows, mask=t_mask, other=0.0)
+                acc = acc * tl.load(c_scale_ptr + c_rows, mask=t_mask, other=0.0)[None, :]
             else:
                 c_rows = offs_t.to(tl.int64)
-            if SWAP:
-                if SCATTER_C:
-                    acc = acc * row_scale[None, :]
-                c_ptrs = c_ptr + c_rows[None, :] * stride_cm + offs_p[:, None]  # [BN, BT], transposed store
-                tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=n_mask[:, None] & t_mask[None, :])
-            else:
-                if SCATTER_C:
-                    acc = acc * row_scale[:, None]
-                c_ptrs = c_ptr + c_rows[:, None] * stride_cm + offs_p[None, :]
-                tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=t_mask[:, None] & n_mask[None, :])
+            c_ptrs = c_ptr + c_rows[None, :] * stride_cm + offs_p[:, None]  # [BN, BT], transposed store
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=n_mask[:, None] & t_mask[None, :])
 
 
 # ---------------------------------------------------------------------------- launch configs
 #
 # A config is (impl, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages):
 #   "v1"  the first kernel as measured on 2026-11-29 (int -> fp32 unpack), BLOCK_M by choose_block_m
-#   "s"   v3, swapped: weights on the MMA's M side (BLOCK_N rows), tokens on its N side (BLOCK_M = BLOCK_T)
-#   "m"   v3, tokens on the MMA's M side (BLOCK_M rows)
+#   "v1m" v1 with the conversion-free unpack
+#   "s"   v3: weights on the MMA's M side (BLOCK_N rows), tokens on its N side (BLOCK_M = BLOCK_T)
+#   "sa"  v3 with the unpack in inline PTX (two nibbles per 32-bit operation; sm_90)
+# (v3 with tokens on the M side, weights through shared memory, measured 35.8 ms against 24.5 for
+# gate+up at 16K in T3, was removed.)
 # v3's BLOCK_K is 128 (one step = the 16 words of each weight row). Static counts of sm_90 builds
 # with Triton 3.6 (the device's version; benchmarks/bench_moe.py --aot prints them), SASS
 # instructions per thread and K step of the gate+up loop against that step's tensor-core time:
 # v1 (128, 128, 128, 8, 2) 1430 (1.40x), v1m 1238 (1.21x), v3 ("s", 128, 128, 128, 8, 2) 804
-# (0.79x). The counts miss what decides: how often the warps wait. Each of v3's K = 16 dots waits
+# (0.79x), "sa" 601 (0.59x). The counts miss what decides: how often the warps wait. Each of v3's K = 16 dots waits
 # for its wgmma, and with an arange-derived word_group every unpacked tile also made a round trip
 # through shared memory (two barriers per dot; 2026-11-30 T1: v3 35 ms for gate+up at 16K, v1 34).
 # 4-warp configs under ~110 KB of shared memory let two CTAs share an SM and cover each other's waits.
@@ -421,13 +457,12 @@ V1_DOWN_CONFIGS = [(128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 3), (64, 32, 
 # v3 candidates per rows-per-expert bucket, each timed once per shape; the first is used untimed
 # under the interpreter (INTERPRET_CONFIGS there)
 V3_CONFIGS = {
-    "large": [("s", 128, 128, 128, 8, 2), ("s", 128, 64, 128, 4, 2), ("s", 128, 128, 128, 8, 3), ("s", 128, 64, 128, 4, 3),
-              ("m", 128, 64, 128, 4, 2)],
-    "small": [("s", 128, 128, 128, 8, 2), ("s", 128, 64, 128, 4, 2), ("s", 64, 64, 128, 4, 2), ("s", 64, 128, 128, 8, 3)],
+    "large": [("sa", 128, 64, 128, 4, 3), ("sa", 128, 64, 128, 4, 2), ("s", 128, 64, 128, 4, 3), ("sa", 128, 128, 128, 8, 2)],
+    "small": [("sa", 128, 64, 128, 4, 2), ("sa", 128, 64, 128, 4, 3), ("s", 128, 64, 128, 4, 2), ("sa", 64, 64, 128, 4, 2)],
 }
 V3_DOWN_CONFIGS = {
-    "large": [("s", 256, 128, 128, 8, 2), ("s", 128, 128, 128, 8, 2), ("s", 128, 64, 128, 4, 2), ("s", 256, 64, 128, 4, 2)],
-    "small": [("s", 128, 128, 128, 8, 2), ("s", 128, 64, 128, 4, 2), ("s", 64, 64, 128, 4, 2), ("s", 256, 128, 128, 8, 2)],
+    "large": [("sa", 128, 64, 128, 4, 2), ("sa", 256, 128, 128, 8, 2), ("s", 128, 64, 128, 4, 2), ("sa", 128, 64, 128, 4, 3)],
+    "small": [("sa", 128, 64, 128, 4, 2), ("sa", 128, 64, 128, 4, 3), ("s", 128, 64, 128, 4, 2), ("sa", 64, 64, 128, 4, 2)],
 }
 INTERPRET_CONFIGS = [("s", 16, 32, 128, 4, 1)]  # what v3 runs under TRITON_INTERPRET=1 (tests switch it)
 _CHOSEN: dict = {}
@@ -476,8 +511,8 @@ def _launch(config, a, a_rows, b, s, b2, s2, c, c_rows, c_scale, table, gather, 
     if impl in ("v1", "v1m"):
         _int4_grouped_gemm_kernel[grid](*args, BLOCK_M=block_m, BLOCK_K=block_k, MAGIC=impl == "v1m", **common)
     else:  # v3: the gate+up kernel writes h in the permuted column order the down kernel reads
-        _int4_moe_v3_kernel[grid](*args, _word_group_table(common["GROUP"], b.device), BLOCK_T=block_m, SWAP=impl == "s",
-                                  PERMUTE_N=gate_up, **common)
+        _int4_moe_v3_kernel[grid](*args, _word_group_table(common["GROUP"], b.device), BLOCK_T=block_m, PERMUTE_N=gate_up,
+                                  ASM=impl == "sa", **common)
 
 
 _WORD_GROUPS: dict = {}
@@ -584,9 +619,9 @@ def int4_moe(x, weights, ids, gate_packed, gate_scale, up_packed, up_scale, down
       "v1"   the first kernel as measured on 2026-11-29 (int -> fp32 -> bf16 unpack), kept for comparison;
       "v1m"  the same kernel with the conversion-free unpack (the same values);
       "v3"   one K = 16 dot per nibble position (H and I multiples of 128, a scale group dividing 128);
-      "auto" the faster of v1m and v3 (where v3 fits) for this shape, timed once per (dims, size bucket).
+      "auto" v3 where it fits, else v1m (on the H200, 2026-11-30 T3: v3 1.7x v1m at 4K tokens, 1.17x at 16K).
     Each impl times its own launch configs once per shape. Needs CUDA, or CPU tensors under
-    TRITON_INTERPRET=1 (where auto takes v3 where it fits, untimed).
+    TRITON_INTERPRET=1.
     """
     if not HAS_TRITON:
         raise RuntimeError("int4_moe needs triton (pip install triton); use moe_reference on this machine")
@@ -596,9 +631,7 @@ def int4_moe(x, weights, ids, gate_packed, gate_scale, up_packed, up_scale, down
     group = H // gate_scale.shape[2]
     v3_fits = H % 128 == 0 and I % 128 == 0 and group % 8 == 0 and 128 % group == 0 and I // down_scale.shape[2] == group
     if impl == "auto":
-        candidates = (["v3"] if v3_fits else []) + ["v1m"]
-        key = (I, H, group, size_bucket(ids.numel(), E))
-        impl = _pick_config("impl", candidates, key, lambda c: _int4_moe_with(c, *args, add=add)) if len(candidates) > 1 else candidates[0]
+        impl = "v3" if v3_fits else "v1m"
     if impl not in ("v1", "v1m", "v3"):
         raise ValueError(f"int4_moe: impl = {impl!r}, expected 'auto', 'v1', 'v1m' or 'v3'")
     if impl == "v3" and not v3_fits:

@@ -9,9 +9,10 @@ and across BLOCK_K.
 
 The Triton kernels run on the CPU under TRITON_INTERPRET=1 in a subprocess (the variable must be
 set before triton is imported), and directly on CUDA where there is a GPU: the first kernel as
-measured ("v1"), the same with v3's conversion-free unpack ("v1m"), and v3's kernel in both orientations ("s": weights on the MMA's M side, "m":
-tokens on it), each on every routing case (v3's with dims that are multiples of 128). v3's
-unpack alone is checked against compressed-tensors' own unpack_from_int32.
+measured ("v1"), the same with v3's conversion-free unpack ("v1m"), and v3 with its unpack in
+Triton ops ("s") and in inline PTX ("sa", CUDA only), each on every routing case (v3's with dims
+that are multiples of 128). v3's unpacks alone are checked against compressed-tensors' own
+unpack_from_int32.
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def _triton_cases(impl: str):
     ]
 
 
-TRITON_IMPLS = ["v1", "v1m", "s", "m"]  # v1m: v1 with the conversion-free unpack; s, m: v3
+TRITON_IMPLS = ["v1", "v1m", "s", "sa"]  # v1m: v1 with the conversion-free unpack; s, sa: v3 (sa: inline-PTX unpack)
 TRITON_CASES = [(impl, case) for impl in TRITON_IMPLS for case in _triton_cases(impl)]
 
 
@@ -151,7 +152,9 @@ TRITON_CASES = [(impl, case) for impl in TRITON_IMPLS for case in _triton_cases(
 def test_triton_matches_formula(impl, case, monkeypatch):
     N, k, E, I, H, empty, (lo, hi) = case
     device = "cuda" if HAS_CUDA and not INNER else "cpu"
-    if impl in ("s", "m"):  # one orientation of v3 (the config search would pick either)
+    if impl == "sa" and INNER:
+        pytest.skip("inline PTX (v3's 'sa' unpack) does not run under the Triton interpreter; it runs on CUDA")
+    if impl in ("s", "sa"):  # one unpack of v3 (the config search would pick either)
         config = (impl, 16, 32, 128, 4, 1) if INNER else (impl, 64, 64, 128, 4, 2)
         monkeypatch.setattr(int4_moe, "INTERPRET_CONFIGS", [config])
         monkeypatch.setattr(int4_moe, "V3_CONFIGS", {"large": [config], "small": [config]})
@@ -192,22 +195,32 @@ def test_permute_k128_and_impl_choice():
 
 
 @pytest.mark.skipif(not (INNER or HAS_CUDA), reason="runs in the TRITON_INTERPRET=1 subprocess (test_triton_interpreted) or on CUDA")
+@pytest.mark.parametrize("asm", [False, True], ids=["triton_ops", "ptx"])
 @pytest.mark.parametrize("group", [32, 64])
-def test_triton_unpack_matches_compressed_tensors(group):
-    """v3's unpack (nibble tile n of the 16 words of a 128-column block, times each word's group
-    scale), element by element against compressed-tensors' unpack_from_int32 times the scale, on
-    all 16 nibble values and two group sizes."""
+def test_triton_unpack_matches_compressed_tensors(group, asm):
+    """v3's unpacks (nibble tile n of the 16 words of a 128-column block, times each word's group
+    scale; in Triton ops and in inline PTX), element by element against compressed-tensors'
+    unpack_from_int32 times the scale, on all 16 nibble values and two group sizes."""
     import triton
     import triton.language as tl
 
+    if asm and INNER:
+        pytest.skip("inline PTX does not run under the Triton interpreter; it runs on CUDA")
+
     @triton.jit
-    def unpack_kernel(b_ptr, s_ptr, wg_ptr, out_ptr, BN: tl.constexpr, GROUP: tl.constexpr, DTYPE: tl.constexpr):
+    def unpack_kernel(b_ptr, s_ptr, wg_ptr, out_ptr, BN: tl.constexpr, GROUP: tl.constexpr, DTYPE: tl.constexpr,
+                      ASM: tl.constexpr):
         offs_n = tl.arange(0, BN)
         offs_j = tl.arange(0, 16)
         words = tl.load(b_ptr + offs_n[:, None] * 16 + offs_j[None, :])  # [BN, 16]: one 128-column block
         scale_w = int4_moe._word_scales(s_ptr, offs_n * (128 // GROUP), 0, offs_n < BN, tl.load(wg_ptr + offs_j)[None, :], GROUP)
+        if ASM:
+            tiles = int4_moe._nibbles_times_scale_asm(words, scale_w)
         for n in tl.static_range(8):  # nibble n of word j: column 8j + n
-            w = int4_moe._nibble_times_scale(words, n, scale_w, DTYPE == tl.float32)
+            if ASM:
+                w = tiles[n]
+            else:
+                w = int4_moe._nibble_times_scale(words, n, scale_w, DTYPE == tl.float32)
             tl.store(out_ptr + offs_n[:, None] * 128 + 8 * offs_j[None, :] + n, w.to(tl.float32))
 
     device = "cuda" if HAS_CUDA and not INNER else "cpu"
@@ -221,7 +234,7 @@ def test_triton_unpack_matches_compressed_tensors(group):
     assert torch.equal(unpack_from_int32(packed, 4, torch.Size([BN, K])), q)  # the fixture's own layout
     out = torch.empty(BN, K, device=device)
     unpack_kernel[(1,)](packed.to(device), scale.to(device), int4_moe._word_group_table(group, torch.device(device)), out, BN=BN,
-                        GROUP=group, DTYPE=tl.float32 if INNER else tl.bfloat16)
+                        GROUP=group, DTYPE=tl.float32 if INNER else tl.bfloat16, ASM=asm)
     # q * scale is exact in fp32 (4-bit x 8-bit mantissas); on the GPU it is rounded to bf16 once
     tol = 0 if INNER else 2 ** -8
     assert float(((out.double().cpu() - want).abs() / want.abs().clamp(min=1e-30)).max()) <= tol
@@ -274,7 +287,7 @@ def test_triton_interpreted():
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(Path(__file__)),
                              "-k", "triton_"], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    n_cases = len(TRITON_CASES) + 2 + 2  # + the unpacks + the slot combines
+    n_cases = len(TRITON_CASES) - len(_triton_cases("sa")) + 2 + 2  # sa skipped; + the Triton-ops unpacks + the slot combines
     assert f"{n_cases} passed" in result.stdout, result.stdout[-2000:]
 
 
