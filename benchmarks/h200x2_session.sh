@@ -90,6 +90,9 @@
 #       build) and 4-warp configs that fit two CTAs per SM: the same three, without v1
 #   T4: v3's unpack in inline PTX ("sa": two nibbles per 32-bit operation, 27% fewer instructions
 #       per step), tokens-on-M variant removed: the same three
+#   T5 (nvidia-h200-x2): v3 with dots of K = 32 / 64 (nibble tiles side by side: 4x fewer waits),
+#       bench-moe and bench-extract tp 1 at 16K on GPU 0, tp 2 at 16K on both (scaling against
+#       that tp 1), then tp 1 at 8K and 32K (the projection at the other lengths)
 set -u
 PHASE=$1; shift
 RES=/tmp/res_$PHASE; rm -rf "$RES"; mkdir -p "$RES"
@@ -372,6 +375,19 @@ T1|T2|T3|T4)
     > "$RES/moe.log" 2>&1; grep -A26 "^     T variant" "$RES/moe.log"; grep -i "error\|failed" "$RES/moe.log" | head -5
   timeout 150 python3 benchmarks/bench_extract.py --tokens 16384 --no-write --reps 3 --profile \
     --json "$RES/extract_tp1.json" > "$RES/extract_tp1.log" 2>&1; tail -4 "$RES/extract_tp1.log"
+  ;;
+T5)
+  timeout 60 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_int4_moe.py -k "triton or permute" \
+    > "$RES/gpu_tests.log" 2>&1; tail -1 "$RES/gpu_tests.log"
+  CUDA_VISIBLE_DEVICES=0 timeout 170 python3 benchmarks/bench_moe.py --tokens 4096 16384 --skip-hf --skip-dequant --skip-v1 \
+    --json "$RES/moe.json" > "$RES/moe.log" 2>&1; grep -A20 "^     T variant" "$RES/moe.log" | grep -v "router\|shared"
+  CUDA_VISIBLE_DEVICES=0 timeout 80 python3 benchmarks/bench_extract.py --tokens 16384 --no-write --reps 3 --profile \
+    --json "$RES/extract_tp1.json" > "$RES/extract_tp1.log" 2>&1; tail -1 "$RES/extract_tp1.log"
+  timeout 100 torchrun --standalone --nproc-per-node 2 benchmarks/bench_extract.py --tokens 16384 --no-write --reps 3 \
+    --profile --baseline-json "$RES/extract_tp1.json" --json "$RES/extract_tp2.json" > "$RES/extract_tp2.log" 2>&1
+  tail -1 "$RES/extract_tp2.log"
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/bench_extract.py --tokens 8192 32768 --no-write --reps 3 \
+    --json "$RES/extract_tp1_8k_32k.json" > "$RES/extract_tp1_8k_32k.log" 2>&1; tail -2 "$RES/extract_tp1_8k_32k.log"
   ;;
 S1)
   timeout 330 python3 benchmarks/bench_extract.py --tokens 8192 32768 --no-write --json "$RES/extract_tp1.json" \

@@ -333,6 +333,43 @@ if HAS_TRITON:
         )
 
     @triton.jit
+    def _nibble_tiles(words, scale_w, FP32_MATH: tl.constexpr):
+        """The eight nibble tiles of _nibble_times_scale as one tuple (the Triton-ops twin of the PTX unpack)."""
+        return (_nibble_times_scale(words, 0, scale_w, FP32_MATH), _nibble_times_scale(words, 1, scale_w, FP32_MATH),
+                _nibble_times_scale(words, 2, scale_w, FP32_MATH), _nibble_times_scale(words, 3, scale_w, FP32_MATH),
+                _nibble_times_scale(words, 4, scale_w, FP32_MATH), _nibble_times_scale(words, 5, scale_w, FP32_MATH),
+                _nibble_times_scale(words, 6, scale_w, FP32_MATH), _nibble_times_scale(words, 7, scale_w, FP32_MATH))
+
+    @triton.jit
+    def _unpack_words(words, scale_w, ASM: tl.constexpr, DOT_DTYPE: tl.constexpr):
+        """int32 [BN, 16] words and their scales -> the eight nibble tiles [BN, 16] (tuple)."""
+        if ASM:
+            return _nibbles_times_scale_asm(words, scale_w)
+        return _nibble_tiles(words, scale_w, DOT_DTYPE == tl.float32)
+
+    @triton.jit
+    def _cat_columns(a, b):
+        """[R, C], [R, C] -> [R, 2C] = a then b along the columns. join puts the pair in each
+        thread's registers, so in the MMA operand layout this is a renaming (no shuffle in the
+        sm_90 build)."""
+        c = tl.permute(tl.join(a, b), (0, 2, 1))  # [R, 2, C]
+        return tl.reshape(c, (c.shape[0], 2 * c.shape[2]))
+
+    @triton.jit
+    def _concat_tiles(tiles, n: tl.constexpr, NIB: tl.constexpr):
+        """Nibble tiles n .. n + NIB - 1 side by side: [BN, 16 NIB], the weights of A's permuted
+        columns [16 n, 16 (n + NIB)) of a 128-block (one dot of K = 16 NIB instead of NIB dots)."""
+        if NIB == 1:
+            return tiles[n]
+        elif NIB == 2:
+            return _cat_columns(tiles[n], tiles[n + 1])
+        elif NIB == 4:
+            return _cat_columns(_cat_columns(tiles[n], tiles[n + 1]), _cat_columns(tiles[n + 2], tiles[n + 3]))
+        else:
+            return _cat_columns(_cat_columns(_cat_columns(tiles[0], tiles[1]), _cat_columns(tiles[2], tiles[3])),
+                                _cat_columns(_cat_columns(tiles[4], tiles[5]), _cat_columns(tiles[6], tiles[7])))
+
+    @triton.jit
     def _word_scales(s_ptr, s_off, k0, n_mask, word_group, GROUP: tl.constexpr):
         """[BN, 16]: the scale of each packed word of the 128 columns at k0 (a word lies in one group).
 
@@ -357,7 +394,7 @@ if HAS_TRITON:
         word_group_ptr,  # int32 [16]: (8 j) // GROUP, the scale group of word j of a 128-column block
         GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
         GATHER_A: tl.constexpr, GATE_UP: tl.constexpr, SCATTER_C: tl.constexpr, DOT_DTYPE: tl.constexpr,
-        PERMUTE_N: tl.constexpr, ASM: tl.constexpr,
+        PERMUTE_N: tl.constexpr, ASM: tl.constexpr, NIB: tl.constexpr,
     ):
         """v3: C^T [BN, BT] = W [BN, K] @ A^T [K, BT], one dot of K = 16 per nibble position.
 
@@ -392,7 +429,7 @@ if HAS_TRITON:
             else:
                 offs_n = offs_p
             offs_j = tl.arange(0, 16)
-            a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_j[None, :]  # [BT, 16]
+            a_ptrs = a_ptr + a_rows[:, None] * stride_am + tl.arange(0, 16 * NIB)[None, :]  # [BT, 16 NIB]
             b_off = expert * stride_be + offs_n[:, None].to(tl.int64) * stride_bn + offs_j[None, :]  # [BN, 16] words
             s_off = expert * stride_se + offs_n.to(tl.int64) * stride_sn  # [BN]
             # [1, 16], loaded rather than computed from offs_j: Triton 3.6 then unpacks the words
@@ -403,25 +440,15 @@ if HAS_TRITON:
             acc2 = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
             for k0 in range(0, K, 128):
                 words = tl.load(b_ptr + b_off + k0 // 8, mask=n_mask[:, None], other=0)
-                scale_w = _word_scales(s_ptr, s_off, k0, n_mask, word_group, GROUP)
-                if ASM:
-                    tiles = _nibbles_times_scale_asm(words, scale_w)
+                tiles = _unpack_words(words, _word_scales(s_ptr, s_off, k0, n_mask, word_group, GROUP), ASM, DOT_DTYPE)
                 if GATE_UP:
                     words2 = tl.load(b2_ptr + b_off + k0 // 8, mask=n_mask[:, None], other=0)
-                    scale_w2 = _word_scales(s2_ptr, s_off, k0, n_mask, word_group, GROUP)
-                    if ASM:
-                        tiles2 = _nibbles_times_scale_asm(words2, scale_w2)
-                for n in tl.static_range(8):
-                    at = tl.trans(tl.load(a_ptrs + (k0 + 16 * n), mask=t_mask[:, None], other=0.0).to(DOT_DTYPE))  # [16, BT]
-                    if ASM:
-                        acc = tl.dot(tiles[n], at, acc)
-                    else:
-                        acc = tl.dot(_nibble_times_scale(words, n, scale_w, DOT_DTYPE == tl.float32), at, acc)
+                    tiles2 = _unpack_words(words2, _word_scales(s2_ptr, s_off, k0, n_mask, word_group, GROUP), ASM, DOT_DTYPE)
+                for n in tl.static_range(0, 8, NIB):
+                    at = tl.trans(tl.load(a_ptrs + (k0 + 16 * n), mask=t_mask[:, None], other=0.0).to(DOT_DTYPE))  # [16 NIB, BT]
+                    acc = tl.dot(_concat_tiles(tiles, n, NIB), at, acc)
                     if GATE_UP:
-                        if ASM:
-                            acc2 = tl.dot(tiles2[n], at, acc2)
-                        else:
-                            acc2 = tl.dot(_nibble_times_scale(words2, n, scale_w2, DOT_DTYPE == tl.float32), at, acc2)
+                        acc2 = tl.dot(_concat_tiles(tiles2, n, NIB), at, acc2)
             if GATE_UP:
                 acc = acc * tl.sigmoid(acc) * acc2  # silu(gate) * up, [BN, BT]
             if SCATTER_C:
@@ -442,14 +469,13 @@ if HAS_TRITON:
 #   "sa"  v3 with the unpack in inline PTX (two nibbles per 32-bit operation; sm_90)
 # (v3 with tokens on the M side, weights through shared memory, measured 35.8 ms against 24.5 for
 # gate+up at 16K in T3, was removed.)
-# v3's BLOCK_K is 128 (one step = the 16 words of each weight row). Static counts of sm_90 builds
-# with Triton 3.6 (the device's version; benchmarks/bench_moe.py --aot prints them), SASS
-# instructions per thread and K step of the gate+up loop against that step's tensor-core time:
-# v1 (128, 128, 128, 8, 2) 1430 (1.40x), v1m 1238 (1.21x), v3 ("s", 128, 128, 128, 8, 2) 804
-# (0.79x), "sa" 601 (0.59x). The counts miss what decides: how often the warps wait. Each of v3's K = 16 dots waits
-# for its wgmma, and with an arange-derived word_group every unpacked tile also made a round trip
-# through shared memory (two barriers per dot; 2026-11-30 T1: v3 35 ms for gate+up at 16K, v1 34).
-# 4-warp configs under ~110 KB of shared memory let two CTAs share an SM and cover each other's waits.
+# v3's BLOCK_K is the K of one dot: 16 NIB, NIB nibble tiles side by side (a loop step covers
+# 128 columns in 8 / NIB dots). What decides v3's speed, from the sm_90 SASS (Triton 3.6) and the
+# 2026-11-30 runs (gate+up at 16K): each dot waits for its wgmma (a register operand), so 8 / NIB
+# waits per step; an arange-derived word_group sent every unpacked tile through shared memory
+# (two barriers per dot; T1: 35.4 ms), a loaded one keeps it in registers; 4-warp configs under
+# ~110 KB of shared memory put two CTAs on an SM to cover each other's waits (T3: 23.8 ms); the
+# PTX unpack cuts the step from 821 to 604 instructions (T4: 23.5 ms: issue was not the bound).
 
 V1_GATE_UP_CONFIGS = [(128, 64, 8, 3), (64, 128, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 32, 4, 4)]  # (BN, BK, warps, stages)
 V1_DOWN_CONFIGS = [(128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 3), (64, 32, 4, 4)]
@@ -457,14 +483,14 @@ V1_DOWN_CONFIGS = [(128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 3), (64, 32, 
 # v3 candidates per rows-per-expert bucket, each timed once per shape; the first is used untimed
 # under the interpreter (INTERPRET_CONFIGS there)
 V3_CONFIGS = {
-    "large": [("sa", 128, 64, 128, 4, 3), ("sa", 128, 64, 128, 4, 2), ("s", 128, 64, 128, 4, 3), ("sa", 128, 128, 128, 8, 2)],
-    "small": [("sa", 128, 64, 128, 4, 2), ("sa", 128, 64, 128, 4, 3), ("s", 128, 64, 128, 4, 2), ("sa", 64, 64, 128, 4, 2)],
+    "large": [("sa", 128, 64, 64, 4, 3), ("sa", 128, 64, 32, 4, 3), ("s", 128, 64, 64, 4, 3), ("sa", 128, 64, 16, 4, 3)],
+    "small": [("sa", 128, 64, 64, 4, 3), ("sa", 128, 64, 32, 4, 3), ("sa", 128, 64, 64, 4, 2), ("sa", 128, 64, 16, 4, 3)],
 }
 V3_DOWN_CONFIGS = {
-    "large": [("sa", 128, 64, 128, 4, 2), ("sa", 256, 128, 128, 8, 2), ("s", 128, 64, 128, 4, 2), ("sa", 128, 64, 128, 4, 3)],
-    "small": [("sa", 128, 64, 128, 4, 2), ("sa", 128, 64, 128, 4, 3), ("s", 128, 64, 128, 4, 2), ("sa", 64, 64, 128, 4, 2)],
+    "large": [("sa", 128, 64, 64, 4, 2), ("sa", 128, 64, 32, 4, 2), ("sa", 128, 64, 64, 4, 3), ("sa", 128, 64, 16, 4, 2)],
+    "small": [("sa", 128, 64, 64, 4, 2), ("sa", 128, 64, 32, 4, 2), ("sa", 128, 64, 64, 4, 3), ("sa", 128, 64, 16, 4, 2)],
 }
-INTERPRET_CONFIGS = [("s", 16, 32, 128, 4, 1)]  # what v3 runs under TRITON_INTERPRET=1 (tests switch it)
+INTERPRET_CONFIGS = [("s", 16, 32, 64, 4, 1)]  # what v3 runs under TRITON_INTERPRET=1 (tests switch it)
 _CHOSEN: dict = {}
 _FAILED: dict = {}  # config -> error text, for the benchmark's report
 _TIMES: dict = {}  # shape key -> {config: ms} of the search
@@ -512,7 +538,7 @@ def _launch(config, a, a_rows, b, s, b2, s2, c, c_rows, c_scale, table, gather, 
         _int4_grouped_gemm_kernel[grid](*args, BLOCK_M=block_m, BLOCK_K=block_k, MAGIC=impl == "v1m", **common)
     else:  # v3: the gate+up kernel writes h in the permuted column order the down kernel reads
         _int4_moe_v3_kernel[grid](*args, _word_group_table(common["GROUP"], b.device), BLOCK_T=block_m, PERMUTE_N=gate_up,
-                                  ASM=impl == "sa", **common)
+                                  ASM=impl == "sa", NIB=block_k // 16, **common)
 
 
 _WORD_GROUPS: dict = {}

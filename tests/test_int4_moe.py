@@ -155,7 +155,8 @@ def test_triton_matches_formula(impl, case, monkeypatch):
     if impl == "sa" and INNER:
         pytest.skip("inline PTX (v3's 'sa' unpack) does not run under the Triton interpreter; it runs on CUDA")
     if impl in ("s", "sa"):  # one unpack of v3 (the config search would pick either)
-        config = (impl, 16, 32, 128, 4, 1) if INNER else (impl, 64, 64, 128, 4, 2)
+        # dots of K = 64 (four nibble tiles side by side) for s, K = 16 (one tile) for sa
+        config = (impl, 16, 32, 64, 4, 1) if INNER else (impl, 64, 64, 64 if impl == "s" else 16, 4, 2)
         monkeypatch.setattr(int4_moe, "INTERPRET_CONFIGS", [config])
         monkeypatch.setattr(int4_moe, "V3_CONFIGS", {"large": [config], "small": [config]})
         monkeypatch.setattr(int4_moe, "V3_DOWN_CONFIGS", {"large": [config], "small": [config]})
