@@ -93,6 +93,8 @@
 #   T5 (nvidia-h200-x2): v3 with dots of K = 32 / 64 (nibble tiles side by side: 4x fewer waits),
 #       bench-moe and bench-extract tp 1 at 16K on GPU 0, tp 2 at 16K on both (scaling against
 #       that tp 1), then tp 1 at 8K and 32K (the projection at the other lengths)
+#   T6 (nvidia-h200-x2): tp 2 at 16K with NCCL_PROTO unset / Simple / LL128 (T5's all-reduces ran
+#       the LL protocol), scaling against T5's tp 1 (.carry/extract_tp1_t5.json)
 set -u
 PHASE=$1; shift
 RES=/tmp/res_$PHASE; rm -rf "$RES"; mkdir -p "$RES"
@@ -388,6 +390,14 @@ T5)
   tail -1 "$RES/extract_tp2.log"
   CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/bench_extract.py --tokens 8192 32768 --no-write --reps 3 \
     --json "$RES/extract_tp1_8k_32k.json" > "$RES/extract_tp1_8k_32k.log" 2>&1; tail -2 "$RES/extract_tp1_8k_32k.log"
+  ;;
+T6)
+  for proto in default Simple LL128; do
+    env $([ $proto != default ] && echo NCCL_PROTO=$proto) timeout 110 torchrun --standalone --nproc-per-node 2 \
+      benchmarks/bench_extract.py --tokens 16384 --no-write --reps 3 --profile --baseline-json .carry/extract_tp1_t5.json \
+      --json "$RES/extract_tp2_$proto.json" > "$RES/extract_tp2_$proto.log" 2>&1
+    echo "$proto: $(tail -1 "$RES/extract_tp2_$proto.log")"; grep -m1 "ncclDevKernel" "$RES/extract_tp2_$proto.log" | cut -c1-80
+  done
   ;;
 S1)
   timeout 330 python3 benchmarks/bench_extract.py --tokens 8192 32768 --no-write --json "$RES/extract_tp1.json" \
