@@ -95,6 +95,8 @@
 #       that tp 1), then tp 1 at 8K and 32K (the projection at the other lengths)
 #   T6 (nvidia-h200-x2): tp 2 at 16K with NCCL_PROTO unset / Simple / LL128 (T5's all-reduces ran
 #       the LL protocol), scaling against T5's tp 1 (.carry/extract_tp1_t5.json)
+#   T7 (nvidia-h200-x2): attention's latent projections split over the ranks by tokens (as the
+#       router): the native model's tests on the GPUs, tp 1 at 16K on GPU 0, tp 2 twice
 set -u
 PHASE=$1; shift
 RES=/tmp/res_$PHASE; rm -rf "$RES"; mkdir -p "$RES"
@@ -397,6 +399,17 @@ T6)
       benchmarks/bench_extract.py --tokens 16384 --no-write --reps 3 --profile --baseline-json .carry/extract_tp1_t5.json \
       --json "$RES/extract_tp2_$proto.json" > "$RES/extract_tp2_$proto.log" 2>&1
     echo "$proto: $(tail -1 "$RES/extract_tp2_$proto.log")"; grep -m1 "ncclDevKernel" "$RES/extract_tp2_$proto.log" | cut -c1-80
+  done
+  ;;
+T7)
+  timeout 120 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_native_model.py > "$RES/gpu_tests.log" 2>&1
+  tail -1 "$RES/gpu_tests.log"
+  CUDA_VISIBLE_DEVICES=0 timeout 80 python3 benchmarks/bench_extract.py --tokens 16384 --no-write --reps 3 --profile \
+    --json "$RES/extract_tp1.json" > "$RES/extract_tp1.log" 2>&1; tail -1 "$RES/extract_tp1.log"
+  for run in a b; do
+    timeout 100 torchrun --standalone --nproc-per-node 2 benchmarks/bench_extract.py --tokens 16384 --no-write --reps 3 \
+      --profile --baseline-json "$RES/extract_tp1.json" --json "$RES/extract_tp2_$run.json" > "$RES/extract_tp2_$run.log" 2>&1
+    tail -1 "$RES/extract_tp2_$run.log"
   done
   ;;
 S1)

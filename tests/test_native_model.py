@@ -208,16 +208,16 @@ def test_split_rows_gives_every_rank_all_rows_each_computed_once(tmp_path, n):
     assert torch.equal(torch.cat(seen), torch.arange(n)), seen
 
 
-def test_split_router_matches_transformers_to_fp32_rounding(checkpoints, tmp_path, monkeypatch):
-    """Routing split over the ranks (forced down to one token; normally from 1024 tokens): each
-    rank routes its rows and the weights and ids are gathered. The fp32 router GEMM sums in an
-    order that depends on its row count, so the match is to fp32 rounding, and the greedy tokens
-    and the ranks' states are identical."""
-    monkeypatch.setenv("EAGLEFORGE_ROUTER_SPLIT_MIN_TOKENS", "1")  # read by the spawned ranks
+def test_split_rows_match_transformers_to_fp32_rounding(checkpoints, tmp_path, monkeypatch):
+    """Per-token work split over the ranks (forced down to one token; normally from 1024 tokens):
+    each rank routes its rows and computes their attention latents (q_a, kv_a and their norms),
+    and the outputs are gathered. A GEMM may sum in an order that depends on its row count, so
+    the match is to fp32 rounding, and the greedy tokens and the ranks' states are identical."""
+    monkeypatch.setenv("EAGLEFORGE_SPLIT_ROWS_MIN_TOKENS", "1")  # read by the spawned ranks
     path, input_ids, aux, normed, greedy = checkpoints["k25_yarn"]
     results = run_world(path, 2, input_ids, tmp_path)
     for (layout, rank), (tensors, _) in results.items():
-        assert_matches_reference(tensors, aux, normed, greedy, f"split router {layout} rank {rank}/2", tol=1e-5)
+        assert_matches_reference(tensors, aux, normed, greedy, f"split rows {layout} rank {rank}/2", tol=1e-5)
         assert torch.equal(tensors["aux"], results[layout, 0][0]["aux"]), "ranks disagree"
 
 

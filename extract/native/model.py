@@ -303,19 +303,29 @@ class MLA(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(args.kv_lora_rank, heads * kv_unit, tp, dtype, what, unit=kv_unit)
         self.o_proj = RowParallelLinear(heads * args.v_head_dim, H, tp, dtype, what, reduce=True, unit=args.v_head_dim)
         self.scale = softmax_scale(args)
+        self.tp = tp
+
+    def latents(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The replicated (per-token, head-independent) part: x [N, H] -> normed kv latent
+        [N, kv_lora], the shared rope key before rope [N, rope], and with q_lora the normed q
+        latent [N, q_lora]."""
+        a = self.args
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, a.qk_rope_head_dim], -1)
+        out = (self.kv_a_layernorm(latent), k_rope)
+        return out + (self.q_a_layernorm(self.q_a_proj(x)),) if a.q_lora_rank else out
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         a, n = self.args, self.n_local_heads
-        B, T, _ = x.shape
-        if a.q_lora_rank:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        else:
-            q = self.q_proj(x)
+        B, T, H = x.shape
+        flat = x.reshape(B * T, H)
+        # each rank computes 1/tp of the tokens' latents, gathered (else every rank repeats them)
+        split = self.tp.split_rows if B * T >= SPLIT_ROWS_MIN_TOKENS else (lambda fn, rows: fn(rows))
+        kv_latent, k_rope, *q_latent = split(self.latents, flat)
+        q = self.q_b_proj(q_latent[0]) if a.q_lora_rank else self.q_proj(flat)
         q_nope, q_rope = q.view(B, T, n, a.qk_head_dim).split([a.qk_nope_head_dim, a.qk_rope_head_dim], -1)
-        # [B, T, H] -> latent [B, T, kv_lora] + one shared rope key [B, T, 1, rope]
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, a.qk_rope_head_dim], -1)
-        k_rope = apply_rope_interleaved(k_rope.unsqueeze(2), cos, sin)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, T, n, a.qk_nope_head_dim + a.v_head_dim)
+        # latent [B, T, kv_lora] + one shared rope key [B, T, 1, rope]
+        k_rope = apply_rope_interleaved(k_rope.view(B, T, 1, a.qk_rope_head_dim), cos, sin)
+        kv = self.kv_b_proj(kv_latent).view(B, T, n, a.qk_nope_head_dim + a.v_head_dim)
         k_nope, v = kv.split([a.qk_nope_head_dim, a.v_head_dim], -1)
         q = torch.cat([q_nope, apply_rope_interleaved(q_rope, cos, sin)], -1)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, n, -1)], -1)
@@ -416,12 +426,14 @@ class RoutedExperts(nn.Module):
 # else the loop below; "triton", "grouped_mm" (dequantize all, torch._grouped_mm) or "loop" force one.
 MOE_BACKEND = os.environ.get("EAGLEFORGE_MOE_BACKEND", "auto")
 
-# At tp > 1 and at least this many tokens, each rank routes 1/tp of them and the weights and ids
-# are all-gathered (the router is otherwise the same work on every rank: 2.55 ms of a ~48 ms
-# tp 2 MoE layer at 16K, 2026-11-30). The fp32 router GEMM's summation order depends on its
-# row count, so split routing matches the unsplit one to fp32 rounding, not bit for bit;
-# below the threshold (short batches, the float64 tests) every rank routes every token.
-ROUTER_SPLIT_MIN_TOKENS = int(os.environ.get("EAGLEFORGE_ROUTER_SPLIT_MIN_TOKENS", "1024"))
+# At tp > 1 and at least this many tokens, the per-token work that every rank would otherwise
+# repeat is split over the ranks by tokens and its outputs all-gathered (TensorParallel.split_rows):
+# the router (2.55 ms of a ~48 ms tp 2 MoE layer at 16K, 2026-11-30) and attention's latent
+# projections q_a / kv_a with their norms (the part of attention that did not shrink with tp: 86%
+# scaling at tp 2 where the experts had 99%). A GEMM's summation order may depend on its row
+# count, so the split matches the unsplit forward to rounding, not bit for bit; below the
+# threshold (short batches, the float64 tests) every rank computes every token.
+SPLIT_ROWS_MIN_TOKENS = int(os.environ.get("EAGLEFORGE_SPLIT_ROWS_MIN_TOKENS", "1024"))
 
 
 def routed_experts_forward(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: RoutedExperts,
@@ -507,7 +519,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [B*T, H]
-        if flat.shape[0] >= ROUTER_SPLIT_MIN_TOKENS:
+        if flat.shape[0] >= SPLIT_ROWS_MIN_TOKENS:
             weights, ids = self.tp.split_rows(self.gate, flat)  # each rank routes 1/tp of the tokens
         else:
             weights, ids = self.gate(flat)
