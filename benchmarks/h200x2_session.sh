@@ -97,6 +97,9 @@
 #       the LL protocol), scaling against T5's tp 1 (.carry/extract_tp1_t5.json)
 #   T7 (nvidia-h200-x2): attention's latent projections split over the ranks by tokens (as the
 #       router): the native model's tests on the GPUs, tp 1 at 16K on GPU 0, tp 2 twice
+#   T8 (nvidia-h200-x2, the last ~350 s): tp 2 at 16K with the row splits off (router and latents
+#       on every rank) and on, back to back in one call (T7's runs differed from T5's by as much
+#       as the change is worth)
 set -u
 PHASE=$1; shift
 RES=/tmp/res_$PHASE; rm -rf "$RES"; mkdir -p "$RES"
@@ -410,6 +413,14 @@ T7)
     timeout 100 torchrun --standalone --nproc-per-node 2 benchmarks/bench_extract.py --tokens 16384 --no-write --reps 3 \
       --profile --baseline-json "$RES/extract_tp1.json" --json "$RES/extract_tp2_$run.json" > "$RES/extract_tp2_$run.log" 2>&1
     tail -1 "$RES/extract_tp2_$run.log"
+  done
+  ;;
+T8)
+  for split in off on; do
+    env $([ $split = off ] && echo EAGLEFORGE_SPLIT_ROWS_MIN_TOKENS=1000000000) timeout 75 torchrun --standalone \
+      --nproc-per-node 2 benchmarks/bench_extract.py --tokens 16384 --no-write --reps 5 --json "$RES/extract_tp2_$split.json" \
+      > "$RES/extract_tp2_$split.log" 2>&1
+    echo "split $split: $(tail -1 "$RES/extract_tp2_$split.log" | cut -c1-200)"
   done
   ;;
 S1)
