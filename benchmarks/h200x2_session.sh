@@ -100,6 +100,8 @@
 #   T8 (nvidia-h200-x2, the last ~350 s): tp 2 at 16K with the row splits off (router and latents
 #       on every rank) and on, back to back in one call (T7's runs differed from T5's by as much
 #       as the change is worth)
+#   T9 (nvidia-h200-x2, the last ~250 s): tp 2 at 16K with the row-parallel all-reduces in two
+#       overlapped row halves off and on, back to back
 set -u
 PHASE=$1; shift
 RES=/tmp/res_$PHASE; rm -rf "$RES"; mkdir -p "$RES"
@@ -421,6 +423,14 @@ T8)
       --nproc-per-node 2 benchmarks/bench_extract.py --tokens 16384 --no-write --reps 5 --json "$RES/extract_tp2_$split.json" \
       > "$RES/extract_tp2_$split.log" 2>&1
     echo "split $split: $(tail -1 "$RES/extract_tp2_$split.log" | cut -c1-200)"
+  done
+  ;;
+T9)
+  for ov in off on; do
+    env $([ $ov = off ] && echo EAGLEFORGE_OVERLAP_MIN_ROWS=1000000000) timeout 70 torchrun --standalone \
+      --nproc-per-node 2 benchmarks/bench_extract.py --tokens 16384 --no-write --reps 5 --json "$RES/extract_tp2_$ov.json" \
+      > "$RES/extract_tp2_$ov.log" 2>&1
+    echo "overlap $ov: $(tail -1 "$RES/extract_tp2_$ov.log" | cut -c1-200)"
   done
   ;;
 S1)

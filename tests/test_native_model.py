@@ -211,9 +211,12 @@ def test_split_rows_gives_every_rank_all_rows_each_computed_once(tmp_path, n):
 def test_split_rows_match_transformers_to_fp32_rounding(checkpoints, tmp_path, monkeypatch):
     """Per-token work split over the ranks (forced down to one token; normally from 1024 tokens):
     each rank routes its rows and computes their attention latents (q_a, kv_a and their norms),
-    and the outputs are gathered. A GEMM may sum in an order that depends on its row count, so
-    the match is to fp32 rounding, and the greedy tokens and the ranks' states are identical."""
+    and the outputs are gathered; and the row-parallel linears' all-reduces in two row halves
+    (forced down to 2 rows; normally from 4096), the first overlapping the second's GEMM. A GEMM
+    may sum in an order that depends on its row count, so the match is to fp32 rounding, and the
+    greedy tokens and the ranks' states are identical."""
     monkeypatch.setenv("EAGLEFORGE_SPLIT_ROWS_MIN_TOKENS", "1")  # read by the spawned ranks
+    monkeypatch.setenv("EAGLEFORGE_OVERLAP_MIN_ROWS", "2")
     path, input_ids, aux, normed, greedy = checkpoints["k25_yarn"]
     results = run_world(path, 2, input_ids, tmp_path)
     for (layout, rank), (tensors, _) in results.items():
