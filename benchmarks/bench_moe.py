@@ -7,7 +7,7 @@ process, all on the SAME weights: random INT4 experts, dequantized to bf16 for t
     grouped_mm_bf16           anchor (b): sort by expert + torch._grouped_mm, bf16 (speed of light)
     int4_v1                   the first Triton W4A16 kernel as measured on 2026-11-29 (impl="v1")
     int4_v1m                  v1 with the conversion-free unpack (impl="v1m")
-    int4_v3                   ours now: one K = 16 dot per nibble position, conversion-free unpack
+    int4_v3                   ours now: dots over side-by-side nibble tiles, conversion-free unpack
                               (impl="v3"; "auto" takes it where H and I are multiples of 128)
     int4_dequant_grouped_mm   dequantize all experts to bf16 per call, then grouped_mm
     *_experts_only            routed experts alone, routing precomputed
@@ -114,7 +114,7 @@ def aot_report(configs=None) -> dict:
                 consts.update(BLOCK_M=bm, BLOCK_K=bk, MAGIC=impl == "v1m")
             else:
                 kern = int4_moe._int4_moe_v3_kernel
-                consts.update(BLOCK_T=bm, PERMUTE_N=gate_up, ASM=impl == "sa")
+                consts.update(BLOCK_T=bm, PERMUTE_N=gate_up, ASM=impl == "sa", NIB=bk // 16)
             sig = {n: ("constexpr" if n in consts else ptr_types.get(n, "*bf16") if n.endswith("_ptr") else "i32") for n in kern.arg_names}
             attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kern.arg_names)
                      if n not in consts and (n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K"))}
@@ -139,7 +139,8 @@ def aot_report(configs=None) -> dict:
                 if m and int(m.group(1), 16) < a and (loop is None or a - int(m.group(1), 16) > loop[1] - loop[0]):
                     loop = (int(m.group(1), 16), a)
             n_loop = sum(1 for a in addr if loop and loop[0] <= a <= loop[1])
-            mma_clk = 2 * bm * bn * bk * (2 if kernel_name == "gate_up" else 1) / 4096
+            k_step = bk if impl in ("v1", "v1m") else 128  # columns per loop step (v3: 128, in 128 / bk dots)
+            mma_clk = 2 * bm * bn * k_step * (2 if kernel_name == "gate_up" else 1) / 4096
             res = dict(re.findall(r"(REG|STACK):(\d+)", usage))
             out[key] = {"regs": int(res.get("REG", 0)), "spill_stack_bytes": int(res.get("STACK", 0)), "shared_bytes": k.metadata.shared,
                         "loop_instructions_per_thread": n_loop, "issue_over_mma": round(n_loop * warps / 4 / mma_clk, 2)}

@@ -4,10 +4,10 @@ Math, per token n with router ids e_1..e_k and weights w_1..w_k (DESIGN section 
 
     h_nj = silu(x_n @ Wg[e_j].T) * (x_n @ Wu[e_j].T)          [I]
     y_n  = sum_j w_j * (h_nj @ Wd[e_j].T)                        [H]
-    W[o, i] = (nibble(o, i) - 8) * scale[o, i // 32]             INT4 "pack-quantized"
+    W[o, i] = (nibble(o, i) - 8) * scale[o, i // G]              INT4 "pack-quantized", group G (Kimi: 32)
 
 Weights stay packed: int32 [E, out, in/8] (eight nibbles per word, column 8j+n in nibble n) and
-bf16 scales [E, out, in/32]. Three implementations, same numbers up to bf16 rounding:
+bf16 scales [E, out, in/G]. Three implementations, same numbers up to bf16 rounding:
 
 - `moe_reference`: plain torch, one expert at a time, dequantize then matmul, any dtype (float64
   in tests). The ground truth.
@@ -24,9 +24,10 @@ bf16 scales [E, out, in/32]. Three implementations, same numbers up to bf16 roun
   optional [N, H] such as the shared expert, one rounding; deterministic, no atomics).
   impl="v3" (the default where H and I are multiples of 128): per 128 columns each weight row's
   16 packed words are loaded once and nibble position n (n = 0..7) becomes its own [BN, 16] tile,
-  unpacked elementwise without an int -> float conversion (the bf16 magic number 0x4300), in a
-  dot of K = 16 against A's columns permuted to match (permute_k128 on x; the gate+up kernel
-  writes h already permuted). impl="v1" is the first version (measured 2026-11-29: 57.2 ms at 16K
+  unpacked elementwise without an int -> float conversion (the bf16 magic number 0x4300; in
+  inline PTX on sm_90), and NIB of them side by side make one dot of K = 16 NIB against A's
+  columns permuted to match (permute_k128 on x; the gate+up kernel writes h already permuted).
+  impl="v1m" is v1 with that unpack (auto's choice where v3's shapes do not fit). impl="v1" is the first version (measured 2026-11-29: 57.2 ms at 16K
   tokens on the H200): words [BN, BK/8] unpacked through a 3-D reshape, nibble -> int -> fp32,
   fp32 scale, round to bf16 (two conversions per weight, at 16 per clock per SM). A second
   version with an interleave-tree unpack did not compile in Triton 3.6 ("Illegal shared layout")
@@ -366,7 +367,8 @@ if HAS_TRITON:
         elif NIB == 4:
             return _cat_columns(_cat_columns(tiles[n], tiles[n + 1]), _cat_columns(tiles[n + 2], tiles[n + 3]))
         else:
-            return _cat_columns(_cat_columns(_cat_columns(tiles[0], tiles[1]), _cat_columns(tiles[2], tiles[3])),
+            tl.static_assert(NIB == 8, "NIB must be 1, 2, 4 or 8")
+        return _cat_columns(_cat_columns(_cat_columns(tiles[0], tiles[1]), _cat_columns(tiles[2], tiles[3])),
                                 _cat_columns(_cat_columns(tiles[4], tiles[5]), _cat_columns(tiles[6], tiles[7])))
 
     @triton.jit
@@ -396,13 +398,15 @@ if HAS_TRITON:
         GATHER_A: tl.constexpr, GATE_UP: tl.constexpr, SCATTER_C: tl.constexpr, DOT_DTYPE: tl.constexpr,
         PERMUTE_N: tl.constexpr, ASM: tl.constexpr, NIB: tl.constexpr,
     ):
-        """v3: C^T [BN, BT] = W [BN, K] @ A^T [K, BT], one dot of K = 16 per nibble position.
+        """v3: C^T [BN, BT] = W [BN, K] @ A^T [K, BT], one dot of K = 16 NIB per NIB nibble positions.
 
         Per 128 columns at k0 the [BN, 16] packed words of each weight row are loaded once; nibble
         n of word j is column k0 + 8j + n, so the eight nibble tiles [BN, 16] (n = 0..7) hold the
         column sets {k0 + 8j + n : j < 16}; A's columns come permuted the same way (permute_k128:
         A column k0 + 16n + j holds column k0 + 8j + n), so nibble tile n meets the contiguous A
-        slice [k0 + 16n, k0 + 16n + 16) in a dot of K = 16. The unpack is elementwise on the words
+        slice [k0 + 16n, k0 + 16n + 16); NIB consecutive tiles side by side (_concat_tiles) meet
+        [k0 + 16n, k0 + 16(n + NIB)) in one dot of K = 16 NIB (each dot waits for its wgmma:
+        fewer, larger dots wait less). The unpack is elementwise on the words
         (no reshape, no shuffle), so Triton builds it directly in the registers of wgmma's left
         operand: the weights sit on the MMA's M side (BN rows), the tokens on its N side (BT,
         16-256 wide), read from shared memory. ASM: the unpack in inline PTX, two nibbles per
@@ -537,8 +541,15 @@ def _launch(config, a, a_rows, b, s, b2, s2, c, c_rows, c_scale, table, gather, 
     if impl in ("v1", "v1m"):
         _int4_grouped_gemm_kernel[grid](*args, BLOCK_M=block_m, BLOCK_K=block_k, MAGIC=impl == "v1m", **common)
     else:  # v3: the gate+up kernel writes h in the permuted column order the down kernel reads
+        if block_k not in (16, 32, 64, 128):
+            raise ValueError(f"int4_moe v3: config {config}: the K of a dot (BLOCK_K) must be 16, 32, 64 or 128")
         _int4_moe_v3_kernel[grid](*args, _word_group_table(common["GROUP"], b.device), BLOCK_T=block_m, PERMUTE_N=gate_up,
-                                  ASM=impl == "sa", NIB=block_k // 16, **common)
+                                  ASM=impl == "sa" and _has_bf16x2_math(b.device), NIB=block_k // 16, **common)
+
+
+def _has_bf16x2_math(device: torch.device) -> bool:
+    """The "sa" unpack's sub/mul.rn.bf16x2 need sm_90; below, "sa" configs run the Triton-ops unpack."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 _WORD_GROUPS: dict = {}
@@ -554,7 +565,8 @@ def _word_group_table(group: int, device: torch.device) -> torch.Tensor:
 
 def _compile_errors():
     errors = (triton.runtime.errors.OutOfResources, triton.compiler.errors.CompilationError)
-    return errors + (RuntimeError,)  # ptxas failures and driver errors surface as RuntimeError
+    ptxas = getattr(triton.runtime.errors, "PTXASError", None)  # Triton 3.x: not a RuntimeError
+    return errors + ((ptxas,) if ptxas else ()) + (RuntimeError,)  # driver errors surface as RuntimeError
 
 
 def _pick_config(name: str, configs: list, key: tuple, run) -> tuple:
@@ -586,8 +598,9 @@ def _pick_config(name: str, configs: list, key: tuple, run) -> tuple:
     return _CHOSEN[full_key]
 
 
-def _v1_configs(impl: str, configs: list, block_m: int, k_dim: int) -> list:
-    usable = [(impl, block_m) + c for c in configs if k_dim % c[1] == 0 and c[1] % GROUP_SIZE == 0]
+def _v1_configs(impl: str, configs: list, block_m: int, k_dim: int, group: int) -> list:
+    """v1's candidates whose BLOCK_K divides K and covers whole scale groups."""
+    usable = [(impl, block_m) + c for c in configs if k_dim % c[1] == 0 and c[1] % group == 0]
     return usable[:4]  # each candidate costs a compile on first use
 
 
@@ -604,6 +617,11 @@ def _check(x, weights, ids, gate_packed, gate_scale, up_packed, up_scale, down_p
     for name, packed, scale in (("gate", gate_packed, gate_scale), ("up", up_packed, up_scale), ("down", down_packed, down_scale)):
         if packed.dtype != torch.int32 or scale.shape[:2] != packed.shape[:2] or not packed.is_contiguous() or not scale.is_contiguous():
             problems.append(f"{name}: packed {packed.dtype} {tuple(packed.shape)}, scale {tuple(scale.shape)} (int32, same [E, out], contiguous)")
+        in_features = packed.shape[2] * PACK_FACTOR
+        if scale.dtype != torch.bfloat16 or scale.dim() != 3 or scale.shape[2] < 1 or in_features % scale.shape[2]:
+            problems.append(f"{name}: scale {scale.dtype} {tuple(scale.shape)} (bf16, [E, out, groups] with groups dividing {in_features})")
+    if up_scale.shape != gate_scale.shape:
+        problems.append(f"up scale {tuple(up_scale.shape)} vs gate scale {tuple(gate_scale.shape)} (the same groups expected)")
     if ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
         problems.append(f"ids {tuple(ids.shape)} / weights {tuple(weights.shape)} vs x {tuple(x.shape)}")
     if problems:
@@ -644,7 +662,7 @@ def int4_moe(x, weights, ids, gate_packed, gate_scale, up_packed, up_scale, down
     experts contribute nothing (the combine skips them). `impl`:
       "v1"   the first kernel as measured on 2026-11-29 (int -> fp32 -> bf16 unpack), kept for comparison;
       "v1m"  the same kernel with the conversion-free unpack (the same values);
-      "v3"   one K = 16 dot per nibble position (H and I multiples of 128, a scale group dividing 128);
+      "v3"   dots of K = 16-128 over side-by-side nibble tiles (H and I multiples of 128, a group dividing 128);
       "auto" v3 where it fits, else v1m (on the H200, 2026-11-30 T3: v3 1.7x v1m at 4K tokens, 1.17x at 16K).
     Each impl times its own launch configs once per shape. Needs CUDA, or CPU tensors under
     TRITON_INTERPRET=1.
@@ -662,7 +680,7 @@ def int4_moe(x, weights, ids, gate_packed, gate_scale, up_packed, up_scale, down
         raise ValueError(f"int4_moe: impl = {impl!r}, expected 'auto', 'v1', 'v1m' or 'v3'")
     if impl == "v3" and not v3_fits:
         raise ValueError(f"int4_moe: v3 needs hidden {H} and intermediate {I} to be multiples of 128 and a scale "
-                         f"group dividing 128 (got {group}); impl='v1m' takes multiples of 64")
+                         f"group of 8-128 dividing 128 (got {group}); impl='v1m' takes multiples of its BLOCK_K (32-128)")
     return _int4_moe_with(impl, *args, add=add)
 
 
@@ -674,7 +692,7 @@ def _int4_moe_with(impl, x, weights, ids, gate_packed, gate_scale, up_packed, up
     group = H // gate_scale.shape[2]
     for dim, what in ((H, "hidden size"), (I, "intermediate size")):
         if dim % 64 and not INTERPRET:
-            raise ValueError(f"int4_moe: {what} {dim} is not a multiple of 64 (BLOCK_K of every config)")
+            raise ValueError(f"int4_moe: {what} {dim} is not a multiple of 64 (every launch config needs it)")
     x = permute_k128(x) if impl == "v3" else x.contiguous()  # [N, H]: v3 meets the columns in nibble order
     rows = N * k
     order, counts = sort_by_expert(ids, E, expert_start)
@@ -701,9 +719,12 @@ def _int4_moe_with(impl, x, weights, ids, gate_packed, gate_scale, up_packed, up
 
     if impl != "v3":
         block_m = choose_block_m(rows, E)
-        gu_configs, dn_configs = _v1_configs(impl, V1_GATE_UP_CONFIGS, block_m, H), _v1_configs(impl, V1_DOWN_CONFIGS, block_m, I)
+        down_group = I // down_scale.shape[2]
+        gu_configs = _v1_configs(impl, V1_GATE_UP_CONFIGS, block_m, H, group)
+        dn_configs = _v1_configs(impl, V1_DOWN_CONFIGS, block_m, I, down_group)
         if not gu_configs or not dn_configs:
-            raise ValueError(f"int4_moe: hidden {H} / intermediate {I} are not multiples of a v1 BLOCK_K")
+            raise ValueError(f"int4_moe: hidden {H} / intermediate {I} with scale groups {group} / {down_group}: no {impl} "
+                             f"BLOCK_K (32, 64 or 128) divides the dims and is a multiple of the group")
         key = block_m
     else:
         key = size_bucket(rows, E)

@@ -34,16 +34,17 @@ INNER = os.environ.get("EAGLEFORGE_TRITON_INNER") == "1"
 HAS_CUDA = torch.cuda.is_available()
 
 
-def make_experts(E: int, I: int, H: int, seed: int, device="cpu"):
-    """Random INT4 experts: (packed/scale tensors dict, float64 dequantized gate, up, down)."""
+def make_experts(E: int, I: int, H: int, seed: int, device="cpu", group: int = 32):
+    """Random INT4 experts, scale groups of `group` inputs: (packed/scale tensors dict, float64
+    dequantized gate, up, down)."""
     g = torch.Generator().manual_seed(seed)
     out, dense = {}, {}
     for proj, (rows, cols) in {"gate": (I, H), "up": (I, H), "down": (H, I)}.items():
         q = torch.randint(-8, 8, (E, rows, cols), generator=g, dtype=torch.int8)
-        scale = (torch.rand(E, rows, cols // 32, generator=g) * 0.04 + 0.01).to(torch.bfloat16)
+        scale = (torch.rand(E, rows, cols // group, generator=g) * 0.04 + 0.01).to(torch.bfloat16)
         out[f"{proj}_packed"] = torch.stack([pack_to_int32(q[e], 4) for e in range(E)]).to(device)
         out[f"{proj}_scale"] = scale.to(device)
-        dense[proj] = q.double() * scale.double().repeat_interleave(32, dim=-1)  # W[o, i] = q * scale[o, i // 32]
+        dense[proj] = q.double() * scale.double().repeat_interleave(group, dim=-1)  # W[o, i] = q * scale[o, i // group]
     return out, dense
 
 
@@ -121,42 +122,51 @@ def test_rejects_bad_shapes():
     ids, weights = routing(4, 2, 3, empty=(), seed=0)
     with pytest.raises(ValueError, match="hidden 64"):
         int4_moe._check(x, weights, ids, *args_of(packs))
+    x = torch.randn(4, 96, dtype=torch.bfloat16)
+    args = args_of(packs)
+    args[1] = args[1].half()  # gate scale in fp16: the PTX unpack would read it as bf16
+    with pytest.raises(ValueError, match="gate: scale torch.float16"):
+        int4_moe._check(x, weights, ids, *args)
+    args = args_of(packs)
+    args[3] = args[3].repeat_interleave(3, -1)[..., :1].contiguous()  # up: one group of 96, gate: three of 32
+    with pytest.raises(ValueError, match="up scale"):
+        int4_moe._check(x, weights, ids, *args)
 
 
 # ---------------------------------------------------------------------------- Triton
 
 
 def _triton_cases(impl: str):
-    # (N, k, E, I, H, empty experts, EP range)
+    # (N, k, E, I, H, empty experts, EP range, scale group, v3's K per dot)
     if impl in ("v1", "v1m"):
         return [
-            (13, 3, 7, 64, 96, (2,), (0, 7)),  # 3 groups along H; expert 2 has no token
-            (29, 4, 9, 96, 64, (0, 8), (0, 9)),  # down's K = 96: groups straddle BLOCK_K 64
-            (17, 2, 8, 64, 128, (5,), (3, 8)),  # EP: this rank owns experts 3..7 of 8
-            (1, 1, 3, 32, 32, (), (0, 3)),  # one token, one group
+            (13, 3, 7, 64, 96, (2,), (0, 7), 32, None),  # 3 groups along H; expert 2 has no token
+            (29, 4, 9, 96, 64, (0, 8), (0, 9), 32, None),  # down's K = 96: groups straddle BLOCK_K 64
+            (17, 2, 8, 64, 128, (5,), (3, 8), 32, None),  # EP: this rank owns experts 3..7 of 8
+            (1, 1, 3, 32, 32, (), (0, 3), 32, None),  # one token, one group
+            (11, 2, 5, 128, 128, (1,), (0, 5), 64, None),  # groups of 64
         ]
-    return [  # v3 works in blocks of 128 columns
-        (13, 3, 7, 128, 256, (2,), (0, 7)),  # two 128-blocks along H; expert 2 has no token
-        (29, 4, 9, 256, 128, (0, 8), (0, 9)),  # two blocks along I (the permuted h spans both)
-        (17, 2, 8, 128, 384, (5,), (3, 8)),  # EP: this rank owns experts 3..7 of 8
-        (1, 1, 3, 128, 128, (), (0, 3)),  # one token, one block
+    return [  # v3 works in blocks of 128 columns; each case another K per dot (NIB 4, 2, 1, 8)
+        (13, 3, 7, 128, 256, (2,), (0, 7), 32, 64),  # two 128-blocks along H; expert 2 has no token
+        (29, 4, 9, 256, 128, (0, 8), (0, 9), 16, 32),  # two blocks along I (the permuted h spans both); groups of 16
+        (17, 2, 8, 128, 384, (5,), (3, 8), 64, 16),  # EP: this rank owns experts 3..7 of 8; groups of 64
+        (1, 1, 3, 128, 128, (), (0, 3), 128, 128),  # one token, one block, one group per block
     ]
 
 
 TRITON_IMPLS = ["v1", "v1m", "s", "sa"]  # v1m: v1 with the conversion-free unpack; s, sa: v3 (sa: inline-PTX unpack)
-TRITON_CASES = [(impl, case) for impl in TRITON_IMPLS for case in _triton_cases(impl)]
+TRITON_CASES = [(impl, case) for impl in TRITON_IMPLS for case in _triton_cases(impl)] + [("auto", _triton_cases("s")[0])]
 
 
 @pytest.mark.skipif(not (INNER or HAS_CUDA), reason="runs in the TRITON_INTERPRET=1 subprocess (test_triton_interpreted) or on CUDA")
-@pytest.mark.parametrize("impl,case", TRITON_CASES, ids=lambda c: c if isinstance(c, str) else f"N{c[0]}k{c[1]}E{c[2]}I{c[3]}H{c[4]}ep{c[6][0]}")
+@pytest.mark.parametrize("impl,case", TRITON_CASES, ids=lambda c: c if isinstance(c, str) else f"N{c[0]}k{c[1]}E{c[2]}I{c[3]}H{c[4]}ep{c[6][0]}g{c[7]}K{c[8]}")
 def test_triton_matches_formula(impl, case, monkeypatch):
-    N, k, E, I, H, empty, (lo, hi) = case
+    N, k, E, I, H, empty, (lo, hi), group, dot_k = case
     device = "cuda" if HAS_CUDA and not INNER else "cpu"
     if impl == "sa" and INNER:
         pytest.skip("inline PTX (v3's 'sa' unpack) does not run under the Triton interpreter; it runs on CUDA")
-    if impl in ("s", "sa"):  # one unpack of v3 (the config search would pick either)
-        # dots of K = 64 (four nibble tiles side by side) for s, K = 16 (one tile) for sa
-        config = (impl, 16, 32, 64, 4, 1) if INNER else (impl, 64, 64, 64 if impl == "s" else 16, 4, 2)
+    if impl in ("s", "sa", "auto"):  # one unpack and one K per dot of v3 (auto: v3 on these shapes)
+        config = ("s" if impl == "auto" else impl, 16 if INNER else 64, 32 if INNER else 64, dot_k, 4, 1 if INNER else 2)
         monkeypatch.setattr(int4_moe, "INTERPRET_CONFIGS", [config])
         monkeypatch.setattr(int4_moe, "V3_CONFIGS", {"large": [config], "small": [config]})
         monkeypatch.setattr(int4_moe, "V3_DOWN_CONFIGS", {"large": [config], "small": [config]})
@@ -164,11 +174,11 @@ def test_triton_matches_formula(impl, case, monkeypatch):
     if device == "cuda" and (H % 64 or I % 64):
         pytest.skip("the CUDA configs need dims that are multiples of 64 (BLOCK_K; int4_moe refuses others); "
                     "these shapes run under the Triton interpreter on machines without CUDA")
-    packs, dense = make_experts(E, I, H, seed=N)
+    packs, dense = make_experts(E, I, H, seed=N, group=group)
     ids, weights = routing(N, k, E, empty, seed=N)
     x = torch.randn(N, H, generator=torch.Generator().manual_seed(N)).to(torch.bfloat16)
     got = int4_moe.int4_moe(x.to(device), weights.to(device), ids.to(device), *[t.to(device) for t in args_of(packs, lo, hi)],
-                            expert_start=lo, impl=impl if impl in ("v1", "v1m") else "v3")
+                            expert_start=lo, impl=impl if impl in ("v1", "v1m", "auto") else "v3")
     want = formula(x, weights, ids, dense, lo, hi)
     assert got.dtype == torch.float32 and got.shape == (N, H)
     assert rel_err(got, want) < 1.5e-2, rel_err(got, want)

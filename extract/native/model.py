@@ -323,7 +323,7 @@ class MLA(nn.Module):
         kv_latent, k_rope, *q_latent = split(self.latents, flat)
         q = self.q_b_proj(q_latent[0]) if a.q_lora_rank else self.q_proj(flat)
         q_nope, q_rope = q.view(B, T, n, a.qk_head_dim).split([a.qk_nope_head_dim, a.qk_rope_head_dim], -1)
-        # latent [B, T, kv_lora] + one shared rope key [B, T, 1, rope]
+        # normed kv latent [B*T, kv_lora] + one shared rope key, here [B, T, 1, rope]
         k_rope = apply_rope_interleaved(k_rope.view(B, T, 1, a.qk_rope_head_dim), cos, sin)
         kv = self.kv_b_proj(kv_latent).view(B, T, n, a.qk_nope_head_dim + a.v_head_dim)
         k_nope, v = kv.split([a.qk_nope_head_dim, a.v_head_dim], -1)

@@ -90,9 +90,10 @@ class TensorParallel:
     def split_rows(self, fn, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """fn(x) for a row-wise fn returning a tuple of [N, ...] tensors, each rank computing
         only its 1/size of the N rows, the results all-gathered (every rank ends with all N):
-        for per-token work that the ranks would otherwise all repeat (the router). One
+        for per-token work that the ranks would otherwise all repeat (the router, attention's
+        q_a/kv_a latents). One
         collective for all outputs (their bytes side by side), and the bytes gathered are the
-        outputs' (the router's [N, k] weights and ids), not x's."""
+        outputs' (the router's [N, k] weights and ids, attention's latents), not x's."""
         if self.size == 1:
             return fn(x)
         n = x.shape[0]
