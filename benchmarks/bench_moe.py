@@ -124,6 +124,7 @@ def aot_report(configs=None) -> dict:
                                    options=dict(num_warps=warps, num_stages=stages))
             except Exception as err:  # noqa: BLE001 - a report, not a guard: any compiler failure is printed
                 out[key] = {"error": str(err)[-300:]}
+                log.warning("%s: %s", key, str(err)[:2000])
                 continue
             path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"bench_moe_aot_{os.getpid()}.cubin")
             with open(path, "wb") as f:

@@ -368,7 +368,7 @@ if HAS_TRITON:
             return _cat_columns(_cat_columns(tiles[n], tiles[n + 1]), _cat_columns(tiles[n + 2], tiles[n + 3]))
         else:
             tl.static_assert(NIB == 8, "NIB must be 1, 2, 4 or 8")
-        return _cat_columns(_cat_columns(_cat_columns(tiles[0], tiles[1]), _cat_columns(tiles[2], tiles[3])),
+            return _cat_columns(_cat_columns(_cat_columns(tiles[0], tiles[1]), _cat_columns(tiles[2], tiles[3])),
                                 _cat_columns(_cat_columns(tiles[4], tiles[5]), _cat_columns(tiles[6], tiles[7])))
 
     @triton.jit
