@@ -117,6 +117,17 @@ export PYTHONPATH=/tmp/site:$PWD
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . > "$RES/install.log" 2>&1
 nvidia-smi -L; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__)'
 finish() { tar czf "$OUT/$PHASE.tgz" -C "$RES" . ; ls -la "$RES"; }
+# tp2_off_on VAR SECONDS: tp 2 at 16K (5 reps) with the feature VAR gates switched off (VAR set
+# past any batch), then on (the default), back to back in one call
+tp2_off_on() {
+  local var=$1 seconds=$2 mode
+  for mode in off on; do
+    env $([ $mode = off ] && echo "$var=1000000000") timeout "$seconds" torchrun --standalone --nproc-per-node 2 \
+      benchmarks/bench_extract.py --tokens 16384 --no-write --reps 5 --json "$RES/extract_tp2_$mode.json" \
+      > "$RES/extract_tp2_$mode.log" 2>&1
+    echo "$var $mode: $(tail -1 "$RES/extract_tp2_$mode.log" | cut -c1-200)"
+  done
+}
 # train_run RUN SECONDS [overrides...]: extract + vocab + train of configs/smollm2_gpu.yaml into
 # runs/RUN under a time limit; a run cut by it exports its last checkpoint. The logs and summaries
 # go to $RES/RUN/, the draft's weights to $OUT/RUN_model.part.* (the tool's per-file limit).
@@ -417,22 +428,8 @@ T7)
     tail -1 "$RES/extract_tp2_$run.log"
   done
   ;;
-T8)
-  for split in off on; do
-    env $([ $split = off ] && echo EAGLEFORGE_SPLIT_ROWS_MIN_TOKENS=1000000000) timeout 75 torchrun --standalone \
-      --nproc-per-node 2 benchmarks/bench_extract.py --tokens 16384 --no-write --reps 5 --json "$RES/extract_tp2_$split.json" \
-      > "$RES/extract_tp2_$split.log" 2>&1
-    echo "split $split: $(tail -1 "$RES/extract_tp2_$split.log" | cut -c1-200)"
-  done
-  ;;
-T9)
-  for ov in off on; do
-    env $([ $ov = off ] && echo EAGLEFORGE_OVERLAP_MIN_ROWS=1000000000) timeout 70 torchrun --standalone \
-      --nproc-per-node 2 benchmarks/bench_extract.py --tokens 16384 --no-write --reps 5 --json "$RES/extract_tp2_$ov.json" \
-      > "$RES/extract_tp2_$ov.log" 2>&1
-    echo "overlap $ov: $(tail -1 "$RES/extract_tp2_$ov.log" | cut -c1-200)"
-  done
-  ;;
+T8) tp2_off_on EAGLEFORGE_SPLIT_ROWS_MIN_TOKENS 75 ;;
+T9) tp2_off_on EAGLEFORGE_OVERLAP_MIN_ROWS 70 ;;
 S1)
   timeout 330 python3 benchmarks/bench_extract.py --tokens 8192 32768 --no-write --json "$RES/extract_tp1.json" \
     > "$RES/extract_tp1.log" 2>&1; tail -2 "$RES/extract_tp1.log"

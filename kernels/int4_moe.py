@@ -161,7 +161,22 @@ def tile_table(counts: torch.Tensor, num_local: int, block_m: int, num_rows: int
 
 # ---------------------------------------------------------------------------- Triton kernels
 
+# v3's PTX unpack of one word ($8) with its scale ($9) into the eight bf16 weights $0..$7: for
+# shift 4i, nibbles i and i + 4 land in the two halves of t as 128 + nibble (0x4300 | nibble),
+# then t - 136 (exact) and t * scale (rounded once), split into outputs i and i + 4.
+_UNPACK_PAIR = """
+            {shift}lop3.b32 t, {src}, 0x000f000f, 0x43004300, 0xea;
+            sub.rn.bf16x2 t, t, c;
+            mul.rn.bf16x2 t, t, s2;
+            mov.b32 {{${lo}, ${hi}}}, t;"""
+_UNPACK_PTX_TEXT = ("{ .reg .b32 t, w, s2, c; mov.b32 s2, {$9, $9}; mov.b32 c, 0x43084308;"
+                    + "".join(_UNPACK_PAIR.format(shift=f"shr.u32 w, $8, {4 * i}; " if i else "", src="w" if i else "$8",
+                                                  lo=i, hi=i + 4) for i in range(4))
+                    + "\n}")
+
+
 if HAS_TRITON:
+    _UNPACK_PTX = tl.constexpr(_UNPACK_PTX_TEXT)
 
     @triton.jit
     def _dequant_tile(words, scale, shifts, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
@@ -300,32 +315,7 @@ if HAS_TRITON:
         the word's scale (rounded once) give both weights.
         """
         return tl.inline_asm_elementwise(
-            asm="""
-            {
-            .reg .b32 t, w, s2, c;
-            mov.b32 s2, {$9, $9};
-            mov.b32 c, 0x43084308;
-            lop3.b32 t, $8, 0x000f000f, 0x43004300, 0xea;
-            sub.rn.bf16x2 t, t, c;
-            mul.rn.bf16x2 t, t, s2;
-            mov.b32 {$0, $4}, t;
-            shr.u32 w, $8, 4;
-            lop3.b32 t, w, 0x000f000f, 0x43004300, 0xea;
-            sub.rn.bf16x2 t, t, c;
-            mul.rn.bf16x2 t, t, s2;
-            mov.b32 {$1, $5}, t;
-            shr.u32 w, $8, 8;
-            lop3.b32 t, w, 0x000f000f, 0x43004300, 0xea;
-            sub.rn.bf16x2 t, t, c;
-            mul.rn.bf16x2 t, t, s2;
-            mov.b32 {$2, $6}, t;
-            shr.u32 w, $8, 12;
-            lop3.b32 t, w, 0x000f000f, 0x43004300, 0xea;
-            sub.rn.bf16x2 t, t, c;
-            mul.rn.bf16x2 t, t, s2;
-            mov.b32 {$3, $7}, t;
-            }
-            """,
+            asm=_UNPACK_PTX,
             constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,h",
             args=[words, scale_w],
             dtype=(tl.bfloat16,) * 8,
