@@ -207,20 +207,26 @@ def test_permute_k128_and_impl_choice():
 
 @pytest.mark.skipif(INNER, reason="compiles, does not run: outside the interpreter subprocess")
 @pytest.mark.parametrize("kernel,impl,dot_k,warps,stages", [("gate_up", "sa", 64, 4, 3), ("gate_up", "s", 128, 4, 2),
-                                                          ("down", "sa", 32, 4, 2), ("down", "s", 16, 4, 3)])
-def test_v3_kernel_builds_for_sm90(kernel, impl, dot_k, warps, stages):
-    """The v3 kernel compiled ahead of time for sm_90 (no GPU needed: Triton's own ptxas), as the
-    configs launch it. The interpreter runs the kernel as Python and does not see compile-time
-    errors (a branch returning two shapes once passed every interpreted test and failed here)."""
+                                                          ("down", "sa", 32, 4, 2), ("down", "s", 16, 4, 3),
+                                                          ("gate_up", "v1m", 64, 8, 3), ("down", "v1", 128, 4, 3)])
+def test_moe_kernels_build_for_sm90(kernel, impl, dot_k, warps, stages):
+    """The v3 and v1 kernels compiled ahead of time for sm_90 (no GPU needed: Triton's own ptxas),
+    as the configs launch them (dot_k: v3's K per dot, v1's BLOCK_K). The interpreter runs a
+    kernel as Python and does not see compile-time errors (a branch returning two shapes once
+    passed every interpreted test and failed here)."""
     triton = pytest.importorskip("triton")
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     gate_up = kernel == "gate_up"
-    kern = int4_moe._int4_moe_v3_kernel
-    consts = dict(GROUP=32, BLOCK_N=64, BLOCK_T=128, GATHER_A=gate_up, GATE_UP=gate_up, SCATTER_C=not gate_up,
-                  DOT_DTYPE=tl.bfloat16, PERMUTE_N=gate_up, ASM=impl == "sa", NIB=dot_k // 16)
+    consts = dict(GROUP=32, BLOCK_N=64, GATHER_A=gate_up, GATE_UP=gate_up, SCATTER_C=not gate_up, DOT_DTYPE=tl.bfloat16)
+    if impl in ("v1", "v1m"):
+        kern = int4_moe._int4_grouped_gemm_kernel
+        consts.update(BLOCK_M=128, BLOCK_K=dot_k, MAGIC=impl == "v1m")
+    else:
+        kern = int4_moe._int4_moe_v3_kernel
+        consts.update(BLOCK_T=128, PERMUTE_N=gate_up, ASM=impl == "sa", NIB=dot_k // 16)
     ints = {"b_ptr", "b2_ptr", "a_rows_ptr", "c_rows_ptr", "tile_expert_ptr", "tile_begin_ptr", "tile_end_ptr", "word_group_ptr"}
     sig = {n: "constexpr" if n in consts else ("*i32" if n in ints else "*fp32" if n == "c_scale_ptr" else "*bf16")
            if n.endswith("_ptr") else "i32" for n in kern.arg_names}
