@@ -653,7 +653,7 @@ def int4_moe(x, weights, ids, gate_packed, gate_scale, up_packed, up_scale, down
       "v1"   the first kernel as measured on 2026-11-29 (int -> fp32 -> bf16 unpack), kept for comparison;
       "v1m"  the same kernel with the conversion-free unpack (the same values);
       "v3"   dots of K = 16-128 over side-by-side nibble tiles (H and I multiples of 128, a group dividing 128);
-      "auto" v3 where it fits, else v1m (on the H200, 2026-11-30 T3: v3 1.7x v1m at 4K tokens, 1.17x at 16K).
+      "auto" v3 where it fits, else v1m (on the H200, 2026-11-30 T5: v3 1.93x v1m at 4K tokens, 1.36x at 16K).
     Each impl times its own launch configs once per shape. Needs CUDA, or CPU tensors under
     TRITON_INTERPRET=1.
     """
