@@ -214,10 +214,9 @@ def test_moe_kernels_build_for_sm90(kernel, impl, dot_k, warps, stages):
     as the configs launch them (dot_k: v3's K per dot, v1's BLOCK_K). The interpreter runs a
     kernel as Python and does not see compile-time errors (a branch returning two shapes once
     passed every interpreted test and failed here)."""
-    triton = pytest.importorskip("triton")
+    pytest.importorskip("triton")
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from triton_build import build_sm90
 
     gate_up = kernel == "gate_up"
     consts = dict(GROUP=32, BLOCK_N=64, GATHER_A=gate_up, GATE_UP=gate_up, SCATTER_C=not gate_up, DOT_DTYPE=tl.bfloat16)
@@ -227,12 +226,21 @@ def test_moe_kernels_build_for_sm90(kernel, impl, dot_k, warps, stages):
     else:
         kern = int4_moe._int4_moe_v3_kernel
         consts.update(BLOCK_T=128, PERMUTE_N=gate_up, ASM=impl == "sa", NIB=dot_k // 16)
-    ints = {"b_ptr", "b2_ptr", "a_rows_ptr", "c_rows_ptr", "tile_expert_ptr", "tile_begin_ptr", "tile_end_ptr", "word_group_ptr"}
-    sig = {n: "constexpr" if n in consts else ("*i32" if n in ints else "*fp32" if n == "c_scale_ptr" else "*bf16")
-           if n.endswith("_ptr") else "i32" for n in kern.arg_names}
-    compiled = triton.compile(ASTSource(kern, sig, consts), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=warps, num_stages=stages))
+    ints = ("b_ptr", "b2_ptr", "a_rows_ptr", "c_rows_ptr", "tile_expert_ptr", "tile_begin_ptr", "tile_end_ptr", "word_group_ptr")
+    compiled = build_sm90(kern, consts, {**dict.fromkeys(ints, "*i32"), "c_scale_ptr": "*fp32"}, num_warps=warps, num_stages=stages)
     assert compiled.asm["cubin"] and "wgmma" in compiled.asm["ptx"]
+
+
+@pytest.mark.skipif(INNER, reason="compiles, does not run: outside the interpreter subprocess")
+@pytest.mark.parametrize("out_dtype", ["*fp32", "*bf16"])
+def test_combine_kernel_builds_for_sm90(out_dtype):
+    """The slot combine as combine_slots launches it (Kimi: k 8, H 7168 in blocks of 1024)."""
+    pytest.importorskip("triton")
+    from triton_build import build_sm90
+
+    compiled = build_sm90(int4_moe._combine_slots_kernel, dict(K=8, HAS_ADD=True, BLOCK_H=1024),
+                          {"inv_ptr": "*i32", "out_ptr": out_dtype}, num_warps=4)
+    assert compiled.asm["cubin"]
 
 
 @pytest.mark.skipif(not (INNER or HAS_CUDA), reason="runs in the TRITON_INTERPRET=1 subprocess (test_triton_interpreted) or on CUDA")

@@ -417,3 +417,19 @@ def test_transposed_inputs_and_second_order_refused():
     with pytest.raises(RuntimeError, match="once_differentiable|does not require grad|second"):
         grad.sum().backward()
 
+
+
+@pytest.mark.skipif(INNER, reason="compiles, does not run: outside the interpreter subprocess")
+@pytest.mark.parametrize("has_tidx", [False, True], ids=["own_teacher", "shared_teacher"])
+def test_triton_kernels_build_for_sm90(has_tidx):
+    """The row pass and the teacher lse compiled for sm_90 as they launch at Vd = 32000 (no GPU
+    needed; the interpreter does not see compile-time errors)."""
+    pytest.importorskip("triton")
+    from triton_build import build_sm90
+
+    block, warps = soft_ce._launch_config(32000)
+    rows = build_sm90(soft_ce._soft_ce_rows_kernel, dict(BLOCK=block, HAS_TIDX=has_tidx),
+                      {"tidx_ptr": "*i32" if has_tidx else "*fp32", "tlse_ptr": "*fp32", "w_ptr": "*fp32",
+                       "loss_ptr": "*fp32", "argmax_ptr": "*i64"}, num_warps=warps)
+    lse = build_sm90(soft_ce._row_lse_kernel, dict(BLOCK=block), {"out_ptr": "*fp32"}, num_warps=warps)
+    assert rows.asm["cubin"] and lse.asm["cubin"]
