@@ -61,7 +61,6 @@ except ImportError:  # pragma: no cover - depends on the machine
     HAS_TRITON = False
 
 PACK_FACTOR = 8  # 4-bit values per int32
-GROUP_SIZE = 32  # input columns sharing one scale
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -498,7 +497,7 @@ def choose_block_m(rows: int, num_local: int) -> int:
     """
     if INTERPRET:
         return 16
-    return 128 if rows >= 192 * num_local else 64
+    return 128 if size_bucket(rows, num_local) == "large" else 64
 
 
 def size_bucket(rows: int, num_local: int) -> str:
@@ -709,7 +708,7 @@ def _int4_moe_with(impl, x, weights, ids, gate_packed, gate_scale, up_packed, up
 
     if impl != "v3":
         block_m = choose_block_m(rows, E)
-        down_group = I // down_scale.shape[2]
+        down_group = I // down_scale.shape[2]  # its own group; v3 takes only gate's (checked by int4_moe)
         gu_configs = _v1_configs(impl, V1_GATE_UP_CONFIGS, block_m, H, group)
         dn_configs = _v1_configs(impl, V1_DOWN_CONFIGS, block_m, I, down_group)
         if not gu_configs or not dn_configs:
@@ -722,7 +721,7 @@ def _int4_moe_with(impl, x, weights, ids, gate_packed, gate_scale, up_packed, up
         if INTERPRET:  # small tiles: the interpreter runs every program in numpy
             gu_configs = dn_configs = INTERPRET_CONFIGS
     gate_up(_pick_config(f"{impl}_gate_up", gu_configs, (I, H, group, key), gate_up))
-    down(_pick_config(f"{impl}_down", dn_configs, (H, I, group, key), down))
+    down(_pick_config(f"{impl}_down", dn_configs, (H, I, I // down_scale.shape[2], key), down))
     return combine_slots(y, inverse_local_order(order, counts, E), k, add, out_dtype)  # [N, H]
 
 

@@ -319,8 +319,7 @@ class MLA(nn.Module):
         B, T, H = x.shape
         flat = x.reshape(B * T, H)
         # each rank computes 1/tp of the tokens' latents, gathered (else every rank repeats them)
-        split = self.tp.split_rows if B * T >= SPLIT_ROWS_MIN_TOKENS else (lambda fn, rows: fn(rows))
-        kv_latent, k_rope, *q_latent = split(self.latents, flat)
+        kv_latent, k_rope, *q_latent = self.tp.split_rows(self.latents, flat, min_rows=SPLIT_ROWS_MIN_TOKENS)
         q = self.q_b_proj(q_latent[0]) if a.q_lora_rank else self.q_proj(flat)
         q_nope, q_rope = q.view(B, T, n, a.qk_head_dim).split([a.qk_nope_head_dim, a.qk_rope_head_dim], -1)
         # normed kv latent [B*T, kv_lora] + one shared rope key, here [B, T, 1, rope]
@@ -519,10 +518,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [B*T, H]
-        if flat.shape[0] >= SPLIT_ROWS_MIN_TOKENS:
-            weights, ids = self.tp.split_rows(self.gate, flat)  # each rank routes 1/tp of the tokens
-        else:
-            weights, ids = self.gate(flat)
+        weights, ids = self.tp.split_rows(self.gate, flat, min_rows=SPLIT_ROWS_MIN_TOKENS)  # each rank routes 1/tp of the tokens
         # routed (fp32 sum over slots) + shared, rounded once to x's dtype; one pass on the GPU
         y = routed_experts_forward(flat, weights, ids, self.experts, add=self.shared_experts(flat), out_dtype=x.dtype)
         return self.reduce(y).view(shape)

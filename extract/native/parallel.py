@@ -87,14 +87,14 @@ class TensorParallel:
         return parts
 
 
-    def split_rows(self, fn, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def split_rows(self, fn, x: torch.Tensor, min_rows: int = 0) -> tuple[torch.Tensor, ...]:
         """fn(x) for a row-wise fn returning a tuple of [N, ...] tensors, each rank computing
         only its 1/size of the N rows, the results all-gathered (every rank ends with all N):
         for per-token work that the ranks would otherwise all repeat (the router, attention's
         q_a/kv_a latents). One
         collective for all outputs (their bytes side by side), and the bytes gathered are the
         outputs' (the router's [N, k] weights and ids, attention's latents), not x's."""
-        if self.size == 1:
+        if self.size == 1 or x.shape[0] < min_rows:  # below min_rows every rank computes every row
             return fn(x)
         n = x.shape[0]
         per = -(-n // self.size)  # rows per rank, the last ranks' padded
