@@ -30,6 +30,7 @@ import math
 import logging
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -45,6 +46,7 @@ from eagleforge.extract.capture import HiddenStateCapture  # noqa: E402
 from eagleforge.extract.native import model as native_model  # noqa: E402
 from eagleforge.extract.native.bench_model import build_bench_model, kimi_args, tiny_args  # noqa: E402
 from eagleforge.extract.native.plan import plan_memory  # noqa: E402
+from eagleforge.extract.native import parallel as native_parallel  # noqa: E402
 from eagleforge.extract.native.parallel import init_parallel, shutdown  # noqa: E402
 from eagleforge.extract.writer import OverlappedWriter, fp8_error  # noqa: E402
 
@@ -268,6 +270,33 @@ def project_full_model(r: dict, T: int, gpus: int, tp: int, efficiency_1_to_2: f
     return out
 
 
+# Switches the interleaved A/B (--ab-off) may turn off: module globals read at each call.
+AB_SWITCHES = {"split_rows": (native_model, "SPLIT_ROWS_MIN_TOKENS"), "overlap_halves": (native_parallel, "OVERLAP_MIN_ROWS")}
+
+
+def ab_forward(model, state, T: int, switch: str, rounds: int, reps: int) -> dict:
+    """Forward-only ms with `switch` on (its default) and off, INTERLEAVED: `rounds` rounds of
+    (on, off), each `reps` pipelined forwards, so the machine's drift over the run (about 3% between
+    runs of the tp 2 forward on 2026-11-30) falls on both alike. Off = its threshold set past any batch."""
+    module, name = AB_SWITCHES[switch]
+    default = getattr(module, name)
+    ids = torch.randint(0, model.args.vocab_size, (1, T), generator=torch.Generator().manual_seed(T)).to(state.device)
+    times = {"on": [], "off": []}
+    try:
+        with torch.inference_mode():
+            for _ in range(rounds):
+                for mode in ("on", "off"):
+                    setattr(module, name, default if mode == "on" else 1 << 62)
+                    times[mode].append(pipelined_ms(lambda: model(ids), state.device, 1, reps))
+    finally:
+        setattr(module, name, default)
+    med = {m: statistics.median(v) for m, v in times.items()}
+    return {"switch": switch, "T": T, "rounds_ms": {m: [round(t, 2) for t in v] for m, v in times.items()},
+            "median_on_ms": round(med["on"], 2), "median_off_ms": round(med["off"], 2),
+            "on_vs_off": round(med["on"] / med["off"] - 1, 4),
+            "rounds_on_faster": sum(a < b for a, b in zip(times["on"], times["off"]))}
+
+
 def summary(res: dict, tokens: list) -> None:
     """One line per T: the numbers issue 6 asks for."""
     print(f"tp {res['tp']}, {res['layers']} layers, matmul {res['matmul_TFLOPs']} TFLOP/s, {res['device']}")
@@ -301,6 +330,9 @@ def main(argv=None) -> dict:
     p.add_argument("--no-write", action="store_true", help="skip the disk-writing mode (capture + copy still run)")
     p.add_argument("--cpu-check", action="store_true", help="toy shapes on the CPU (gloo under torchrun)")
     p.add_argument("--profile", action="store_true", help="also print the kernels of one MoE layer (rank 0)")
+    p.add_argument("--ab-off", choices=sorted(AB_SWITCHES), default=None,
+                   help="only an interleaved A/B of the forward with this switch on and off (see ab_forward)")
+    p.add_argument("--ab-rounds", type=int, default=6)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if int(os.environ.get("RANK", "0")) == 0 else logging.WARNING, format="%(message)s")
@@ -324,6 +356,14 @@ def main(argv=None) -> dict:
         if state.device.type == "cuda":
             res["memory_GiB_after_build"] = round(torch.cuda.memory_allocated() / 2**30, 2)
         log.info("%s", res)
+        if a.ab_off:
+            res["ab"] = [ab_forward(model, state, T, a.ab_off, a.ab_rounds, a.reps) for T in tokens]
+            if state.is_main:
+                print(json.dumps(res["ab"]))
+                if a.json:
+                    with open(a.json, "w") as f:
+                        json.dump(res, f, indent=1)
+            return res
         baseline = None
         if a.baseline_json:
             with open(a.baseline_json) as f:

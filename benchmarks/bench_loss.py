@@ -280,6 +280,54 @@ def ttt_fix(ttt_w, rows):
     return w
 
 
+def profile_ttt(tokens, hidden, vocab, steps, chunk, device, dtype, timer) -> dict:
+    """Where one packed TTT call (forward + backward) spends its GPU time: the kernels by total
+    time (printed), and each of a packed chunk's GEMMs timed alone at its own shape with its
+    TFLOP/s (the grad-head addmm with beta 1, as the loop runs it after the first chunk, and with
+    beta 0: the difference is the cost of reading the bf16 accumulator back)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    hd, wd, ht, wt, hds = make_inputs(tokens, hidden, vocab, steps, device, dtype)
+    ttt_w = torch.ones(steps, tokens, device=device) / tokens
+    for j in range(steps):
+        ttt_w[j, tokens - 1 - j:] = 0
+
+    def call():
+        loss, _, _ = soft_ce.fused_soft_cross_entropy_ttt(hds, wd, ht, wt, ttt_w, chunk_tokens=chunk, packed=True)
+        loss.backward()
+
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(2):
+        call()
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        call()
+        sync()
+    print(f"=== profile: one packed TTT call, T = {tokens}, chunk {chunk}, {steps} steps")
+    print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=25,
+                                    max_name_column_width=90))
+    t_chunk = chunk // steps
+    p = t_chunk * steps
+    h, z, g, acc = hds[0][:p].detach(), torch.empty(p, vocab, device=device, dtype=dtype), \
+        torch.empty(p, hidden, device=device, dtype=dtype), torch.zeros(vocab, hidden, device=device, dtype=dtype)
+    tb = torch.empty(t_chunk, vocab, device=device, dtype=dtype)
+    w = wd.detach()
+    gemms = {
+        f"teacher [{t_chunk},H] x [H,Vd]": (lambda: torch.mm(ht[:t_chunk], wt.T, out=tb), t_chunk),
+        f"draft logits [{p},H] x [H,Vd]": (lambda: torch.mm(h, w.T, out=z), p),
+        f"grad hidden [{p},Vd] x [Vd,H]": (lambda: torch.mm(z, w, out=g), p),
+        f"grad head += [Vd,{p}] x [{p},H] (beta 1)": (lambda: acc.addmm_(z.T, h, beta=1.0), p),
+        f"grad head = [Vd,{p}] x [{p},H] (beta 0)": (lambda: acc.addmm_(z.T, h, beta=0.0), p),
+    }
+    out = {}
+    for name, (fn, rows) in gemms.items():
+        ms = timer.median_ms(fn)
+        out[name] = {"ms": round(ms, 3), "TFLOPs": round(2 * rows * hidden * vocab / ms / 1e9, 1)}
+        print(f"{name:<44} {ms:8.3f} ms {out[name]['TFLOPs']:7.1f} TFLOP/s")
+    return out
+
+
 def matmul_tflops(device, dtype, timer, size: int) -> float:
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
@@ -306,6 +354,8 @@ def main(argv=None) -> dict:
                         help="our TTT forms to time, side by side per chunk size")
     parser.add_argument("--ttt-only", action="store_true", help="time only our TTT rows (skip naive, Liger, single step)")
     parser.add_argument("--cpu-check", action="store_true", help="tiny shapes on the CPU, to check the script")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one packed TTT call at the first T and chunk, and time its GEMMs alone")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -340,6 +390,9 @@ def main(argv=None) -> dict:
         result[f"T={tokens}"] = table
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if args.profile:
+        result["profile_gemms"] = profile_ttt(args.tokens[0], args.hidden, args.vocab, args.steps, args.chunks[0], device,
+                                              dtype, timer)
     print(json.dumps(result, indent=1))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

@@ -1,0 +1,159 @@
+"""Issue 10's memory check: the planner's bytes per GPU against what the extraction loop uses.
+
+Builds the Kimi-shaped bench model (real K2.5 dimensions, `--layers` layers, random weights) at
+this run's tensor-parallel size in each expert layout asked for, and runs the extraction loop of
+extract/native/run.py on it: `forward_batch` (forward, capture of the aux layers and the final
+norm, the packed rows, the full-vocabulary argmax) and the overlapped writer (pinned copies on a
+side stream; a sink that drops them, so the disk plays no part). Per rank and batch size:
+
+  weights      memory allocated after the build            vs  plan.weights_bytes
+  activations  peak allocated in the loop minus the weights  vs  plan.components["activations"]
+  in use       device memory in use after the loop (CUDA context, NCCL, the allocator's cache,
+               i.e. what nvidia-smi shows)                  vs  plan.total_bytes (with the reserve)
+
+The activations of a layer do not depend on the depth, so a few layers check the planner's
+activation model of the full 61-layer model; its weights per GPU are checked against the
+parameters each rank builds in tests/test_native_run.py. With `--breakdown`, rank 0 also lists the
+blocks live at the peak of one forward by the source line that allocated them.
+
+    python3 benchmarks/check_plan.py --batch-tokens 8192 16384 32768 --json $OUT/plan_tp1.json
+    torchrun --nproc-per-node 2 benchmarks/check_plan.py --layouts ep tp --batch-tokens 16384 32768
+    python3 benchmarks/check_plan.py --cpu-check          # toy shapes on the CPU (checks the script)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _bench_common import import_eagleforge, memory_at_peak  # noqa: E402
+from bench_extract import NullSink  # noqa: E402  (the writer's sink that drops the host copies)
+
+import_eagleforge()
+from eagleforge.extract.capture import HiddenStateCapture  # noqa: E402
+from eagleforge.extract.native.bench_model import build_bench_model, kimi_args, tiny_args  # noqa: E402
+from eagleforge.extract.native.parallel import gather_objects, init_parallel, shutdown  # noqa: E402
+from eagleforge.extract.native.plan import GIB, plan_memory  # noqa: E402
+from eagleforge.extract.native.run import forward_batch  # noqa: E402
+from eagleforge.extract.writer import BatchRows, make_writer  # noqa: E402
+
+log = logging.getLogger("check_plan")
+
+
+def batches(vocab: int, batch_tokens: int, max_length: int, count: int, seed: int) -> list[list[list[int]]]:
+    """`count` batches, each of batch_tokens // max_length samples of max_length random ids (the
+    same on every rank: drawn on the CPU from `seed`)."""
+    gen = torch.Generator().manual_seed(seed)
+    per = max(1, batch_tokens // max_length)
+    return [[torch.randint(0, vocab, (max_length,), generator=gen).tolist() for _ in range(per)] for _ in range(count)]
+
+
+def run_loop(model, state, aux_layers: list[int], work: list[list[list[int]]]) -> None:
+    """The extraction loop of run.extract_chunk: forward each batch; the group leader submits it."""
+    writer = make_writer(NullSink(), overlap=True) if state.is_group_leader else None
+    with HiddenStateCapture(model.model.layers, aux_layers, model.model.norm) as capture:
+        for i, ids in enumerate(work):
+            packed = forward_batch(model, capture, ids, state.device, True, keep=writer is not None)
+            if writer is not None:
+                rows = [{"id": j, "input_ids": s, "loss_mask": [1] * len(s)} for j, s in enumerate(ids)]
+                writer.submit(packed, BatchRows(i, rows, list(range(len(ids)))))
+            del packed
+    if writer is not None:
+        writer.close()
+
+
+def measure(model, args, state, layout: str, aux_layers: list[int], batch_tokens: int, max_length: int,
+            reps: int, breakdown: bool) -> dict:
+    """One rank's measured bytes for one batch size, beside the planner's."""
+    cuda = state.device.type == "cuda"
+    plan = plan_memory(args, state.tp.size, layout, batch_tokens=batch_tokens, max_length=max_length,
+                       aux_layers=len(aux_layers))
+    work = batches(args.vocab_size, batch_tokens, max_length, reps, seed=batch_tokens)
+    r = {"rank": state.rank, "layout": layout, "batch_tokens": batch_tokens, "max_length": max_length,
+         "plan_weights_GiB": plan.weights_bytes / GIB, "plan_activations_GiB": plan.components["activations"] / GIB,
+         "plan_total_GiB": plan.total_bytes / GIB}
+    if cuda:
+        torch.cuda.synchronize()
+        weights = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    run_loop(model, state, aux_layers, work)
+    if not cuda:
+        return r
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    r.update(weights_GiB=weights / GIB, activations_GiB=(torch.cuda.max_memory_allocated() - weights) / GIB,
+             reserved_peak_GiB=torch.cuda.max_memory_reserved() / GIB, in_use_GiB=(total - free) / GIB)
+    if breakdown:
+        def one_forward():
+            with HiddenStateCapture(model.model.layers, aux_layers, model.model.norm) as capture:
+                forward_batch(model, capture, work[0], state.device, True)
+        r["breakdown"] = memory_at_peak(one_forward)
+    return r
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown rows: measured vs planned, error = planned / measured - 1."""
+    head = ("| tp | layout | batch tokens | rank | weights GiB (plan) | activations GiB (plan) | in use GiB (plan total) "
+            "| error: weights, activations, total |\n|---|---|---|---|---|---|---|---|")
+    out = [head]
+    for r in rows:
+        if "weights_GiB" not in r:
+            continue
+        err = [r[f"plan_{k}_GiB"] / r[m] - 1 for k, m in (("weights", "weights_GiB"), ("activations", "activations_GiB"),
+                                                            ("total", "in_use_GiB"))]
+        out.append(f"| {r['tp']} | {r['layout']} | {r['batch_tokens']} ({r['max_length']} per sample) | {r['rank']} | "
+                   f"{r['weights_GiB']:.2f} ({r['plan_weights_GiB']:.2f}) | {r['activations_GiB']:.2f} "
+                   f"({r['plan_activations_GiB']:.2f}) | {r['in_use_GiB']:.2f} ({r['plan_total_GiB']:.2f}) | "
+                   + ", ".join(f"{e:+.1%}" for e in err) + " |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--layouts", nargs="+", default=["ep"], choices=["ep", "tp"])
+    p.add_argument("--batch-tokens", type=int, nargs="+", default=[8192, 16384, 32768])
+    p.add_argument("--max-length", type=int, default=None, help="tokens per sample (default: one sample per batch)")
+    p.add_argument("--reps", type=int, default=3, help="batches per measurement")
+    p.add_argument("--breakdown", action="store_true", help="rank 0: the blocks live at one forward's peak, by line")
+    p.add_argument("--cpu-check", action="store_true", help="toy shapes on the CPU (gloo under torchrun)")
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if int(os.environ.get("RANK", "0")) == 0 else logging.WARNING, format="%(message)s")
+    state = init_parallel(int(os.environ.get("WORLD_SIZE", "1")), "cpu" if a.cpu_check else "cuda")
+    rows: list[dict] = []
+    try:
+        args = tiny_args(a.layers) if a.cpu_check else kimi_args(a.layers)
+        tokens = [64, 96] if a.cpu_check else a.batch_tokens
+        aux_layers = sorted({1, max(1, args.num_hidden_layers // 2), args.num_hidden_layers - 1})
+        for layout in a.layouts:
+            model = build_bench_model(args, state.device, tp=state.tp, layout=layout)
+            for T in tokens:
+                r = measure(model, args, state, layout, aux_layers, T, min(a.max_length or T, T), a.reps,
+                            a.breakdown and state.device.type == "cuda")
+                r["tp"] = state.tp.size
+                rows.extend(gather_objects(state, r))
+                if state.is_main and "breakdown" in r:
+                    log.info("peak of one forward, tp %d %s %d tokens: %s", state.tp.size, layout, T,
+                             json.dumps(r["breakdown"], indent=1))
+            del model
+            if state.device.type == "cuda":
+                torch.cuda.empty_cache()
+        if state.is_main:
+            print(table(rows))
+            if a.json:
+                with open(a.json, "w") as f:
+                    json.dump(rows, f, indent=1)
+    finally:
+        shutdown(state)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
