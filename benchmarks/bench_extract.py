@@ -377,7 +377,7 @@ def main(argv=None) -> dict:
                 if state.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats()
                 r = bench_length(model, args, state, T, a.reps, aux_layers, write_dir, res["matmul_TFLOPs"], a.profile)
-                plan = plan_memory(args, state.tp.size, "ep", batch_tokens=T, max_length=T, aux_layers=len(aux_layers))
+                plan = plan_memory(args, state.tp.size, "ep", batch_tokens=T, max_length=T, aux_layers=aux_layers)
                 r["planner_weights_plus_activations_GiB"] = round((plan.weights_bytes + plan.components["activations"]) / 2**30, 2)
                 if state.device.type == "cuda":
                     r["peak_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)

@@ -73,13 +73,14 @@ def measure(model, args, state, layout: str, aux_layers: list[int], batch_tokens
     """One rank's measured bytes for one batch size, beside the planner's."""
     cuda = state.device.type == "cuda"
     plan = plan_memory(args, state.tp.size, layout, batch_tokens=batch_tokens, max_length=max_length,
-                       aux_layers=len(aux_layers))
+                       aux_layers=aux_layers)
     work = batches(args.vocab_size, batch_tokens, max_length, reps, seed=batch_tokens)
     r = {"rank": state.rank, "layout": layout, "batch_tokens": batch_tokens, "max_length": max_length,
          "plan_weights_GiB": plan.weights_bytes / GIB, "plan_activations_GiB": plan.components["activations"] / GIB,
          "plan_total_GiB": plan.total_bytes / GIB}
     if cuda:
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the build's and earlier runs' cached blocks are not this loop's
         weights = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     run_loop(model, state, aux_layers, work)
@@ -88,7 +89,8 @@ def measure(model, args, state, layout: str, aux_layers: list[int], batch_tokens
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
     r.update(weights_GiB=weights / GIB, activations_GiB=(torch.cuda.max_memory_allocated() - weights) / GIB,
-             reserved_peak_GiB=torch.cuda.max_memory_reserved() / GIB, in_use_GiB=(total - free) / GIB)
+             allocated_peak_GiB=torch.cuda.max_memory_allocated() / GIB, reserved_peak_GiB=torch.cuda.max_memory_reserved() / GIB,
+             in_use_GiB=(total - free) / GIB, outside_allocator_GiB=(total - free - torch.cuda.memory_reserved()) / GIB)
     if breakdown:
         def one_forward():
             with HiddenStateCapture(model.model.layers, aux_layers, model.model.norm) as capture:
@@ -100,7 +102,8 @@ def measure(model, args, state, layout: str, aux_layers: list[int], batch_tokens
 def table(rows: list[dict]) -> str:
     """Markdown rows: measured vs planned, error = planned / measured - 1."""
     head = ("| tp | layout | batch tokens | rank | weights GiB (plan) | activations GiB (plan) | in use GiB (plan total) "
-            "| error: weights, activations, total |\n|---|---|---|---|---|---|---|---|")
+            "| error: weights, activations, total | reserved - allocated peak, outside the allocator GiB |\n"
+            "|---|---|---|---|---|---|---|---|---|")
     out = [head]
     for r in rows:
         if "weights_GiB" not in r:
@@ -110,7 +113,8 @@ def table(rows: list[dict]) -> str:
         out.append(f"| {r['tp']} | {r['layout']} | {r['batch_tokens']} ({r['max_length']} per sample) | {r['rank']} | "
                    f"{r['weights_GiB']:.2f} ({r['plan_weights_GiB']:.2f}) | {r['activations_GiB']:.2f} "
                    f"({r['plan_activations_GiB']:.2f}) | {r['in_use_GiB']:.2f} ({r['plan_total_GiB']:.2f}) | "
-                   + ", ".join(f"{e:+.1%}" for e in err) + " |")
+                   + ", ".join(f"{e:+.1%}" for e in err)
+                   + f" | {r['reserved_peak_GiB'] - r['allocated_peak_GiB']:.2f}, {r['outside_allocator_GiB']:.2f} |")
     return "\n".join(out)
 
 

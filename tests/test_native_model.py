@@ -208,6 +208,26 @@ def test_split_rows_gives_every_rank_all_rows_each_computed_once(tmp_path, n):
     assert torch.equal(torch.cat(seen), torch.arange(n)), seen
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_head_in_chunks_is_the_full_argmax_with_ties_to_the_lowest_id(dtype):
+    """VocabParallelHead.argmax reuses one [chunk, V] logits buffer: chunks of 1, 5 (a partial last
+    chunk of 3) and more than the rows give torch.argmax over the whole [N, V] logits, ties (two
+    equal head rows) going to the lower token id."""
+    from eagleforge.extract.native.parallel import VocabParallelHead
+
+    torch.manual_seed(3)
+    head = VocabParallelHead(37, 16, TensorParallel(), dtype)
+    with torch.no_grad():
+        head.weight.normal_()
+        head.weight[11] *= 4  # token 11 wins most rows
+        head.weight[30] = head.weight[11]  # and token 30 ties with it in every row: the lower id must win
+    hidden = torch.randn(23, 16, dtype=dtype)
+    full = (hidden @ head.weight.t()).argmax(-1)
+    assert (full == 11).sum() > 5
+    for chunk in (1, 5, 23, 1024):
+        assert torch.equal(head.argmax(hidden, chunk_tokens=chunk).long(), full), chunk
+
+
 def test_split_rows_match_transformers_to_fp32_rounding(checkpoints, tmp_path, monkeypatch):
     """Per-token work split over the ranks (forced down to one token; normally from 1024 tokens):
     each rank routes its rows and computes their attention latents (q_a, kv_a and their norms),

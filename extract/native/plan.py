@@ -12,10 +12,11 @@ refuses to start, saying by how much, when the largest rank's share does not fit
 Weights: what each rank holds (parallel.py): vocab-parallel embedding and head, heads split over
 tp, q_a/kv_a/norms/router replicated, dense and shared MLPs split, routed experts INT4 packed
 (0.5 byte per weight + a bf16 scale per 32) either as whole experts (ep, the rank with the most
-experts counts) or sliced along the intermediate dim (tp). Activations: an estimate for one
-forward of `extract.batch_tokens` tokens (the largest transient of a layer plus the residual
-stream and the captured states), and a fixed runtime reserve (CUDA context, NCCL buffers,
-allocator fragmentation).
+experts counts) or sliced along the intermediate dim (tp). Activations: the largest phase of one
+forward of `extract.batch_tokens` tokens (MoE, attention, dense MLP, the packing and greedy head
+at the end), counted tensor by tensor and checked on the GPU against the extraction loop
+(benchmarks/check_plan.py); and a fixed runtime reserve (CUDA context, NCCL buffers, allocator
+fragmentation).
 """
 
 from __future__ import annotations
@@ -25,17 +26,18 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 from ...config import Config, UserInputError, run_main
+from ...target import default_aux_layers
 from . import int4
 from .model import ATTENTION_CHUNK_TOKENS, ModelArgs
-from .parallel import split_range
+from .parallel import ARGMAX_CHUNK_TOKENS, split_range
 
 log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 RUNTIME_RESERVE_BYTES = 4 * GIB  # CUDA context ~0.6 GiB, NCCL ~1 GiB, allocator fragmentation
-ARGMAX_CHUNK_TOKENS = 1024
 GPU_SIZES_GB = {"96 GB (RTX PRO 6000)": 96e9, "141 GB (H200)": 141e9, "288 GB (B300)": 288e9}
 
 # DESIGN section 9 (Kimi-K2.5 text_config), used when target.path is not on this machine.
@@ -92,8 +94,10 @@ def _int4_bytes(rows: int, cols: int) -> int:
 
 
 def plan_memory(a: ModelArgs, tp: int, expert_layout: str, quantized: bool = True, dtype_bytes: int = 2,
-                batch_tokens: int = 8192, max_length: int = 2048, aux_layers: int = 3) -> MemoryPlan:
-    """Bytes per GPU by component for the rank holding the most (uneven expert ranges)."""
+                batch_tokens: int = 8192, max_length: int = 2048, aux_layers: int | Sequence[int] = 3) -> MemoryPlan:
+    """Bytes per GPU by component for the rank holding the most (uneven expert ranges).
+    aux_layers: the captured layer ids, or only their count (then planned as if apart and before
+    the last layer, the most a forward can hold)."""
     if a.num_attention_heads % tp:
         raise ValueError(f"num_attention_heads = {a.num_attention_heads} cannot be split over tp = {tp}")
     H, b = a.hidden_size, dtype_bytes
@@ -123,25 +127,54 @@ def plan_memory(a: ModelArgs, tp: int, expert_layout: str, quantized: bool = Tru
     return MemoryPlan(tp, expert_layout, c)
 
 
-def _activation_bytes(a: ModelArgs, tp: int, layout: str, b: int, T: int, max_length: int, k: int) -> int:
-    """Peak transient bytes of one forward of T tokens: residual + captured states + the largest layer part."""
+def _held_states(a: ModelArgs, aux_layers: int | Sequence[int], layers: range) -> int:
+    """The most [T, H] states the capture and the layer input hold at once in any of `layers`: at
+    layer l, the outputs of the aux layers before l, plus l's input unless that is one of them."""
+    if isinstance(aux_layers, int):
+        return aux_layers + 1
+    aux = set(aux_layers)
+    return max((sum(i < l for i in aux) + (l - 1 not in aux) for l in layers), default=0)
+
+
+def _activation_bytes(a: ModelArgs, tp: int, layout: str, b: int, T: int, max_length: int,
+                      aux_layers: int | Sequence[int]) -> int:
+    """Peak transient bytes of one forward of T tokens (extract.batch_tokens): the largest of the
+    forward's phases, counted from the tensors each phase holds (benchmarks/check_plan.py measures
+    them on the GPU with the extraction loop and lists the blocks live at the peak).
+
+    Every phase holds the captured aux states and the layer input, up to (k + 1) x [T, H] (the
+    capture keeps the layers' own outputs; the input of the layer after an aux layer is one of
+    them): `_held_states` counts them per phase from the aux layer ids.
+    - MoE, the peak on the GPU: the residual after attention, its norm, the shared expert's output,
+      the activations with permuted columns (INT4 kernel v3) and the combined output, 5 more
+      [T, H] (the input is freed once the residual is formed); the routed experts' intermediate
+      [T*k, I_local] and per-slot outputs [T*k, H], sized for every slot in both layouts (a rank
+      learns how many rows its experts get only on the GPU); the sort's index vectors.
+    - attention: the normed input, the latents, q before and after rope, the kv projection, k, the
+      output and o_proj's output (all of this rank's heads), and the fused kernel's row lse; on
+      the CPU in fp32 the math kernel's scores for one query chunk instead.
+    - dense MLP: gate, up, silu(gate) and the product [T, I/tp].
+    - the end: the padded aux states, the final norm and their packed copies, (2k + 2) x [T, H];
+      then the packed rows and the greedy head's one logits chunk.
+    """
     H, heads = a.hidden_size, a.num_attention_heads // tp
-    seq = min(max_length, T)
-    residual = 4 * T * H * b  # residual stream, normed input, block output, all-reduce buffer
-    captured = (k + 1) * T * H * b
-    qkv = T * heads * (2 * a.qk_head_dim + 2 * a.v_head_dim + a.qk_nope_head_dim + a.v_head_dim) * b
-    if b <= 2:  # bf16/fp16 on CUDA: a fused kernel in one call (model.prefill_attention); its row
-        # lse, plus v zero-padded to the q/k head dim where it falls back to FlashAttention-2
-        kernel = T * heads * 4 + T * heads * a.qk_head_dim * b
-    else:  # unfused (CPU, fp32): query chunks of the math kernel's fp32 scores, [rows, n, chunk, L]
-        kernel = T * min(seq, ATTENTION_CHUNK_TOKENS) * heads * 4  # T = rows x L
-    attention = qkv + kernel + T * ((a.q_lora_rank or 0) + a.kv_lora_rank) * b
+    nh = T * H * b  # one [T, H] tensor
+    k = aux_layers if isinstance(aux_layers, int) else len(aux_layers)
+    dense_layers, all_layers = range(a.first_k_dense_replace), range(a.num_hidden_layers)
+    moe_layers = range(a.first_k_dense_replace, a.num_hidden_layers)
     inter = a.moe_intermediate_size if layout == "ep" else a.moe_intermediate_size // tp
-    moe = T * a.n_routed_experts * 4 * 3 + T * H * (4 + b) + T * inter * b * 3 \
-        + 3 * H * inter * b + T * a.moe_intermediate_size * a.n_shared_experts // tp * b * 3
-    dense = T * (a.intermediate_size // tp) * b * 3
-    argmax = ARGMAX_CHUNK_TOKENS * math.ceil(a.vocab_size / tp) * 4 * 2
-    return residual + captured + max(attention, moe, dense, argmax)
+    slots = T * a.num_experts_per_tok
+    moe = _held_states(a, aux_layers, moe_layers) * nh + 5 * nh + slots * (inter + H) * b + slots * 20  # order int64, tokens/rows int32, weight fp32
+    latents = T * ((a.q_lora_rank or 0) + a.kv_lora_rank + a.qk_rope_head_dim) * b
+    per_head = 3 * a.qk_head_dim + (a.qk_nope_head_dim + a.v_head_dim) + a.v_head_dim  # q, q roped, k; kv; out
+    if b <= 2:  # bf16/fp16 on CUDA: one fused call (model.prefill_attention), linear in T
+        kernel = T * heads * 4
+    else:  # unfused (CPU, fp32): query chunks of the math kernel's fp32 scores [n, chunk, L]
+        kernel = T * min(min(max_length, T), ATTENTION_CHUNK_TOKENS) * heads * 4
+    attention = _held_states(a, aux_layers, all_layers) * nh + 2 * nh + latents + T * heads * per_head * b + kernel
+    dense = _held_states(a, aux_layers, dense_layers) * nh + 2 * nh + 4 * T * (a.intermediate_size // tp) * b
+    end = max((2 * k + 2) * nh, (k + 1) * nh + ARGMAX_CHUNK_TOKENS * math.ceil(a.vocab_size / tp) * b)
+    return max(moe, attention, dense, end)
 
 
 def format_plan(plan: MemoryPlan, gpu_bytes: float | None = None) -> str:
@@ -157,13 +190,14 @@ def format_plan(plan: MemoryPlan, gpu_bytes: float | None = None) -> str:
     return "\n".join(lines)
 
 
-def format_grid(a: ModelArgs, quantized: bool, dtype_bytes: int, batch_tokens: int, max_length: int, k: int) -> str:
+def format_grid(a: ModelArgs, quantized: bool, dtype_bytes: int, batch_tokens: int, max_length: int,
+                aux_layers: int | Sequence[int]) -> str:
     header = f"{'layout':<16}{'weights GiB':>12}{'total GiB':>11}" + "".join(f"{name:>24}" for name in GPU_SIZES_GB)
     lines = [header]
     for tp in (4, 8, 16):
         for layout in ("ep", "tp"):
             try:
-                plan = plan_memory(a, tp, layout, quantized, dtype_bytes, batch_tokens, max_length, k)
+                plan = plan_memory(a, tp, layout, quantized, dtype_bytes, batch_tokens, max_length, aux_layers)
             except ValueError as err:
                 lines.append(f"tp {tp:<3} {layout:<8} not possible: {err}")
                 continue
@@ -191,14 +225,15 @@ def _dtype_bytes(cfg: Config) -> int:
     return {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.target.dtype]
 
 
-def _aux_count(cfg: Config) -> int:
-    return len(cfg.extract.aux_layers) or 3
+def _aux_ids(cfg: Config, a: ModelArgs) -> list[int]:
+    """The aux layers extraction will capture (extract.aux_layers, else DESIGN's default)."""
+    return sorted(int(i) for i in cfg.extract.aux_layers) or default_aux_layers(a.num_hidden_layers)
 
 
 def check_fits(cfg: Config, a: ModelArgs, quantized: bool, gpu_bytes: int) -> MemoryPlan:
     """Raise UserInputError, naming the shortfall, when this layout does not fit `gpu_bytes`."""
     plan = plan_memory(a, cfg.target.tp, cfg.target.expert_layout, quantized, _dtype_bytes(cfg),
-                       cfg.extract.batch_tokens, cfg.data.max_length, _aux_count(cfg))
+                       cfg.extract.batch_tokens, cfg.data.max_length, _aux_ids(cfg, a))
     if plan.total_bytes > gpu_bytes:
         raise UserInputError(
             f"target.tp = {cfg.target.tp}, target.expert_layout = {cfg.target.expert_layout}: needs "
@@ -223,13 +258,13 @@ def main(cfg: Config) -> None:
         gpu_bytes = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
     try:
         plan = plan_memory(a, cfg.target.tp, cfg.target.expert_layout, quantized, _dtype_bytes(cfg),
-                           cfg.extract.batch_tokens, cfg.data.max_length, _aux_count(cfg))
+                           cfg.extract.batch_tokens, cfg.data.max_length, _aux_ids(cfg, a))
     except ValueError as err:
         raise UserInputError(f"target.tp = {cfg.target.tp}: {err}") from None
     print(f"\nconfigured layout, {cfg.extract.batch_tokens} tokens per forward:")
     print(format_plan(plan, gpu_bytes))
     print("\nall layouts (total incl. activations and reserve; +spare / -short in GiB):")
-    print(format_grid(a, quantized, _dtype_bytes(cfg), cfg.extract.batch_tokens, cfg.data.max_length, _aux_count(cfg)))
+    print(format_grid(a, quantized, _dtype_bytes(cfg), cfg.extract.batch_tokens, cfg.data.max_length, _aux_ids(cfg, a)))
 
 
 if __name__ == "__main__":

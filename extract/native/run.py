@@ -194,6 +194,7 @@ def forward_batch(model: DeepseekV3ForExtraction, capture: HiddenStateCapture, i
     # Unpadded rows by slicing (lengths are known on the host): no device sync.
     packed = {"aux_hidden_states": torch.cat([aux[b, :n] for b, n in enumerate(lengths)]),
               "last_hidden_state": torch.cat([last[b, :n] for b, n in enumerate(lengths)])}
+    del aux, last  # the padded copies are not needed by the argmax: its logits take their place
     if write_target_argmax:
         # a collective over the group's vocabulary shards: every rank calls it
         packed["target_argmax"] = model.greedy_tokens(packed["last_hidden_state"])  # [sum n]
