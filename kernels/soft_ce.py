@@ -115,17 +115,18 @@ def reference_soft_cross_entropy_ttt(
 
 
 def _rows_torch(logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_lse: torch.Tensor, weight: torch.Tensor,
-                teacher_index: torch.Tensor | None = None):
+                teacher_index: torch.Tensor | None = None, teacher_psum: torch.Tensor | None = None):
     """Torch row pass. logits [c, Vd] (overwritten with G in its dtype), teacher_logits [c, Vd]
     (or [c', Vd] with teacher_index [c] int32 naming each row's teacher row), teacher_lse [c]
-    fp32, weight [c] fp32 -> (weight * CE [c] fp32, argmax [c] int64).
+    fp32, weight [c] fp32, optionally teacher_psum [c] fp32 (S of each row, from `_lse_psum_*`,
+    else summed here) -> (weight * CE [c] fp32, argmax [c] int64).
     Rows with weight 0 give 0 loss and G = 0 whatever their inputs (no 0 * inf = nan)."""
     if teacher_index is not None:
         teacher_logits = teacher_logits[teacher_index.long()]  # [c, Vd]
     z = logits.float()  # [c, Vd]; a view when logits are fp32, G is built before it is written
     p = torch.exp(teacher_logits.float() - teacher_lse[:, None])  # [c, Vd]
     lse = torch.logsumexp(z, dim=-1)  # [c]
-    p_sum = p.sum(-1)  # [c]
+    p_sum = p.sum(-1) if teacher_psum is None else teacher_psum  # [c]
     ce = -(p * (z - lse[:, None])).sum(-1)  # [c]
     argmax = z.argmax(-1)
     keep = weight != 0
@@ -140,18 +141,27 @@ def _lse_torch(teacher_logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(teacher_logits.float(), dim=-1)
 
 
+def _lse_psum_torch(teacher_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[c, Vd] -> (lse [c] fp32, S = sum_v exp(t_v - lse) [c] fp32): the teacher's side of the row
+    pass, once per teacher row for all the TTT steps that share it."""
+    t = teacher_logits.float()
+    lse = torch.logsumexp(t, dim=-1)
+    return lse, torch.exp(t - lse[:, None]).sum(-1)
+
+
 if HAS_TRITON:
 
     @triton.jit
     def _soft_ce_rows_kernel(
-        z_ptr, t_ptr, tidx_ptr, tlse_ptr, w_ptr, loss_ptr, argmax_ptr,
+        z_ptr, t_ptr, tidx_ptr, tlse_ptr, psum_ptr, w_ptr, loss_ptr, argmax_ptr,
         z_stride, t_stride, vocab,
-        BLOCK: tl.constexpr, HAS_TIDX: tl.constexpr,
+        BLOCK: tl.constexpr, HAS_TIDX: tl.constexpr, HAS_PSUM: tl.constexpr,
     ):
         """One program per row. Pass 1 over Vd blocks: online max / sum-exp of z (draft lse),
-        sum of p (S) and the first argmax. Pass 2: CE = -sum p (z - lse) and
-        G = w (exp(z - lse) S - p), written over z in z's dtype. HAS_TIDX: row r's teacher
-        logits are row tidx[r] of t (the packed TTT form shares one teacher row among steps)."""
+        the first argmax, and (unless HAS_PSUM gives it per row) the sum of p, S. Pass 2:
+        CE = -sum p (z - lse) and G = w (exp(z - lse) S - p), written over z in z's dtype.
+        HAS_TIDX: row r's teacher logits are row tidx[r] of t (the packed TTT form shares one
+        teacher row among steps). With HAS_PSUM pass 1 reads no teacher logits at all."""
         row = tl.program_id(0).to(tl.int64)
         z_row = z_ptr + row * z_stride
         if HAS_TIDX:
@@ -165,14 +175,17 @@ if HAS_TRITON:
         m = float("-inf")  # running max of z
         l = 0.0  # running sum of exp(z - m)
         p_sum = 0.0
+        if HAS_PSUM:
+            p_sum = tl.load(psum_ptr + row)
         best = float("-inf")
         best_idx = 0
         for start in range(0, vocab, BLOCK):
             cols = start + offs
             mask = cols < vocab
             z = tl.load(z_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
-            t = tl.load(t_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
-            p_sum += tl.sum(tl.exp(t - tlse), axis=0)  # masked lanes: exp(-inf) = 0
+            if not HAS_PSUM:
+                t = tl.load(t_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+                p_sum += tl.sum(tl.exp(t - tlse), axis=0)  # masked lanes: exp(-inf) = 0
             blk_max = tl.max(z, axis=0)
             blk_arg = tl.argmax(z, axis=0)
             best_idx = tl.where(blk_max > best, start + blk_arg, best_idx)  # strict: first max wins
@@ -198,8 +211,9 @@ if HAS_TRITON:
         tl.store(argmax_ptr + row, best_idx.to(tl.int64))
 
     @triton.jit
-    def _row_lse_kernel(t_ptr, out_ptr, t_stride, vocab, BLOCK: tl.constexpr):
-        """One program per row: out = logsumexp(t_row) in fp32, online over Vd blocks."""
+    def _row_lse_kernel(t_ptr, out_ptr, psum_ptr, t_stride, vocab, BLOCK: tl.constexpr, WITH_PSUM: tl.constexpr):
+        """One program per row: out = logsumexp(t_row) in fp32, online over Vd blocks; WITH_PSUM
+        also psum = sum exp(t - lse) (a second pass over the row)."""
         row = tl.program_id(0).to(tl.int64)
         t_row = t_ptr + row * t_stride
         offs = tl.arange(0, BLOCK)
@@ -211,7 +225,25 @@ if HAS_TRITON:
             m_new = tl.maximum(m, tl.max(t, axis=0))
             l = l * tl.exp(m - m_new) + tl.sum(tl.exp(t - m_new), axis=0)
             m = m_new
-        tl.store(out_ptr + row, m + tl.log(l))
+        lse = m + tl.log(l)
+        tl.store(out_ptr + row, lse)
+        if WITH_PSUM:
+            p_sum = 0.0
+            for start in range(0, vocab, BLOCK):
+                cols = start + offs
+                t = tl.load(t_row + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+                p_sum += tl.sum(tl.exp(t - lse), axis=0)
+            tl.store(psum_ptr + row, p_sum)
+
+    @triton.jit
+    def _scale_kernel(g_ptr, up_ptr, n, BLOCK: tl.constexpr):
+        """g *= up in place, in fp32 (up: one fp32 value on the device, read by the kernel)."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        up = tl.load(up_ptr)
+        g = tl.load(g_ptr + offs, mask=mask)
+        # round to nearest even as torch does (the interpreter would truncate by default)
+        tl.store(g_ptr + offs, (g.to(tl.float32) * up).to(g_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
 
 def _interpreting() -> bool:
@@ -224,7 +256,7 @@ def _launch_config(vocab: int) -> tuple[int, int]:
     return block, (8 if block >= 2048 else 4)
 
 
-def _check_triton_rows(logits, teacher_logits, teacher_lse, weight, teacher_index=None) -> None:
+def _check_triton_rows(logits, teacher_logits, teacher_lse, weight, teacher_index=None, teacher_psum=None) -> None:
     if not HAS_TRITON:
         raise RuntimeError("backend='triton' needs the triton package (pip install 'eagleforge[gpu]')")
     if not (logits.is_cuda or _interpreting()):
@@ -238,15 +270,17 @@ def _check_triton_rows(logits, teacher_logits, teacher_lse, weight, teacher_inde
     if logits.stride(-1) != 1 or teacher_logits.stride(-1) != 1:
         raise ValueError(f"triton soft-CE: Vd must be the contiguous dim, strides {logits.stride()} / {teacher_logits.stride()}")
     rows = logits.shape[0]
-    for name, t in (("teacher_lse", teacher_lse), ("weight", weight)):
+    for name, t in (("teacher_lse", teacher_lse), ("weight", weight), ("teacher_psum", teacher_psum)):
+        if t is None:
+            continue
         if t.shape != (rows,) or t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError(f"triton soft-CE: {name} must be contiguous fp32 [{rows}], got {t.dtype} {tuple(t.shape)}")
 
 
 def _rows_triton(logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_lse: torch.Tensor, weight: torch.Tensor,
-                 teacher_index: torch.Tensor | None = None):
+                 teacher_index: torch.Tensor | None = None, teacher_psum: torch.Tensor | None = None):
     """Triton row pass, same contract as `_rows_torch`."""
-    _check_triton_rows(logits, teacher_logits, teacher_lse, weight, teacher_index)
+    _check_triton_rows(logits, teacher_logits, teacher_lse, weight, teacher_index, teacher_psum)
     rows, vocab = logits.shape
     loss_rows = torch.empty(rows, dtype=torch.float32, device=logits.device)
     argmax = torch.empty(rows, dtype=torch.int64, device=logits.device)
@@ -254,24 +288,32 @@ def _rows_triton(logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_lse
         return loss_rows, argmax
     block, warps = _launch_config(vocab)
     _soft_ce_rows_kernel[(rows,)](
-        logits, teacher_logits, teacher_index if teacher_index is not None else teacher_lse, teacher_lse, weight,
+        logits, teacher_logits, teacher_index if teacher_index is not None else teacher_lse, teacher_lse,
+        teacher_psum if teacher_psum is not None else teacher_lse, weight,
         loss_rows, argmax, logits.stride(0), teacher_logits.stride(0), vocab,
-        BLOCK=block, HAS_TIDX=teacher_index is not None, num_warps=warps,
+        BLOCK=block, HAS_TIDX=teacher_index is not None, HAS_PSUM=teacher_psum is not None, num_warps=warps,
     )
     return loss_rows, argmax
 
 
-def _lse_triton(teacher_logits: torch.Tensor) -> torch.Tensor:
+def _lse_triton(teacher_logits: torch.Tensor, with_psum: bool = False):
+    """[c, Vd] -> lse [c] fp32, or (lse, psum) with `with_psum` (see `_lse_psum_torch`)."""
     if not HAS_TRITON:
         raise RuntimeError("backend='triton' needs the triton package (pip install 'eagleforge[gpu]')")
     if teacher_logits.stride(-1) != 1:
         raise ValueError(f"triton lse: Vd must be the contiguous dim, strides {teacher_logits.stride()}")
     rows, vocab = teacher_logits.shape
     out = torch.empty(rows, dtype=torch.float32, device=teacher_logits.device)
+    psum = torch.empty(rows, dtype=torch.float32, device=teacher_logits.device) if with_psum else out
     if rows:
         block, warps = _launch_config(vocab)
-        _row_lse_kernel[(rows,)](teacher_logits, out, teacher_logits.stride(0), vocab, BLOCK=block, num_warps=warps)
-    return out
+        _row_lse_kernel[(rows,)](teacher_logits, out, psum, teacher_logits.stride(0), vocab, BLOCK=block,
+                                 WITH_PSUM=with_psum, num_warps=warps)
+    return (out, psum) if with_psum else out
+
+
+def _lse_psum_triton(teacher_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _lse_triton(teacher_logits, with_psum=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -291,7 +333,10 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def _row_fns(backend: str):
-    return (_rows_triton, _lse_triton) if backend == "triton" else (_rows_torch, _lse_torch)
+    """(row pass, teacher lse, teacher lse and S) of a backend."""
+    if backend == "triton":
+        return _rows_triton, _lse_triton, _lse_psum_triton
+    return _rows_torch, _lse_torch, _lse_psum_torch
 
 
 def default_chunk_tokens(vocab: int, dtype: torch.dtype, device: torch.device) -> int:
@@ -344,7 +389,7 @@ def teacher_logsumexp(
     The logits are a matmul in the input dtype, the lse is fp32."""
     _check_pair(teacher_hidden, teacher_head, "teacher_hidden", "teacher_head")
     backend = resolve_backend(backend, teacher_hidden.device)
-    _, lse_fn = _row_fns(backend)
+    lse_fn = _row_fns(backend)[1]
     n_rows, vocab = teacher_hidden.shape[0], teacher_head.shape[0]
     chunk = chunk_tokens or default_chunk_tokens(vocab, teacher_head.dtype, teacher_hidden.device)
     _check_chunk(chunk)
@@ -363,12 +408,13 @@ def teacher_logsumexp(
 # ----------------------------------------------------------------------------------------------
 
 
-def _one_chunk(h, draft_head, teacher_logits, teacher_lse, weight, zbuf, rows_fn, grad_h_out, grad_head, first):
+def _one_chunk(h, draft_head, teacher_logits, teacher_lse, weight, zbuf, rows_fn, grad_h_out, grad_head, first,
+               teacher_psum=None):
     """Draft logits, row pass, both gradient matmuls for one chunk of rows h [c, H].
     -> (loss_rows [c], argmax [c]); grad_head accumulated in place (beta 0 on the first chunk)."""
     zb = zbuf[: h.shape[0]]
     torch.mm(h, draft_head.T, out=zb)  # [c, Vd] draft logits
-    loss_rows, argmax = rows_fn(zb, teacher_logits, teacher_lse, weight)  # zb := G [c, Vd]
+    loss_rows, argmax = rows_fn(zb, teacher_logits, teacher_lse, weight, teacher_psum=teacher_psum)  # zb := G [c, Vd]
     if grad_h_out is not None:
         torch.mm(zb, draft_head, out=grad_h_out)  # [c, Vd] x [Vd, H]
     if grad_head is not None:
@@ -380,7 +426,7 @@ def _one_chunk(h, draft_head, teacher_logits, teacher_lse, weight, zbuf, rows_fn
 def _soft_ce_forward(draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight,
                      need_grad_h, need_grad_head, chunk, backend):
     """(loss fp32 scalar, argmax [N], grad_hidden [N, H] | None, grad_head [Vd, H] | None)."""
-    rows_fn, _ = _row_fns(backend)
+    rows_fn = _row_fns(backend)[0]
     n_rows, vocab = draft_hidden.shape[0], draft_head.shape[0]
     dev = draft_hidden.device
     loss_rows = torch.empty(n_rows, dtype=torch.float32, device=dev)
@@ -408,19 +454,31 @@ def _soft_ce_forward(draft_hidden, draft_head, teacher_hidden, teacher_head, tea
 _SCALE_CHUNK_ELEMENTS = 2**24
 
 
-def _scale_(grads, upstream: torch.Tensor) -> None:
+def _scale_(grads, upstream: torch.Tensor, backend: str) -> None:
     """grad *= upstream in place for each saved gradient, in fp32 (the upstream is not rounded to
-    bf16) and in chunks (bounded temporaries). No host sync: testing for the usual upstream of 1
-    would read a device value back and stall the launch queue at the start of every backward, so
-    the pass (one read and write of the gradients, ~0.3 ms at T = 2048) is always made instead.
+    bf16). No host sync: testing for the usual upstream of 1 would read a device value back and
+    stall the launch queue at the start of every backward, so the pass is always made: on the
+    Triton backend one kernel per gradient reading the upstream on the device (one read and one
+    write: ~0.6 ms for the 7 TTT steps' gradients at T = 8192; the chunked fp32 torch version,
+    three kernels per 2^24 elements, took 5.2 ms, 2026-11-30 U1); on the torch backend in chunks
+    of bounded fp32 temporaries.
     In place: a second backward through the same graph (retain_graph) is refused by autograd's
     own version check on the saved tensors ("modified by an inplace operation"), not scaled twice."""
-    upstream = upstream.detach().to(torch.float32)
+    upstream = upstream.detach().to(torch.float32).reshape(1)
     for grad in grads:
-        if grad is None:
+        if grad is None or grad.numel() == 0:
             continue
-        for part in grad.view(-1).split(_SCALE_CHUNK_ELEMENTS):
+        flat = grad.view(-1)
+        if backend == "triton":
+            _scale_kernel[(triton.cdiv(flat.numel(), _SCALE_BLOCK),)](flat, upstream, flat.numel(), BLOCK=_SCALE_BLOCK,
+                                                                       num_warps=8)
+            torch.autograd.graph.increment_version(grad)  # a kernel's write is not seen by autograd's check
+            continue
+        for part in flat.split(_SCALE_CHUNK_ELEMENTS):
             part.copy_(part.float().mul_(upstream))
+
+
+_SCALE_BLOCK = 4096  # elements per program of _scale_kernel (16 per thread at 8 warps)
 
 
 class _FusedSoftCE(torch.autograd.Function):
@@ -432,13 +490,14 @@ class _FusedSoftCE(torch.autograd.Function):
         )
         ctx.save_for_backward(grad_h, grad_head)
         ctx.mark_non_differentiable(argmax)
+        ctx.backend = backend
         return loss, argmax
 
     @staticmethod
     @once_differentiable  # the saved gradients are constants: a create_graph backward must fail, not drop terms
     def backward(ctx, grad_loss, grad_argmax):
         grad_h, grad_head = ctx.saved_tensors
-        _scale_((grad_h, grad_head), grad_loss)
+        _scale_((grad_h, grad_head), grad_loss, ctx.backend)
         return grad_h, grad_head, None, None, None, None, None, None
 
 
@@ -485,22 +544,50 @@ def fused_soft_cross_entropy(
 # ----------------------------------------------------------------------------------------------
 
 
+def _ttt_outputs(draft_hiddens, draft_head, n_rows: int, need_grad_h, need_grad_head):
+    """(loss_rows [K, N] fp32 zeros, argmax [K, N], grads_h, grad_head) of the TTT forwards. The
+    gradients are left EMPTY: every row with a teacher is written by its chunk, `_ttt_tails`
+    zeroes the rest, and the first grad-head addmm has beta 0 (zero-filling them cost ~0.9 ms a
+    call at T = 8192, 2026-11-30 U1)."""
+    k_steps, dev = len(draft_hiddens), draft_head.device
+    loss_rows = torch.zeros(k_steps, n_rows, dtype=torch.float32, device=dev)
+    argmax = torch.empty(k_steps, n_rows, dtype=torch.int64, device=dev)
+    grads_h = [torch.empty_like(h, memory_format=torch.contiguous_format) if need_grad_h[j] else None
+               for j, h in enumerate(draft_hiddens)]
+    grad_head = torch.empty_like(draft_head, memory_format=torch.contiguous_format) if need_grad_head else None
+    return loss_rows, argmax, grads_h, grad_head
+
+
+def _ttt_tails(draft_hiddens, draft_head, shift: int, argmax, grads_h, grad_head, head_written: bool) -> None:
+    """Rows n >= N - shift - j of step j have no teacher: zero gradient, and their argmax, from ONE
+    matmul for all steps (one pass over the head, not K)."""
+    n_rows = draft_hiddens[0].shape[0]
+    tails = [max(0, n_rows - shift - j) for j in range(len(draft_hiddens))]
+    for grad, tail in zip(grads_h, tails):
+        if grad is not None:
+            grad[tail:].zero_()
+    if grad_head is not None and not head_written:
+        grad_head.zero_()
+    rows = [hidden[tail:] for hidden, tail in zip(draft_hiddens, tails)]
+    if sum(r.shape[0] for r in rows):
+        best = (torch.cat(rows) @ draft_head.T).argmax(-1)  # [sum of tails]
+        for j, part in enumerate(best.split([r.shape[0] for r in rows])):
+            argmax[j, tails[j]:] = part
+
+
 @torch.no_grad()
 def _ttt_forward(draft_hiddens, draft_head, teacher_hidden, teacher_head, weight, shift,
                  need_grad_h, need_grad_head, chunk, backend):
     """-> (step_losses [K] fp32, argmax [K, N], grads_h list of [N, H] | None, grad_head | None).
 
-    Loop over chunks of teacher positions [s0, s1): teacher logits and their lse once, then for
+    Loop over chunks of teacher positions [s0, s1): teacher logits, their lse and S once, then for
     each step j the draft rows [s0 - d, s1 - d) with d = shift + j (their teachers are exactly
     that chunk): draft logits, row pass, both gradient matmuls. Rows n >= N - d of step j have
     no teacher: they get argmax only, and must have weight 0."""
-    rows_fn, lse_fn = _row_fns(backend)
-    k_steps, n_rows, vocab = len(draft_hiddens), teacher_hidden.shape[0], draft_head.shape[0]
+    rows_fn, _, lse_psum_fn = _row_fns(backend)
+    n_rows, vocab = teacher_hidden.shape[0], draft_head.shape[0]
     dev = teacher_hidden.device
-    loss_rows = torch.zeros(k_steps, n_rows, dtype=torch.float32, device=dev)
-    argmax = torch.empty(k_steps, n_rows, dtype=torch.int64, device=dev)
-    grads_h = [torch.zeros_like(h, memory_format=torch.contiguous_format) if need_grad_h[j] else None for j, h in enumerate(draft_hiddens)]
-    grad_head = torch.zeros_like(draft_head, memory_format=torch.contiguous_format) if need_grad_head else None
+    loss_rows, argmax, grads_h, grad_head = _ttt_outputs(draft_hiddens, draft_head, n_rows, need_grad_h, need_grad_head)
     c_max = max(1, min(chunk, n_rows))
     zbuf = torch.empty(c_max, vocab, dtype=draft_head.dtype, device=dev)
     tbuf = torch.empty(c_max, vocab, dtype=teacher_head.dtype, device=dev)
@@ -509,23 +596,20 @@ def _ttt_forward(draft_hiddens, draft_head, teacher_hidden, teacher_head, weight
         s1 = min(n_rows, s0 + chunk)
         tb = tbuf[: s1 - s0]
         torch.mm(teacher_hidden[s0:s1], teacher_head.T, out=tb)  # [c, Vd], once for all steps
-        lse = lse_fn(tb)  # [c]
+        lse, psum = lse_psum_fn(tb)  # [c], [c]
         for j, hidden in enumerate(draft_hiddens):
             d = shift + j
             r0, r1 = max(0, s0 - d), s1 - d  # draft rows whose teacher lies in [s0, s1)
             if r1 <= r0:
                 continue
-            t0 = r0 + d - s0
+            t0, t1 = r0 + d - s0, r1 + d - s0
             gh = grads_h[j][r0:r1] if grads_h[j] is not None else None
             loss_rows[j, r0:r1], argmax[j, r0:r1] = _one_chunk(
-                hidden[r0:r1], draft_head, tb[t0 : t0 + r1 - r0], lse[t0 : t0 + r1 - r0],
-                weight[j, r0:r1].contiguous(), zbuf, rows_fn, gh, grad_head, first,
+                hidden[r0:r1], draft_head, tb[t0:t1], lse[t0:t1], weight[j, r0:r1].contiguous(), zbuf, rows_fn,
+                gh, grad_head, first, teacher_psum=psum[t0:t1],
             )
             first = False
-    for j, hidden in enumerate(draft_hiddens):  # rows without a teacher: argmax only
-        tail = max(0, n_rows - shift - j)
-        if tail < n_rows:
-            argmax[j, tail:] = (hidden[tail:] @ draft_head.T).argmax(-1)
+    _ttt_tails(draft_hiddens, draft_head, shift, argmax, grads_h, grad_head, head_written=not first)
     return loss_rows.sum(-1), argmax, grads_h, grad_head
 
 
@@ -540,13 +624,10 @@ def _ttt_forward_packed(draft_hiddens, draft_head, teacher_hidden, teacher_head,
 
     Cost of packing: a copy of the rows in (P x H) and of their gradients out, about
     2 x 2 P H bytes per chunk, small beside the 6 P H Vd matmul FLOPs."""
-    rows_fn, lse_fn = _row_fns(backend)
+    rows_fn, _, lse_psum_fn = _row_fns(backend)
     k_steps, n_rows, vocab = len(draft_hiddens), teacher_hidden.shape[0], draft_head.shape[0]
     hid, dev = draft_head.shape[1], teacher_hidden.device
-    loss_rows = torch.zeros(k_steps, n_rows, dtype=torch.float32, device=dev)
-    argmax = torch.empty(k_steps, n_rows, dtype=torch.int64, device=dev)
-    grads_h = [torch.zeros_like(h, memory_format=torch.contiguous_format) if need_grad_h[j] else None for j, h in enumerate(draft_hiddens)]
-    grad_head = torch.zeros_like(draft_head, memory_format=torch.contiguous_format) if need_grad_head else None
+    loss_rows, argmax, grads_h, grad_head = _ttt_outputs(draft_hiddens, draft_head, n_rows, need_grad_h, need_grad_head)
     t_chunk = max(1, chunk // k_steps)  # teacher positions per chunk
     p_max = max(1, min(t_chunk, n_rows) * k_steps)  # packed draft rows per chunk
     zbuf = torch.empty(p_max, vocab, dtype=draft_head.dtype, device=dev)  # logits, then G in place
@@ -558,7 +639,7 @@ def _ttt_forward_packed(draft_hiddens, draft_head, teacher_hidden, teacher_head,
         s1 = min(n_rows, s0 + t_chunk)
         tb = tbuf[: s1 - s0]
         torch.mm(teacher_hidden[s0:s1], teacher_head.T, out=tb)  # [c, Vd], once for all steps
-        lse = lse_fn(tb)  # [c]
+        lse, psum = lse_psum_fn(tb)  # [c], [c]: the teacher's side of the row pass, once for K steps
         # Step j's rows [r0, r1) have their teachers at [r0 + d, r1 + d) within [s0, s1), d = shift + j.
         spans = []  # (step, r0, r1, packed offset)
         parts, index, weights = [], [], []
@@ -578,23 +659,22 @@ def _ttt_forward_packed(draft_hiddens, draft_head, teacher_hidden, teacher_head,
         hb, zb = hbuf[:p], zbuf[:p]
         torch.cat(parts, out=hb)  # [P, H]
         tidx = torch.cat(index)  # [P] int32, teacher row within the chunk
+        rows_of = tidx.long()
         torch.mm(hb, draft_head.T, out=zb)  # [P, Vd] draft logits of all steps
-        packed_loss, packed_argmax = rows_fn(zb, tb, lse[tidx.long()].contiguous(), torch.cat(weights), tidx)
+        packed_loss, packed_argmax = rows_fn(zb, tb, lse[rows_of].contiguous(), torch.cat(weights), tidx,
+                                             teacher_psum=psum[rows_of].contiguous())
         if gbuf is not None:
             torch.mm(zb, draft_head, out=gbuf[:p])  # [P, Vd] x [Vd, H]
         if grad_head is not None:
             grad_head.addmm_(zb.T, hb, beta=0.0 if first else 1.0)  # [Vd, P] x [P, H]
-            first = False
+        first = False
         for j, r0, r1, off in spans:
             n = r1 - r0
             loss_rows[j, r0:r1] = packed_loss[off:off + n]
             argmax[j, r0:r1] = packed_argmax[off:off + n]
             if grads_h[j] is not None:
                 grads_h[j][r0:r1] = gbuf[off:off + n]
-    for j, hidden in enumerate(draft_hiddens):  # rows without a teacher: argmax only
-        tail = max(0, n_rows - shift - j)
-        if tail < n_rows:
-            argmax[j, tail:] = (hidden[tail:] @ draft_head.T).argmax(-1)
+    _ttt_tails(draft_hiddens, draft_head, shift, argmax, grads_h, grad_head, head_written=not first)
     return loss_rows.sum(-1), argmax, grads_h, grad_head
 
 
@@ -607,13 +687,14 @@ class _FusedSoftCETTT(torch.autograd.Function):
         )
         ctx.save_for_backward(grad_head, *grads_h)
         ctx.mark_non_differentiable(step_losses, argmax)
+        ctx.backend = backend
         return step_losses.sum(), step_losses, argmax
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss, grad_steps, grad_argmax):
         grad_head, *grads_h = ctx.saved_tensors
-        _scale_((grad_head, *grads_h), grad_loss)
+        _scale_((grad_head, *grads_h), grad_loss, ctx.backend)
         return (grad_head, None, None, None, None, None, None, None, *grads_h)
 
 
