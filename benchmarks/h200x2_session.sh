@@ -107,6 +107,9 @@
 #       weights, peak and memory in use against the planner, tp 1 on GPU 0, then tp 2 in both
 #       expert layouts, with the blocks live at each peak); issue 7's loss profile (one packed
 #       TTT call by kernel, its GEMMs alone); issue 6's two tp 2 switches in interleaved A/B
+#   U2: after U1's fixes (the planner's phases, the greedy head's one buffer, the loss's one-pass
+#       scaling, empty gradients, one tail matmul, S per teacher row): the GPU tests of the
+#       changed pieces, the memory check again, the loss at 8K and 32K with its profile
 set -u
 PHASE=$1; shift
 RES=/tmp/res_$PHASE; rm -rf "$RES"; mkdir -p "$RES"
@@ -436,16 +439,19 @@ T7)
 T8) tp2_off_on EAGLEFORGE_SPLIT_ROWS_MIN_TOKENS 75 ;;
 T9) tp2_off_on EAGLEFORGE_OVERLAP_MIN_ROWS 70 ;;
 U1|U2)
+  [ "$PHASE" = U2 ] && { timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_kernels.py \
+    tests/test_native_model.py -k "cuda or nccl or greedy" > "$RES/gpu_tests.log" 2>&1; tail -2 "$RES/gpu_tests.log"; }
   CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/check_plan.py --batch-tokens 8192 16384 32768 --breakdown \
     --json "$RES/plan_tp1.json" > "$RES/plan_tp1.log" 2>&1; grep "^|" "$RES/plan_tp1.log"
   CUDA_VISIBLE_DEVICES=0 timeout 80 python3 benchmarks/check_plan.py --batch-tokens 16384 --max-length 4096 \
     --json "$RES/plan_tp1_4k.json" > "$RES/plan_tp1_4k.log" 2>&1; grep "^| 1" "$RES/plan_tp1_4k.log"
   timeout 170 torchrun --standalone --nproc-per-node 2 benchmarks/check_plan.py --layouts ep tp --batch-tokens 16384 32768 \
     --breakdown --json "$RES/plan_tp2.json" > "$RES/plan_tp2.log" 2>&1; grep "^| 2" "$RES/plan_tp2.log"
-  [ "$PHASE" = U1 ] && { CUDA_VISIBLE_DEVICES=0 timeout 100 python3 benchmarks/bench_loss.py --ttt-only --variants packed \
-    --chunks 4096 --tokens 8192 --no-liger --profile --json "$RES/loss.json" > "$RES/loss.log" 2>&1
-    grep -E "ttt7_packed|ms_per_step|TFLOP/s$" "$RES/loss.log" | head -12; grep -A30 "=== profile" "$RES/loss.log" | cut -c1-150; }
-  for sw in overlap_halves split_rows; do
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/bench_loss.py --ttt-only --variants packed \
+    --chunks 4096 --tokens 8192 $([ "$PHASE" = U2 ] && echo 32768) --no-liger --profile --json "$RES/loss.json" > "$RES/loss.log" 2>&1
+  grep -E "ttt7_packed|ms_per_step|TFLOP/s$|ms per call" "$RES/loss.log" | head -14
+  grep -A30 "=== profile" "$RES/loss.log" | awk '{print substr($0,1,70), substr($0,150,60)}'
+  [ "$PHASE" = U1 ] && for sw in overlap_halves split_rows; do
     timeout 100 torchrun --standalone --nproc-per-node 2 benchmarks/bench_extract.py --tokens 16384 --reps 3 --ab-off $sw \
       --ab-rounds 6 --json "$RES/ab_$sw.json" > "$RES/ab_$sw.log" 2>&1; tail -1 "$RES/ab_$sw.log" | cut -c1-400
   done
