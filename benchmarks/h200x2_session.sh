@@ -109,7 +109,8 @@
 #       TTT call by kernel, its GEMMs alone); issue 6's two tp 2 switches in interleaved A/B
 #   U2: after U1's fixes (the planner's phases, the greedy head's one buffer, the loss's one-pass
 #       scaling, empty gradients, one tail matmul, S per teacher row): the GPU tests of the
-#       changed pieces, the memory check again, the loss at 8K and 32K with its profile
+#       changed pieces, the memory check again, the loss at 8K and 32K with its profile (the tp 2
+#       part only where two GPUs are lent: the x2 kind was withdrawn before U2, which ran on one)
 set -u
 PHASE=$1; shift
 RES=/tmp/res_$PHASE; rm -rf "$RES"; mkdir -p "$RES"
@@ -445,8 +446,9 @@ U1|U2)
     --json "$RES/plan_tp1.json" > "$RES/plan_tp1.log" 2>&1; grep "^|" "$RES/plan_tp1.log"
   CUDA_VISIBLE_DEVICES=0 timeout 80 python3 benchmarks/check_plan.py --batch-tokens 16384 --max-length 4096 \
     --json "$RES/plan_tp1_4k.json" > "$RES/plan_tp1_4k.log" 2>&1; grep "^| 1" "$RES/plan_tp1_4k.log"
-  timeout 170 torchrun --standalone --nproc-per-node 2 benchmarks/check_plan.py --layouts ep tp --batch-tokens 16384 32768 \
-    --breakdown --json "$RES/plan_tp2.json" > "$RES/plan_tp2.log" 2>&1; grep "^| 2" "$RES/plan_tp2.log"
+  [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && { timeout 170 torchrun --standalone --nproc-per-node 2 benchmarks/check_plan.py \
+    --layouts ep tp --batch-tokens 16384 32768 --breakdown --json "$RES/plan_tp2.json" > "$RES/plan_tp2.log" 2>&1
+    grep "^| 2" "$RES/plan_tp2.log"; }
   CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/bench_loss.py --ttt-only --variants packed \
     --chunks 4096 --tokens 8192 $([ "$PHASE" = U2 ] && echo 32768) --no-liger --profile --json "$RES/loss.json" > "$RES/loss.log" 2>&1
   grep -E "ttt7_packed|ms_per_step|TFLOP/s$|ms per call" "$RES/loss.log" | head -14
