@@ -116,13 +116,15 @@ def reference_soft_cross_entropy_ttt(
 
 def _rows_torch(logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_lse: torch.Tensor, weight: torch.Tensor,
                 teacher_index: torch.Tensor | None = None, teacher_psum: torch.Tensor | None = None):
-    """Torch row pass. logits [c, Vd] (overwritten with G in its dtype), teacher_logits [c, Vd]
-    (or [c', Vd] with teacher_index [c] int32 naming each row's teacher row), teacher_lse [c]
-    fp32, weight [c] fp32, optionally teacher_psum [c] fp32 (S of each row, from `_lse_psum_*`,
-    else summed here) -> (weight * CE [c] fp32, argmax [c] int64).
+    """Torch row pass. logits [c, Vd] (overwritten with G in its dtype), teacher_logits [c', Vd]
+    with teacher_lse [c'] fp32 and optionally teacher_psum [c'] fp32 (S per teacher row, from
+    `_lse_psum_*`, else summed here), one teacher row per row (c' = c) or the row named by
+    teacher_index [c] int32; weight [c] fp32 -> (weight * CE [c] fp32, argmax [c] int64).
     Rows with weight 0 give 0 loss and G = 0 whatever their inputs (no 0 * inf = nan)."""
     if teacher_index is not None:
-        teacher_logits = teacher_logits[teacher_index.long()]  # [c, Vd]
+        rows = teacher_index.long()
+        teacher_logits, teacher_lse = teacher_logits[rows], teacher_lse[rows]  # [c, Vd], [c]
+        teacher_psum = teacher_psum[rows] if teacher_psum is not None else None
     z = logits.float()  # [c, Vd]; a view when logits are fp32, G is built before it is written
     p = torch.exp(teacher_logits.float() - teacher_lse[:, None])  # [c, Vd]
     lse = torch.logsumexp(z, dim=-1)  # [c]
@@ -160,15 +162,16 @@ if HAS_TRITON:
         """One program per row. Pass 1 over Vd blocks: online max / sum-exp of z (draft lse),
         the first argmax, and (unless HAS_PSUM gives it per row) the sum of p, S. Pass 2:
         CE = -sum p (z - lse) and G = w (exp(z - lse) S - p), written over z in z's dtype.
-        HAS_TIDX: row r's teacher logits are row tidx[r] of t (the packed TTT form shares one
-        teacher row among steps). With HAS_PSUM pass 1 reads no teacher logits at all."""
+        HAS_TIDX: row r's teacher (logits, lse, S) is teacher row tidx[r] (the packed TTT form
+        shares one teacher row among steps). With HAS_PSUM pass 1 reads no teacher logits at all."""
         row = tl.program_id(0).to(tl.int64)
         z_row = z_ptr + row * z_stride
         if HAS_TIDX:
-            t_row = t_ptr + tl.load(tidx_ptr + row).to(tl.int64) * t_stride
+            trow = tl.load(tidx_ptr + row).to(tl.int64)
         else:
-            t_row = t_ptr + row * t_stride
-        tlse = tl.load(tlse_ptr + row)
+            trow = row
+        t_row = t_ptr + trow * t_stride
+        tlse = tl.load(tlse_ptr + trow)
         w = tl.load(w_ptr + row)
         offs = tl.arange(0, BLOCK)
 
@@ -176,7 +179,7 @@ if HAS_TRITON:
         l = 0.0  # running sum of exp(z - m)
         p_sum = 0.0
         if HAS_PSUM:
-            p_sum = tl.load(psum_ptr + row)
+            p_sum = tl.load(psum_ptr + trow)
         best = float("-inf")
         best_idx = 0
         for start in range(0, vocab, BLOCK):
@@ -269,12 +272,13 @@ def _check_triton_rows(logits, teacher_logits, teacher_lse, weight, teacher_inde
                          f"teacher_index {teacher_index.dtype} {tuple(teacher_index.shape)} (contiguous int32 [rows]) disagree")
     if logits.stride(-1) != 1 or teacher_logits.stride(-1) != 1:
         raise ValueError(f"triton soft-CE: Vd must be the contiguous dim, strides {logits.stride()} / {teacher_logits.stride()}")
-    rows = logits.shape[0]
-    for name, t in (("teacher_lse", teacher_lse), ("weight", weight), ("teacher_psum", teacher_psum)):
+    rows, teacher_rows = logits.shape[0], teacher_logits.shape[0]
+    for name, t, n in (("teacher_lse", teacher_lse, teacher_rows), ("weight", weight, rows),
+                       ("teacher_psum", teacher_psum, teacher_rows)):
         if t is None:
             continue
-        if t.shape != (rows,) or t.dtype != torch.float32 or not t.is_contiguous():
-            raise ValueError(f"triton soft-CE: {name} must be contiguous fp32 [{rows}], got {t.dtype} {tuple(t.shape)}")
+        if t.shape != (n,) or t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"triton soft-CE: {name} must be contiguous fp32 [{n}], got {t.dtype} {tuple(t.shape)}")
 
 
 def _rows_triton(logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_lse: torch.Tensor, weight: torch.Tensor,
@@ -635,6 +639,7 @@ def _ttt_forward_packed(draft_hiddens, draft_head, teacher_hidden, teacher_head,
     hbuf = torch.empty(p_max, hid, dtype=draft_head.dtype, device=dev)  # packed draft rows
     gbuf = torch.empty(p_max, hid, dtype=draft_head.dtype, device=dev) if any(need_grad_h) else None
     first = True
+    tidx_of = {}  # the packed rows' teacher rows, by the chunk's spans
     for s0 in range(0, n_rows, t_chunk):
         s1 = min(n_rows, s0 + t_chunk)
         tb = tbuf[: s1 - s0]
@@ -651,18 +656,19 @@ def _ttt_forward_packed(draft_hiddens, draft_head, teacher_hidden, teacher_head,
                 continue
             spans.append((j, r0, r1, p))
             parts.append(hidden[r0:r1])
-            index.append(torch.arange(r0 + d - s0, r1 + d - s0, device=dev, dtype=torch.int32))
+            index.append((r0 + d - s0, r1 + d - s0))
             weights.append(weight[j, r0:r1])
             p += r1 - r0
         if p == 0:
             continue
         hb, zb = hbuf[:p], zbuf[:p]
         torch.cat(parts, out=hb)  # [P, H]
-        tidx = torch.cat(index)  # [P] int32, teacher row within the chunk
-        rows_of = tidx.long()
+        key = tuple(index)
+        if key not in tidx_of:  # every chunk away from the ends has the same pattern: made once
+            tidx_of[key] = torch.cat([torch.arange(t0, t1, device=dev, dtype=torch.int32) for t0, t1 in index])
+        tidx = tidx_of[key]  # [P] int32, teacher row within the chunk
         torch.mm(hb, draft_head.T, out=zb)  # [P, Vd] draft logits of all steps
-        packed_loss, packed_argmax = rows_fn(zb, tb, lse[rows_of].contiguous(), torch.cat(weights), tidx,
-                                             teacher_psum=psum[rows_of].contiguous())
+        packed_loss, packed_argmax = rows_fn(zb, tb, lse, torch.cat(weights), tidx, teacher_psum=psum)
         if gbuf is not None:
             torch.mm(zb, draft_head, out=gbuf[:p])  # [P, Vd] x [Vd, H]
         if grad_head is not None:

@@ -270,16 +270,30 @@ class ParallelState:
         return self.rank == 0
 
 
+def use_expandable_segments() -> bool:
+    """Ask the CUDA caching allocator for expandable segments, unless the user configured it
+    (PYTORCH_CUDA_ALLOC_CONF) or CUDA already runs in this process (the setting is read once).
+    Each layer's forward allocates GiBs of transients of many sizes; with fixed segments the
+    cache held up to 2.2x the activation peak besides it (8.9 GiB above a 7.6 GiB peak at 32K
+    tokens on the H200, 2026-11-30 U2), memory the planner could not count on. True if set here."""
+    if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or torch.cuda.is_initialized():
+        return False
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    return True
+
+
 def init_parallel(tp_size: int, device: str = "auto") -> ParallelState:
     """Join torchrun's world (or stay single-process) and build the tensor-parallel groups.
 
-    NCCL on CUDA, gloo on CPU. Ranks [g*tp, (g+1)*tp) form group g.
+    NCCL on CUDA, gloo on CPU. Ranks [g*tp, (g+1)*tp) form group g. On CUDA the allocator gets
+    expandable segments first (`use_expandable_segments`).
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size % tp_size:
         raise ValueError(f"target.tp = {tp_size} does not divide the world size {world_size} (torchrun --nproc-per-node x --nnodes)")
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if use_cuda:
+        use_expandable_segments()
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
