@@ -111,6 +111,8 @@
 #       scaling, empty gradients, one tail matmul, S per teacher row): the GPU tests of the
 #       changed pieces, the memory check again, the loss at 8K and 32K with its profile (the tp 2
 #       part only where two GPUs are lent: the x2 kind was withdrawn before U2, which ran on one)
+#   U3: U2 again after its fixes (expandable segments in the native backend; the loss as the
+#       trainer calls it, lse and S by teacher row in the kernel)
 set -u
 PHASE=$1; shift
 RES=/tmp/res_$PHASE; rm -rf "$RES"; mkdir -p "$RES"
@@ -439,8 +441,8 @@ T7)
   ;;
 T8) tp2_off_on EAGLEFORGE_SPLIT_ROWS_MIN_TOKENS 75 ;;
 T9) tp2_off_on EAGLEFORGE_OVERLAP_MIN_ROWS 70 ;;
-U1|U2)
-  [ "$PHASE" = U2 ] && { timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_kernels.py \
+U1|U2|U3)
+  [ "$PHASE" != U1 ] && { timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_kernels.py \
     tests/test_native_model.py -k "cuda or nccl or greedy" > "$RES/gpu_tests.log" 2>&1; tail -2 "$RES/gpu_tests.log"; }
   CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/check_plan.py --batch-tokens 8192 16384 32768 --breakdown \
     --json "$RES/plan_tp1.json" > "$RES/plan_tp1.log" 2>&1; grep "^|" "$RES/plan_tp1.log"
@@ -450,7 +452,7 @@ U1|U2)
     --layouts ep tp --batch-tokens 16384 32768 --breakdown --json "$RES/plan_tp2.json" > "$RES/plan_tp2.log" 2>&1
     grep "^| 2" "$RES/plan_tp2.log"; }
   CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/bench_loss.py --ttt-only --variants packed \
-    --chunks 4096 --tokens 8192 $([ "$PHASE" = U2 ] && echo 32768) --no-liger --profile --json "$RES/loss.json" > "$RES/loss.log" 2>&1
+    --chunks 4096 --tokens 8192 $([ "$PHASE" != U1 ] && echo 32768) --no-liger --profile --json "$RES/loss.json" > "$RES/loss.log" 2>&1
   grep -E "ttt7_packed|ms_per_step|TFLOP/s$|ms per call" "$RES/loss.log" | head -14
   grep -A30 "=== profile" "$RES/loss.log" | awk '{print substr($0,1,70), substr($0,150,60)}'
   [ "$PHASE" = U1 ] && for sw in overlap_halves split_rows; do
