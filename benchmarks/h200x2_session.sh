@@ -455,6 +455,8 @@ U1|U2|U3)
     --chunks 4096 --tokens 8192 $([ "$PHASE" != U1 ] && echo 32768) --no-liger --profile --json "$RES/loss.json" > "$RES/loss.log" 2>&1
   grep -E "ttt7_packed|ms_per_step|TFLOP/s$|ms per call" "$RES/loss.log" | head -14
   grep -A30 "=== profile" "$RES/loss.log" | awk '{print substr($0,1,70), substr($0,150,60)}'
+  [ "$PHASE" = U3 ] && { CUDA_VISIBLE_DEVICES=0 timeout 100 python3 benchmarks/bench_extract.py --tokens 16384 --no-write \
+    --reps 3 --json "$RES/extract_tp1.json" > "$RES/extract_tp1.log" 2>&1; tail -1 "$RES/extract_tp1.log" | cut -c1-400; }
   [ "$PHASE" = U1 ] && for sw in overlap_halves split_rows; do
     timeout 100 torchrun --standalone --nproc-per-node 2 benchmarks/bench_extract.py --tokens 16384 --reps 3 --ab-off $sw \
       --ab-rounds 6 --json "$RES/ab_$sw.json" > "$RES/ab_$sw.log" 2>&1; tail -1 "$RES/ab_$sw.log" | cut -c1-400
