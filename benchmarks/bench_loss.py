@@ -296,6 +296,8 @@ def profile_ttt(tokens, hidden, vocab, steps, chunk, device, dtype, timer) -> di
         ttt_w[j, tokens - 1 - j:] = 0
 
     def call():
+        for x in [wd, *hds]:
+            x.grad = None  # as the table's timing and a training step: no accumulation into .grad
         loss, _, _ = soft_ce.fused_soft_cross_entropy_ttt(hds, wd, ht, wt, ttt_w, chunk_tokens=chunk, packed=True,
                                                           check_weight=False)
         loss.backward()
@@ -337,6 +339,8 @@ def profile_ttt(tokens, hidden, vocab, steps, chunk, device, dtype, timer) -> di
         f"grad hidden [{p},Vd] x [Vd,H]": (lambda: torch.mm(z, w, out=g), p),
         f"grad head += [Vd,{p}] x [{p},H] (beta 1)": (lambda: acc.addmm_(z.T, h, beta=1.0), p),
         f"grad head = [Vd,{p}] x [{p},H] (beta 0)": (lambda: acc.addmm_(z.T, h, beta=0.0), p),
+        # the same accumulation written as its transpose (cuBLAS picks other kernels for it)
+        f"grad head^T += [H,{p}] x [{p},Vd] (beta 1)": (lambda: acc.T.addmm_(h.T, z, beta=1.0), p),
     }
     for name, (fn, rows) in gemms.items():
         ms = timer.median_ms(fn)

@@ -171,15 +171,17 @@ def test_teacher_logsumexp(dtype):
 
 @pytest.fixture
 def poisoned_empty(monkeypatch):
-    """torch.empty_like returns NaN-filled floats: the TTT gradients are allocated empty (every row
-    must be written or zeroed), and a row left unwritten shows as NaN instead of passing by luck."""
-    real = torch.empty_like
+    """torch.empty and torch.empty_like return NaN-filled floats: the TTT gradients are allocated
+    empty (every row must be written or zeroed), and a row left unwritten shows as NaN instead of
+    passing by luck."""
+    for name in ("empty", "empty_like"):
+        real = getattr(torch, name)
 
-    def empty_like(t, *args, **kwargs):
-        out = real(t, *args, **kwargs)
-        return out.fill_(float("nan")) if out.is_floating_point() else out
+        def poisoned(*args, _real=real, **kwargs):
+            out = _real(*args, **kwargs)
+            return out.fill_(float("nan")) if out.is_floating_point() else out
 
-    monkeypatch.setattr(torch, "empty_like", empty_like)
+        monkeypatch.setattr(torch, name, poisoned)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -242,6 +244,30 @@ def test_ttt_packed_all_masked_and_short(poisoned_empty):
         assert all(not h.grad.any() for h in hiddens) and not w_d.grad.any()
         for j, h in enumerate(hiddens):
             assert torch.equal(argmax[j], (h.detach() @ w_d.detach().T).argmax(-1))
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["perstep", "packed"])
+def test_ttt_gradient_to_some_steps_only(packed, poisoned_empty):
+    """A step whose hidden states need no gradient gets none, and the others get the same gradients
+    as when every step needs one (the packed form then scatters rows step by step instead of into
+    one [K, N, H] tensor)."""
+    gen = torch.Generator().manual_seed(41)
+    n, k_steps = 23, 3
+    base = [torch.randn(n, 12, generator=gen) for _ in range(k_steps)]
+    w_d, t, w_t = torch.randn(29, 12, generator=gen), torch.randn(n, 12, generator=gen), torch.randn(29, 12, generator=gen)
+    weight = torch.rand(k_steps, n, generator=gen)
+    for j in range(k_steps):
+        weight[j, n - 1 - j:] = 0
+    grads = []
+    for needs in ([True] * k_steps, [True, False, True]):
+        hiddens = [b.clone().requires_grad_(need) for b, need in zip(base, needs)]
+        loss, _, _ = soft_ce.fused_soft_cross_entropy_ttt(hiddens, w_d, t, w_t, weight, chunk_tokens=7,
+                                                          backend=BACKEND, packed=packed)
+        loss.backward()
+        grads.append([h.grad for h in hiddens])
+    assert grads[1][1] is None
+    for j in (0, 2):
+        assert torch.equal(grads[0][j], grads[1][j]) and not grads[1][j].isnan().any(), j
 
 
 def test_ttt_rejects_weight_without_teacher():

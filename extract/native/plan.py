@@ -15,8 +15,8 @@ tp, q_a/kv_a/norms/router replicated, dense and shared MLPs split, routed expert
 experts counts) or sliced along the intermediate dim (tp). Activations: the largest phase of one
 forward of `extract.batch_tokens` tokens (MoE, attention, dense MLP, the packing and greedy head
 at the end), counted tensor by tensor and checked on the GPU against the extraction loop
-(benchmarks/check_plan.py); and a fixed runtime reserve (CUDA context, NCCL buffers, allocator
-fragmentation).
+(benchmarks/check_plan.py); and a runtime reserve (CUDA context, NCCL buffers at tp > 1, the
+allocator's cache beyond the peak; `runtime_reserve`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,13 @@ from .parallel import ARGMAX_CHUNK_TOKENS, split_range
 log = logging.getLogger(__name__)
 
 GIB = 1 << 30
-RUNTIME_RESERVE_BYTES = 4 * GIB  # CUDA context ~0.6 GiB, NCCL ~1 GiB, allocator fragmentation
+# Memory besides the weights and the activations' peak (measured on an H200, 2026-11-30 U3, with
+# the expandable segments the native backend asks for): the CUDA context and libraries outside the
+# allocator, 0.75 GiB; the allocator's cache beyond the allocated peak, up to 8.6% of the
+# activations. NCCL's buffers at tp > 1 are an estimate (not measured: see issue 10).
+CONTEXT_RESERVE_BYTES = 1 * GIB
+NCCL_RESERVE_BYTES = 1 * GIB
+ALLOCATOR_SLACK = 0.10  # of the activations
 GPU_SIZES_GB = {"96 GB (RTX PRO 6000)": 96e9, "141 GB (H200)": 141e9, "288 GB (B300)": 288e9}
 
 # DESIGN section 9 (Kimi-K2.5 text_config), used when target.path is not on this machine.
@@ -123,8 +129,13 @@ def plan_memory(a: ModelArgs, tp: int, expert_layout: str, quantized: bool = Tru
         "routed experts (" + ("INT4" if quantized else "bf16") + ")": moe_layers * experts * per_expert,
     }
     c["activations"] = _activation_bytes(a, tp, expert_layout, b, batch_tokens, max_length, aux_layers)
-    c["runtime reserve"] = RUNTIME_RESERVE_BYTES
+    c["runtime reserve (context, NCCL, allocator cache)"] = runtime_reserve(tp, c["activations"])
     return MemoryPlan(tp, expert_layout, c)
+
+
+def runtime_reserve(tp: int, activations: int) -> int:
+    """Bytes in use besides the weights and the activations' peak: see CONTEXT_RESERVE_BYTES."""
+    return CONTEXT_RESERVE_BYTES + (NCCL_RESERVE_BYTES if tp > 1 else 0) + int(ALLOCATOR_SLACK * activations)
 
 
 def _held_states(a: ModelArgs, aux_layers: int | Sequence[int], layers: range) -> int:
