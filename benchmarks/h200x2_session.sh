@@ -111,6 +111,10 @@
 #       scaling, empty gradients, one tail matmul, S per teacher row): the GPU tests of the
 #       changed pieces, the memory check again, the loss at 8K and 32K with its profile (the tp 2
 #       part only where two GPUs are lent: the x2 kind was withdrawn before U2, which ran on one)
+#   U4 (nvidia-h200): the loss after the one-copy scatters (and the transposed grad-head GEMM
+#       timed alone); the forward at 16K with fixed vs expandable allocator segments, two
+#       processes each, alternating (at tp 1 the split_rows switch does nothing: its on/off
+#       rounds measure the noise)
 #   U3: U2 again after its fixes (expandable segments in the native backend; the loss as the
 #       trainer calls it, lse and S by teacher row in the kernel)
 set -u
@@ -460,6 +464,19 @@ U1|U2|U3)
   [ "$PHASE" = U1 ] && for sw in overlap_halves split_rows; do
     timeout 100 torchrun --standalone --nproc-per-node 2 benchmarks/bench_extract.py --tokens 16384 --reps 3 --ab-off $sw \
       --ab-rounds 6 --json "$RES/ab_$sw.json" > "$RES/ab_$sw.log" 2>&1; tail -1 "$RES/ab_$sw.log" | cut -c1-400
+  done
+  ;;
+U4)
+  timeout 150 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_kernels.py -k "cuda or sm90" > "$RES/gpu_tests.log" 2>&1
+  tail -1 "$RES/gpu_tests.log"
+  timeout 150 python3 benchmarks/bench_loss.py --ttt-only --variants packed --chunks 4096 --tokens 8192 32768 --no-liger \
+    --profile --json "$RES/loss.json" > "$RES/loss.log" 2>&1
+  grep -E "ttt7_packed|TFLOP/s$|ms per call" "$RES/loss.log" | head -12
+  grep -A30 "=== profile" "$RES/loss.log" | awk '{print substr($0,1,70), substr($0,150,60)}' | head -24
+  for conf in expandable_segments:False default expandable_segments:False default; do
+    env $([ $conf != default ] && echo PYTORCH_CUDA_ALLOC_CONF=$conf) timeout 80 python3 benchmarks/bench_extract.py \
+      --tokens 16384 --reps 3 --ab-off split_rows --ab-rounds 3 > "$RES/alloc_$conf.log" 2>&1
+    echo "$conf: $(tail -1 "$RES/alloc_$conf.log" | cut -c1-300)"
   done
   ;;
 S1)
