@@ -249,8 +249,7 @@ def test_ttt_packed_all_masked_and_short(poisoned_empty):
 @pytest.mark.parametrize("packed", [False, True], ids=["perstep", "packed"])
 def test_ttt_gradient_to_some_steps_only(packed, poisoned_empty):
     """A step whose hidden states need no gradient gets none, and the others get the same gradients
-    as when every step needs one (the packed form then scatters rows step by step instead of into
-    one [K, N, H] tensor)."""
+    as when every step needs one."""
     gen = torch.Generator().manual_seed(41)
     n, k_steps = 23, 3
     base = [torch.randn(n, 12, generator=gen) for _ in range(k_steps)]
