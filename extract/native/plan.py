@@ -129,7 +129,7 @@ def plan_memory(a: ModelArgs, tp: int, expert_layout: str, quantized: bool = Tru
         "routed experts (" + ("INT4" if quantized else "bf16") + ")": moe_layers * experts * per_expert,
     }
     c["activations"] = _activation_bytes(a, tp, expert_layout, b, batch_tokens, max_length, aux_layers)
-    c["runtime reserve (context, NCCL, allocator cache)"] = runtime_reserve(tp, c["activations"])
+    c["runtime reserve (context, NCCL, cache)"] = runtime_reserve(tp, c["activations"])
     return MemoryPlan(tp, expert_layout, c)
 
 
