@@ -346,6 +346,31 @@ def profile_ttt(tokens, hidden, vocab, steps, chunk, device, dtype, timer) -> di
         ms = timer.median_ms(fn)
         out[name] = {"ms": round(ms, 3), "TFLOPs": round(2 * rows * hidden * vocab / ms / 1e9, 1)}
         print(f"{name:<44} {ms:8.3f} ms {out[name]['TFLOPs']:7.1f} TFLOP/s")
+    if cuda:
+        out["row_pass"] = time_row_pass(z, tb, p, steps, device, timer)
+    return out
+
+
+def time_row_pass(z, tb, rows: int, steps: int, device, timer) -> dict:
+    """The packed row pass alone on one chunk's [rows, Vd] logits, per launch config (BLOCK,
+    warps): the default (`_launch_config`) against wider and narrower blocks. The logits are
+    overwritten by G at each call (values do not change the work)."""
+    z.normal_()
+    tb.normal_()
+    lse, psum = soft_ce._lse_psum_triton(tb)
+    t_rows = tb.shape[0]
+    tidx = torch.arange(t_rows, device=device, dtype=torch.int32).repeat(steps)[:rows].contiguous()
+    weight = torch.ones(rows, device=device)
+    loss = torch.empty(rows, device=device)
+    argmax = torch.empty(rows, device=device, dtype=torch.int64)
+    out = {"default": list(soft_ce._launch_config(z.shape[1]))}
+    for block, warps in ((4096, 8), (8192, 8), (8192, 16), (2048, 4), (4096, 4), (2048, 8)):
+        def launch():
+            soft_ce._soft_ce_rows_kernel[(rows,)](z, tb, tidx, lse, psum, weight, loss, argmax, z.stride(0), tb.stride(0),
+                                                  z.shape[1], BLOCK=block, HAS_TIDX=True, HAS_PSUM=True, num_warps=warps)
+        ms = timer.median_ms(launch)
+        out[f"BLOCK {block}, {warps} warps"] = round(ms, 4)
+        print(f"row pass [{rows}, {z.shape[1]}] BLOCK {block:5d} warps {warps:2d}: {ms:.4f} ms")
     return out
 
 

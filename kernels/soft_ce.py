@@ -468,18 +468,22 @@ def _scale_(grads, upstream: torch.Tensor, backend: str) -> None:
     of bounded fp32 temporaries.
     In place: a second backward through the same graph (retain_graph) is refused by autograd's
     own version check on the saved tensors ("modified by an inplace operation"), not scaled twice."""
-    upstream = upstream.detach().to(torch.float32).reshape(1)
+    upstream = upstream.detach().reshape(1)
+    up32 = upstream.to(torch.float32)
     for grad in grads:
         if grad is None or grad.numel() == 0:
             continue
         flat = grad.view(-1)
+        if grad.dtype == torch.float64:  # wider than the fp32 the scaling runs in elsewhere
+            flat.mul_(upstream.to(torch.float64))
+            continue
         if backend == "triton":
-            _scale_kernel[(triton.cdiv(flat.numel(), _SCALE_BLOCK),)](flat, upstream, flat.numel(), BLOCK=_SCALE_BLOCK,
+            _scale_kernel[(triton.cdiv(flat.numel(), _SCALE_BLOCK),)](flat, up32, flat.numel(), BLOCK=_SCALE_BLOCK,
                                                                        num_warps=8)
             torch.autograd.graph.increment_version(grad)  # a kernel's write is not seen by autograd's check
             continue
         for part in flat.split(_SCALE_CHUNK_ELEMENTS):
-            part.copy_(part.float().mul_(upstream))
+            part.copy_(part.float().mul_(up32))
 
 
 _SCALE_BLOCK = 4096  # elements per program of _scale_kernel (16 per thread at 8 warps)

@@ -269,6 +269,30 @@ def test_ttt_gradient_to_some_steps_only(packed, poisoned_empty):
         assert torch.equal(grads[0][j], grads[1][j]) and not grads[1][j].isnan().any(), j
 
 
+def test_ttt_float64_gradients_scaled_in_float64():
+    """fp64 inputs (the references' dtype): the backward scales the saved gradients by the (fp32)
+    upstream in fp64, on the Triton path too (its kernel scales 16- and 32-bit gradients in fp32),
+    without rounding them through fp32."""
+    gen = torch.Generator().manual_seed(43)
+    n, k_steps = 11, 2
+    hiddens = [torch.randn(n, 8, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(k_steps)]
+    w_d = torch.randn(13, 8, generator=gen, dtype=torch.float64).requires_grad_()
+    t, w_t = torch.randn(n, 8, generator=gen, dtype=torch.float64), torch.randn(13, 8, generator=gen, dtype=torch.float64)
+    weight = torch.rand(k_steps, n, generator=gen)
+    for j in range(k_steps):
+        weight[j, n - 1 - j:] = 0
+    grads = []
+    for upstream in (1.0, 1 / 3):
+        loss, _, _ = soft_ce.fused_soft_cross_entropy_ttt(hiddens, w_d, t, w_t, weight, chunk_tokens=4, backend=BACKEND)
+        (loss * upstream).backward()
+        grads.append([x.grad.clone() for x in hiddens + [w_d]])
+        for x in hiddens + [w_d]:
+            x.grad = None
+    third_fp32 = torch.tensor(1 / 3, dtype=torch.float32).double()  # the loss is fp32: so is its upstream
+    for unit, third in zip(*grads):
+        torch.testing.assert_close(third, unit * third_fp32, rtol=1e-15, atol=0)  # not rounded through fp32
+
+
 def test_ttt_rejects_weight_without_teacher():
     hiddens = [torch.randn(9, 8) for _ in range(2)]
     w = torch.randn(50, 8)

@@ -295,3 +295,22 @@ def test_pretokenized_source_rows_checked_and_cut_to_max_length(tiny_ckpt, tmp_p
     latin.write_bytes(b'{"input_ids": [1, 2], "note": "caf\xe9"}\n')
     with pytest.raises(UserInputError, match="latin.jsonl: not UTF-8"):
         extract_native(load_config(None, overrides(tiny_ckpt, tmp_path / "latin", tp=1, source=str(latin))))
+
+
+@pytest.mark.parametrize("user_var", [None, "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
+def test_expandable_segments_only_where_the_user_set_no_allocator_config(monkeypatch, user_var):
+    """The native backend asks for expandable segments, but never over a configuration the user
+    gave under any of the names torch reads."""
+    from eagleforge.extract.native.parallel import ALLOC_CONF_VARS, use_expandable_segments
+
+    for name in ALLOC_CONF_VARS:
+        monkeypatch.delenv(name, raising=False)
+    if user_var:
+        monkeypatch.setenv(user_var, "max_split_size_mb:512")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert use_expandable_segments() is (user_var is None)
+    if user_var:
+        assert os.environ[user_var] == "max_split_size_mb:512"  # untouched
+        assert user_var == "PYTORCH_CUDA_ALLOC_CONF" or "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    else:
+        assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"

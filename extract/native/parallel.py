@@ -270,13 +270,17 @@ class ParallelState:
         return self.rank == 0
 
 
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
 def use_expandable_segments() -> bool:
     """Ask the CUDA caching allocator for expandable segments, unless the user configured it
-    (PYTORCH_CUDA_ALLOC_CONF) or CUDA already runs in this process (the setting is read once).
+    (any of ALLOC_CONF_VARS) or CUDA already runs in this process (the setting is read once).
     Each layer's forward allocates GiBs of transients of many sizes; with fixed segments the
     cache held up to 2.2x the activation peak besides it (8.9 GiB above a 7.6 GiB peak at 32K
     tokens on the H200, 2026-11-30 U2), memory the planner could not count on. True if set here."""
-    if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or torch.cuda.is_initialized():
+    # torch reads the first of these that is set (PYTORCH_ALLOC_CONF is the newer name)
+    if any(name in os.environ for name in ALLOC_CONF_VARS) or torch.cuda.is_initialized():
         return False
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     return True
