@@ -115,6 +115,8 @@
 #       timed alone); the forward at 16K with fixed vs expandable allocator segments, two
 #       processes each, alternating (at tp 1 the split_rows switch does nothing: its on/off
 #       rounds measure the noise)
+#   U5 (nvidia-h200-x2, lent again): the tp 2 memory check with expandable segments (the
+#       reserve's NCCL part), the GPU tests of the review's fixes, the row pass per launch config
 #   U3: U2 again after its fixes (expandable segments in the native backend; the loss as the
 #       trainer calls it, lse and S by teacher row in the kernel)
 set -u
@@ -478,6 +480,15 @@ U4)
       --tokens 16384 --reps 3 --ab-off split_rows --ab-rounds 3 > "$RES/alloc_$conf.log" 2>&1
     echo "$conf: $(tail -1 "$RES/alloc_$conf.log" | cut -c1-300)"
   done
+  ;;
+U5)
+  timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_kernels.py tests/test_native_model.py \
+    -k "cuda or nccl or greedy or sm90" > "$RES/gpu_tests.log" 2>&1; tail -1 "$RES/gpu_tests.log"
+  timeout 200 torchrun --standalone --nproc-per-node 2 benchmarks/check_plan.py --layouts ep tp --batch-tokens 16384 32768 \
+    --breakdown --json "$RES/plan_tp2.json" > "$RES/plan_tp2.log" 2>&1; grep "^| 2" "$RES/plan_tp2.log"
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/bench_loss.py --ttt-only --variants packed --chunks 4096 \
+    --tokens 8192 --no-liger --profile --json "$RES/loss.json" > "$RES/loss.log" 2>&1
+  grep -E "ttt7_packed|TFLOP/s$|ms per call|^row pass" "$RES/loss.log" | head -16
   ;;
 S1)
   timeout 330 python3 benchmarks/bench_extract.py --tokens 8192 32768 --no-write --json "$RES/extract_tp1.json" \
