@@ -117,6 +117,8 @@
 #       rounds measure the noise)
 #   U5 (nvidia-h200-x2, lent again): the tp 2 memory check with expandable segments (the
 #       reserve's NCCL part), the GPU tests of the review's fixes, the row pass per launch config
+#   U6 (nvidia-h200-x2, warm after U5): bench-extract tp 1 and tp 2 (twice) at 16K with this
+#       session's changes (greedy head without fp32 copies, expandable segments)
 #   U3: U2 again after its fixes (expandable segments in the native backend; the loss as the
 #       trainer calls it, lse and S by teacher row in the kernel)
 set -u
@@ -489,6 +491,15 @@ U5)
   CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/bench_loss.py --ttt-only --variants packed --chunks 4096 \
     --tokens 8192 --no-liger --profile --json "$RES/loss.json" > "$RES/loss.log" 2>&1
   grep -E "ttt7_packed|TFLOP/s$|ms per call|^row pass" "$RES/loss.log" | head -16
+  ;;
+U6)
+  CUDA_VISIBLE_DEVICES=0 timeout 90 python3 benchmarks/bench_extract.py --tokens 16384 --no-write --reps 3 \
+    --json "$RES/extract_tp1.json" > "$RES/extract_tp1.log" 2>&1; tail -1 "$RES/extract_tp1.log" | cut -c1-330
+  for run in a b; do
+    timeout 100 torchrun --standalone --nproc-per-node 2 benchmarks/bench_extract.py --tokens 16384 --no-write --reps 3 \
+      --baseline-json "$RES/extract_tp1.json" --json "$RES/extract_tp2_$run.json" > "$RES/extract_tp2_$run.log" 2>&1
+    tail -1 "$RES/extract_tp2_$run.log" | cut -c1-400
+  done
   ;;
 S1)
   timeout 330 python3 benchmarks/bench_extract.py --tokens 8192 32768 --no-write --json "$RES/extract_tp1.json" \
