@@ -119,6 +119,8 @@
 #       reserve's NCCL part), the GPU tests of the review's fixes, the row pass per launch config
 #   U6 (nvidia-h200-x2, warm after U5): bench-extract tp 1 and tp 2 (twice) at 16K with this
 #       session's changes (greedy head without fp32 copies, expandable segments)
+#   U7 (nvidia-h200-x2, GPU 0): bench-train at 32768 beside SpecForge (issue 7's 1.5x goal),
+#       with the loss of this session and the sixth session's changes (last measured in M2)
 #   U3: U2 again after its fixes (expandable segments in the native backend; the loss as the
 #       trainer calls it, lse and S by teacher row in the kernel)
 set -u
@@ -500,6 +502,11 @@ U6)
       --baseline-json "$RES/extract_tp1.json" --json "$RES/extract_tp2_$run.json" > "$RES/extract_tp2_$run.log" 2>&1
     tail -1 "$RES/extract_tp2_$run.log" | cut -c1-400
   done
+  ;;
+U7)
+  CUDA_VISIBLE_DEVICES=0 timeout 420 python3 benchmarks/bench_train.py --no-attention-bench --no-checks --tokens 32768 \
+    --specforge-tokens 32768 --variants "ckpt=selective_all,attn=merged_cudnn,compile=1,packed=1,fusegrad=1" \
+    --json "$RES/train.json" > "$RES/train.log" 2>&1; grep "^|" "$RES/train.log" | tail -4
   ;;
 S1)
   timeout 330 python3 benchmarks/bench_extract.py --tokens 8192 32768 --no-write --json "$RES/extract_tp1.json" \
