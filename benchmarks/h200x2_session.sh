@@ -121,6 +121,9 @@
 #       session's changes (greedy head without fp32 copies, expandable segments)
 #   U7 (nvidia-h200-x2, GPU 0): bench-train at 32768 beside SpecForge (issue 7's 1.5x goal),
 #       with the loss of this session and the sixth session's changes (last measured in M2)
+#   U8 (nvidia-h200): the INT4 down kernel in Gluon (async wgmmas, one wait per 128-column block)
+#       against v3's, same inputs, outputs against float64 (benchmarks/bench_moe_gluon.py)
+#   U9 (nvidia-h200): the GPU tests of the Gluon kernel and of the loss's fp64 scaling
 #   U3: U2 again after its fixes (expandable segments in the native backend; the loss as the
 #       trainer calls it, lse and S by teacher row in the kernel)
 set -u
@@ -507,6 +510,14 @@ U7)
   CUDA_VISIBLE_DEVICES=0 timeout 420 python3 benchmarks/bench_train.py --no-attention-bench --no-checks --tokens 32768 \
     --specforge-tokens 32768 --variants "ckpt=selective_all,attn=merged_cudnn,compile=1,packed=1,fusegrad=1" \
     --json "$RES/train.json" > "$RES/train.log" 2>&1; grep "^|" "$RES/train.log" | tail -4
+  ;;
+U8)
+  timeout 200 python3 benchmarks/bench_moe_gluon.py --tokens 4096 16384 --json "$RES/moe_gluon.json" > "$RES/moe_gluon.log" 2>&1
+  tail -4 "$RES/moe_gluon.log" | cut -c1-600
+  ;;
+U9)
+  timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_int4_moe.py tests/test_kernels.py \
+    -k "gluon or cuda or float64 or sm90" > "$RES/gpu_tests.log" 2>&1; tail -3 "$RES/gpu_tests.log"
   ;;
 S1)
   timeout 330 python3 benchmarks/bench_extract.py --tokens 8192 32768 --no-write --json "$RES/extract_tp1.json" \

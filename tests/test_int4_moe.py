@@ -232,6 +232,56 @@ def test_moe_kernels_build_for_sm90(kernel, impl, dot_k, warps, stages):
 
 
 @pytest.mark.skipif(INNER, reason="compiles, does not run: outside the interpreter subprocess")
+def test_gluon_down_kernel_builds_for_sm90_with_one_wait_per_block():
+    """The Gluon down kernel (kernels/int4_moe_gluon.py) for sm_90: eight async wgmmas per
+    128-column block and one wait for them (v3 in Triton waits after each dot)."""
+    triton = pytest.importorskip("triton")
+    from eagleforge.kernels import int4_moe_gluon as g
+    from triton_build import build_sm90
+
+    if not g.HAS_GLUON:
+        pytest.skip(f"{g.WHY_NO_GLUON}; this Triton is {triton.__version__}")
+    ints = ("b_ptr", "c_rows_ptr", "tile_expert_ptr", "tile_begin_ptr", "tile_end_ptr")
+    compiled = build_sm90(g._int4_down_g_kernel, dict(GROUP=32, BN=g.BLOCK_N, BT=g.BLOCK_T),
+                          {**dict.fromkeys(ints, "*i32"), "c_scale_ptr": "*fp32"}, num_warps=4, gluon=True)
+    ptx = compiled.asm["ptx"]
+    assert ptx.count("wgmma.mma_async") == 8 and ptx.count("wgmma.wait_group") == 1, \
+        (ptx.count("wgmma.mma_async"), ptx.count("wgmma.wait_group"))
+
+
+@pytest.mark.gpu
+def test_gluon_down_kernel_equals_v3():
+    """The Gluon down kernel against v3's down launch on the same sorted rows (8 experts, uneven
+    tiles, one empty): the same output bit for bit (the same products, in the same order per
+    wgmma), and both against float64."""
+    if not HAS_CUDA or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs an sm_90 GPU (wgmma)")
+    from eagleforge.kernels import int4_moe_gluon as g
+
+    if not g.HAS_GLUON:
+        pytest.skip(g.WHY_NO_GLUON)
+    E, H, I, N, k = 8, 256, 384, 301, 2
+    packs, dense = make_experts(E, I, H, seed=5, device="cuda")
+    ids, weights = routing(N, k, E, empty=(3,), seed=6)
+    ids, weights = ids.cuda(), weights.cuda()
+    order, counts = int4_moe.sort_by_expert(ids, E, 0)
+    rows = N * k
+    table = int4_moe.tile_table(counts, E, g.BLOCK_T, rows)
+    h_true = torch.randn(rows, I, device="cuda").bfloat16()
+    h = int4_moe.permute_k128(h_true)
+    rows_out = torch.arange(rows, dtype=torch.int32, device="cuda")
+    sorted_weight = weights.reshape(-1).float()[order].contiguous()
+    y3, yg = (torch.zeros(rows, H, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    int4_moe._launch(("sa", g.BLOCK_T, g.BLOCK_N, 64, 4, 2), h, None, packs["down_packed"], packs["down_scale"], None, None,
+                     y3, rows_out, sorted_weight, table, False, False, True)
+    g.down_gluon(h, packs["down_packed"], packs["down_scale"], yg, rows_out, sorted_weight, table)
+    assert torch.equal(yg, y3)
+    expert = ids.flatten()[order].cpu()
+    ref = torch.stack([dense["down"][expert[r]] @ h_true[r].double().cpu() for r in range(rows)]) * sorted_weight.double().cpu()[:, None]
+    assert ((yg.double().cpu() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.skipif(INNER, reason="compiles, does not run: outside the interpreter subprocess")
 @pytest.mark.parametrize("out_dtype", ["*fp32", "*bf16"])
 def test_combine_kernel_builds_for_sm90(out_dtype):
     """The slot combine as combine_slots launches it (Kimi: k 8, H 7168 in blocks of 1024)."""

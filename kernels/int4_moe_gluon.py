@@ -1,0 +1,153 @@
+"""INT4 MoE down projection in Gluon (Triton's explicit-layout dialect): v3 with its wgmmas in flight.
+
+v3 (kernels/int4_moe.py) unpacks the INT4 weights straight into the registers of wgmma's left
+operand; Triton 3.6 then waits for each wgmma before the next instruction, because the
+registers of a register-operand wgmma must not change while it runs. So the unpack of the next
+tile never overlaps the tensor cores (issue 6's limit: 1.13x the bf16 grouped GEMM at 16K).
+Gluon lets the kernel say which registers stay alive: the eight wgmmas of a 128-column block are
+issued asynchronously, and while they run the kernel unpacks the next block's weights into
+other registers and loads the block after it; one wait per block. (A probe build for sm_90 with
+Triton 3.6: four HGMMAs with register operands back to back and one WARPGROUP.DEPBAR, 2026-11-30.)
+
+Same math, layouts and tile table as v3's down kernel: C^T [BN, BT] = W [BN, K] @ A^T [K, BT],
+W the packed checkpoint rows [E, N, K/8] int32 with bf16 scales [E, N, K/GROUP], A = h with its
+columns permuted by permute_k128 (the gate+up kernel writes it so), sorted rows r of the tile
+[begin, end) written to c[c_rows[r]] times c_scale[c_rows[r]]. Needs sm_90 (wgmma); no
+interpreter (Gluon has none): its tests compare it with v3 and the float64 formula on the GPU,
+and a CPU test builds it for sm_90.
+
+Measured on an H200 (2026-11-30 U8, benchmarks/bench_moe_gluon.py): the same output as v3's bit
+for bit, and the same speed (0.99x at 16K tokens, 1.03x at 4K): ptxas schedules the next block's
+unpack ahead of the wgmmas, so within a CTA the unpack still does not overlap them. Not used by
+int4_moe; kept as the starting point of a producer/consumer (warp-specialized) version.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Gluon's API changes between Triton releases (3.9 renamed thread_barrier and the cp.async op);
+# this kernel is written against 3.6, the device image's.
+GLUON_TRITON = "3.6"
+try:
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia import hopper
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+    _cta_barrier = gl.thread_barrier
+    HAS_GLUON = triton.__version__.startswith(GLUON_TRITON + ".")
+except (ImportError, AttributeError):  # pragma: no cover - depends on the Triton version
+    HAS_GLUON = False
+WHY_NO_GLUON = f"the Gluon kernel is written against Triton {GLUON_TRITON}'s Gluon API (the device image's)"
+
+from .int4_moe import _UNPACK_PTX_TEXT, PACK_FACTOR
+
+BLOCK_N = 64  # weight rows per program: one warpgroup's wgmma M
+BLOCK_T = 128  # tokens per program (the tile table's block_m): wgmma N
+
+if HAS_GLUON:
+    _UNPACK = gl.constexpr(_UNPACK_PTX_TEXT)
+
+    @gluon.jit
+    def _unpack8(words, scales):
+        """int32 words [BN, 16] and their bf16 scales -> the eight nibble tiles [BN, 16] bf16 (v3's PTX)."""
+        return gl.inline_asm_elementwise(
+            asm=_UNPACK, constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,h", args=[words, scales],
+            dtype=(gl.bfloat16,) * 8, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _int4_down_g_kernel(
+        a_ptr, stride_am, b_ptr, s_ptr, c_ptr, c_rows_ptr, c_scale_ptr, stride_cm,
+        tile_expert_ptr, tile_begin_ptr, tile_end_ptr, N, K,
+        stride_be, stride_bn, stride_se, stride_sn,
+        GROUP: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr,
+    ):
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
+        w_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
+        a_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # [BT, 128] bf16: 16-byte loads
+        a_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        pid_n = gl.program_id(0)
+        pid_t = gl.program_id(1)
+        begin = gl.load(tile_begin_ptr + pid_t)
+        end = gl.load(tile_end_ptr + pid_t)
+        if begin < end:
+            expert = gl.load(tile_expert_ptr + pid_t).to(gl.int64)
+            # A: rows [begin, end) of h, one 128-column block at a time, copied asynchronously
+            # (cp.async) into two shared-memory stages: block i + 2 lands while block i + 1 computes
+            offs_ta = begin + gl.arange(0, BT, layout=gl.SliceLayout(1, a_l))
+            ta_mask = offs_ta < end
+            a_ptrs = a_ptr + offs_ta.to(gl.int64)[:, None] * stride_am + gl.arange(0, 128, layout=gl.SliceLayout(0, a_l))[None, :]
+            a_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BT, 128], a_sl)
+            # W: [BN, 16] packed words of the block, in the registers of wgmma's left operand
+            offs_n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, w_l))
+            n_mask = offs_n < N
+            j = gl.arange(0, 16, layout=gl.SliceLayout(0, w_l))
+            w_ptrs = b_ptr + expert * stride_be + offs_n.to(gl.int64)[:, None] * stride_bn + j[None, :]
+            s_ptrs = s_ptr + expert * stride_se + offs_n.to(gl.int64)[:, None] * stride_sn + (j // (GROUP // 8))[None, :]
+            nk = K // 128
+            # prologue: blocks 0 and 1 on their way to shared memory; block 0 unpacked, block 1's words loaded
+            async_copy.async_copy_global_to_shared(a_smem.index(0), a_ptrs, mask=ta_mask[:, None])
+            async_copy.commit_group()
+            async_copy.async_copy_global_to_shared(a_smem.index(1), a_ptrs + 128, mask=ta_mask[:, None] & (nk > 1))
+            async_copy.commit_group()
+            words = gl.load(w_ptrs, mask=n_mask[:, None], other=0)
+            scales = gl.load(s_ptrs, mask=n_mask[:, None], other=0.0)
+            t0, t1, t2, t3, t4, t5, t6, t7 = _unpack8(words, scales)
+            more = nk > 1
+            words = gl.load(w_ptrs + 16, mask=n_mask[:, None] & more, other=0)
+            scales = gl.load(s_ptrs + 128 // GROUP, mask=n_mask[:, None] & more, other=0.0)
+            acc = gl.zeros([BN, BT], gl.float32, acc_l)
+            for i in range(nk):
+                a_i = a_smem.index(i % 2)
+                async_copy.wait_group(1)  # this thread's copies of block i have landed
+                hopper.fence_async_shared()
+                _cta_barrier()  # and every other thread's
+                tok = hopper.warpgroup_mma_init(acc)
+                tok = hopper.warpgroup_mma(t0, a_i.slice(0, 16, dim=1).permute((1, 0)), tok, is_async=True)
+                tok = hopper.warpgroup_mma(t1, a_i.slice(16, 16, dim=1).permute((1, 0)), tok, is_async=True)
+                tok = hopper.warpgroup_mma(t2, a_i.slice(32, 16, dim=1).permute((1, 0)), tok, is_async=True)
+                tok = hopper.warpgroup_mma(t3, a_i.slice(48, 16, dim=1).permute((1, 0)), tok, is_async=True)
+                tok = hopper.warpgroup_mma(t4, a_i.slice(64, 16, dim=1).permute((1, 0)), tok, is_async=True)
+                tok = hopper.warpgroup_mma(t5, a_i.slice(80, 16, dim=1).permute((1, 0)), tok, is_async=True)
+                tok = hopper.warpgroup_mma(t6, a_i.slice(96, 16, dim=1).permute((1, 0)), tok, is_async=True)
+                tok = hopper.warpgroup_mma(t7, a_i.slice(112, 16, dim=1).permute((1, 0)), tok, is_async=True)
+                # while the tensor cores run: block i + 1 unpacked into other registers, block i + 2's words loaded
+                u0, u1, u2, u3, u4, u5, u6, u7 = _unpack8(words, scales)
+                more = i + 2 < nk
+                words = gl.load(w_ptrs + (i + 2) * 16, mask=n_mask[:, None] & more, other=0)
+                scales = gl.load(s_ptrs + (i + 2) * (128 // GROUP), mask=n_mask[:, None] & more, other=0.0)
+                acc, t0, t1, t2, t3, t4, t5, t6, t7 = hopper.warpgroup_mma_wait(
+                    num_outstanding=0, deps=[tok, t0, t1, t2, t3, t4, t5, t6, t7])
+                _cta_barrier()  # no warp still reads block i's stage
+                async_copy.async_copy_global_to_shared(a_i, a_ptrs + (i + 2) * 128, mask=ta_mask[:, None] & more)
+                async_copy.commit_group()
+                t0, t1, t2, t3, t4, t5, t6, t7 = u0, u1, u2, u3, u4, u5, u6, u7
+            async_copy.wait_group(0)
+            # epilogue: row scale (the router weight of each sorted row), transposed store
+            offs_t = begin + gl.arange(0, BT, layout=gl.SliceLayout(0, acc_l))
+            t_mask = offs_t < end
+            c_rows = gl.load(c_rows_ptr + offs_t, mask=t_mask, other=0).to(gl.int64)
+            acc = acc * gl.load(c_scale_ptr + c_rows, mask=t_mask, other=0.0)[None, :]
+            offs_p = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_l))
+            c_ptrs = c_ptr + c_rows[None, :] * stride_cm + offs_p[:, None]
+            gl.store(c_ptrs, acc.to(gl.bfloat16), mask=(offs_p < N)[:, None] & t_mask[None, :])
+
+
+def down_gluon(h: torch.Tensor, down_packed: torch.Tensor, down_scale: torch.Tensor, y: torch.Tensor,
+               rows_out: torch.Tensor, sorted_weight: torch.Tensor, table) -> None:
+    """v3's down launch in Gluon: h [rows, I] bf16 (columns permuted), down packed [E, H, I/8] int32
+    and scales [E, H, I/GROUP] bf16, y [rows, H] bf16 written at rows_out, table from
+    tile_table(..., BLOCK_T, ...)."""
+    if not HAS_GLUON:
+        raise RuntimeError(f"int4 down (Gluon): {WHY_NO_GLUON}")
+    n, k = down_packed.shape[1], down_packed.shape[2] * PACK_FACTOR
+    if k % 128 or n % BLOCK_N:
+        raise ValueError(f"int4 down (Gluon): intermediate {k} must be a multiple of 128 and hidden {n} of {BLOCK_N}")
+    grid = (triton.cdiv(n, BLOCK_N), table[0].shape[0])
+    _int4_down_g_kernel[grid](
+        h, h.stride(0), down_packed, down_scale, y, rows_out, sorted_weight, y.stride(0),
+        table[0], table[1], table[2], n, k,
+        down_packed.stride(0), down_packed.stride(1), down_scale.stride(0), down_scale.stride(1),
+        GROUP=k // down_scale.shape[2], BN=BLOCK_N, BT=BLOCK_T, num_warps=4)
