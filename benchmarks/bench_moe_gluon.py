@@ -70,29 +70,32 @@ def run(tokens: int, args) -> dict:
     if config[1] != g.BLOCK_T:
         raise SystemExit(f"v3's down config {config} has BLOCK_T {config[1]}, the Gluon kernel {g.BLOCK_T}: one table needs both")
     y3 = torch.zeros(c["rows"], args.hidden, dtype=torch.bfloat16, device="cuda")
-    yg = torch.zeros_like(y3)
+    ys = {variant: torch.zeros_like(y3) for variant in args.variants}
 
     def run_v3():
         v3._launch(config, c["h"], None, c["packed"], c["scale"], None, None, y3, c["rows_out"], c["weight"], c["table"],
                    False, False, True)
 
-    def run_gluon():
-        g.down_gluon(c["h"], c["packed"], c["scale"], yg, c["rows_out"], c["weight"], c["table"])
+    def gluon_runner(variant):
+        return lambda: g.down_gluon(c["h"], c["packed"], c["scale"], ys[variant], c["rows_out"], c["weight"], c["table"],
+                                    variant=variant)
 
     run_v3()
-    run_gluon()
+    for variant in args.variants:
+        gluon_runner(variant)()
     torch.cuda.synchronize()
     sample = torch.randperm(c["rows"], device="cuda")[:16].sort().values
     ref = reference_rows(c, sample)
     rel = lambda y: ((y[sample].double() - ref).norm() / ref.norm()).item()  # noqa: E731
     flops = 2 * c["rows"] * args.hidden * args.inter
     ms3 = triton.testing.do_bench(run_v3, rep=args.rep_ms, return_mode="median")
-    msg = triton.testing.do_bench(run_gluon, rep=args.rep_ms, return_mode="median")
-    r = {"tokens": tokens, "v3_config": list(config), "v3_ms": round(ms3, 3), "gluon_ms": round(msg, 3),
-         "gluon_speedup": round(ms3 / msg, 3), "v3_TFLOPs": round(flops / ms3 / 1e9, 1), "gluon_TFLOPs": round(flops / msg / 1e9, 1),
-         "v3_rel_err_vs_fp64": float(f"{rel(y3):.2e}"), "gluon_rel_err_vs_fp64": float(f"{rel(yg):.2e}"),
-         "gluon_vs_v3_max_abs": float(f"{(yg.float() - y3.float()).abs().max().item():.2e}"),
-         "y_max_abs": float(f"{y3.float().abs().max().item():.2e}")}
+    r = {"tokens": tokens, "v3_config": list(config), "v3_ms": round(ms3, 3), "v3_TFLOPs": round(flops / ms3 / 1e9, 1),
+         "v3_rel_err_vs_fp64": float(f"{rel(y3):.2e}"), "y_max_abs": float(f"{y3.float().abs().max().item():.2e}")}
+    for variant, y in ys.items():
+        ms = triton.testing.do_bench(gluon_runner(variant), rep=args.rep_ms, return_mode="median")
+        r[f"gluon_{variant}"] = {"ms": round(ms, 3), "vs_v3": round(ms3 / ms, 3), "TFLOPs": round(flops / ms / 1e9, 1),
+                                 "rel_err_vs_fp64": float(f"{rel(y):.2e}"),
+                                 "max_abs_vs_v3": float(f"{(y.float() - y3.float()).abs().max().item():.2e}")}
     print(json.dumps(r))
     return r
 
@@ -104,6 +107,7 @@ def main(argv=None) -> list:
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--inter", type=int, default=2048)
     p.add_argument("--rep-ms", type=int, default=200)
+    p.add_argument("--variants", nargs="+", default=["regs", "smem"], choices=["regs", "smem"])
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():

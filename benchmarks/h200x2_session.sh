@@ -124,6 +124,8 @@
 #   U8 (nvidia-h200): the INT4 down kernel in Gluon (async wgmmas, one wait per 128-column block)
 #       against v3's, same inputs, outputs against float64 (benchmarks/bench_moe_gluon.py)
 #   U9 (nvidia-h200): the GPU tests of the Gluon kernel and of the loss's fp64 scaling
+#   U10 (nvidia-h200): U8 with the "smem" variant (next block unpacked into shared memory while
+#       the block's wgmma runs; wait leaves one in flight), and the Gluon GPU tests
 #   U3: U2 again after its fixes (expandable segments in the native backend; the loss as the
 #       trainer calls it, lse and S by teacher row in the kernel)
 set -u
@@ -518,6 +520,12 @@ U8)
 U9)
   timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_int4_moe.py tests/test_kernels.py \
     -k "gluon or cuda or float64 or sm90" > "$RES/gpu_tests.log" 2>&1; tail -3 "$RES/gpu_tests.log"
+  ;;
+U10)
+  timeout 150 python3 benchmarks/bench_moe_gluon.py --tokens 4096 16384 --json "$RES/moe_gluon.json" > "$RES/moe_gluon.log" 2>&1
+  tail -2 "$RES/moe_gluon.log" | cut -c1-700
+  timeout 100 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_int4_moe.py -k gluon > "$RES/gpu_tests.log" 2>&1
+  tail -2 "$RES/gpu_tests.log"
   ;;
 S1)
   timeout 330 python3 benchmarks/bench_extract.py --tokens 8192 32768 --no-write --json "$RES/extract_tp1.json" \

@@ -16,10 +16,16 @@ columns permuted by permute_k128 (the gate+up kernel writes it so), sorted rows 
 interpreter (Gluon has none): its tests compare it with v3 and the float64 formula on the GPU,
 and a CPU test builds it for sm_90.
 
-Measured on an H200 (2026-11-30 U8, benchmarks/bench_moe_gluon.py): the same output as v3's bit
-for bit, and the same speed (0.99x at 16K tokens, 1.03x at 4K): ptxas schedules the next block's
-unpack ahead of the wgmmas, so within a CTA the unpack still does not overlap them. Not used by
-int4_moe; kept as the starting point of a producer/consumer (warp-specialized) version.
+Two variants, measured on an H200 (2026-11-30 U8/U10, benchmarks/bench_moe_gluon.py), both the
+same output as v3's bit for bit:
+- "regs": the weights in wgmma's operand registers, eight async wgmmas per block, one wait;
+  0.995x v3 at 16K tokens, 1.04x at 4K: ptxas schedules the next block's unpack ahead of the
+  wgmmas, so within a CTA the unpack still does not overlap them.
+- "smem": the next block unpacked into a second shared-memory stage while the block's wgmma
+  runs (the wait leaves one in flight); 0.79x: the stores, and the barrier Triton puts between
+  the eight tile stores, cost more than the overlap gains.
+Not used by int4_moe; kept as the start of a producer/consumer (warp-specialized) version, where
+one warpgroup unpacks and another only issues wgmmas.
 """
 
 from __future__ import annotations
@@ -135,18 +141,100 @@ if HAS_GLUON:
             gl.store(c_ptrs, acc.to(gl.bfloat16), mask=(offs_p < N)[:, None] & t_mask[None, :])
 
 
+if HAS_GLUON:
+
+    @gluon.jit
+    def _unpack_to_smem(w_ptrs, s_ptrs, k_block, n_mask, w_stage, GROUP: gl.constexpr):
+        """Block k_block's packed words [BN, 16] unpacked into w_stage [BN, 128] in shared memory,
+        nibble tile n at columns [16 n, 16 n + 16) (the permuted column order h is written in)."""
+        words = gl.load(w_ptrs + k_block * 16, mask=n_mask[:, None], other=0)
+        scales = gl.load(s_ptrs + k_block * (128 // GROUP), mask=n_mask[:, None], other=0.0)
+        t0, t1, t2, t3, t4, t5, t6, t7 = _unpack8(words, scales)
+        w_stage.slice(0, 16, dim=1).store(t0)
+        w_stage.slice(16, 16, dim=1).store(t1)
+        w_stage.slice(32, 16, dim=1).store(t2)
+        w_stage.slice(48, 16, dim=1).store(t3)
+        w_stage.slice(64, 16, dim=1).store(t4)
+        w_stage.slice(80, 16, dim=1).store(t5)
+        w_stage.slice(96, 16, dim=1).store(t6)
+        w_stage.slice(112, 16, dim=1).store(t7)
+
+    @gluon.jit
+    def _int4_down_gs_kernel(
+        a_ptr, stride_am, b_ptr, s_ptr, c_ptr, c_rows_ptr, c_scale_ptr, stride_cm,
+        tile_expert_ptr, tile_begin_ptr, tile_end_ptr, N, K,
+        stride_be, stride_bn, stride_se, stride_sn,
+        GROUP: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr,
+    ):
+        """The "smem" variant: block i + 1's weights are unpacked into a second shared-memory stage
+        while block i's wgmma (both operands in shared memory, K = 128) runs; a wait that leaves
+        one wgmma in flight frees the stage block i - 1 used. Same tiles and output as the
+        kernel above."""
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
+        w_rl: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0])  # [BN, 16] words in registers
+        a_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # [BT, 128] bf16: 16-byte copies
+        sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        pid_n = gl.program_id(0)
+        pid_t = gl.program_id(1)
+        begin = gl.load(tile_begin_ptr + pid_t)
+        end = gl.load(tile_end_ptr + pid_t)
+        if begin < end:
+            expert = gl.load(tile_expert_ptr + pid_t).to(gl.int64)
+            offs_ta = begin + gl.arange(0, BT, layout=gl.SliceLayout(1, a_l))
+            ta_mask = offs_ta < end
+            a_ptrs = a_ptr + offs_ta.to(gl.int64)[:, None] * stride_am + gl.arange(0, 128, layout=gl.SliceLayout(0, a_l))[None, :]
+            a_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BT, 128], sl)
+            w_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BN, 128], sl)
+            offs_n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, w_rl))
+            n_mask = offs_n < N
+            j = gl.arange(0, 16, layout=gl.SliceLayout(0, w_rl))
+            w_ptrs = b_ptr + expert * stride_be + offs_n.to(gl.int64)[:, None] * stride_bn + j[None, :]
+            s_ptrs = s_ptr + expert * stride_se + offs_n.to(gl.int64)[:, None] * stride_sn + (j // (GROUP // 8))[None, :]
+            nk = K // 128
+            # prologue: blocks 0 and 1 staged (h by cp.async, weights unpacked by this warpgroup)
+            async_copy.async_copy_global_to_shared(a_smem.index(0), a_ptrs, mask=ta_mask[:, None])
+            async_copy.commit_group()
+            _unpack_to_smem(w_ptrs, s_ptrs, 0, n_mask, w_smem.index(0), GROUP)
+            if nk > 1:
+                async_copy.async_copy_global_to_shared(a_smem.index(1), a_ptrs + 128, mask=ta_mask[:, None])
+                _unpack_to_smem(w_ptrs, s_ptrs, 1, n_mask, w_smem.index(1), GROUP)
+            async_copy.commit_group()
+            acc = gl.zeros([BN, BT], gl.float32, acc_l)
+            for i in range(nk):
+                s = i % 2
+                async_copy.wait_group(0)  # block i's h (and i + 1's, issued with it) in shared memory
+                hopper.fence_async_shared()
+                _cta_barrier()
+                tok = hopper.warpgroup_mma(w_smem.index(s), a_smem.index(s).permute((1, 0)), acc, is_async=True)
+                acc = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[tok])  # block i - 1's wgmma done
+                if i >= 1 and i + 1 < nk:  # its stage takes block i + 1 while block i's wgmma runs
+                    async_copy.async_copy_global_to_shared(a_smem.index(1 - s), a_ptrs + (i + 1) * 128, mask=ta_mask[:, None])
+                    _unpack_to_smem(w_ptrs, s_ptrs, i + 1, n_mask, w_smem.index(1 - s), GROUP)
+                async_copy.commit_group()
+            acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+            offs_t = begin + gl.arange(0, BT, layout=gl.SliceLayout(0, acc_l))
+            t_mask = offs_t < end
+            c_rows = gl.load(c_rows_ptr + offs_t, mask=t_mask, other=0).to(gl.int64)
+            acc = acc * gl.load(c_scale_ptr + c_rows, mask=t_mask, other=0.0)[None, :]
+            offs_p = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_l))
+            c_ptrs = c_ptr + c_rows[None, :] * stride_cm + offs_p[:, None]
+            gl.store(c_ptrs, acc.to(gl.bfloat16), mask=(offs_p < N)[:, None] & t_mask[None, :])
+
+
 def down_gluon(h: torch.Tensor, down_packed: torch.Tensor, down_scale: torch.Tensor, y: torch.Tensor,
-               rows_out: torch.Tensor, sorted_weight: torch.Tensor, table) -> None:
+               rows_out: torch.Tensor, sorted_weight: torch.Tensor, table, variant: str = "regs") -> None:
     """v3's down launch in Gluon: h [rows, I] bf16 (columns permuted), down packed [E, H, I/8] int32
     and scales [E, H, I/GROUP] bf16, y [rows, H] bf16 written at rows_out, table from
-    tile_table(..., BLOCK_T, ...)."""
+    tile_table(..., BLOCK_T, ...). variant: "regs" (weights in wgmma's operand registers) or
+    "smem" (unpacked into shared memory, overlapping the previous block's wgmma)."""
     if not HAS_GLUON:
         raise RuntimeError(f"int4 down (Gluon): {WHY_NO_GLUON}")
     n, k = down_packed.shape[1], down_packed.shape[2] * PACK_FACTOR
     if k % 128 or n % BLOCK_N:
         raise ValueError(f"int4 down (Gluon): intermediate {k} must be a multiple of 128 and hidden {n} of {BLOCK_N}")
     grid = (triton.cdiv(n, BLOCK_N), table[0].shape[0])
-    _int4_down_g_kernel[grid](
+    kernel = {"regs": _int4_down_g_kernel, "smem": _int4_down_gs_kernel}[variant]
+    kernel[grid](
         h, h.stride(0), down_packed, down_scale, y, rows_out, sorted_weight, y.stride(0),
         table[0], table[1], table[2], n, k,
         down_packed.stride(0), down_packed.stride(1), down_scale.stride(0), down_scale.stride(1),

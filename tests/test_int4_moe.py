@@ -232,9 +232,11 @@ def test_moe_kernels_build_for_sm90(kernel, impl, dot_k, warps, stages):
 
 
 @pytest.mark.skipif(INNER, reason="compiles, does not run: outside the interpreter subprocess")
-def test_gluon_down_kernel_builds_for_sm90_with_one_wait_per_block():
-    """The Gluon down kernel (kernels/int4_moe_gluon.py) for sm_90: eight async wgmmas per
-    128-column block and one wait for them (v3 in Triton waits after each dot)."""
+@pytest.mark.parametrize("variant,wait", [("regs", "wgmma.wait_group.sync.aligned 0"), ("smem", "wgmma.wait_group.sync.aligned 1")])
+def test_gluon_down_kernel_builds_for_sm90_with_one_wait_per_block(variant, wait):
+    """The Gluon down kernels (kernels/int4_moe_gluon.py) for sm_90: eight async wgmmas per
+    128-column block and one wait for them in the loop (v3 in Triton waits after each dot); the
+    "smem" variant's wait leaves the block's wgmmas in flight while the next block is unpacked."""
     triton = pytest.importorskip("triton")
     from eagleforge.kernels import int4_moe_gluon as g
     from triton_build import build_sm90
@@ -242,15 +244,16 @@ def test_gluon_down_kernel_builds_for_sm90_with_one_wait_per_block():
     if not g.HAS_GLUON:
         pytest.skip(f"{g.WHY_NO_GLUON}; this Triton is {triton.__version__}")
     ints = ("b_ptr", "c_rows_ptr", "tile_expert_ptr", "tile_begin_ptr", "tile_end_ptr")
-    compiled = build_sm90(g._int4_down_g_kernel, dict(GROUP=32, BN=g.BLOCK_N, BT=g.BLOCK_T),
+    kernel = {"regs": g._int4_down_g_kernel, "smem": g._int4_down_gs_kernel}[variant]
+    compiled = build_sm90(kernel, dict(GROUP=32, BN=g.BLOCK_N, BT=g.BLOCK_T),
                           {**dict.fromkeys(ints, "*i32"), "c_scale_ptr": "*fp32"}, num_warps=4, gluon=True)
     ptx = compiled.asm["ptx"]
-    assert ptx.count("wgmma.mma_async") == 8 and ptx.count("wgmma.wait_group") == 1, \
-        (ptx.count("wgmma.mma_async"), ptx.count("wgmma.wait_group"))
+    assert ptx.count("wgmma.mma_async") == 8 and wait in ptx, (ptx.count("wgmma.mma_async"), ptx.count("wgmma.wait_group"))
 
 
 @pytest.mark.gpu
-def test_gluon_down_kernel_equals_v3():
+@pytest.mark.parametrize("variant", ["regs", "smem"])
+def test_gluon_down_kernel_equals_v3(variant):
     """The Gluon down kernel against v3's down launch on the same sorted rows (8 experts, uneven
     tiles, one empty): the same output bit for bit (the same products, in the same order per
     wgmma), and both against float64."""
@@ -274,7 +277,7 @@ def test_gluon_down_kernel_equals_v3():
     y3, yg = (torch.zeros(rows, H, dtype=torch.bfloat16, device="cuda") for _ in range(2))
     int4_moe._launch(("sa", g.BLOCK_T, g.BLOCK_N, 64, 4, 2), h, None, packs["down_packed"], packs["down_scale"], None, None,
                      y3, rows_out, sorted_weight, table, False, False, True)
-    g.down_gluon(h, packs["down_packed"], packs["down_scale"], yg, rows_out, sorted_weight, table)
+    g.down_gluon(h, packs["down_packed"], packs["down_scale"], yg, rows_out, sorted_weight, table, variant=variant)
     assert torch.equal(yg, y3)
     expert = ids.flatten()[order].cpu()
     ref = torch.stack([dense["down"][expert[r]] @ h_true[r].double().cpu() for r in range(rows)]) * sorted_weight.double().cpu()[:, None]
