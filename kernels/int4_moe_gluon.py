@@ -64,6 +64,37 @@ if HAS_GLUON:
             dtype=(gl.bfloat16,) * 8, is_pure=False, pack=1)
 
     @gluon.jit
+    def _h_block_pointers(a_ptr, stride_am, begin, end, BT: gl.constexpr, layout: gl.constexpr):
+        """Pointers to the first 128 columns of the tile's rows [begin, end) of h [BT, 128], and the row mask."""
+        offs = begin + gl.arange(0, BT, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, 128, layout=gl.SliceLayout(0, layout))
+        return a_ptr + offs.to(gl.int64)[:, None] * stride_am + cols[None, :], offs < end
+
+    @gluon.jit
+    def _word_pointers(b_ptr, s_ptr, expert, pid_n, N, stride_be, stride_bn, stride_se, stride_sn,
+                       BN: gl.constexpr, GROUP: gl.constexpr, layout: gl.constexpr):
+        """Pointers to the first block's packed words [BN, 16] of this program's weight rows and to
+        each word's scale (word j of a 128-column block is in group j // (GROUP / 8)), and the row mask."""
+        offs_n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, layout))
+        j = gl.arange(0, 16, layout=gl.SliceLayout(0, layout))
+        rows = offs_n.to(gl.int64)[:, None]
+        w_ptrs = b_ptr + expert * stride_be + rows * stride_bn + j[None, :]
+        s_ptrs = s_ptr + expert * stride_se + rows * stride_sn + (j // (GROUP // 8))[None, :]
+        return w_ptrs, s_ptrs, offs_n < N
+
+    @gluon.jit
+    def _store_scaled_rows(acc, c_ptr, c_rows_ptr, c_scale_ptr, stride_cm, begin, end, pid_n, N,
+                           BN: gl.constexpr, BT: gl.constexpr, acc_l: gl.constexpr):
+        """C^T [BN, BT] to c[c_rows[r]] times c_scale[c_rows[r]] for the tile's rows r (v3's epilogue)."""
+        offs_t = begin + gl.arange(0, BT, layout=gl.SliceLayout(0, acc_l))
+        t_mask = offs_t < end
+        c_rows = gl.load(c_rows_ptr + offs_t, mask=t_mask, other=0).to(gl.int64)
+        acc = acc * gl.load(c_scale_ptr + c_rows, mask=t_mask, other=0.0)[None, :]
+        offs_p = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_l))
+        gl.store(c_ptr + c_rows[None, :] * stride_cm + offs_p[:, None], acc.to(gl.bfloat16),
+                 mask=(offs_p < N)[:, None] & t_mask[None, :])
+
+    @gluon.jit
     def _int4_down_g_kernel(
         a_ptr, stride_am, b_ptr, s_ptr, c_ptr, c_rows_ptr, c_scale_ptr, stride_cm,
         tile_expert_ptr, tile_begin_ptr, tile_end_ptr, N, K,
@@ -82,16 +113,11 @@ if HAS_GLUON:
             expert = gl.load(tile_expert_ptr + pid_t).to(gl.int64)
             # A: rows [begin, end) of h, one 128-column block at a time, copied asynchronously
             # (cp.async) into two shared-memory stages: block i + 2 lands while block i + 1 computes
-            offs_ta = begin + gl.arange(0, BT, layout=gl.SliceLayout(1, a_l))
-            ta_mask = offs_ta < end
-            a_ptrs = a_ptr + offs_ta.to(gl.int64)[:, None] * stride_am + gl.arange(0, 128, layout=gl.SliceLayout(0, a_l))[None, :]
+            a_ptrs, ta_mask = _h_block_pointers(a_ptr, stride_am, begin, end, BT, a_l)
             a_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BT, 128], a_sl)
             # W: [BN, 16] packed words of the block, in the registers of wgmma's left operand
-            offs_n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, w_l))
-            n_mask = offs_n < N
-            j = gl.arange(0, 16, layout=gl.SliceLayout(0, w_l))
-            w_ptrs = b_ptr + expert * stride_be + offs_n.to(gl.int64)[:, None] * stride_bn + j[None, :]
-            s_ptrs = s_ptr + expert * stride_se + offs_n.to(gl.int64)[:, None] * stride_sn + (j // (GROUP // 8))[None, :]
+            w_ptrs, s_ptrs, n_mask = _word_pointers(b_ptr, s_ptr, expert, pid_n, N, stride_be, stride_bn, stride_se,
+                                                    stride_sn, BN, GROUP, w_l)
             nk = K // 128
             # prologue: blocks 0 and 1 on their way to shared memory; block 0 unpacked, block 1's words loaded
             async_copy.async_copy_global_to_shared(a_smem.index(0), a_ptrs, mask=ta_mask[:, None])
@@ -131,14 +157,7 @@ if HAS_GLUON:
                 async_copy.commit_group()
                 t0, t1, t2, t3, t4, t5, t6, t7 = u0, u1, u2, u3, u4, u5, u6, u7
             async_copy.wait_group(0)
-            # epilogue: row scale (the router weight of each sorted row), transposed store
-            offs_t = begin + gl.arange(0, BT, layout=gl.SliceLayout(0, acc_l))
-            t_mask = offs_t < end
-            c_rows = gl.load(c_rows_ptr + offs_t, mask=t_mask, other=0).to(gl.int64)
-            acc = acc * gl.load(c_scale_ptr + c_rows, mask=t_mask, other=0.0)[None, :]
-            offs_p = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_l))
-            c_ptrs = c_ptr + c_rows[None, :] * stride_cm + offs_p[:, None]
-            gl.store(c_ptrs, acc.to(gl.bfloat16), mask=(offs_p < N)[:, None] & t_mask[None, :])
+            _store_scaled_rows(acc, c_ptr, c_rows_ptr, c_scale_ptr, stride_cm, begin, end, pid_n, N, BN, BT, acc_l)
 
 
 if HAS_GLUON:
@@ -180,16 +199,11 @@ if HAS_GLUON:
         end = gl.load(tile_end_ptr + pid_t)
         if begin < end:
             expert = gl.load(tile_expert_ptr + pid_t).to(gl.int64)
-            offs_ta = begin + gl.arange(0, BT, layout=gl.SliceLayout(1, a_l))
-            ta_mask = offs_ta < end
-            a_ptrs = a_ptr + offs_ta.to(gl.int64)[:, None] * stride_am + gl.arange(0, 128, layout=gl.SliceLayout(0, a_l))[None, :]
+            a_ptrs, ta_mask = _h_block_pointers(a_ptr, stride_am, begin, end, BT, a_l)
             a_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BT, 128], sl)
             w_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BN, 128], sl)
-            offs_n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, w_rl))
-            n_mask = offs_n < N
-            j = gl.arange(0, 16, layout=gl.SliceLayout(0, w_rl))
-            w_ptrs = b_ptr + expert * stride_be + offs_n.to(gl.int64)[:, None] * stride_bn + j[None, :]
-            s_ptrs = s_ptr + expert * stride_se + offs_n.to(gl.int64)[:, None] * stride_sn + (j // (GROUP // 8))[None, :]
+            w_ptrs, s_ptrs, n_mask = _word_pointers(b_ptr, s_ptr, expert, pid_n, N, stride_be, stride_bn, stride_se,
+                                                    stride_sn, BN, GROUP, w_rl)
             nk = K // 128
             # prologue: blocks 0 and 1 staged (h by cp.async, weights unpacked by this warpgroup)
             async_copy.async_copy_global_to_shared(a_smem.index(0), a_ptrs, mask=ta_mask[:, None])
@@ -212,13 +226,7 @@ if HAS_GLUON:
                     _unpack_to_smem(w_ptrs, s_ptrs, i + 1, n_mask, w_smem.index(1 - s), GROUP)
                 async_copy.commit_group()
             acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            offs_t = begin + gl.arange(0, BT, layout=gl.SliceLayout(0, acc_l))
-            t_mask = offs_t < end
-            c_rows = gl.load(c_rows_ptr + offs_t, mask=t_mask, other=0).to(gl.int64)
-            acc = acc * gl.load(c_scale_ptr + c_rows, mask=t_mask, other=0.0)[None, :]
-            offs_p = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_l))
-            c_ptrs = c_ptr + c_rows[None, :] * stride_cm + offs_p[:, None]
-            gl.store(c_ptrs, acc.to(gl.bfloat16), mask=(offs_p < N)[:, None] & t_mask[None, :])
+            _store_scaled_rows(acc, c_ptr, c_rows_ptr, c_scale_ptr, stride_cm, begin, end, pid_n, N, BN, BT, acc_l)
 
 
 def down_gluon(h: torch.Tensor, down_packed: torch.Tensor, down_scale: torch.Tensor, y: torch.Tensor,
