@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import sys
+from types import SimpleNamespace
 
 import torch
 
@@ -40,30 +41,28 @@ from eagleforge.extract.capture import HiddenStateCapture  # noqa: E402
 from eagleforge.extract.native.bench_model import build_bench_model, kimi_args, tiny_args  # noqa: E402
 from eagleforge.extract.native.parallel import gather_objects, init_parallel, shutdown  # noqa: E402
 from eagleforge.extract.native.plan import GIB, plan_memory  # noqa: E402
-from eagleforge.extract.native.run import forward_batch  # noqa: E402
-from eagleforge.extract.writer import BatchRows, make_writer  # noqa: E402
+from eagleforge.extract.native.run import extract_chunk, forward_batch  # noqa: E402
+from eagleforge.extract.writer import make_writer  # noqa: E402
 
 log = logging.getLogger("check_plan")
 
 
-def batches(vocab: int, batch_tokens: int, max_length: int, count: int, seed: int) -> list[list[list[int]]]:
-    """`count` batches, each of batch_tokens // max_length samples of max_length random ids (the
-    same on every rank: drawn on the CPU from `seed`)."""
+def samples(vocab: int, batch_tokens: int, max_length: int, count: int, seed: int) -> list[dict]:
+    """`count` batches' worth of rows {"id", "input_ids", "loss_mask"}: batch_tokens // max_length
+    samples of max_length random ids per batch (the same on every rank: drawn on the CPU from `seed`)."""
     gen = torch.Generator().manual_seed(seed)
-    per = max(1, batch_tokens // max_length)
-    return [[torch.randint(0, vocab, (max_length,), generator=gen).tolist() for _ in range(per)] for _ in range(count)]
+    n = max(1, batch_tokens // max_length) * count
+    return [{"id": j, "input_ids": torch.randint(0, vocab, (max_length,), generator=gen).tolist(), "loss_mask": [1] * max_length}
+            for j in range(n)]
 
 
-def run_loop(model, state, aux_layers: list[int], work: list[list[list[int]]]) -> None:
-    """The extraction loop of run.extract_chunk: forward each batch; the group leader submits it."""
+def run_loop(model, state, aux_layers: list[int], rows: list[dict], batch_tokens: int) -> None:
+    """The extraction loop itself (run.extract_chunk over one chunk, batched by tokens as extraction
+    batches it); the group leader submits each batch to the overlapped writer."""
+    cfg = SimpleNamespace(extract=SimpleNamespace(batch_tokens=batch_tokens, write_target_argmax=True))
     writer = make_writer(NullSink(), overlap=True) if state.is_group_leader else None
     with HiddenStateCapture(model.model.layers, aux_layers, model.model.norm) as capture:
-        for i, ids in enumerate(work):
-            packed = forward_batch(model, capture, ids, state.device, True, keep=writer is not None)
-            if writer is not None:
-                rows = [{"id": j, "input_ids": s, "loss_mask": [1] * len(s)} for j, s in enumerate(ids)]
-                writer.submit(packed, BatchRows(i, rows, list(range(len(ids)))))
-            del packed
+        extract_chunk(model, capture, 0, rows, cfg, state, writer)
     if writer is not None:
         writer.close()
 
@@ -74,7 +73,7 @@ def measure(model, args, state, layout: str, aux_layers: list[int], batch_tokens
     cuda = state.device.type == "cuda"
     plan = plan_memory(args, state.tp.size, layout, batch_tokens=batch_tokens, max_length=max_length,
                        aux_layers=aux_layers)
-    work = batches(args.vocab_size, batch_tokens, max_length, reps, seed=batch_tokens)
+    rows = samples(args.vocab_size, batch_tokens, max_length, reps, seed=batch_tokens)
     r = {"rank": state.rank, "layout": layout, "batch_tokens": batch_tokens, "max_length": max_length,
          "plan_weights_GiB": plan.weights_bytes / GIB, "plan_activations_GiB": plan.components["activations"] / GIB,
          "plan_total_GiB": plan.total_bytes / GIB}
@@ -83,7 +82,7 @@ def measure(model, args, state, layout: str, aux_layers: list[int], batch_tokens
         torch.cuda.empty_cache()  # the build's and earlier runs' cached blocks are not this loop's
         weights = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    run_loop(model, state, aux_layers, work)
+    run_loop(model, state, aux_layers, rows, batch_tokens)
     if not cuda:
         return r
     torch.cuda.synchronize()
@@ -94,7 +93,8 @@ def measure(model, args, state, layout: str, aux_layers: list[int], batch_tokens
     if breakdown:
         def one_forward():
             with HiddenStateCapture(model.model.layers, aux_layers, model.model.norm) as capture:
-                forward_batch(model, capture, work[0], state.device, True)
+                forward_batch(model, capture, [r["input_ids"] for r in rows[:max(1, batch_tokens // max_length)]],
+                              state.device, True)
         r["breakdown"] = memory_at_peak(one_forward)
     return r
 
