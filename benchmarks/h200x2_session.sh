@@ -128,6 +128,11 @@
 #       the block's wgmma runs; wait leaves one in flight), and the Gluon GPU tests
 #   U3: U2 again after its fixes (expandable segments in the native backend; the loss as the
 #       trainer calls it, lse and S by teacher row in the kernel)
+# Ninth session of 2026-11-30 (nvidia-h200), issue 6's INT4 kernels under Nsight Compute:
+#   V1: ncu (speed of light, memory, compute pipes, warp stalls, occupancy) of v3's gate+up and
+#       down at 16K and 4K and of the bf16 grouped_mm reference's kernels at 16K
+#       (benchmarks/profile_moe.py); then the routed experts timed per launch config, with
+#       maxnreg caps for three 4-warp CTAs per SM and 8-warp CTAs of 128 weight rows
 set -u
 PHASE=$1; shift
 RES=/tmp/res_$PHASE; rm -rf "$RES"; mkdir -p "$RES"
@@ -520,6 +525,29 @@ U8)
 U9)
   timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_int4_moe.py tests/test_kernels.py \
     -k "gluon or cuda or float64 or sm90" > "$RES/gpu_tests.log" 2>&1; tail -3 "$RES/gpu_tests.log"
+  ;;
+V1|V2)
+  ncu --version | tail -1
+  ncu --query-metrics --chip gh100 > "$RES/metrics.txt" 2>&1
+  # the tensor pipes' activity and the stall reasons per issued instruction, where this ncu has them
+  EXTRA=$( (grep -oE "^(sm__pipe_tensor[a-z_]*cycles_active|sm__inst_executed_pipe_tensor[a-z_]*) " "$RES/metrics.txt" \
+    | sed 's/ $/.avg.pct_of_peak_sustained_active/'; grep -oE "^smsp__average_warps_issue_stalled_[a-z_]*_per_issue_active " \
+    "$RES/metrics.txt" | sed 's/ $/.ratio/'; echo lts__t_bytes.sum.per_second) | sort -u | paste -sd,)
+  echo "extra metrics: $EXTRA"
+  NCU="ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis
+       --section WarpStateStats --section Occupancy --section LaunchStats --metrics $EXTRA --csv --page details"
+  for T in 16384 4096; do
+    timeout 150 $NCU --nvtx --nvtx-include "int4/" --kernel-name regex:_int4_moe_v3 --launch-skip 2 --launch-count 2 \
+      python3 benchmarks/profile_moe.py --tokens $T --reps 2 > "$RES/ncu_int4_$T.csv" 2> "$RES/ncu_int4_$T.err"
+    echo "int4 $T: rc $? $(grep -c . "$RES/ncu_int4_$T.csv") lines"
+  done
+  timeout 150 $NCU --nvtx --nvtx-include "ref/" --launch-count 40 python3 benchmarks/profile_moe.py --tokens 16384 --reps 1 \
+    > "$RES/ncu_ref_16384.csv" 2> "$RES/ncu_ref_16384.err"; echo "ref: rc $? $(grep -c . "$RES/ncu_ref_16384.csv") lines"
+  python3 benchmarks/ncu_summary.py "$RES"/ncu_*.csv
+  timeout 200 python3 benchmarks/profile_moe.py --time --tokens 16384 4096 \
+    --gate-up sa,128,64,64,4,3 sa,128,64,32,4,3 sa,128,128,32,8,2 sa,128,128,32,8,2,128 \
+    --down sa,128,64,64,4,2 sa,128,64,64,4,2,168 sa,128,64,32,4,2,168 sa,128,128,64,8,2 sa,128,128,64,8,2,128 \
+    > "$RES/time.log" 2>&1; grep "T=" "$RES/time.log"
   ;;
 U10)
   timeout 150 python3 benchmarks/bench_moe_gluon.py --tokens 4096 16384 --json "$RES/moe_gluon.json" > "$RES/moe_gluon.log" 2>&1

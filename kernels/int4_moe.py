@@ -455,7 +455,7 @@ if HAS_TRITON:
 
 # ---------------------------------------------------------------------------- launch configs
 #
-# A config is (impl, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages):
+# A config is (impl, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, maxnreg]):
 #   "v1"  the first kernel as measured on 2026-11-29 (int -> fp32 unpack), BLOCK_M by choose_block_m
 #   "v1m" v1 with the conversion-free unpack
 #   "s"   v3: weights on the MMA's M side (BLOCK_N rows), tokens on its N side (BLOCK_M = BLOCK_T)
@@ -513,7 +513,7 @@ def permute_k128(a: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(config, a, a_rows, b, s, b2, s2, c, c_rows, c_scale, table, gather, gate_up, scatter):
-    impl, block_m, block_n, block_k, warps, stages = config
+    impl, block_m, block_n, block_k, warps, stages, *maxnreg = config  # maxnreg: optional 7th, registers per thread
     n, k = b.shape[1], b.shape[2] * PACK_FACTOR
     grid = (triton.cdiv(n, block_n), table[0].shape[0])
     dummy = table[0]  # any int32 tensor: unused pointer arguments of a disabled branch
@@ -526,7 +526,7 @@ def _launch(config, a, a_rows, b, s, b2, s2, c, c_rows, c_scale, table, gather, 
     # values: every bf16 is exact in fp32; on the GPU the products are rounded to bf16 once)
     common = dict(GROUP=k // s.shape[2], BLOCK_N=block_n, GATHER_A=gather, GATE_UP=gate_up,
                   SCATTER_C=scatter, DOT_DTYPE=tl.float32 if INTERPRET else tl.bfloat16,
-                  **({} if INTERPRET else {"num_warps": warps, "num_stages": stages}))
+                  **({} if INTERPRET else {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg[0]} if maxnreg else {})}))
     if impl in ("v1", "v1m"):
         _int4_grouped_gemm_kernel[grid](*args, BLOCK_M=block_m, BLOCK_K=block_k, MAGIC=impl == "v1m", **common)
     else:  # v3: the gate+up kernel writes h in the permuted column order the down kernel reads

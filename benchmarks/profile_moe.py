@@ -1,0 +1,138 @@
+"""Profile target: the routed experts of one Kimi-K2.5 MoE layer, INT4 v3 and the bf16 grouped_mm
+reference, each in its own NVTX range, for Nsight Compute (issue 6: what bounds the INT4 kernels).
+
+Launch configs are pinned (no search: every launch under the profiler is one of the ones asked
+for). Each variant runs `--reps` times inside its range; ncu's --launch-skip takes the warm-up
+calls out.
+
+    ncu --clock-control none --nvtx --nvtx-include "int4/" --launch-skip 2 --launch-count 2 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+        python3 benchmarks/profile_moe.py --tokens 16384
+    python3 benchmarks/profile_moe.py --tokens 4096 16384 --time     # no profiler: ms per config
+
+--gate-up / --down: v3 configs as impl,BT,BN,BK,warps,stages[,maxnreg] (the default: int4_moe's
+first candidates for the shape). With --time, every config given is timed (do_bench median) on
+the same routing, each against the bf16 grouped_mm experts of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _bench_common import import_eagleforge  # noqa: E402
+
+import_eagleforge()
+from eagleforge.kernels import int4_moe  # noqa: E402
+
+H, I, E, K = 7168, 2048, 384, 8
+
+
+def parse_config(text: str) -> tuple:
+    impl, *nums = text.split(",")
+    return (impl, *map(int, nums))
+
+
+def random_experts(device, seed=0) -> dict:
+    """INT4 experts in the checkpoint layout: packed int32 [E, out, in/8], bf16 scales per 32 columns."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    packs = {}
+    for proj, (rows, cols) in {"gate": (I, H), "up": (I, H), "down": (H, I)}.items():
+        packs[f"{proj}_packed"] = torch.randint(-2**31, 2**31 - 1, (E, rows, cols // 8), generator=gen, device=device,
+                                                dtype=torch.int64).to(torch.int32)
+        packs[f"{proj}_scale"] = (torch.rand(E, rows, cols // 32, generator=gen, device=device) * 0.2 + 0.9).mul(0.0043).to(torch.bfloat16)
+    return packs
+
+
+def random_routing(T: int, device, seed=1):
+    """[T, K] distinct experts per token, uniform (what a random router gives), and softmax weights."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    ids = torch.rand(T, E, generator=gen, device=device).topk(K, dim=1).indices
+    weights = torch.rand(T, K, generator=gen, device=device).softmax(1)
+    return weights, ids
+
+
+def pin(gate_up: tuple, down: tuple) -> None:
+    """Make int4_moe launch exactly these configs (its search would launch every candidate)."""
+    for table, config in ((int4_moe.V3_CONFIGS, gate_up), (int4_moe.V3_DOWN_CONFIGS, down)):
+        for bucket in table:
+            table[bucket] = [config]
+    int4_moe._CHOSEN.clear()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, nargs="+", default=[16384])
+    p.add_argument("--gate-up", type=parse_config, nargs="+", default=[int4_moe.V3_CONFIGS["large"][0]])
+    p.add_argument("--down", type=parse_config, nargs="+", default=[int4_moe.V3_DOWN_CONFIGS["large"][0]])
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--time", action="store_true", help="time each config instead of profiling")
+    a = p.parse_args(argv)
+    device = torch.device("cuda")
+    packs = random_experts(device)
+    pk = [packs[n] for n in ("gate_packed", "gate_scale", "up_packed", "up_scale", "down_packed", "down_scale")]
+    int4_moe._pick_config = lambda name, configs, key, run: configs[0]  # pinned: no search
+    for T in a.tokens:
+        x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
+        w, ids = random_routing(T, device)
+        if a.time:
+            time_configs(T, x, w, ids, pk, a.gate_up, a.down)
+            continue
+        pin(a.gate_up[0], a.down[0])
+        with torch.no_grad():
+            torch.cuda.nvtx.range_push("int4")
+            for _ in range(a.reps):
+                int4_moe.int4_moe(x, w, ids, *pk, impl="v3")
+            torch.cuda.nvtx.range_pop()
+            gu_t, dn_t = dequantized_weights(packs)
+            torch.cuda.nvtx.range_push("ref")
+            for _ in range(a.reps):
+                int4_moe.bf16_grouped_mm_moe(x, w, ids, gu_t, dn_t)
+            torch.cuda.nvtx.range_pop()
+            del gu_t, dn_t
+        torch.cuda.synchronize()
+
+
+def dequantized_weights(packs: dict):
+    """The same experts in bf16, grouped_mm's layout: gate+up [E, H, 2I], down [E, I, H]."""
+    gu_t = torch.empty(E, H, 2 * I, dtype=torch.bfloat16, device=packs["gate_packed"].device)
+    dn_t = torch.empty(E, I, H, dtype=torch.bfloat16, device=gu_t.device)
+    for e in range(0, E, 32):
+        sl = slice(e, e + 32)
+        gu_t[sl, :, :I] = int4_moe._dequantize(packs["gate_packed"][sl], packs["gate_scale"][sl], torch.bfloat16).transpose(1, 2)
+        gu_t[sl, :, I:] = int4_moe._dequantize(packs["up_packed"][sl], packs["up_scale"][sl], torch.bfloat16).transpose(1, 2)
+        dn_t[sl] = int4_moe._dequantize(packs["down_packed"][sl], packs["down_scale"][sl], torch.bfloat16).transpose(1, 2)
+    return gu_t, dn_t
+
+
+def time_configs(T, x, w, ids, pk, gate_ups, downs) -> None:
+    """ms of the whole int4_moe per (gate+up, down) pair: first each gate+up with the first down,
+    then each down with the first gate+up; the kernel's own share is the difference between rows."""
+    import triton.testing
+
+    def ms(fn):
+        return float(triton.testing.do_bench(fn, warmup=5, rep=100, return_mode="median"))
+
+    with torch.no_grad():
+        gu_t, dn_t = dequantized_weights(dict(zip(("gate_packed", "gate_scale", "up_packed", "up_scale", "down_packed", "down_scale"), pk)))
+        ref = ms(lambda: int4_moe.bf16_grouped_mm_moe(x, w, ids, gu_t, dn_t))
+        del gu_t, dn_t
+        torch.cuda.empty_cache()
+        print(f"T={T} grouped_mm bf16 experts: {ref:.3f} ms")
+        pairs = [(g, downs[0]) for g in gate_ups] + [(gate_ups[0], d) for d in downs[1:]]
+        for g, d in pairs:
+            pin(g, d)
+            try:
+                t = ms(lambda: int4_moe.int4_moe(x, w, ids, *pk, impl="v3"))
+            except int4_moe._compile_errors() as err:
+                print(f"T={T} gate_up {g} down {d}: failed {str(err)[:200]}")
+                continue
+            print(f"T={T} gate_up {g} down {d}: {t:.3f} ms  ({ref / t:.3f}x grouped_mm experts)")
+
+
+if __name__ == "__main__":
+    main()
