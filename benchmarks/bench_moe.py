@@ -106,7 +106,7 @@ def aot_report(configs=None) -> dict:
     configs = configs or sorted({c for v in (int4_moe.V3_CONFIGS, int4_moe.V3_DOWN_CONFIGS) for cs in v.values() for c in cs}
                                 | {(v, 128, 128, 128, 8, 2) for v in ("v1", "v1m")} | {(v, 64, 64, 128, 4, 3) for v in ("v1", "v1m")})
     for kernel_name in ("gate_up", "down"):
-        for impl, bm, bn, bk, warps, stages in configs:
+        for impl, bm, bn, bk, warps, stages, *cap in configs:
             gate_up = kernel_name == "gate_up"
             consts = dict(GROUP=32, BLOCK_N=bn, GATHER_A=gate_up, GATE_UP=gate_up, SCATTER_C=not gate_up, DOT_DTYPE=tl.bfloat16)
             if impl in ("v1", "v1m"):
@@ -114,14 +114,14 @@ def aot_report(configs=None) -> dict:
                 consts.update(BLOCK_M=bm, BLOCK_K=bk, MAGIC=impl == "v1m")
             else:
                 kern = int4_moe._int4_moe_v3_kernel
-                consts.update(BLOCK_T=bm, PERMUTE_N=gate_up, ASM=impl == "sa", NIB=bk // 16)
+                consts.update(BLOCK_T=bm, PERMUTE_N=gate_up, ASM=impl.startswith("sa"), NIB=bk // 16, PREFETCH=impl == "sap")
             sig = {n: ("constexpr" if n in consts else ptr_types.get(n, "*bf16") if n.endswith("_ptr") else "i32") for n in kern.arg_names}
             attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kern.arg_names)
                      if n not in consts and (n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K"))}
-            key = f"{kernel_name} {(impl, bm, bn, bk, warps, stages)}"
+            key = f"{kernel_name} {(impl, bm, bn, bk, warps, stages, *cap)}"
             try:
                 k = triton.compile(ASTSource(kern, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                                   options=dict(num_warps=warps, num_stages=stages))
+                                   options=dict(num_warps=warps, num_stages=stages, **({"maxnreg": cap[0]} if cap else {})))
             except Exception as err:  # noqa: BLE001 - a report, not a guard: any compiler failure is printed
                 out[key] = {"error": str(err)[-300:]}
                 log.warning("%s: %s", key, str(err)[:2000])

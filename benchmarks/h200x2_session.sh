@@ -133,6 +133,10 @@
 #       down at 16K and 4K and of the bf16 grouped_mm reference's kernels at 16K
 #       (benchmarks/profile_moe.py); then the routed experts timed per launch config, with
 #       maxnreg caps for three 4-warp CTAs per SM and 8-warp CTAs of 128 weight rows
+#   V2: v3 with the next block's words and scales prefetched into L1 ("sap") and down capped at 168
+#       registers (V1's finding): the GPU tests of the MoE kernels, the experts timed per config,
+#       ncu of the new configs at 16K, bench-moe (the layer against grouped_mm) and bench-extract
+#       tp 1 at 16K (the 8-GPU projection)
 set -u
 PHASE=$1; shift
 RES=/tmp/res_$PHASE; rm -rf "$RES"; mkdir -p "$RES"
@@ -526,7 +530,24 @@ U9)
   timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_int4_moe.py tests/test_kernels.py \
     -k "gluon or cuda or float64 or sm90" > "$RES/gpu_tests.log" 2>&1; tail -3 "$RES/gpu_tests.log"
   ;;
-V1|V2)
+V2)
+  timeout 150 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_int4_moe.py -k "cuda or triton or sm90" \
+    > "$RES/gpu_tests.log" 2>&1; tail -1 "$RES/gpu_tests.log"
+  timeout 150 python3 benchmarks/profile_moe.py --time --tokens 16384 4096 \
+    --gate-up sap,128,64,64,4,3 sa,128,64,64,4,3 sap,128,64,64,4,2 \
+    --down sap,128,64,64,4,2,168 sa,128,64,64,4,2,168 sap,128,64,64,4,2 > "$RES/time.log" 2>&1; grep "T=" "$RES/time.log"
+  timeout 90 ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section Occupancy --metrics \
+    smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_selected_per_issue_active.ratio,smsp__average_warps_issue_stalled_dispatch_stall_per_issue_active.ratio,smsp__average_warps_issue_stalled_gmma_per_issue_active.ratio,smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
+    --csv --page details --nvtx --nvtx-include "int4/" --kernel-name regex:_int4_moe_v3 --launch-skip 2 --launch-count 2 \
+    python3 benchmarks/profile_moe.py --tokens 16384 --reps 2 --gate-up sap,128,64,64,4,3 --down sap,128,64,64,4,2,168 \
+    > "$RES/ncu_int4_sap_16384.csv" 2> "$RES/ncu.err"; python3 benchmarks/ncu_summary.py "$RES/ncu_int4_sap_16384.csv"
+  timeout 200 python3 benchmarks/bench_moe.py --tokens 4096 16384 --skip-hf --skip-v1 --skip-dequant \
+    --json "$RES/bench_moe.json" > "$RES/bench_moe.log" 2>&1; grep -E "^ *(4096|16384) " "$RES/bench_moe.log"
+  grep "configs" "$RES/bench_moe.log" | cut -c1-300
+  timeout 100 python3 benchmarks/bench_extract.py --tokens 16384 --no-write --reps 3 \
+    --json "$RES/extract_tp1.json" > "$RES/extract_tp1.log" 2>&1; tail -1 "$RES/extract_tp1.log" | cut -c1-400
+  ;;
+V1)
   ncu --version | tail -1
   ncu --query-metrics --chip gh100 > "$RES/metrics.txt" 2>&1
   # the tensor pipes' activity and the stall reasons per issued instruction, where this ncu has them
