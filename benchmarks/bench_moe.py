@@ -114,7 +114,7 @@ def aot_report(configs=None) -> dict:
                 consts.update(BLOCK_M=bm, BLOCK_K=bk, MAGIC=impl == "v1m")
             else:
                 kern = int4_moe._int4_moe_v3_kernel
-                consts.update(BLOCK_T=bm, PERMUTE_N=gate_up, ASM=impl.startswith("sa"), NIB=bk // 16, PREFETCH=impl == "sap")
+                consts.update(BLOCK_T=bm, PERMUTE_N=gate_up, ASM=impl == "sa", NIB=bk // 16)
             sig = {n: ("constexpr" if n in consts else ptr_types.get(n, "*bf16") if n.endswith("_ptr") else "i32") for n in kern.arg_names}
             attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kern.arg_names)
                      if n not in consts and (n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K"))}

@@ -375,16 +375,6 @@ if HAS_TRITON:
         return scale_w
 
     @triton.jit
-    def _prefetch_l1(ptrs):
-        """prefetch.global.L1 of each address (sm_90 PTX): the next block's words and scales reach
-        L1 while this block's dots run, and their loads then wait ~L1 latency instead of L2's. A
-        prefetch (not a loaded value carried to the next iteration) because Triton 3.6 gives a
-        loop-carried [BN, 16] tile a layout that sends its unpacked weights through shared memory
-        (two barriers per dot in the sm_90 build). Returns a dummy int32 (not pure: kept)."""
-        return tl.inline_asm_elementwise(asm="prefetch.global.L1 [$1];\n\tmov.b32 $0, 0;", constraints="=r,l",
-                                         args=[ptrs], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
     def _int4_moe_v3_kernel(
         a_ptr, a_rows_ptr, stride_am,  # A [*, K] bf16, columns permuted by permute_k128; row r reads A[a_rows[r]] when GATHER_A
         b_ptr, s_ptr, b2_ptr, s2_ptr,  # packed int32 [E, N, K/8], scales bf16 [E, N, K/GROUP] (checkpoint layout); b2/s2: up
@@ -395,7 +385,7 @@ if HAS_TRITON:
         word_group_ptr,  # int32 [16]: (8 j) // GROUP, the scale group of word j of a 128-column block
         GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
         GATHER_A: tl.constexpr, GATE_UP: tl.constexpr, SCATTER_C: tl.constexpr, DOT_DTYPE: tl.constexpr,
-        PERMUTE_N: tl.constexpr, ASM: tl.constexpr, NIB: tl.constexpr, PREFETCH: tl.constexpr,
+        PERMUTE_N: tl.constexpr, ASM: tl.constexpr, NIB: tl.constexpr,
     ):
         """v3: C^T [BN, BT] = W [BN, K] @ A^T [K, BT], one dot of K = 16 NIB per NIB nibble positions.
 
@@ -412,9 +402,6 @@ if HAS_TRITON:
         32-bit operation (sm_90); else in Triton ops (the interpreter's path).
         PERMUTE_N (gate+up): output column p is weight row c(p) = 128 (p // 128) + 8 (p % 16) +
         (p % 128) // 16, so h is written already permuted for the down kernel, in contiguous rows.
-        PREFETCH (sm_90 PTX): the words and scales of the next 128 columns are prefetched into L1
-        while this block's dots run (Nsight Compute, 2026-11-30 V1: waits on these loads were the
-        largest stall, 2.6 of 7.1 cycles per issued instruction, two 4-warp CTAs per SM).
         """
         pid_n = tl.program_id(0)  # fastest: consecutive programs share one token tile, walk one expert
         pid_t = tl.program_id(1)
@@ -436,8 +423,7 @@ if HAS_TRITON:
                 offs_n = offs_p
             offs_j = tl.arange(0, 16)
             a_ptrs = a_ptr + a_rows[:, None] * stride_am + tl.arange(0, 16 * NIB)[None, :]  # [BT, 16 NIB]
-            b_row = expert * stride_be + offs_n.to(tl.int64) * stride_bn  # [BN]: each weight row's first word
-            b_off = b_row[:, None] + offs_j[None, :]  # [BN, 16] words
+            b_off = expert * stride_be + offs_n[:, None].to(tl.int64) * stride_bn + offs_j[None, :]  # [BN, 16] words
             s_off = expert * stride_se + offs_n.to(tl.int64) * stride_sn  # [BN]
             # [1, 16], loaded rather than computed from offs_j: Triton 3.6 then unpacks the words
             # straight into the MMA's operand registers; with the arange-derived form it sent every
@@ -451,14 +437,6 @@ if HAS_TRITON:
                 if GATE_UP:
                     words2 = tl.load(b2_ptr + b_off + k0 // 8, mask=n_mask[:, None], other=0)
                     tiles2 = _unpack_words(words2, _word_scales(s2_ptr, s_off, k0, n_mask, word_group, GROUP), ASM, DOT_DTYPE)
-                if PREFETCH:  # the next block's words and scales, one address per row (a row's 16 words
-                    # lie in one 128-byte line); the last block prefetches itself again (in bounds)
-                    k_next = tl.minimum(k0 + 128, K - 128)
-                    _prefetch_l1(b_ptr + b_row + k_next // 8)
-                    _prefetch_l1(s_ptr + s_off + k_next // GROUP)
-                    if GATE_UP:
-                        _prefetch_l1(b2_ptr + b_row + k_next // 8)
-                        _prefetch_l1(s2_ptr + s_off + k_next // GROUP)
                 for n in tl.static_range(0, 8, NIB):
                     at = tl.trans(tl.load(a_ptrs + (k0 + 16 * n), mask=t_mask[:, None], other=0.0).to(DOT_DTYPE))  # [16 NIB, BT]
                     acc = tl.dot(_concat_tiles(tiles, n, NIB), at, acc)
@@ -482,7 +460,6 @@ if HAS_TRITON:
 #   "v1m" v1 with the conversion-free unpack
 #   "s"   v3: weights on the MMA's M side (BLOCK_N rows), tokens on its N side (BLOCK_M = BLOCK_T)
 #   "sa"  v3 with the unpack in inline PTX (two nibbles per 32-bit operation; sm_90)
-#   "sap" "sa" with the next block's words and scales prefetched into L1 during the block's dots
 # (v3 with tokens on the M side, weights through shared memory, measured 35.8 ms against 24.5 for
 # gate+up at 16K in T3, was removed.)
 # v3's BLOCK_K is the K of one dot: 16 NIB, NIB nibble tiles side by side (a loop step covers
@@ -499,15 +476,18 @@ V1_DOWN_CONFIGS = [(128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 3), (64, 32, 
 # v3 candidates per rows-per-expert bucket, each timed once per shape; the first is used untimed
 # under the interpreter (INTERPRET_CONFIGS there)
 # Down: a cap of 168 registers (185 uncapped, no spills at 168) fits three 4-warp CTAs per SM
-# instead of two (V1: the routed experts 35.80 -> 34.54 ms at 16K, 12.73 -> 11.70 at 4K). Gate+up
-# keeps two (255 registers: its two accumulators; at 168 it spills 552 bytes).
+# instead of two (2026-11-30 V1: the routed experts 35.80 -> 34.54 ms at 16K, 12.73 -> 11.70 at
+# 4K). Gate+up keeps two (255 registers for its two accumulators; at 168 it spills 552 bytes).
+# Both kernels are latency-bound (Nsight Compute, V1: tensor pipe 37-46% active, L2 ~50% of its
+# throughput, the largest stall the words' global loads in the step that unpacks them); a
+# prefetch of the next block into L1 (V2) doubled the L2 traffic and lost 9-15%.
 V3_CONFIGS = {
-    "large": [("sap", 128, 64, 64, 4, 3), ("sa", 128, 64, 64, 4, 3), ("sa", 128, 64, 32, 4, 3), ("sap", 128, 64, 64, 4, 2)],
-    "small": [("sap", 128, 64, 64, 4, 3), ("sa", 128, 64, 64, 4, 3), ("sa", 128, 64, 32, 4, 3), ("sap", 128, 64, 64, 4, 2)],
+    "large": [("sa", 128, 64, 64, 4, 3), ("sa", 128, 64, 32, 4, 3), ("s", 128, 64, 64, 4, 3), ("sa", 128, 64, 16, 4, 3)],
+    "small": [("sa", 128, 64, 64, 4, 3), ("sa", 128, 64, 32, 4, 3), ("sa", 128, 64, 64, 4, 2), ("sa", 128, 64, 16, 4, 3)],
 }
 V3_DOWN_CONFIGS = {
-    "large": [("sap", 128, 64, 64, 4, 2, 168), ("sa", 128, 64, 64, 4, 2, 168), ("sa", 128, 64, 64, 4, 2), ("sa", 128, 64, 32, 4, 2)],
-    "small": [("sap", 128, 64, 64, 4, 2, 168), ("sa", 128, 64, 64, 4, 2, 168), ("sa", 128, 64, 64, 4, 2), ("sa", 128, 64, 32, 4, 2)],
+    "large": [("sa", 128, 64, 64, 4, 2, 168), ("sa", 128, 64, 32, 4, 2), ("sa", 128, 64, 64, 4, 2), ("sa", 128, 64, 32, 4, 2, 168)],
+    "small": [("sa", 128, 64, 64, 4, 2, 168), ("sa", 128, 64, 32, 4, 2), ("sa", 128, 64, 64, 4, 2), ("sa", 128, 64, 32, 4, 2, 168)],
 }
 INTERPRET_CONFIGS = [("s", 16, 32, 64, 4, 1)]  # what v3 runs under TRITON_INTERPRET=1 (tests switch it)
 _CHOSEN: dict = {}
@@ -559,8 +539,7 @@ def _launch(config, a, a_rows, b, s, b2, s2, c, c_rows, c_scale, table, gather, 
         if block_k not in (16, 32, 64, 128):
             raise ValueError(f"int4_moe v3: config {config}: the K of a dot (BLOCK_K) must be 16, 32, 64 or 128")
         _int4_moe_v3_kernel[grid](*args, _word_group_table(common["GROUP"], b.device), BLOCK_T=block_m, PERMUTE_N=gate_up,
-                                  ASM=impl.startswith("sa") and _has_bf16x2_math(b.device), NIB=block_k // 16,
-                                  PREFETCH=impl.endswith("p") and _has_bf16x2_math(b.device), **common)
+                                  ASM=impl == "sa" and _has_bf16x2_math(b.device), NIB=block_k // 16, **common)
 
 
 def _has_bf16x2_math(device: torch.device) -> bool:
