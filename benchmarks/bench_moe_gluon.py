@@ -107,7 +107,7 @@ def main(argv=None) -> list:
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--inter", type=int, default=2048)
     p.add_argument("--rep-ms", type=int, default=200)
-    p.add_argument("--variants", nargs="+", default=["regs", "smem"], choices=["regs", "smem"])
+    p.add_argument("--variants", nargs="+", default=["regs", "smem"], choices=list(g.VARIANTS))
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():

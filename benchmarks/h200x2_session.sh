@@ -137,6 +137,10 @@
 #       registers (V1's finding): the GPU tests of the MoE kernels, the experts timed per config,
 #       ncu of the new configs at 16K, bench-moe (the layer against grouped_mm) and bench-extract
 #       tp 1 at 16K (the 8-GPU projection)
+#   V3: the warp-specialized Gluon down kernel ("ws": a producer warpgroup stages h and unpacks
+#       the weights into shared memory, the consumer only issues wgmmas; "ws4": four stages, one
+#       CTA per SM): its GPU tests under a timeout (a wrong mbarrier phase hangs), then
+#       bench-moe-gluon against v3's down (with V1's register cap) at 4K and 16K
 set -u
 PHASE=$1; shift
 RES=/tmp/res_$PHASE; rm -rf "$RES"; mkdir -p "$RES"
@@ -529,6 +533,12 @@ U8)
 U9)
   timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_int4_moe.py tests/test_kernels.py \
     -k "gluon or cuda or float64 or sm90" > "$RES/gpu_tests.log" 2>&1; tail -3 "$RES/gpu_tests.log"
+  ;;
+V3)
+  timeout 120 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_int4_moe.py -k gluon > "$RES/gpu_tests.log" 2>&1
+  echo "tests rc $?"; tail -3 "$RES/gpu_tests.log"
+  timeout 150 python3 benchmarks/bench_moe_gluon.py --tokens 4096 16384 --variants regs ws ws4 --json "$RES/moe_gluon.json" \
+    > "$RES/moe_gluon.log" 2>&1; echo "bench rc $?"; tail -3 "$RES/moe_gluon.log" | cut -c1-900
   ;;
 V2)
   timeout 150 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_int4_moe.py -k "cuda or triton or sm90" \

@@ -41,6 +41,7 @@ try:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia import hopper
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
     _cta_barrier = gl.thread_barrier
     HAS_GLUON = triton.__version__.startswith(GLUON_TRITON + ".")
@@ -229,21 +230,127 @@ if HAS_GLUON:
             _store_scaled_rows(acc, c_ptr, c_rows_ptr, c_scale_ptr, stride_cm, begin, end, pid_n, N, BN, BT, acc_l)
 
 
+if HAS_GLUON:
+
+    @gluon.jit
+    def _ws_producer(a_ptr, stride_am, b_ptr, s_ptr, expert, pid_n, begin, end, N, nk,
+                     stride_be, stride_bn, stride_se, stride_sn, a_smem, w_smem, ready, empty,
+                     GROUP: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr):
+        """The worker warpgroup of the "ws" variant: per 128-column block i, into stage i % STAGES
+        once the consumer has freed it: h's block by cp.async (its arrival tracked by the stage's
+        ready barrier), the weights unpacked from words loaded one block ahead."""
+        a_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # [BT, 128] bf16: 16-byte copies
+        w_rl: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0])  # [BN, 16] words
+        stages: gl.constexpr = a_smem.type.shape[0]
+        a_ptrs, ta_mask = _h_block_pointers(a_ptr, stride_am, begin, end, BT, a_l)
+        w_ptrs, s_ptrs, n_mask = _word_pointers(b_ptr, s_ptr, expert, pid_n, N, stride_be, stride_bn, stride_se,
+                                                stride_sn, BN, GROUP, w_rl)
+        words = gl.load(w_ptrs, mask=n_mask[:, None], other=0)
+        scales = gl.load(s_ptrs, mask=n_mask[:, None], other=0.0)
+        for i in range(nk):
+            s = i % stages
+            mbarrier.wait(empty.index(s), (i // stages & 1) ^ 1)  # the wgmma that read stage s is done
+            async_copy.async_copy_global_to_shared(a_smem.index(s), a_ptrs + i * 128, mask=ta_mask[:, None])
+            async_copy.mbarrier_arrive(ready.index(s))  # counted until this thread's copies land
+            t0, t1, t2, t3, t4, t5, t6, t7 = _unpack8(words, scales)
+            more = i + 1 < nk  # the next block's words, in flight while this block's tiles are stored
+            words = gl.load(w_ptrs + (i + 1) * 16, mask=n_mask[:, None] & more, other=0)
+            scales = gl.load(s_ptrs + (i + 1) * (128 // GROUP), mask=n_mask[:, None] & more, other=0.0)
+            w_stage = w_smem.index(s)
+            w_stage.slice(0, 16, dim=1).store(t0)
+            w_stage.slice(16, 16, dim=1).store(t1)
+            w_stage.slice(32, 16, dim=1).store(t2)
+            w_stage.slice(48, 16, dim=1).store(t3)
+            w_stage.slice(64, 16, dim=1).store(t4)
+            w_stage.slice(80, 16, dim=1).store(t5)
+            w_stage.slice(96, 16, dim=1).store(t6)
+            w_stage.slice(112, 16, dim=1).store(t7)
+            hopper.fence_async_shared()  # the stores, before the consumer's wgmma reads them (async proxy)
+            _cta_barrier()  # every producer thread has stored and registered its copies
+            mbarrier.arrive(ready.index(s))
+
+    @gluon.jit
+    def _ws_consumer(a_smem, w_smem, ready, empty, nk, BN: gl.constexpr, BT: gl.constexpr):
+        """The default partition of the "ws" variant: one wgmma of K = 128 per block, both operands
+        in shared memory; each wait leaves the newest in flight and frees the stage before it."""
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
+        stages: gl.constexpr = a_smem.type.shape[0]
+        acc = gl.zeros([BN, BT], gl.float32, acc_l)
+        for i in range(nk):
+            s = i % stages
+            mbarrier.wait(ready.index(s), i // stages & 1)
+            tok = hopper.warpgroup_mma(w_smem.index(s), a_smem.index(s).permute((1, 0)), acc, is_async=True)
+            acc = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[tok])  # block i - 1's wgmma is done
+            mbarrier.arrive(empty.index((i + stages - 1) % stages), pred=i > 0)
+        return (hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc]),)  # a tuple: the partition's results
+
+    @gluon.jit
+    def _int4_down_ws_kernel(
+        a_ptr, stride_am, b_ptr, s_ptr, c_ptr, c_rows_ptr, c_scale_ptr, stride_cm,
+        tile_expert_ptr, tile_begin_ptr, tile_end_ptr, N, K,
+        stride_be, stride_bn, stride_se, stride_sn,
+        GROUP: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    ):
+        """The "ws" variant (warp-specialized): a producer warpgroup stages h and the unpacked
+        weights, the consumer warpgroup only issues wgmmas, so the unpack of block i + 1 overlaps
+        block i's MMA by construction; stages handed over through ready/empty mbarriers (one
+        arrival each per phase). Same tiles and output as the kernels above."""
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
+        sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        pid_n = gl.program_id(0)
+        pid_t = gl.program_id(1)
+        begin = gl.load(tile_begin_ptr + pid_t)
+        end = gl.load(tile_end_ptr + pid_t)
+        if begin < end:
+            expert = gl.load(tile_expert_ptr + pid_t).to(gl.int64)
+            a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, 128], sl)
+            w_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, 128], sl)
+            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for st in gl.static_range(STAGES):
+                mbarrier.init(ready.index(st), count=1)
+                mbarrier.init(empty.index(st), count=1)
+            nk = K // 128
+            (acc,) = gl.warp_specialize([
+                (_ws_consumer, (a_smem, w_smem, ready, empty, nk, BN, BT)),
+                (_ws_producer, (a_ptr, stride_am, b_ptr, s_ptr, expert, pid_n, begin, end, N, nk,
+                                stride_be, stride_bn, stride_se, stride_sn, a_smem, w_smem, ready, empty, GROUP, BN, BT)),
+            ], [4], [PRODUCER_REGS])
+            _store_scaled_rows(acc, c_ptr, c_rows_ptr, c_scale_ptr, stride_cm, begin, end, pid_n, N, BN, BT, acc_l)
+
+
+# The "ws" variants' launch: stages of h and of the unpacked weights (48 KB each at BN 64, BT 128),
+# the producer warpgroup's registers, and the kernel's register cap (Triton then gives the
+# consumer what the cap leaves: 128 x 8 warps = 104 for the producer + 152 for the consumer).
+WS_VARIANTS = {
+    "ws": dict(STAGES=2, PRODUCER_REGS=104, maxnreg=128),  # 96 KB, 128 registers: two CTAs per SM
+    "ws4": dict(STAGES=4, PRODUCER_REGS=128, maxnreg=None),  # 192 KB: one CTA per SM, deeper pipeline
+}
+VARIANTS = ("regs", "smem") + tuple(WS_VARIANTS)
+
+
 def down_gluon(h: torch.Tensor, down_packed: torch.Tensor, down_scale: torch.Tensor, y: torch.Tensor,
                rows_out: torch.Tensor, sorted_weight: torch.Tensor, table, variant: str = "regs") -> None:
     """v3's down launch in Gluon: h [rows, I] bf16 (columns permuted), down packed [E, H, I/8] int32
     and scales [E, H, I/GROUP] bf16, y [rows, H] bf16 written at rows_out, table from
-    tile_table(..., BLOCK_T, ...). variant: "regs" (weights in wgmma's operand registers) or
-    "smem" (unpacked into shared memory, overlapping the previous block's wgmma)."""
+    tile_table(..., BLOCK_T, ...). variant: "regs" (weights in wgmma's operand registers), "smem"
+    (unpacked into shared memory, overlapping the previous block's wgmma), or a warp-specialized
+    one of WS_VARIANTS (a producer warpgroup unpacks, the consumer only issues wgmmas)."""
     if not HAS_GLUON:
         raise RuntimeError(f"int4 down (Gluon): {WHY_NO_GLUON}")
+    if variant not in VARIANTS:
+        raise ValueError(f"int4 down (Gluon): variant {variant!r}, expected one of {VARIANTS}")
     n, k = down_packed.shape[1], down_packed.shape[2] * PACK_FACTOR
     if k % 128 or n % BLOCK_N:
         raise ValueError(f"int4 down (Gluon): intermediate {k} must be a multiple of 128 and hidden {n} of {BLOCK_N}")
     grid = (triton.cdiv(n, BLOCK_N), table[0].shape[0])
-    kernel = {"regs": _int4_down_g_kernel, "smem": _int4_down_gs_kernel}[variant]
-    kernel[grid](
-        h, h.stride(0), down_packed, down_scale, y, rows_out, sorted_weight, y.stride(0),
-        table[0], table[1], table[2], n, k,
-        down_packed.stride(0), down_packed.stride(1), down_scale.stride(0), down_scale.stride(1),
-        GROUP=k // down_scale.shape[2], BN=BLOCK_N, BT=BLOCK_T, num_warps=4)
+    args = (h, h.stride(0), down_packed, down_scale, y, rows_out, sorted_weight, y.stride(0),
+            table[0], table[1], table[2], n, k,
+            down_packed.stride(0), down_packed.stride(1), down_scale.stride(0), down_scale.stride(1))
+    common = dict(GROUP=k // down_scale.shape[2], BN=BLOCK_N, BT=BLOCK_T, num_warps=4)
+    if variant in WS_VARIANTS:
+        ws = dict(WS_VARIANTS[variant])
+        cap = ws.pop("maxnreg")
+        _int4_down_ws_kernel[grid](*args, **ws, **common, **({"maxnreg": cap} if cap else {}))
+    else:
+        {"regs": _int4_down_g_kernel, "smem": _int4_down_gs_kernel}[variant][grid](*args, **common)

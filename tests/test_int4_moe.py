@@ -233,11 +233,13 @@ def test_moe_kernels_build_for_sm90(kernel, impl, dot_k, warps, stages):
 
 
 @pytest.mark.skipif(INNER, reason="compiles, does not run: outside the interpreter subprocess")
-@pytest.mark.parametrize("variant,wait", [("regs", "wgmma.wait_group.sync.aligned 0"), ("smem", "wgmma.wait_group.sync.aligned 1")])
+@pytest.mark.parametrize("variant,wait", [("regs", "wgmma.wait_group.sync.aligned 0"), ("smem", "wgmma.wait_group.sync.aligned 1"),
+                                          ("ws", "wgmma.wait_group.sync.aligned 1")])
 def test_gluon_down_kernel_builds_for_sm90_with_one_wait_per_block(variant, wait):
     """The Gluon down kernels (kernels/int4_moe_gluon.py) for sm_90: eight async wgmmas per
     128-column block and one wait for them in the loop (v3 in Triton waits after each dot); the
-    "smem" variant's wait leaves the block's wgmmas in flight while the next block is unpacked."""
+    "smem" variant's wait leaves the block's wgmmas in flight while the next block is unpacked;
+    the warp-specialized "ws" splits the registers (setmaxnreg) between its two warpgroups."""
     triton = pytest.importorskip("triton")
     from eagleforge.kernels import int4_moe_gluon as g
     from triton_build import build_sm90
@@ -245,15 +247,18 @@ def test_gluon_down_kernel_builds_for_sm90_with_one_wait_per_block(variant, wait
     if not g.HAS_GLUON:
         pytest.skip(f"{g.WHY_NO_GLUON}; this Triton is {triton.__version__}")
     ints = ("b_ptr", "c_rows_ptr", "tile_expert_ptr", "tile_begin_ptr", "tile_end_ptr")
-    kernel = {"regs": g._int4_down_g_kernel, "smem": g._int4_down_gs_kernel}[variant]
-    compiled = build_sm90(kernel, dict(GROUP=32, BN=g.BLOCK_N, BT=g.BLOCK_T),
-                          {**dict.fromkeys(ints, "*i32"), "c_scale_ptr": "*fp32"}, num_warps=4, gluon=True)
+    kernel = {"regs": g._int4_down_g_kernel, "smem": g._int4_down_gs_kernel, "ws": g._int4_down_ws_kernel}[variant]
+    ws = dict(g.WS_VARIANTS["ws"]) if variant == "ws" else {"maxnreg": None}
+    cap = ws.pop("maxnreg")
+    compiled = build_sm90(kernel, dict(GROUP=32, BN=g.BLOCK_N, BT=g.BLOCK_T, **ws),
+                          {**dict.fromkeys(ints, "*i32"), "c_scale_ptr": "*fp32"}, num_warps=4, gluon=True, maxnreg=cap)
     ptx = compiled.asm["ptx"]
     assert ptx.count("wgmma.mma_async") == 8 and wait in ptx, (ptx.count("wgmma.mma_async"), ptx.count("wgmma.wait_group"))
+    assert ("setmaxnreg.dec" in ptx) == (variant == "ws")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["regs", "smem"])
+@pytest.mark.parametrize("variant", ["regs", "smem", "ws", "ws4"])
 def test_gluon_down_kernel_equals_v3(variant):
     """The Gluon down kernel against v3's down launch on the same sorted rows (8 experts, uneven
     tiles, one empty): the same output bit for bit (the same products, in the same order per

@@ -11,7 +11,7 @@ import pytest
 
 
 def build_sm90(kernel, consts: dict, ptr_types: dict | None = None, int_types: dict | None = None,
-               num_warps: int = 4, num_stages: int = 1, gluon: bool = False):
+               num_warps: int = 4, num_stages: int = 1, gluon: bool = False, maxnreg: int | None = None):
     """Compile `kernel` for sm_90: constexpr arguments from consts, pointer arguments (names ending
     in _ptr) typed by ptr_types (default *bf16), other runtime arguments by int_types (default i32).
     gluon: a Gluon kernel, its pointers and integers marked divisible by 16 as a launch with
@@ -30,4 +30,5 @@ def build_sm90(kernel, consts: dict, ptr_types: dict | None = None, int_types: d
 
         aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if sig[n] != "constexpr"}
         source = GluonASTSource(kernel, sig, consts, attrs=aligned)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages,
+                                                                                   **({"maxnreg": maxnreg} if maxnreg else {})))
