@@ -71,13 +71,15 @@ def run(tokens: int, args) -> dict:
         raise SystemExit(f"v3's down config {config} has BLOCK_T {config[1]}, the Gluon kernel {g.BLOCK_T}: one table needs both")
     y3 = torch.zeros(c["rows"], args.hidden, dtype=torch.bfloat16, device="cuda")
     ys = {variant: torch.zeros_like(y3) for variant in args.variants}
+    h_pairs = g.permute_pairs(unpermute_k128(c["h"]))  # the "ws" kernels' column order
 
     def run_v3():
         v3._launch(config, c["h"], None, c["packed"], c["scale"], None, None, y3, c["rows_out"], c["weight"], c["table"],
                    False, False, True)
 
     def gluon_runner(variant):
-        return lambda: g.down_gluon(c["h"], c["packed"], c["scale"], ys[variant], c["rows_out"], c["weight"], c["table"],
+        h = h_pairs if variant in g.WS_VARIANTS else c["h"]
+        return lambda: g.down_gluon(h, c["packed"], c["scale"], ys[variant], c["rows_out"], c["weight"], c["table"],
                                     variant=variant)
 
     run_v3()

@@ -233,12 +233,28 @@ if HAS_GLUON:
 if HAS_GLUON:
 
     @gluon.jit
+    def _pair_order_tile(t0, t1, t2, t3, t4, t5, t6, t7):
+        """The eight nibble tiles [BN, 16] -> one [BN, 128] tile in "pair order": column 8j + 2i + c
+        holds nibble i + 4c of word j (permute_pairs' order). The unpack leaves nibbles i and i + 4
+        in one 32-bit register, so each thread's word becomes 8 contiguous bf16 (one 16-byte
+        shared-memory store) without a byte permute; join and permute only rename registers."""
+        p0 = gl.join(t0, t4)  # [BN, 16, 2 (c)]
+        p1 = gl.join(t1, t5)
+        p2 = gl.join(t2, t6)
+        p3 = gl.join(t3, t7)
+        q0 = gl.permute(gl.join(p0, p1), (0, 1, 3, 2))  # [BN, 16, 2 (b), 2 (c)], i = 2a + b
+        q1 = gl.permute(gl.join(p2, p3), (0, 1, 3, 2))
+        r = gl.permute(gl.join(q0, q1), (0, 1, 4, 2, 3))  # [BN, 16, 2 (a), 2 (b), 2 (c)]
+        return gl.reshape(r, [t0.shape[0], 128])
+
+    @gluon.jit
     def _ws_producer(a_ptr, stride_am, b_ptr, s_ptr, expert, pid_n, begin, end, N, nk,
                      stride_be, stride_bn, stride_se, stride_sn, a_smem, w_smem, ready, empty,
                      GROUP: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr):
         """The worker warpgroup of the "ws" variant: per 128-column block i, into stage i % STAGES
         once the consumer has freed it: h's block by cp.async (its arrival tracked by the stage's
-        ready barrier), the weights unpacked from words loaded one block ahead."""
+        ready barrier), the weights unpacked from words loaded one block ahead and stored in pair
+        order (h comes permuted by permute_pairs to match)."""
         a_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # [BT, 128] bf16: 16-byte copies
         w_rl: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0])  # [BN, 16] words
         stages: gl.constexpr = a_smem.type.shape[0]
@@ -256,15 +272,7 @@ if HAS_GLUON:
             more = i + 1 < nk  # the next block's words, in flight while this block's tiles are stored
             words = gl.load(w_ptrs + (i + 1) * 16, mask=n_mask[:, None] & more, other=0)
             scales = gl.load(s_ptrs + (i + 1) * (128 // GROUP), mask=n_mask[:, None] & more, other=0.0)
-            w_stage = w_smem.index(s)
-            w_stage.slice(0, 16, dim=1).store(t0)
-            w_stage.slice(16, 16, dim=1).store(t1)
-            w_stage.slice(32, 16, dim=1).store(t2)
-            w_stage.slice(48, 16, dim=1).store(t3)
-            w_stage.slice(64, 16, dim=1).store(t4)
-            w_stage.slice(80, 16, dim=1).store(t5)
-            w_stage.slice(96, 16, dim=1).store(t6)
-            w_stage.slice(112, 16, dim=1).store(t7)
+            w_smem.index(s).store(_pair_order_tile(t0, t1, t2, t3, t4, t5, t6, t7))  # one store per block
             hopper.fence_async_shared()  # the stores, before the consumer's wgmma reads them (async proxy)
             _cta_barrier()  # every producer thread has stored and registered its copies
             mbarrier.arrive(ready.index(s))
@@ -319,11 +327,18 @@ if HAS_GLUON:
             _store_scaled_rows(acc, c_ptr, c_rows_ptr, c_scale_ptr, stride_cm, begin, end, pid_n, N, BN, BT, acc_l)
 
 
+def permute_pairs(a: torch.Tensor) -> torch.Tensor:
+    """[R, K] -> [R, K], K % 8 == 0: column 8j + 2i + c <- column 8j + i + 4c (the "ws" kernels'
+    column order: packed word j's nibbles i and i + 4 side by side)."""
+    rows, k = a.shape
+    return a.reshape(rows, k // 8, 2, 4).transpose(-1, -2).reshape(rows, k)
+
+
 # The "ws" variants' launch: stages of h and of the unpacked weights (48 KB each at BN 64, BT 128),
 # the producer warpgroup's registers, and the kernel's register cap (Triton then gives the
-# consumer what the cap leaves: 128 x 8 warps = 104 for the producer + 152 for the consumer).
+# consumer what the cap leaves: 2 x 128 = 136 for the producer + 120 for the consumer).
 WS_VARIANTS = {
-    "ws": dict(STAGES=2, PRODUCER_REGS=104, maxnreg=128),  # 96 KB, 128 registers: two CTAs per SM
+    "ws": dict(STAGES=2, PRODUCER_REGS=136, maxnreg=128),  # 96 KB, 128 registers: two CTAs per SM
     "ws4": dict(STAGES=4, PRODUCER_REGS=128, maxnreg=None),  # 192 KB: one CTA per SM, deeper pipeline
 }
 VARIANTS = ("regs", "smem") + tuple(WS_VARIANTS)
@@ -331,7 +346,8 @@ VARIANTS = ("regs", "smem") + tuple(WS_VARIANTS)
 
 def down_gluon(h: torch.Tensor, down_packed: torch.Tensor, down_scale: torch.Tensor, y: torch.Tensor,
                rows_out: torch.Tensor, sorted_weight: torch.Tensor, table, variant: str = "regs") -> None:
-    """v3's down launch in Gluon: h [rows, I] bf16 (columns permuted), down packed [E, H, I/8] int32
+    """v3's down launch in Gluon: h [rows, I] bf16 (columns permuted: by permute_k128 for "regs" and
+    "smem", by permute_pairs for the "ws" variants), down packed [E, H, I/8] int32
     and scales [E, H, I/GROUP] bf16, y [rows, H] bf16 written at rows_out, table from
     tile_table(..., BLOCK_T, ...). variant: "regs" (weights in wgmma's operand registers), "smem"
     (unpacked into shared memory, overlapping the previous block's wgmma), or a warp-specialized

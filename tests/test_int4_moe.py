@@ -262,7 +262,7 @@ def test_gluon_down_kernel_builds_for_sm90_with_one_wait_per_block(variant, wait
 def test_gluon_down_kernel_equals_v3(variant):
     """The Gluon down kernel against v3's down launch on the same sorted rows (8 experts, uneven
     tiles, one empty): the same output bit for bit (the same products, in the same order per
-    wgmma), and both against float64."""
+    wgmma; the "ws" variants' pair order sums in another order: within 1e-2), and against float64."""
     if not HAS_CUDA or torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("needs an sm_90 GPU (wgmma)")
     from eagleforge.kernels import int4_moe_gluon as g
@@ -283,8 +283,12 @@ def test_gluon_down_kernel_equals_v3(variant):
     y3, yg = (torch.zeros(rows, H, dtype=torch.bfloat16, device="cuda") for _ in range(2))
     int4_moe._launch(("sa", g.BLOCK_T, g.BLOCK_N, 64, 4, 2), h, None, packs["down_packed"], packs["down_scale"], None, None,
                      y3, rows_out, sorted_weight, table, False, False, True)
-    g.down_gluon(h, packs["down_packed"], packs["down_scale"], yg, rows_out, sorted_weight, table, variant=variant)
-    assert torch.equal(yg, y3)
+    h_variant = g.permute_pairs(h_true) if variant in g.WS_VARIANTS else h
+    g.down_gluon(h_variant, packs["down_packed"], packs["down_scale"], yg, rows_out, sorted_weight, table, variant=variant)
+    if variant in g.WS_VARIANTS:  # its K = 16 steps group other columns: the same sums in another order
+        assert ((yg.float() - y3.float()).norm() / y3.float().norm()).item() < 1e-2
+    else:
+        assert torch.equal(yg, y3)
     expert = ids.flatten()[order].cpu()
     ref = torch.stack([dense["down"][expert[r]] @ h_true[r].double().cpu() for r in range(rows)]) * sorted_weight.double().cpu()[:, None]
     assert ((yg.double().cpu() - ref).norm() / ref.norm()).item() < 1e-2
