@@ -327,6 +327,122 @@ if HAS_GLUON:
             _store_scaled_rows(acc, c_ptr, c_rows_ptr, c_scale_ptr, stride_cm, begin, end, pid_n, N, BN, BT, acc_l)
 
 
+if HAS_GLUON:
+
+    @gluon.jit
+    def _work_item(w, n_blocks_n, tile_begin_ptr, tile_end_ptr):
+        """Work item w of the persistent kernel: (pid_n, pid_t), the weight-row block fastest (as
+        v3's grid: consecutive items share one token tile), and the tile's rows [begin, end)."""
+        pid_t = w // n_blocks_n
+        return w % n_blocks_n, pid_t, gl.load(tile_begin_ptr + pid_t), gl.load(tile_end_ptr + pid_t)
+
+    @gluon.jit
+    def _wsp_loader(a_ptr, stride_am, tile_begin_ptr, tile_end_ptr, n_items, n_blocks_n, nk, a_smem, ready, empty,
+                    BT: gl.constexpr):
+        """Loader warpgroup of "wsp": h's 128-column blocks by cp.async into the stage ring, up to
+        STAGES blocks ahead of the consumer, for every work item of this program."""
+        a_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # [BT, 128] bf16: 16-byte copies
+        stages: gl.constexpr = a_smem.type.shape[0]
+        it = 0
+        for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
+            pid_n, pid_t, begin, end = _work_item(w, n_blocks_n, tile_begin_ptr, tile_end_ptr)
+            if begin < end:
+                a_ptrs, ta_mask = _h_block_pointers(a_ptr, stride_am, begin, end, BT, a_l)
+                for i in range(nk):
+                    s = it % stages
+                    mbarrier.wait(empty.index(s), (it // stages & 1) ^ 1)
+                    async_copy.async_copy_global_to_shared(a_smem.index(s), a_ptrs + i * 128, mask=ta_mask[:, None])
+                    async_copy.mbarrier_arrive(ready.index(s))  # counted until this thread's copies land
+                    _cta_barrier()  # every loader thread has registered its copies before the arrive
+                    mbarrier.arrive(ready.index(s))
+                    it += 1
+
+    @gluon.jit
+    def _wsp_unpacker(b_ptr, s_ptr, tile_expert_ptr, tile_begin_ptr, tile_end_ptr, n_items, n_blocks_n, nk, N,
+                      stride_be, stride_bn, stride_se, stride_sn, w_smem, ready, empty,
+                      GROUP: gl.constexpr, BN: gl.constexpr):
+        """Unpacking warpgroup of "wsp": each block's weights, words loaded one block ahead,
+        unpacked and stored in pair order into the stage ring."""
+        w_rl: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0])  # [BN, 16] words
+        stages: gl.constexpr = w_smem.type.shape[0]
+        it = 0
+        for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
+            pid_n, pid_t, begin, end = _work_item(w, n_blocks_n, tile_begin_ptr, tile_end_ptr)
+            if begin < end:
+                expert = gl.load(tile_expert_ptr + pid_t).to(gl.int64)
+                w_ptrs, s_ptrs, n_mask = _word_pointers(b_ptr, s_ptr, expert, pid_n, N, stride_be, stride_bn, stride_se,
+                                                        stride_sn, BN, GROUP, w_rl)
+                words = gl.load(w_ptrs, mask=n_mask[:, None], other=0)
+                scales = gl.load(s_ptrs, mask=n_mask[:, None], other=0.0)
+                for i in range(nk):
+                    s = it % stages
+                    t0, t1, t2, t3, t4, t5, t6, t7 = _unpack8(words, scales)
+                    more = i + 1 < nk
+                    words = gl.load(w_ptrs + (i + 1) * 16, mask=n_mask[:, None] & more, other=0)
+                    scales = gl.load(s_ptrs + (i + 1) * (128 // GROUP), mask=n_mask[:, None] & more, other=0.0)
+                    tile = _pair_order_tile(t0, t1, t2, t3, t4, t5, t6, t7)
+                    mbarrier.wait(empty.index(s), (it // stages & 1) ^ 1)
+                    w_smem.index(s).store(tile)
+                    hopper.fence_async_shared()
+                    _cta_barrier()
+                    mbarrier.arrive(ready.index(s))
+                    it += 1
+
+    @gluon.jit
+    def _wsp_consumer(c_ptr, c_rows_ptr, c_scale_ptr, stride_cm, tile_begin_ptr, tile_end_ptr, n_items, n_blocks_n, nk, N,
+                      a_smem, w_smem, ready, empty, BN: gl.constexpr, BT: gl.constexpr):
+        """Default partition of "wsp": per work item, one wgmma of K = 128 per block (one left in
+        flight, the stage before it freed), then the item's scaled row stores, while the loader
+        and the unpacker already fill the stages of the next item."""
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
+        stages: gl.constexpr = a_smem.type.shape[0]
+        it = 0
+        for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
+            pid_n, pid_t, begin, end = _work_item(w, n_blocks_n, tile_begin_ptr, tile_end_ptr)
+            if begin < end:
+                acc = gl.zeros([BN, BT], gl.float32, acc_l)
+                for i in range(nk):
+                    s = it % stages
+                    mbarrier.wait(ready.index(s), it // stages & 1)
+                    tok = hopper.warpgroup_mma(w_smem.index(s), a_smem.index(s).permute((1, 0)), acc, is_async=True)
+                    acc = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[tok])
+                    mbarrier.arrive(empty.index((it + stages - 1) % stages), pred=i > 0)
+                    it += 1
+                acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+                mbarrier.arrive(empty.index((it + stages - 1) % stages))
+                _store_scaled_rows(acc, c_ptr, c_rows_ptr, c_scale_ptr, stride_cm, begin, end, pid_n, N, BN, BT, acc_l)
+
+    @gluon.jit
+    def _int4_down_wsp_kernel(
+        a_ptr, stride_am, b_ptr, s_ptr, c_ptr, c_rows_ptr, c_scale_ptr, stride_cm,
+        tile_expert_ptr, tile_begin_ptr, tile_end_ptr, N, K, n_items, n_blocks_n,
+        stride_be, stride_bn, stride_se, stride_sn,
+        GROUP: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr,
+        UNPACKER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+    ):
+        """The persistent "wsp" variant: one program per SM walks work items (weight-row block,
+        token tile); three warpgroups share a ring of STAGES stages: a loader (h by cp.async), an
+        unpacker (weights into shared memory) and the consumer (wgmmas, then the epilogue, which
+        overlaps the next item's loads). ready[s] completes on two arrivals (loader, unpacker)
+        and the copies; empty[s] on the consumer's."""
+        sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, 128], sl)
+        w_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, 128], sl)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for st in gl.static_range(STAGES):
+            mbarrier.init(ready.index(st), count=2)
+            mbarrier.init(empty.index(st), count=1)
+        nk = K // 128
+        gl.warp_specialize([
+            (_wsp_consumer, (c_ptr, c_rows_ptr, c_scale_ptr, stride_cm, tile_begin_ptr, tile_end_ptr, n_items, n_blocks_n,
+                             nk, N, a_smem, w_smem, ready, empty, BN, BT)),
+            (_wsp_unpacker, (b_ptr, s_ptr, tile_expert_ptr, tile_begin_ptr, tile_end_ptr, n_items, n_blocks_n, nk, N,
+                             stride_be, stride_bn, stride_se, stride_sn, w_smem, ready, empty, GROUP, BN)),
+            (_wsp_loader, (a_ptr, stride_am, tile_begin_ptr, tile_end_ptr, n_items, n_blocks_n, nk, a_smem, ready, empty, BT)),
+        ], [4, 4], [UNPACKER_REGS, LOADER_REGS])
+
+
 def permute_pairs(a: torch.Tensor) -> torch.Tensor:
     """[R, K] -> [R, K], K % 8 == 0: column 8j + 2i + c <- column 8j + i + 4c (the "ws" kernels'
     column order: packed word j's nibbles i and i + 4 side by side)."""
@@ -340,18 +456,23 @@ def permute_pairs(a: torch.Tensor) -> torch.Tensor:
 WS_VARIANTS = {
     "ws": dict(STAGES=2, PRODUCER_REGS=136, maxnreg=128),  # 96 KB, 128 registers: two CTAs per SM
     "ws4": dict(STAGES=4, PRODUCER_REGS=128, maxnreg=None),  # 192 KB: one CTA per SM, deeper pipeline
+    # persistent, three warpgroups (loader, unpacker, consumer), one program per SM
+    "wsp": dict(STAGES=4, UNPACKER_REGS=136, LOADER_REGS=88, maxnreg=168),
 }
 VARIANTS = ("regs", "smem") + tuple(WS_VARIANTS)
 
 
 def down_gluon(h: torch.Tensor, down_packed: torch.Tensor, down_scale: torch.Tensor, y: torch.Tensor,
-               rows_out: torch.Tensor, sorted_weight: torch.Tensor, table, variant: str = "regs") -> None:
+               rows_out: torch.Tensor, sorted_weight: torch.Tensor, table, variant: str = "regs",
+               max_programs: int | None = None) -> None:
     """v3's down launch in Gluon: h [rows, I] bf16 (columns permuted: by permute_k128 for "regs" and
     "smem", by permute_pairs for the "ws" variants), down packed [E, H, I/8] int32
     and scales [E, H, I/GROUP] bf16, y [rows, H] bf16 written at rows_out, table from
     tile_table(..., BLOCK_T, ...). variant: "regs" (weights in wgmma's operand registers), "smem"
     (unpacked into shared memory, overlapping the previous block's wgmma), or a warp-specialized
-    one of WS_VARIANTS (a producer warpgroup unpacks, the consumer only issues wgmmas)."""
+    one of WS_VARIANTS (a producer warpgroup unpacks, the consumer only issues wgmmas).
+    max_programs: "wsp"'s number of programs (default: one per SM; tests take fewer, so that
+    each program walks several items and the stage ring wraps across them)."""
     if not HAS_GLUON:
         raise RuntimeError(f"int4 down (Gluon): {WHY_NO_GLUON}")
     if variant not in VARIANTS:
@@ -364,7 +485,14 @@ def down_gluon(h: torch.Tensor, down_packed: torch.Tensor, down_scale: torch.Ten
             table[0], table[1], table[2], n, k,
             down_packed.stride(0), down_packed.stride(1), down_scale.stride(0), down_scale.stride(1))
     common = dict(GROUP=k // down_scale.shape[2], BN=BLOCK_N, BT=BLOCK_T, num_warps=4)
-    if variant in WS_VARIANTS:
+    if variant == "wsp":  # persistent: one program per SM over (weight-row block, token tile) items
+        ws = dict(WS_VARIANTS[variant])
+        cap = ws.pop("maxnreg")
+        n_items = grid[0] * grid[1]
+        programs = min(n_items, max_programs or torch.cuda.get_device_properties(h.device).multi_processor_count)
+        if programs:
+            _int4_down_wsp_kernel[(programs,)](*args[:13], n_items, grid[0], *args[13:], **ws, **common, maxnreg=cap)
+    elif variant in WS_VARIANTS:
         ws = dict(WS_VARIANTS[variant])
         cap = ws.pop("maxnreg")
         _int4_down_ws_kernel[grid](*args, **ws, **common, **({"maxnreg": cap} if cap else {}))
