@@ -145,6 +145,7 @@
 #       no spills; h permuted to match): the same, then ncu of "ws" at 16K
 #   V5: "wsp": persistent (one program per SM over the items), three warpgroups (cp.async loader,
 #       unpacker, wgmma consumer whose epilogue overlaps the next item's loads), 4 stages: the same
+#   V6: "wsp2": "wsp" with two unpacking warpgroups on alternate blocks: the same
 set -u
 PHASE=$1; shift
 RES=/tmp/res_$PHASE; rm -rf "$RES"; mkdir -p "$RES"
@@ -538,15 +539,15 @@ U9)
   timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_int4_moe.py tests/test_kernels.py \
     -k "gluon or cuda or float64 or sm90" > "$RES/gpu_tests.log" 2>&1; tail -3 "$RES/gpu_tests.log"
   ;;
-V3|V4|V5)
+V3|V4|V5|V6)
   timeout 120 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_int4_moe.py -k gluon > "$RES/gpu_tests.log" 2>&1
   echo "tests rc $?"; tail -3 "$RES/gpu_tests.log"
-  timeout 150 python3 benchmarks/bench_moe_gluon.py --tokens 4096 16384 --variants $([ $PHASE = V5 ] && echo ws wsp || echo regs ws ws4) --json "$RES/moe_gluon.json" \
+  timeout 150 python3 benchmarks/bench_moe_gluon.py --tokens 4096 16384 --variants $(case $PHASE in V5) echo ws wsp;; V6) echo ws wsp wsp2;; *) echo regs ws ws4;; esac) --json "$RES/moe_gluon.json" \
     > "$RES/moe_gluon.log" 2>&1; echo "bench rc $?"; tail -3 "$RES/moe_gluon.log" | cut -c1-900
   [ "$PHASE" != V3 ] && { timeout 120 ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section Occupancy \
     --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_sleeping_per_issue_active.ratio,smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum.pct_of_peak_sustained_elapsed,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum \
     --csv --page details --kernel-name regex:_int4_down_ws --launch-count 1 python3 benchmarks/bench_moe_gluon.py --tokens 16384 \
-    --variants $([ $PHASE = V5 ] && echo wsp || echo ws) --rep-ms 20 > "$RES/ncu_ws.csv" 2> "$RES/ncu.err"; python3 benchmarks/ncu_summary.py "$RES/ncu_ws.csv"
+    --variants $(case $PHASE in V5) echo wsp;; V6) echo wsp2;; *) echo ws;; esac) --rep-ms 20 > "$RES/ncu_ws.csv" 2> "$RES/ncu.err"; python3 benchmarks/ncu_summary.py "$RES/ncu_ws.csv"
     grep -E "shared|conflict" "$RES/ncu_ws.csv" | cut -d, -f13- | head -4; }
   ;;
 V2)

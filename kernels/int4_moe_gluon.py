@@ -360,33 +360,37 @@ if HAS_GLUON:
     @gluon.jit
     def _wsp_unpacker(b_ptr, s_ptr, tile_expert_ptr, tile_begin_ptr, tile_end_ptr, n_items, n_blocks_n, nk, N,
                       stride_be, stride_bn, stride_se, stride_sn, w_smem, ready, empty,
-                      GROUP: gl.constexpr, BN: gl.constexpr):
-        """Unpacking warpgroup of "wsp": each block's weights, words loaded one block ahead,
-        unpacked and stored in pair order into the stage ring."""
+                      GROUP: gl.constexpr, BN: gl.constexpr, U: gl.constexpr, NU: gl.constexpr):
+        """Unpacking warpgroup U of NU in "wsp": the blocks whose ring position (counted over all
+        of this program's blocks) is U mod NU; each block's words loaded one of its blocks ahead,
+        unpacked and stored in pair order into the block's stage."""
         w_rl: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0])  # [BN, 16] words
         stages: gl.constexpr = w_smem.type.shape[0]
-        it = 0
+        it0 = 0  # ring position of the item's first block
         for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
             pid_n, pid_t, begin, end = _work_item(w, n_blocks_n, tile_begin_ptr, tile_end_ptr)
             if begin < end:
                 expert = gl.load(tile_expert_ptr + pid_t).to(gl.int64)
                 w_ptrs, s_ptrs, n_mask = _word_pointers(b_ptr, s_ptr, expert, pid_n, N, stride_be, stride_bn, stride_se,
                                                         stride_sn, BN, GROUP, w_rl)
-                words = gl.load(w_ptrs, mask=n_mask[:, None], other=0)
-                scales = gl.load(s_ptrs, mask=n_mask[:, None], other=0.0)
-                for i in range(nk):
+                first = (U + NU - it0 % NU) % NU  # this warpgroup's first block of the item
+                more = first < nk
+                words = gl.load(w_ptrs + first * 16, mask=n_mask[:, None] & more, other=0)
+                scales = gl.load(s_ptrs + first * (128 // GROUP), mask=n_mask[:, None] & more, other=0.0)
+                for i in range(first, nk, NU):
+                    it = it0 + i
                     s = it % stages
                     t0, t1, t2, t3, t4, t5, t6, t7 = _unpack8(words, scales)
-                    more = i + 1 < nk
-                    words = gl.load(w_ptrs + (i + 1) * 16, mask=n_mask[:, None] & more, other=0)
-                    scales = gl.load(s_ptrs + (i + 1) * (128 // GROUP), mask=n_mask[:, None] & more, other=0.0)
+                    more = i + NU < nk
+                    words = gl.load(w_ptrs + (i + NU) * 16, mask=n_mask[:, None] & more, other=0)
+                    scales = gl.load(s_ptrs + (i + NU) * (128 // GROUP), mask=n_mask[:, None] & more, other=0.0)
                     tile = _pair_order_tile(t0, t1, t2, t3, t4, t5, t6, t7)
                     mbarrier.wait(empty.index(s), (it // stages & 1) ^ 1)
                     w_smem.index(s).store(tile)
                     hopper.fence_async_shared()
                     _cta_barrier()
                     mbarrier.arrive(ready.index(s))
-                    it += 1
+                it0 += nk
 
     @gluon.jit
     def _wsp_consumer(c_ptr, c_rows_ptr, c_scale_ptr, stride_cm, tile_begin_ptr, tile_end_ptr, n_items, n_blocks_n, nk, N,
@@ -418,13 +422,14 @@ if HAS_GLUON:
         tile_expert_ptr, tile_begin_ptr, tile_end_ptr, N, K, n_items, n_blocks_n,
         stride_be, stride_bn, stride_se, stride_sn,
         GROUP: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr,
-        UNPACKER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+        UNPACKER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, UNPACKERS: gl.constexpr,
     ):
         """The persistent "wsp" variant: one program per SM walks work items (weight-row block,
-        token tile); three warpgroups share a ring of STAGES stages: a loader (h by cp.async), an
-        unpacker (weights into shared memory) and the consumer (wgmmas, then the epilogue, which
-        overlaps the next item's loads). ready[s] completes on two arrivals (loader, unpacker)
-        and the copies; empty[s] on the consumer's."""
+        token tile); warpgroups share a ring of STAGES stages: a loader (h by cp.async), UNPACKERS
+        unpackers (weights into shared memory, alternate blocks when two) and the consumer
+        (wgmmas, then the epilogue, which overlaps the next item's loads). ready[s] completes on
+        two arrivals (the loader's, the block's unpacker's) and the copies; empty[s] on the
+        consumer's."""
         sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, 128], sl)
         w_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, 128], sl)
@@ -434,13 +439,27 @@ if HAS_GLUON:
             mbarrier.init(ready.index(st), count=2)
             mbarrier.init(empty.index(st), count=1)
         nk = K // 128
-        gl.warp_specialize([
-            (_wsp_consumer, (c_ptr, c_rows_ptr, c_scale_ptr, stride_cm, tile_begin_ptr, tile_end_ptr, n_items, n_blocks_n,
-                             nk, N, a_smem, w_smem, ready, empty, BN, BT)),
-            (_wsp_unpacker, (b_ptr, s_ptr, tile_expert_ptr, tile_begin_ptr, tile_end_ptr, n_items, n_blocks_n, nk, N,
-                             stride_be, stride_bn, stride_se, stride_sn, w_smem, ready, empty, GROUP, BN)),
-            (_wsp_loader, (a_ptr, stride_am, tile_begin_ptr, tile_end_ptr, n_items, n_blocks_n, nk, a_smem, ready, empty, BT)),
-        ], [4, 4], [UNPACKER_REGS, LOADER_REGS])
+        # (Gluon takes no JIT function in a variable: the partitions are spelled out per branch)
+        if UNPACKERS == 1:
+            gl.warp_specialize([
+                (_wsp_consumer, (c_ptr, c_rows_ptr, c_scale_ptr, stride_cm, tile_begin_ptr, tile_end_ptr, n_items,
+                                 n_blocks_n, nk, N, a_smem, w_smem, ready, empty, BN, BT)),
+                (_wsp_loader, (a_ptr, stride_am, tile_begin_ptr, tile_end_ptr, n_items, n_blocks_n, nk, a_smem, ready,
+                               empty, BT)),
+                (_wsp_unpacker, (b_ptr, s_ptr, tile_expert_ptr, tile_begin_ptr, tile_end_ptr, n_items, n_blocks_n, nk, N,
+                                 stride_be, stride_bn, stride_se, stride_sn, w_smem, ready, empty, GROUP, BN, 0, 1)),
+            ], [4, 4], [LOADER_REGS, UNPACKER_REGS])
+        else:
+            gl.warp_specialize([
+                (_wsp_consumer, (c_ptr, c_rows_ptr, c_scale_ptr, stride_cm, tile_begin_ptr, tile_end_ptr, n_items,
+                                 n_blocks_n, nk, N, a_smem, w_smem, ready, empty, BN, BT)),
+                (_wsp_loader, (a_ptr, stride_am, tile_begin_ptr, tile_end_ptr, n_items, n_blocks_n, nk, a_smem, ready,
+                               empty, BT)),
+                (_wsp_unpacker, (b_ptr, s_ptr, tile_expert_ptr, tile_begin_ptr, tile_end_ptr, n_items, n_blocks_n, nk, N,
+                                 stride_be, stride_bn, stride_se, stride_sn, w_smem, ready, empty, GROUP, BN, 0, 2)),
+                (_wsp_unpacker, (b_ptr, s_ptr, tile_expert_ptr, tile_begin_ptr, tile_end_ptr, n_items, n_blocks_n, nk, N,
+                                 stride_be, stride_bn, stride_se, stride_sn, w_smem, ready, empty, GROUP, BN, 1, 2)),
+            ], [4, 4, 4], [LOADER_REGS, UNPACKER_REGS, UNPACKER_REGS])
 
 
 def permute_pairs(a: torch.Tensor) -> torch.Tensor:
@@ -457,7 +476,8 @@ WS_VARIANTS = {
     "ws": dict(STAGES=2, PRODUCER_REGS=136, maxnreg=128),  # 96 KB, 128 registers: two CTAs per SM
     "ws4": dict(STAGES=4, PRODUCER_REGS=128, maxnreg=None),  # 192 KB: one CTA per SM, deeper pipeline
     # persistent, three warpgroups (loader, unpacker, consumer), one program per SM
-    "wsp": dict(STAGES=4, UNPACKER_REGS=136, LOADER_REGS=88, maxnreg=168),
+    "wsp": dict(STAGES=4, UNPACKER_REGS=136, LOADER_REGS=88, UNPACKERS=1, maxnreg=168),
+    "wsp2": dict(STAGES=4, UNPACKER_REGS=136, LOADER_REGS=56, UNPACKERS=2, maxnreg=128),  # two unpackers: 16 warps
 }
 VARIANTS = ("regs", "smem") + tuple(WS_VARIANTS)
 
@@ -485,7 +505,7 @@ def down_gluon(h: torch.Tensor, down_packed: torch.Tensor, down_scale: torch.Ten
             table[0], table[1], table[2], n, k,
             down_packed.stride(0), down_packed.stride(1), down_scale.stride(0), down_scale.stride(1))
     common = dict(GROUP=k // down_scale.shape[2], BN=BLOCK_N, BT=BLOCK_T, num_warps=4)
-    if variant == "wsp":  # persistent: one program per SM over (weight-row block, token tile) items
+    if variant.startswith("wsp"):  # persistent: one program per SM over (weight-row block, token tile) items
         ws = dict(WS_VARIANTS[variant])
         cap = ws.pop("maxnreg")
         n_items = grid[0] * grid[1]
