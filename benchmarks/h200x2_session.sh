@@ -146,6 +146,9 @@
 #   V5: "wsp": persistent (one program per SM over the items), three warpgroups (cp.async loader,
 #       unpacker, wgmma consumer whose epilogue overlaps the next item's loads), 4 stages: the same
 #   V6: "wsp2": "wsp" with two unpacking warpgroups on alternate blocks: the same
+#   V7: the MoE kernels' GPU tests on the final code; ncu's per-instruction stall samples (SASS)
+#       of v3's down and "wsp" at 16K; bench-extract tp 1 at 8K, 16K and 32K (the projection
+#       with down's register cap)
 set -u
 PHASE=$1; shift
 RES=/tmp/res_$PHASE; rm -rf "$RES"; mkdir -p "$RES"
@@ -538,6 +541,18 @@ U8)
 U9)
   timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_int4_moe.py tests/test_kernels.py \
     -k "gluon or cuda or float64 or sm90" > "$RES/gpu_tests.log" 2>&1; tail -3 "$RES/gpu_tests.log"
+  ;;
+V7)
+  timeout 150 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_int4_moe.py -k "cuda or triton or sm90 or gluon" \
+    > "$RES/gpu_tests.log" 2>&1; tail -1 "$RES/gpu_tests.log"
+  timeout 150 ncu --clock-control none --section SourceCounters --section WarpStateStats -o "$RES/src" \
+    --kernel-name regex:"_int4_moe_v3|_int4_down_wsp" --launch-count 2 python3 benchmarks/bench_moe_gluon.py \
+    --tokens 16384 --variants wsp --rep-ms 20 > "$RES/ncu_src.log" 2>&1; echo "ncu rc $?"
+  ncu --import "$RES/src.ncu-rep" --page source --print-source sass --csv > "$RES/src_sass.csv" 2> "$RES/src_sass.err"
+  echo "source page rc $? $(wc -l < "$RES/src_sass.csv") lines"; head -c 600 "$RES/src_sass.csv"; echo; head -3 "$RES/src_sass.err"
+  rm -f "$RES/src.ncu-rep"
+  timeout 240 python3 benchmarks/bench_extract.py --tokens 8192 16384 32768 --no-write --reps 3 \
+    --json "$RES/extract_tp1.json" > "$RES/extract_tp1.log" 2>&1; grep "^T=" "$RES/extract_tp1.log" | cut -c1-330
   ;;
 V3|V4|V5|V6)
   timeout 120 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_int4_moe.py -k gluon > "$RES/gpu_tests.log" 2>&1
