@@ -1,8 +1,8 @@
-"""Benchmark: the INT4 MoE down kernel, v3 (Triton) against its Gluon twin (kernels/int4_moe_gluon.py).
+"""Benchmark: the INT4 MoE down kernel, v3 (Triton) against its Gluon variants (kernels/int4_moe_gluon.py).
 
 Same inputs (Kimi-K2.5's down projection: 384 experts, hidden 7168, intermediate 2048, INT4
 group 32; random routing of T tokens x 8 slots; h with its columns permuted as the gate+up
-kernel writes it), each kernel timed alone (do_bench median), outputs compared with each other
+kernel writes it; the warp-specialized variants get it in pair order), each kernel timed alone (do_bench median), outputs compared with each other
 and, on a sample of rows, with float64 math on the dequantized weights. Needs an sm_90 GPU.
 
     python3 benchmarks/bench_moe_gluon.py --tokens 4096 16384 --json $OUT/moe_gluon.json
@@ -109,7 +109,7 @@ def main(argv=None) -> list:
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--inter", type=int, default=2048)
     p.add_argument("--rep-ms", type=int, default=200)
-    p.add_argument("--variants", nargs="+", default=["regs", "smem"], choices=list(g.VARIANTS))
+    p.add_argument("--variants", nargs="+", default=list(g.VARIANTS), choices=list(g.VARIANTS))
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():

@@ -1,31 +1,32 @@
-"""INT4 MoE down projection in Gluon (Triton's explicit-layout dialect): v3 with its wgmmas in flight.
+"""INT4 MoE down projection in Gluon (Triton's explicit-layout dialect): experiments beside v3.
 
-v3 (kernels/int4_moe.py) unpacks the INT4 weights straight into the registers of wgmma's left
-operand; Triton 3.6 then waits for each wgmma before the next instruction, because the
-registers of a register-operand wgmma must not change while it runs. So the unpack of the next
-tile never overlaps the tensor cores (issue 6's limit: 1.13x the bf16 grouped GEMM at 16K).
-Gluon lets the kernel say which registers stay alive: the eight wgmmas of a 128-column block are
-issued asynchronously, and while they run the kernel unpacks the next block's weights into
-other registers and loads the block after it; one wait per block. (A probe build for sm_90 with
-Triton 3.6: four HGMMAs with register operands back to back and one WARPGROUP.DEPBAR, 2026-11-30.)
+Not used by int4_moe: each variant below is correct (tests against v3 and float64 on the GPU,
+sm_90 builds on the CPU) and slower than v3 with its register cap (kernels/int4_moe.py), and is
+kept with its measurements as the starting point of a faster kernel. What bounds v3 (Nsight
+Compute, 2026-11-30 V1/V7): its loop is latency-bound (tensor pipe 37-46% active, L2 ~50%): each
+warp alternates unpack and MMA, and waits on the words' global loads in the step that unpacks
+them; Triton 3.6 stages only a dot's operands through shared memory.
 
-Same math, layouts and tile table as v3's down kernel: C^T [BN, BT] = W [BN, K] @ A^T [K, BT],
-W the packed checkpoint rows [E, N, K/8] int32 with bf16 scales [E, N, K/GROUP], A = h with its
-columns permuted by permute_k128 (the gate+up kernel writes it so), sorted rows r of the tile
-[begin, end) written to c[c_rows[r]] times c_scale[c_rows[r]]. Needs sm_90 (wgmma); no
-interpreter (Gluon has none): its tests compare it with v3 and the float64 formula on the GPU,
-and a CPU test builds it for sm_90.
+Same math and tile table as v3's down kernel: C^T [BN, BT] = W [BN, K] @ A^T [K, BT], W the
+packed checkpoint rows [E, N, K/8] int32 with bf16 scales [E, N, K/GROUP], A = h with permuted
+columns, sorted rows r of the tile [begin, end) written to c[c_rows[r]] times c_scale[c_rows[r]].
+Needs sm_90 (wgmma); Gluon has no interpreter.
 
-Two variants, measured on an H200 (2026-11-30 U8/U10, benchmarks/bench_moe_gluon.py), both the
-same output as v3's bit for bit:
-- "regs": the weights in wgmma's operand registers, eight async wgmmas per block, one wait;
-  0.995x v3 at 16K tokens, 1.04x at 4K: ptxas schedules the next block's unpack ahead of the
-  wgmmas, so within a CTA the unpack still does not overlap them.
-- "smem": the next block unpacked into a second shared-memory stage while the block's wgmma
-  runs (the wait leaves one in flight); 0.79x: the stores, and the barrier Triton puts between
-  the eight tile stores, cost more than the overlap gains.
-Not used by int4_moe; kept as the start of a producer/consumer (warp-specialized) version, where
-one warpgroup unpacks and another only issues wgmmas.
+Variants, down at 16K tokens on an H200 against v3's capped kernel (benchmarks/bench_moe_gluon.py):
+- "regs" (U8, V4: 0.88x): the weights in wgmma's operand registers, eight async wgmmas per
+  128-column block, one wait; ptxas still schedules the next block's unpack ahead of them.
+  h permuted by permute_k128 (as v3): the same output as v3 bit for bit.
+- "ws" (V4-V6: 0.71-0.75x): warp-specialized, a producer warpgroup stages h (cp.async) and the
+  unpacked weights in shared memory, the consumer only issues wgmmas; two CTAs per SM.
+- "wsp" (V5-V7: 0.62x): persistent, one program per SM, three warpgroups (loader, unpacker,
+  consumer with the epilogue) on a 4-stage ring.
+The warp-specialized ones are bounded by shared-memory traffic: with both operands staged, a
+128-column block of 64 weight rows and 128 tokens moves 96 KB (h and weights written, both read
+by the wgmma) per ~512 tensor-core cycles, 187 bytes per cycle against the SM's 128. Beating v3
+this way needs larger tiles that reuse each staged byte more (128 x 256, two consumer warpgroups)
+or h multicast by TMA across a cluster. They store the weights in "pair order" (permute_pairs:
+nibbles i and i + 4 of a word side by side, as the unpack leaves them in one register), so they
+sum in another order than v3 (within 1e-2).
 """
 
 from __future__ import annotations
@@ -164,75 +165,6 @@ if HAS_GLUON:
 if HAS_GLUON:
 
     @gluon.jit
-    def _unpack_to_smem(w_ptrs, s_ptrs, k_block, n_mask, w_stage, GROUP: gl.constexpr):
-        """Block k_block's packed words [BN, 16] unpacked into w_stage [BN, 128] in shared memory,
-        nibble tile n at columns [16 n, 16 n + 16) (the permuted column order h is written in)."""
-        words = gl.load(w_ptrs + k_block * 16, mask=n_mask[:, None], other=0)
-        scales = gl.load(s_ptrs + k_block * (128 // GROUP), mask=n_mask[:, None], other=0.0)
-        t0, t1, t2, t3, t4, t5, t6, t7 = _unpack8(words, scales)
-        w_stage.slice(0, 16, dim=1).store(t0)
-        w_stage.slice(16, 16, dim=1).store(t1)
-        w_stage.slice(32, 16, dim=1).store(t2)
-        w_stage.slice(48, 16, dim=1).store(t3)
-        w_stage.slice(64, 16, dim=1).store(t4)
-        w_stage.slice(80, 16, dim=1).store(t5)
-        w_stage.slice(96, 16, dim=1).store(t6)
-        w_stage.slice(112, 16, dim=1).store(t7)
-
-    @gluon.jit
-    def _int4_down_gs_kernel(
-        a_ptr, stride_am, b_ptr, s_ptr, c_ptr, c_rows_ptr, c_scale_ptr, stride_cm,
-        tile_expert_ptr, tile_begin_ptr, tile_end_ptr, N, K,
-        stride_be, stride_bn, stride_se, stride_sn,
-        GROUP: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr,
-    ):
-        """The "smem" variant: block i + 1's weights are unpacked into a second shared-memory stage
-        while block i's wgmma (both operands in shared memory, K = 128) runs; a wait that leaves
-        one wgmma in flight frees the stage block i - 1 used. Same tiles and output as the
-        kernel above."""
-        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
-        w_rl: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0])  # [BN, 16] words in registers
-        a_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # [BT, 128] bf16: 16-byte copies
-        sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        pid_n = gl.program_id(0)
-        pid_t = gl.program_id(1)
-        begin = gl.load(tile_begin_ptr + pid_t)
-        end = gl.load(tile_end_ptr + pid_t)
-        if begin < end:
-            expert = gl.load(tile_expert_ptr + pid_t).to(gl.int64)
-            a_ptrs, ta_mask = _h_block_pointers(a_ptr, stride_am, begin, end, BT, a_l)
-            a_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BT, 128], sl)
-            w_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BN, 128], sl)
-            w_ptrs, s_ptrs, n_mask = _word_pointers(b_ptr, s_ptr, expert, pid_n, N, stride_be, stride_bn, stride_se,
-                                                    stride_sn, BN, GROUP, w_rl)
-            nk = K // 128
-            # prologue: blocks 0 and 1 staged (h by cp.async, weights unpacked by this warpgroup)
-            async_copy.async_copy_global_to_shared(a_smem.index(0), a_ptrs, mask=ta_mask[:, None])
-            async_copy.commit_group()
-            _unpack_to_smem(w_ptrs, s_ptrs, 0, n_mask, w_smem.index(0), GROUP)
-            if nk > 1:
-                async_copy.async_copy_global_to_shared(a_smem.index(1), a_ptrs + 128, mask=ta_mask[:, None])
-                _unpack_to_smem(w_ptrs, s_ptrs, 1, n_mask, w_smem.index(1), GROUP)
-            async_copy.commit_group()
-            acc = gl.zeros([BN, BT], gl.float32, acc_l)
-            for i in range(nk):
-                s = i % 2
-                async_copy.wait_group(0)  # block i's h (and i + 1's, issued with it) in shared memory
-                hopper.fence_async_shared()
-                _cta_barrier()
-                tok = hopper.warpgroup_mma(w_smem.index(s), a_smem.index(s).permute((1, 0)), acc, is_async=True)
-                acc = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[tok])  # block i - 1's wgmma done
-                if i >= 1 and i + 1 < nk:  # its stage takes block i + 1 while block i's wgmma runs
-                    async_copy.async_copy_global_to_shared(a_smem.index(1 - s), a_ptrs + (i + 1) * 128, mask=ta_mask[:, None])
-                    _unpack_to_smem(w_ptrs, s_ptrs, i + 1, n_mask, w_smem.index(1 - s), GROUP)
-                async_copy.commit_group()
-            acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            _store_scaled_rows(acc, c_ptr, c_rows_ptr, c_scale_ptr, stride_cm, begin, end, pid_n, N, BN, BT, acc_l)
-
-
-if HAS_GLUON:
-
-    @gluon.jit
     def _pair_order_tile(t0, t1, t2, t3, t4, t5, t6, t7):
         """The eight nibble tiles [BN, 16] -> one [BN, 128] tile in "pair order": column 8j + 2i + c
         holds nibble i + 4c of word j (permute_pairs' order). The unpack leaves nibbles i and i + 4
@@ -360,37 +292,34 @@ if HAS_GLUON:
     @gluon.jit
     def _wsp_unpacker(b_ptr, s_ptr, tile_expert_ptr, tile_begin_ptr, tile_end_ptr, n_items, n_blocks_n, nk, N,
                       stride_be, stride_bn, stride_se, stride_sn, w_smem, ready, empty,
-                      GROUP: gl.constexpr, BN: gl.constexpr, U: gl.constexpr, NU: gl.constexpr):
-        """Unpacking warpgroup U of NU in "wsp": the blocks whose ring position (counted over all
-        of this program's blocks) is U mod NU; each block's words loaded one of its blocks ahead,
-        unpacked and stored in pair order into the block's stage."""
+                      GROUP: gl.constexpr, BN: gl.constexpr):
+        """Unpacking warpgroup of "wsp": each block's weights, words loaded one block ahead,
+        unpacked and stored in pair order into the block's stage. (A second unpacker on
+        alternate blocks changed nothing: 2026-11-30 V6.)"""
         w_rl: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0])  # [BN, 16] words
         stages: gl.constexpr = w_smem.type.shape[0]
-        it0 = 0  # ring position of the item's first block
+        it = 0
         for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
             pid_n, pid_t, begin, end = _work_item(w, n_blocks_n, tile_begin_ptr, tile_end_ptr)
             if begin < end:
                 expert = gl.load(tile_expert_ptr + pid_t).to(gl.int64)
                 w_ptrs, s_ptrs, n_mask = _word_pointers(b_ptr, s_ptr, expert, pid_n, N, stride_be, stride_bn, stride_se,
                                                         stride_sn, BN, GROUP, w_rl)
-                first = (U + NU - it0 % NU) % NU  # this warpgroup's first block of the item
-                more = first < nk
-                words = gl.load(w_ptrs + first * 16, mask=n_mask[:, None] & more, other=0)
-                scales = gl.load(s_ptrs + first * (128 // GROUP), mask=n_mask[:, None] & more, other=0.0)
-                for i in range(first, nk, NU):
-                    it = it0 + i
+                words = gl.load(w_ptrs, mask=n_mask[:, None], other=0)
+                scales = gl.load(s_ptrs, mask=n_mask[:, None], other=0.0)
+                for i in range(nk):
                     s = it % stages
                     t0, t1, t2, t3, t4, t5, t6, t7 = _unpack8(words, scales)
-                    more = i + NU < nk
-                    words = gl.load(w_ptrs + (i + NU) * 16, mask=n_mask[:, None] & more, other=0)
-                    scales = gl.load(s_ptrs + (i + NU) * (128 // GROUP), mask=n_mask[:, None] & more, other=0.0)
+                    more = i + 1 < nk
+                    words = gl.load(w_ptrs + (i + 1) * 16, mask=n_mask[:, None] & more, other=0)
+                    scales = gl.load(s_ptrs + (i + 1) * (128 // GROUP), mask=n_mask[:, None] & more, other=0.0)
                     tile = _pair_order_tile(t0, t1, t2, t3, t4, t5, t6, t7)
                     mbarrier.wait(empty.index(s), (it // stages & 1) ^ 1)
                     w_smem.index(s).store(tile)
                     hopper.fence_async_shared()
                     _cta_barrier()
                     mbarrier.arrive(ready.index(s))
-                it0 += nk
+                    it += 1
 
     @gluon.jit
     def _wsp_consumer(c_ptr, c_rows_ptr, c_scale_ptr, stride_cm, tile_begin_ptr, tile_end_ptr, n_items, n_blocks_n, nk, N,
@@ -422,14 +351,13 @@ if HAS_GLUON:
         tile_expert_ptr, tile_begin_ptr, tile_end_ptr, N, K, n_items, n_blocks_n,
         stride_be, stride_bn, stride_se, stride_sn,
         GROUP: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr,
-        UNPACKER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, UNPACKERS: gl.constexpr,
+        UNPACKER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
     ):
         """The persistent "wsp" variant: one program per SM walks work items (weight-row block,
-        token tile); warpgroups share a ring of STAGES stages: a loader (h by cp.async), UNPACKERS
-        unpackers (weights into shared memory, alternate blocks when two) and the consumer
-        (wgmmas, then the epilogue, which overlaps the next item's loads). ready[s] completes on
-        two arrivals (the loader's, the block's unpacker's) and the copies; empty[s] on the
-        consumer's."""
+        token tile); three warpgroups share a ring of STAGES stages: a loader (h by cp.async), an
+        unpacker (the weights into shared memory) and the consumer (wgmmas, then the epilogue,
+        which overlaps the next item's loads). ready[s] completes on two arrivals (loader,
+        unpacker) and the copies; empty[s] on the consumer's."""
         sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, 128], sl)
         w_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, 128], sl)
@@ -439,27 +367,13 @@ if HAS_GLUON:
             mbarrier.init(ready.index(st), count=2)
             mbarrier.init(empty.index(st), count=1)
         nk = K // 128
-        # (Gluon takes no JIT function in a variable: the partitions are spelled out per branch)
-        if UNPACKERS == 1:
-            gl.warp_specialize([
-                (_wsp_consumer, (c_ptr, c_rows_ptr, c_scale_ptr, stride_cm, tile_begin_ptr, tile_end_ptr, n_items,
-                                 n_blocks_n, nk, N, a_smem, w_smem, ready, empty, BN, BT)),
-                (_wsp_loader, (a_ptr, stride_am, tile_begin_ptr, tile_end_ptr, n_items, n_blocks_n, nk, a_smem, ready,
-                               empty, BT)),
-                (_wsp_unpacker, (b_ptr, s_ptr, tile_expert_ptr, tile_begin_ptr, tile_end_ptr, n_items, n_blocks_n, nk, N,
-                                 stride_be, stride_bn, stride_se, stride_sn, w_smem, ready, empty, GROUP, BN, 0, 1)),
-            ], [4, 4], [LOADER_REGS, UNPACKER_REGS])
-        else:
-            gl.warp_specialize([
-                (_wsp_consumer, (c_ptr, c_rows_ptr, c_scale_ptr, stride_cm, tile_begin_ptr, tile_end_ptr, n_items,
-                                 n_blocks_n, nk, N, a_smem, w_smem, ready, empty, BN, BT)),
-                (_wsp_loader, (a_ptr, stride_am, tile_begin_ptr, tile_end_ptr, n_items, n_blocks_n, nk, a_smem, ready,
-                               empty, BT)),
-                (_wsp_unpacker, (b_ptr, s_ptr, tile_expert_ptr, tile_begin_ptr, tile_end_ptr, n_items, n_blocks_n, nk, N,
-                                 stride_be, stride_bn, stride_se, stride_sn, w_smem, ready, empty, GROUP, BN, 0, 2)),
-                (_wsp_unpacker, (b_ptr, s_ptr, tile_expert_ptr, tile_begin_ptr, tile_end_ptr, n_items, n_blocks_n, nk, N,
-                                 stride_be, stride_bn, stride_se, stride_sn, w_smem, ready, empty, GROUP, BN, 1, 2)),
-            ], [4, 4, 4], [LOADER_REGS, UNPACKER_REGS, UNPACKER_REGS])
+        gl.warp_specialize([
+            (_wsp_consumer, (c_ptr, c_rows_ptr, c_scale_ptr, stride_cm, tile_begin_ptr, tile_end_ptr, n_items, n_blocks_n,
+                             nk, N, a_smem, w_smem, ready, empty, BN, BT)),
+            (_wsp_loader, (a_ptr, stride_am, tile_begin_ptr, tile_end_ptr, n_items, n_blocks_n, nk, a_smem, ready, empty, BT)),
+            (_wsp_unpacker, (b_ptr, s_ptr, tile_expert_ptr, tile_begin_ptr, tile_end_ptr, n_items, n_blocks_n, nk, N,
+                             stride_be, stride_bn, stride_se, stride_sn, w_smem, ready, empty, GROUP, BN)),
+        ], [4, 4], [LOADER_REGS, UNPACKER_REGS])
 
 
 def permute_pairs(a: torch.Tensor) -> torch.Tensor:
@@ -474,23 +388,19 @@ def permute_pairs(a: torch.Tensor) -> torch.Tensor:
 # consumer what the cap leaves: 2 x 128 = 136 for the producer + 120 for the consumer).
 WS_VARIANTS = {
     "ws": dict(STAGES=2, PRODUCER_REGS=136, maxnreg=128),  # 96 KB, 128 registers: two CTAs per SM
-    "ws4": dict(STAGES=4, PRODUCER_REGS=128, maxnreg=None),  # 192 KB: one CTA per SM, deeper pipeline
     # persistent, three warpgroups (loader, unpacker, consumer), one program per SM
-    "wsp": dict(STAGES=4, UNPACKER_REGS=136, LOADER_REGS=88, UNPACKERS=1, maxnreg=168),
-    "wsp2": dict(STAGES=4, UNPACKER_REGS=136, LOADER_REGS=56, UNPACKERS=2, maxnreg=128),  # two unpackers: 16 warps
+    "wsp": dict(STAGES=4, UNPACKER_REGS=136, LOADER_REGS=88, maxnreg=168),
 }
-VARIANTS = ("regs", "smem") + tuple(WS_VARIANTS)
+VARIANTS = ("regs",) + tuple(WS_VARIANTS)
 
 
 def down_gluon(h: torch.Tensor, down_packed: torch.Tensor, down_scale: torch.Tensor, y: torch.Tensor,
                rows_out: torch.Tensor, sorted_weight: torch.Tensor, table, variant: str = "regs",
                max_programs: int | None = None) -> None:
-    """v3's down launch in Gluon: h [rows, I] bf16 (columns permuted: by permute_k128 for "regs" and
-    "smem", by permute_pairs for the "ws" variants), down packed [E, H, I/8] int32
-    and scales [E, H, I/GROUP] bf16, y [rows, H] bf16 written at rows_out, table from
-    tile_table(..., BLOCK_T, ...). variant: "regs" (weights in wgmma's operand registers), "smem"
-    (unpacked into shared memory, overlapping the previous block's wgmma), or a warp-specialized
-    one of WS_VARIANTS (a producer warpgroup unpacks, the consumer only issues wgmmas).
+    """v3's down launch in Gluon: h [rows, I] bf16 (columns permuted: by permute_k128 for "regs",
+    by permute_pairs for the warp-specialized WS_VARIANTS), down packed [E, H, I/8] int32 and
+    scales [E, H, I/GROUP] bf16, y [rows, H] bf16 written at rows_out, table from
+    tile_table(..., BLOCK_T, ...). variant: "regs", "ws" or "wsp" (the module docstring).
     max_programs: "wsp"'s number of programs (default: one per SM; tests take fewer, so that
     each program walks several items and the stage ring wraps across them)."""
     if not HAS_GLUON:
@@ -517,4 +427,4 @@ def down_gluon(h: torch.Tensor, down_packed: torch.Tensor, down_scale: torch.Ten
         cap = ws.pop("maxnreg")
         _int4_down_ws_kernel[grid](*args, **ws, **common, **({"maxnreg": cap} if cap else {}))
     else:
-        {"regs": _int4_down_g_kernel, "smem": _int4_down_gs_kernel}[variant][grid](*args, **common)
+        _int4_down_g_kernel[grid](*args, **common)

@@ -233,14 +233,13 @@ def test_moe_kernels_build_for_sm90(kernel, impl, dot_k, warps, stages):
 
 
 @pytest.mark.skipif(INNER, reason="compiles, does not run: outside the interpreter subprocess")
-@pytest.mark.parametrize("variant,wait", [("regs", "wgmma.wait_group.sync.aligned 0"), ("smem", "wgmma.wait_group.sync.aligned 1"),
-                                          ("ws", "wgmma.wait_group.sync.aligned 1"), ("wsp", "wgmma.wait_group.sync.aligned 1"),
-                                          ("wsp2", "wgmma.wait_group.sync.aligned 1")])
+@pytest.mark.parametrize("variant,wait", [("regs", "wgmma.wait_group.sync.aligned 0"), ("ws", "wgmma.wait_group.sync.aligned 1"),
+                                          ("wsp", "wgmma.wait_group.sync.aligned 1")])
 def test_gluon_down_kernel_builds_for_sm90_with_one_wait_per_block(variant, wait):
     """The Gluon down kernels (kernels/int4_moe_gluon.py) for sm_90: eight async wgmmas per
     128-column block and one wait for them in the loop (v3 in Triton waits after each dot); the
-    "smem" variant's wait leaves the block's wgmmas in flight while the next block is unpacked;
-    the warp-specialized "ws" splits the registers (setmaxnreg) between its two warpgroups."""
+    warp-specialized ones leave the block's wgmmas in flight and split the registers between
+    their warpgroups (setmaxnreg)."""
     triton = pytest.importorskip("triton")
     from eagleforge.kernels import int4_moe_gluon as g
     from triton_build import build_sm90
@@ -248,8 +247,7 @@ def test_gluon_down_kernel_builds_for_sm90_with_one_wait_per_block(variant, wait
     if not g.HAS_GLUON:
         pytest.skip(f"{g.WHY_NO_GLUON}; this Triton is {triton.__version__}")
     ints = ("b_ptr", "c_rows_ptr", "tile_expert_ptr", "tile_begin_ptr", "tile_end_ptr")
-    kernel = {"regs": g._int4_down_g_kernel, "smem": g._int4_down_gs_kernel, "ws": g._int4_down_ws_kernel,
-              "wsp": g._int4_down_wsp_kernel, "wsp2": g._int4_down_wsp_kernel}[variant]
+    kernel = {"regs": g._int4_down_g_kernel, "ws": g._int4_down_ws_kernel, "wsp": g._int4_down_wsp_kernel}[variant]
     ws = dict(g.WS_VARIANTS[variant]) if variant in g.WS_VARIANTS else {"maxnreg": None}
     cap = ws.pop("maxnreg")
     compiled = build_sm90(kernel, dict(GROUP=32, BN=g.BLOCK_N, BT=g.BLOCK_T, **ws),
@@ -260,7 +258,7 @@ def test_gluon_down_kernel_builds_for_sm90_with_one_wait_per_block(variant, wait
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["regs", "smem", "ws", "ws4", "wsp", "wsp2"])
+@pytest.mark.parametrize("variant", ["regs", "ws", "wsp"])
 def test_gluon_down_kernel_equals_v3(variant):
     """The Gluon down kernel against v3's down launch on the same sorted rows (8 experts, uneven
     tiles, one empty): the same output bit for bit (the same products, in the same order per
@@ -287,8 +285,7 @@ def test_gluon_down_kernel_equals_v3(variant):
                      y3, rows_out, sorted_weight, table, False, False, True)
     h_variant = g.permute_pairs(h_true) if variant in g.WS_VARIANTS else h
     g.down_gluon(h_variant, packs["down_packed"], packs["down_scale"], yg, rows_out, sorted_weight, table, variant=variant,
-                 max_programs=3)  # "wsp": three programs walk the 4 x 8 items (the ring wraps across items; nk = 3 is odd,
-    # so "wsp2"'s two unpackers swap block parities from one item to the next)
+                 max_programs=3)  # "wsp": three programs walk the 4 x 8 items (the ring wraps across items)
     if variant in g.WS_VARIANTS:  # its K = 16 steps group other columns: the same sums in another order
         assert ((yg.float() - y3.float()).norm() / y3.float().norm()).item() < 1e-2
     else:
