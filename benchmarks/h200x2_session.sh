@@ -146,6 +146,7 @@
 #   V5: "wsp": persistent (one program per SM over the items), three warpgroups (cp.async loader,
 #       unpacker, wgmma consumer whose epilogue overlaps the next item's loads), 4 stages: the same
 #   V6: "wsp2": "wsp" with two unpacking warpgroups on alternate blocks: the same
+#   (V3, V4 and V6 as run ask for "ws4" / "wsp2", removed after V6: rerun them at commit aaa3cda or earlier)
 #   V7: the MoE kernels' GPU tests on the final code; ncu's per-instruction stall samples (SASS)
 #       of v3's down and "wsp" at 16K; bench-extract tp 1 at 8K, 16K and 32K (the projection
 #       with down's register cap)

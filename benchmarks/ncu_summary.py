@@ -31,14 +31,24 @@ def read(path: str) -> dict:
     for row in csv.DictReader(io.StringIO(text[start:])):
         k = kernels[row["ID"]]
         k["name"] = row["Kernel Name"][:60]
-        k[row["Metric Name"]] = f'{row["Metric Value"]} {row["Metric Unit"]}'.strip()
+        # a name can repeat across sections ("Memory Throughput": % in speed of light, then
+        # bytes/s in the memory section): the first, speed of light's, is kept
+        k.setdefault(row["Metric Name"], f'{row["Metric Value"]} {row["Metric Unit"]}'.strip())
     return kernels
 
 
+def number(text: str) -> float | None:
+    """The leading number of "1,234.5 unit" (None for "n/a" and other non-numbers)."""
+    try:
+        return float(text.split()[0].replace(",", ""))
+    except (ValueError, IndexError):
+        return None
+
+
 def duration_ms(k: dict) -> float:
-    value, _, unit = k.get("Duration", "0 ms").partition(" ")
+    text = k.get("Duration", "0 ms")
     scale = {"ms": 1, "us": 1e-3, "usecond": 1e-3, "msecond": 1, "ns": 1e-6, "nsecond": 1e-6, "s": 1e3, "second": 1e3}
-    return float(value.replace(",", "")) * scale.get(unit, 1)
+    return (number(text) or 0.0) * scale.get(text.partition(" ")[2], 1)
 
 
 def main(argv=None) -> None:
@@ -55,7 +65,7 @@ def main(argv=None) -> None:
             print("   " + "; ".join(f"{m} {k[m]}" for m in KEEP if m in k))
             pipes = {m: v for m, v in k.items() if "pipe_tensor" in m}
             print("   " + "; ".join(f"{m.split('.')[0]} {v}" for m, v in sorted(pipes.items())))
-            stalls = sorted(((float(v.split()[0].replace(",", "")), m) for m, v in k.items() if "issue_stalled" in m), reverse=True)
+            stalls = sorted(((number(v), m) for m, v in k.items() if "issue_stalled" in m and number(v) is not None), reverse=True)
             print("   stalls: " + "; ".join(f"{m.replace('smsp__average_warps_issue_stalled_', '').replace('_per_issue_active.ratio', '')} {v:.2f}"
                                           for v, m in stalls[:a.stalls]))
 
