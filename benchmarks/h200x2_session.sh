@@ -150,6 +150,9 @@
 #   V7: the MoE kernels' GPU tests on the final code; ncu's per-instruction stall samples (SASS)
 #       of v3's down and "wsp" at 16K; bench-extract tp 1 at 8K, 16K and 32K (the projection
 #       with down's register cap)
+#   V8: gate+up stacked in one accumulator ("sas": 32 gate + 32 up rows per program, 164
+#       registers, three CTAs per SM): its GPU tests, the experts timed per gate+up config, bench-moe
+#       (the search now includes it) and bench-extract tp 1 at 16K
 set -u
 PHASE=$1; shift
 RES=/tmp/res_$PHASE; rm -rf "$RES"; mkdir -p "$RES"
@@ -542,6 +545,18 @@ U8)
 U9)
   timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_int4_moe.py tests/test_kernels.py \
     -k "gluon or cuda or float64 or sm90" > "$RES/gpu_tests.log" 2>&1; tail -3 "$RES/gpu_tests.log"
+  ;;
+V8)
+  timeout 150 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_int4_moe.py -k "cuda or triton" \
+    > "$RES/gpu_tests.log" 2>&1; tail -1 "$RES/gpu_tests.log"
+  timeout 150 python3 benchmarks/profile_moe.py --time --tokens 16384 4096 \
+    --gate-up sa,128,64,64,4,3 sas,128,64,64,4,2 sas,128,64,32,4,2 sas,128,64,64,4,3 --down sa,128,64,64,4,2,168 \
+    > "$RES/time.log" 2>&1; grep "T=" "$RES/time.log"
+  timeout 200 python3 benchmarks/bench_moe.py --tokens 4096 16384 --skip-hf --skip-v1 --skip-dequant \
+    --json "$RES/bench_moe.json" > "$RES/bench_moe.log" 2>&1; grep -E "^ *(4096|16384) +(grouped|int4_v3)" "$RES/bench_moe.log"
+  grep "v3_gate_up\|v3_down" "$RES/bench_moe.log" | cut -c1-330
+  timeout 100 python3 benchmarks/bench_extract.py --tokens 16384 --no-write --reps 3 \
+    --json "$RES/extract_tp1.json" > "$RES/extract_tp1.log" 2>&1; grep "^T=" "$RES/extract_tp1.log" | cut -c1-330
   ;;
 V7)
   timeout 150 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_int4_moe.py -k "cuda or triton or sm90 or gluon" \
