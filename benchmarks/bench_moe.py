@@ -114,7 +114,7 @@ def aot_report(configs=None) -> dict:
                 consts.update(BLOCK_M=bm, BLOCK_K=bk, MAGIC=impl == "v1m")
             else:
                 kern = int4_moe._int4_moe_v3_kernel
-                consts.update(BLOCK_T=bm, PERMUTE_N=gate_up, ASM=impl.startswith("sa"), NIB=bk // 16, STACKED=gate_up and impl == "sas")
+                consts.update(BLOCK_T=bm, PERMUTE_N=gate_up, ASM=impl == "sa", NIB=bk // 16)
             sig = {n: ("constexpr" if n in consts else ptr_types.get(n, "*bf16") if n.endswith("_ptr") else "i32") for n in kern.arg_names}
             attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kern.arg_names)
                      if n not in consts and (n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K"))}
@@ -141,7 +141,7 @@ def aot_report(configs=None) -> dict:
                     loop = (int(m.group(1), 16), a)
             n_loop = sum(1 for a in addr if loop and loop[0] <= a <= loop[1])
             k_step = bk if impl in ("v1", "v1m") else 128  # columns per loop step (v3: 128, in 128 / bk dots)
-            mma_clk = 2 * bm * bn * k_step * (2 if kernel_name == "gate_up" and impl != "sas" else 1) / 4096  # sas: BN rows hold both
+            mma_clk = 2 * bm * bn * k_step * (2 if kernel_name == "gate_up" else 1) / 4096
             res = dict(re.findall(r"(REG|STACK):(\d+)", usage))
             out[key] = {"regs": int(res.get("REG", 0)), "spill_stack_bytes": int(res.get("STACK", 0)), "shared_bytes": k.metadata.shared,
                         "loop_instructions_per_thread": n_loop, "issue_over_mma": round(n_loop * warps / 4 / mma_clk, 2)}

@@ -385,7 +385,7 @@ if HAS_TRITON:
         word_group_ptr,  # int32 [16]: (8 j) // GROUP, the scale group of word j of a 128-column block
         GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
         GATHER_A: tl.constexpr, GATE_UP: tl.constexpr, SCATTER_C: tl.constexpr, DOT_DTYPE: tl.constexpr,
-        PERMUTE_N: tl.constexpr, ASM: tl.constexpr, NIB: tl.constexpr, STACKED: tl.constexpr,
+        PERMUTE_N: tl.constexpr, ASM: tl.constexpr, NIB: tl.constexpr,
     ):
         """v3: C^T [BN, BT] = W [BN, K] @ A^T [K, BT], one dot of K = 16 NIB per NIB nibble positions.
 
@@ -402,11 +402,6 @@ if HAS_TRITON:
         32-bit operation (sm_90); else in Triton ops (the interpreter's path).
         PERMUTE_N (gate+up): output column p is weight row c(p) = 128 (p // 128) + 8 (p % 16) +
         (p % 128) // 16, so h is written already permuted for the down kernel, in contiguous rows.
-        STACKED (gate+up): one accumulator instead of two: the program's BN weight rows are BN / 2
-        gate rows and the matching BN / 2 up rows, in slabs of 16 (rows 16 s + i: gate, 16 s + 8 +
-        i: up, of output column 8 s + i), so in wgmma's accumulator layout each thread holds a
-        gate value and its up partner (rows r and r + 8) and silu(gate) * up needs no exchange.
-        Half the registers of two accumulators: a 168-register cap fits three CTAs per SM.
         """
         pid_n = tl.program_id(0)  # fastest: consecutive programs share one token tile, walk one expert
         pid_t = tl.program_id(1)
@@ -420,12 +415,7 @@ if HAS_TRITON:
                 a_rows = tl.load(a_rows_ptr + offs_t, mask=t_mask, other=0).to(tl.int64)
             else:
                 a_rows = offs_t.to(tl.int64)
-            if STACKED:  # M row 16 s + 8 h + i: output column 8 s + i, of gate (h = 0) or up (h = 1)
-                offs_m = tl.arange(0, BLOCK_N)
-                offs_p = pid_n * (BLOCK_N // 2) + (offs_m // 16) * 8 + offs_m % 8
-                is_up = (offs_m // 8) % 2 == 1
-            else:
-                offs_p = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns
+            offs_p = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns
             n_mask = offs_p < N
             if PERMUTE_N:
                 offs_n = (offs_p // 128) * 128 + 8 * (offs_p % 16) + (offs_p % 128) // 16
@@ -439,31 +429,20 @@ if HAS_TRITON:
             # straight into the MMA's operand registers; with the arange-derived form it sent every
             # unpacked tile through shared memory (a store, two barriers and ldmatrix per K = 16 dot)
             word_group = tl.load(word_group_ptr + offs_j)[None, :]
-            if STACKED:  # each row's own matrix: the pointers carry it, one accumulator for both
-                w_rows = tl.where(is_up[:, None], b2_ptr, b_ptr) + b_off  # [BN, 16] pointers
-                s_rows = tl.where(is_up, s2_ptr, s_ptr) + s_off  # [BN] pointers
-            else:
-                w_rows = b_ptr + b_off
-                s_rows = s_ptr + s_off
             acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
             acc2 = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
             for k0 in range(0, K, 128):
-                words = tl.load(w_rows + k0 // 8, mask=n_mask[:, None], other=0)
-                tiles = _unpack_words(words, _word_scales(s_rows, 0, k0, n_mask, word_group, GROUP), ASM, DOT_DTYPE)
-                if GATE_UP and not STACKED:
+                words = tl.load(b_ptr + b_off + k0 // 8, mask=n_mask[:, None], other=0)
+                tiles = _unpack_words(words, _word_scales(s_ptr, s_off, k0, n_mask, word_group, GROUP), ASM, DOT_DTYPE)
+                if GATE_UP:
                     words2 = tl.load(b2_ptr + b_off + k0 // 8, mask=n_mask[:, None], other=0)
                     tiles2 = _unpack_words(words2, _word_scales(s2_ptr, s_off, k0, n_mask, word_group, GROUP), ASM, DOT_DTYPE)
                 for n in tl.static_range(0, 8, NIB):
                     at = tl.trans(tl.load(a_ptrs + (k0 + 16 * n), mask=t_mask[:, None], other=0.0).to(DOT_DTYPE))  # [16 NIB, BT]
                     acc = tl.dot(_concat_tiles(tiles, n, NIB), at, acc)
-                    if GATE_UP and not STACKED:
+                    if GATE_UP:
                         acc2 = tl.dot(_concat_tiles(tiles2, n, NIB), at, acc2)
-            if STACKED:  # [BN, BT] -> gate, up [BN / 16, 8, BT] -> silu(gate) * up [BN / 2, BT]
-                gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_N // 16, 2, 8, BLOCK_T)), (0, 2, 3, 1)))
-                acc = tl.reshape(gate * tl.sigmoid(gate) * up, (BLOCK_N // 2, BLOCK_T))
-                offs_p = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-                n_mask = offs_p < N
-            elif GATE_UP:
+            if GATE_UP:
                 acc = acc * tl.sigmoid(acc) * acc2  # silu(gate) * up, [BN, BT]
             if SCATTER_C:
                 c_rows = tl.load(c_rows_ptr + offs_t, mask=t_mask, other=0).to(tl.int64)
@@ -481,8 +460,6 @@ if HAS_TRITON:
 #   "v1m" v1 with the conversion-free unpack
 #   "s"   v3: weights on the MMA's M side (BLOCK_N rows), tokens on its N side (BLOCK_M = BLOCK_T)
 #   "sa"  v3 with the unpack in inline PTX (two nibbles per 32-bit operation; sm_90)
-#   "ss", "sas"  "s" / "sa" with gate+up stacked in one accumulator (STACKED: BLOCK_N / 2 output
-#         columns per program); the down kernel runs them as "s" / "sa"
 # (v3 with tokens on the M side, weights through shared memory, measured 35.8 ms against 24.5 for
 # gate+up at 16K in T3, was removed.)
 # v3's BLOCK_K is the K of one dot: 16 NIB, NIB nibble tiles side by side (a loop step covers
@@ -503,10 +480,12 @@ V1_DOWN_CONFIGS = [(128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 3), (64, 32, 
 # 4K). Gate+up keeps two (255 registers for its two accumulators; at 168 it spills 552 bytes).
 # Both kernels are latency-bound (Nsight Compute, V1: tensor pipe 37-46% active, L2 ~50% of its
 # throughput, the largest stall the words' global loads in the step that unpacks them); a
-# prefetch of the next block into L1 (V2) doubled the L2 traffic and lost 9-15%.
+# prefetch of the next block into L1 (V2) doubled the L2 traffic and lost 9-15%; gate+up with
+# gate and up stacked in one accumulator (three CTAs per SM, twice the token-tile reads; V8)
+# lost 9-13%.
 V3_CONFIGS = {
-    "large": [("sa", 128, 64, 64, 4, 3), ("sas", 128, 64, 64, 4, 2), ("sas", 128, 64, 32, 4, 2), ("sa", 128, 64, 32, 4, 3)],
-    "small": [("sa", 128, 64, 64, 4, 3), ("sas", 128, 64, 64, 4, 2), ("sas", 128, 64, 32, 4, 2), ("sa", 128, 64, 32, 4, 3)],
+    "large": [("sa", 128, 64, 64, 4, 3), ("sa", 128, 64, 32, 4, 3), ("s", 128, 64, 64, 4, 3), ("sa", 128, 64, 16, 4, 3)],
+    "small": [("sa", 128, 64, 64, 4, 3), ("sa", 128, 64, 32, 4, 3), ("sa", 128, 64, 64, 4, 2), ("sa", 128, 64, 16, 4, 3)],
 }
 V3_DOWN_CONFIGS = {
     "large": [("sa", 128, 64, 64, 4, 2, 168), ("sa", 128, 64, 32, 4, 2), ("sa", 128, 64, 64, 4, 2), ("sa", 128, 64, 32, 4, 2, 168)],
@@ -561,12 +540,8 @@ def _launch(config, a, a_rows, b, s, b2, s2, c, c_rows, c_scale, table, gather, 
     else:  # v3: the gate+up kernel writes h in the permuted column order the down kernel reads
         if block_k not in (16, 32, 64, 128):
             raise ValueError(f"int4_moe v3: config {config}: the K of a dot (BLOCK_K) must be 16, 32, 64 or 128")
-        stacked = gate_up and impl.endswith("s") and impl != "s"  # "ss", "sas": gate+up in one accumulator
-        if stacked:
-            grid = (triton.cdiv(n, block_n // 2), grid[1])
         _int4_moe_v3_kernel[grid](*args, _word_group_table(common["GROUP"], b.device), BLOCK_T=block_m, PERMUTE_N=gate_up,
-                                  ASM=impl.startswith("sa") and _has_bf16x2_math(b.device), NIB=block_k // 16,
-                                  STACKED=stacked, **common)
+                                  ASM=impl == "sa" and _has_bf16x2_math(b.device), NIB=block_k // 16, **common)
 
 
 def _has_bf16x2_math(device: torch.device) -> bool:

@@ -154,8 +154,7 @@ def _triton_cases(impl: str):
     ]
 
 
-TRITON_IMPLS = ["v1", "v1m", "s", "sa", "ss", "sas"]  # v1m: v1 with the conversion-free unpack; s, sa: v3 (sa: inline-PTX
-# unpack); ss, sas: the same with gate+up stacked in one accumulator
+TRITON_IMPLS = ["v1", "v1m", "s", "sa"]  # v1m: v1 with the conversion-free unpack; s, sa: v3 (sa: inline-PTX unpack)
 TRITON_CASES = [(impl, case) for impl in TRITON_IMPLS for case in _triton_cases(impl)] + [("auto", _triton_cases("s")[0])]
 
 
@@ -164,11 +163,11 @@ TRITON_CASES = [(impl, case) for impl in TRITON_IMPLS for case in _triton_cases(
 def test_triton_matches_formula(impl, case, monkeypatch):
     N, k, E, I, H, empty, (lo, hi), group, dot_k = case
     device = "cuda" if HAS_CUDA and not INNER else "cpu"
-    if impl.startswith("sa") and INNER:
+    if impl == "sa" and INNER:
         pytest.skip("inline PTX (v3's 'sa' unpack) does not run under the Triton interpreter; it runs on CUDA")
-    if impl in ("s", "sa", "ss", "sas", "auto"):  # one unpack and one K per dot of v3 (auto: v3 on these shapes)
+    if impl in ("s", "sa", "auto"):  # one unpack and one K per dot of v3 (auto: v3 on these shapes)
         config = ("s" if impl == "auto" else impl, 16 if INNER else 64, 32 if INNER else 64, dot_k, 4, 1 if INNER else 2)
-        down = config + ((168,) if impl.startswith("sa") else ())  # down's register cap (three CTAs per SM), as launched
+        down = config + ((168,) if impl == "sa" else ())  # down's register cap (three CTAs per SM), as launched
         monkeypatch.setattr(int4_moe, "INTERPRET_CONFIGS", [config])
         monkeypatch.setattr(int4_moe, "V3_CONFIGS", {"large": [config], "small": [config]})
         monkeypatch.setattr(int4_moe, "V3_DOWN_CONFIGS", {"large": [down], "small": [down]})
@@ -210,8 +209,7 @@ def test_permute_k128_and_impl_choice():
 @pytest.mark.skipif(INNER, reason="compiles, does not run: outside the interpreter subprocess")
 @pytest.mark.parametrize("kernel,impl,dot_k,warps,stages", [("gate_up", "sa", 64, 4, 3), ("gate_up", "s", 128, 4, 2),
                                                           ("down", "sa", 32, 4, 2), ("down", "s", 16, 4, 3),
-                                                          ("gate_up", "v1m", 64, 8, 3), ("down", "v1", 128, 4, 3),
-                                                          ("gate_up", "sas", 64, 4, 2)])
+                                                          ("gate_up", "v1m", 64, 8, 3), ("down", "v1", 128, 4, 3)])
 def test_moe_kernels_build_for_sm90(kernel, impl, dot_k, warps, stages):
     """The v3 and v1 kernels compiled ahead of time for sm_90 (no GPU needed: Triton's own ptxas),
     as the configs launch them (dot_k: v3's K per dot, v1's BLOCK_K). The interpreter runs a
@@ -228,7 +226,7 @@ def test_moe_kernels_build_for_sm90(kernel, impl, dot_k, warps, stages):
         consts.update(BLOCK_M=128, BLOCK_K=dot_k, MAGIC=impl == "v1m")
     else:
         kern = int4_moe._int4_moe_v3_kernel
-        consts.update(BLOCK_T=128, PERMUTE_N=gate_up, ASM=impl.startswith("sa"), NIB=dot_k // 16, STACKED=gate_up and impl == "sas")
+        consts.update(BLOCK_T=128, PERMUTE_N=gate_up, ASM=impl == "sa", NIB=dot_k // 16)
     ints = ("b_ptr", "b2_ptr", "a_rows_ptr", "c_rows_ptr", "tile_expert_ptr", "tile_begin_ptr", "tile_end_ptr", "word_group_ptr")
     compiled = build_sm90(kern, consts, {**dict.fromkeys(ints, "*i32"), "c_scale_ptr": "*fp32"}, num_warps=warps, num_stages=stages)
     assert compiled.asm["cubin"] and "wgmma" in compiled.asm["ptx"]
@@ -245,7 +243,7 @@ def test_down_kernel_fits_three_ctas_per_sm_without_spills():
 
     impl, block_t, block_n, dot_k, warps, stages, cap = int4_moe.V3_DOWN_CONFIGS["large"][0]
     consts = dict(GROUP=32, BLOCK_N=block_n, GATHER_A=False, GATE_UP=False, SCATTER_C=True, DOT_DTYPE=tl.bfloat16,
-                  BLOCK_T=block_t, PERMUTE_N=False, ASM=impl == "sa", NIB=dot_k // 16, STACKED=False)
+                  BLOCK_T=block_t, PERMUTE_N=False, ASM=impl == "sa", NIB=dot_k // 16)
     ints = ("b_ptr", "b2_ptr", "a_rows_ptr", "c_rows_ptr", "tile_expert_ptr", "tile_begin_ptr", "tile_end_ptr", "word_group_ptr")
     compiled = build_sm90(int4_moe._int4_moe_v3_kernel, consts, {**dict.fromkeys(ints, "*i32"), "c_scale_ptr": "*fp32"},
                           num_warps=warps, num_stages=stages, maxnreg=cap)
@@ -423,7 +421,7 @@ def test_triton_interpreted():
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(Path(__file__)),
                              "-k", "triton_"], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    n_cases = len(TRITON_CASES) - 2 * len(_triton_cases("sa")) + 2 + 2  # sa, sas skipped; + the Triton-ops unpacks + the slot combines
+    n_cases = len(TRITON_CASES) - len(_triton_cases("sa")) + 2 + 2  # sa skipped; + the Triton-ops unpacks + the slot combines
     assert f"{n_cases} passed" in result.stdout, result.stdout[-2000:]
 
 
