@@ -8,7 +8,11 @@ process, all on the SAME weights: random INT4 experts, dequantized to bf16 for t
     int4_v1                   the first Triton W4A16 kernel as measured on 2026-11-29 (impl="v1")
     int4_v1m                  v1 with the conversion-free unpack (impl="v1m")
     int4_v3                   ours now: dots over side-by-side nibble tiles, conversion-free unpack
-                              (impl="v3"; "auto" takes it where H and I are multiples of 128)
+                              (impl="v3"; "auto" takes it where H and I are multiples of 128),
+                              routed by transformers' router as the reference is
+    int4_v3_native_layer      the extraction model's own MoE layer on the same weights: its router
+                              (a bf16 GEMM with fp32 output), v3, the shared expert added in the
+                              combine (router_only / native_router_only: the two routers alone)
     int4_dequant_grouped_mm   dequantize all experts to bf16 per call, then grouped_mm
     *_experts_only            routed experts alone, routing precomputed
 
@@ -73,6 +77,27 @@ def build(H, I, E, K, device, seed=0):
             moe.experts.gate_up_proj[sl] = torch.cat([g, u], 1)
             moe.experts.down_proj[sl] = int4_moe._dequantize(packs["down_packed"][sl], packs["down_scale"][sl], torch.bfloat16)
     return moe, packs
+
+
+def native_moe(moe, packs, H, I, E, K, device):
+    """The extraction model's own MoE layer (extract/native/model.py, tp 1) on the same weights:
+    its router (one bf16 GEMM with fp32 output; transformers' computes the logits in fp32), the
+    Triton INT4 experts, and the shared expert added in the experts' combine pass."""
+    from eagleforge.extract.native.bench_model import kimi_args
+    from eagleforge.extract.native.model import MoE
+    from eagleforge.extract.native.parallel import TensorParallel
+
+    args = kimi_args(2, hidden_size=H, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=K)
+    with torch.device(device):
+        layer = MoE(args, TensorParallel(), "ep", torch.bfloat16, quantized=True).eval().requires_grad_(False)
+    with torch.no_grad():
+        layer.gate.weight.copy_(moe.gate.weight)
+        layer.gate.e_score_correction_bias.copy_(moe.gate.e_score_correction_bias.float())
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            getattr(layer.shared_experts, proj).weight.copy_(getattr(moe.shared_experts, proj).weight)
+            for part in ("packed", "scale"):
+                getattr(layer.experts, f"{proj}_{part}").copy_(packs[f"{proj.split('_')[0]}_{part}"])
+    return layer
 
 
 def print_table(res: dict, tokens: list) -> None:
@@ -233,6 +258,14 @@ def main(argv=None) -> dict:
                     record(T, f"int4_{impl}", median_ms(lambda: (int4_moe.int4_moe(x, *route(x), *pk, impl=impl) + moe.shared_experts(x)).to(x.dtype), device), out, ref)
                     record(T, f"int4_{impl}_experts_only", median_ms(lambda: int4_moe.int4_moe(x, w, idx, *pk, impl=impl), device), expert_flops=True)
                 guarded(T, f"int4_{impl}", layer)
+            if "int4_v3" in rows[T]:  # the layer as the extraction model runs it
+                layer = native_moe(moe, packs, H, I, E, K, device)
+                record(T, "int4_v3_native_layer", median_ms(lambda: layer(x), device), layer(x), ref)
+                record(T, "native_router_only", median_ms(lambda: layer.gate(x), device), peer="-")
+                ids_native = layer.gate(x)[1].sort(1).values
+                # tokens whose 8 experts differ between the routers (fp32 logits' summation order at near-ties)
+                rows[T]["native_vs_hf_routing_mismatch"] = float((ids_native != idx.sort(1).values).any(1).float().mean())
+                del layer
             record(T, "router_only", median_ms(lambda: route(x), device), peer="-")
             record(T, "shared_expert_only", median_ms(lambda: moe.shared_experts(x), device), peer="-")
             # the dequantize-then-grouped_mm floor: writing + reading 3 E H I bf16 weights at the copy rate, plus grouped_mm
@@ -259,6 +292,8 @@ def main(argv=None) -> dict:
             for impl in impls:
                 err = rows[T][f"int4_{impl}"]["rel_err_vs_grouped_bf16"]
                 assert err < 2e-2, f"T={T}: int4_{impl} differs from grouped_mm_bf16 by {err}"
+            err = rows[T]["int4_v3_native_layer"]["rel_err_vs_grouped_bf16"]
+            assert err < 2e-2 and rows[T]["native_vs_hf_routing_mismatch"] == 0, (err, rows[T]["native_vs_hf_routing_mismatch"])
         log.info("cpu-check passed")
     if a.json:
         with open(a.json, "w") as f:

@@ -153,6 +153,8 @@
 #   V8: gate+up stacked in one accumulator ("sas": 32 gate + 32 up rows per program, 164
 #       registers, three CTAs per SM): its GPU tests, the experts timed per gate+up config, bench-moe
 #       (the search now includes it) and bench-extract tp 1 at 16K
+#   V9: bench-moe with the extraction model's own MoE layer on the same weights (its router, v3,
+#       the shared expert added in the combine) beside the int4 row routed by transformers' router
 set -u
 PHASE=$1; shift
 RES=/tmp/res_$PHASE; rm -rf "$RES"; mkdir -p "$RES"
@@ -545,6 +547,11 @@ U8)
 U9)
   timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_int4_moe.py tests/test_kernels.py \
     -k "gluon or cuda or float64 or sm90" > "$RES/gpu_tests.log" 2>&1; tail -3 "$RES/gpu_tests.log"
+  ;;
+V9)
+  timeout 240 python3 benchmarks/bench_moe.py --tokens 4096 16384 --skip-hf --skip-v1 --skip-dequant \
+    --json "$RES/bench_moe.json" > "$RES/bench_moe.log" 2>&1; grep -E "^ *(4096|16384) " "$RES/bench_moe.log"
+  grep -o '"native_vs_hf_routing_mismatch": [0-9.e-]*' "$RES/bench_moe.json"
   ;;
 V8)
   timeout 150 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_int4_moe.py -k "cuda or triton" \
