@@ -155,6 +155,9 @@
 #       (the search now includes it) and bench-extract tp 1 at 16K
 #   V9: bench-moe with the extraction model's own MoE layer on the same weights (its router, v3,
 #       the shared expert added in the combine) beside the int4 row routed by transformers' router
+#   V10: the shared expert on a side stream (overlapping the router and the experts' first
+#       kernels; the combine waits for it): the GPU tests of the native model and the MoE kernels,
+#       bench-moe (the native layer), bench-extract tp 1 at 16K with the overlap off, then on
 set -u
 PHASE=$1; shift
 RES=/tmp/res_$PHASE; rm -rf "$RES"; mkdir -p "$RES"
@@ -547,6 +550,14 @@ U8)
 U9)
   timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_int4_moe.py tests/test_kernels.py \
     -k "gluon or cuda or float64 or sm90" > "$RES/gpu_tests.log" 2>&1; tail -3 "$RES/gpu_tests.log"
+  ;;
+V10)
+  timeout 100 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_native_model.py -k "cuda or side_stream" \
+    > "$RES/gpu_tests.log" 2>&1; tail -1 "$RES/gpu_tests.log"
+  timeout 130 python3 benchmarks/bench_moe.py --tokens 4096 16384 --skip-hf --skip-v1 --skip-dequant \
+    --json "$RES/bench_moe.json" > "$RES/bench_moe.log" 2>&1; grep -E "^ *(4096|16384) +(grouped|int4_v3|native|router)" "$RES/bench_moe.log"
+  for v in 0 1; do EAGLEFORGE_OVERLAP_SHARED=$v timeout 55 python3 benchmarks/bench_extract.py --tokens 16384 --no-write \
+    --reps 3 --json "$RES/extract_$v.json" > "$RES/extract_$v.log" 2>&1; echo "overlap $v: $(grep "^T=" "$RES/extract_$v.log" | tail -1 | cut -c1-300)"; done
   ;;
 V9)
   timeout 240 python3 benchmarks/bench_moe.py --tokens 4096 16384 --skip-hf --skip-v1 --skip-dequant \
