@@ -158,6 +158,7 @@
 #   V10: the shared expert on a side stream (overlapping the router and the experts' first
 #       kernels; the combine waits for it): the GPU tests of the native model and the MoE kernels,
 #       bench-moe (the native layer), bench-extract tp 1 at 16K with the overlap off, then on
+#   V11 (the last ~190 s): the planner against the extraction loop at tp 1, 16K, with the side stream
 set -u
 PHASE=$1; shift
 RES=/tmp/res_$PHASE; rm -rf "$RES"; mkdir -p "$RES"
@@ -550,6 +551,10 @@ U8)
 U9)
   timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_int4_moe.py tests/test_kernels.py \
     -k "gluon or cuda or float64 or sm90" > "$RES/gpu_tests.log" 2>&1; tail -3 "$RES/gpu_tests.log"
+  ;;
+V11)
+  timeout 130 python3 benchmarks/check_plan.py --batch-tokens 16384 --json "$RES/plan_tp1.json" > "$RES/plan_tp1.log" 2>&1
+  grep "^|" "$RES/plan_tp1.log" | tail -4
   ;;
 V10)
   timeout 100 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_native_model.py -k "cuda or side_stream" \
