@@ -555,8 +555,11 @@ class MoE(nn.Module):
             shared = self.shared_experts(flat)
             ready = torch.cuda.Event()
             ready.record(side)
-        flat.record_stream(side)  # the allocator must not hand flat's or shared's memory to another
-        shared.record_stream(main)  # user while the other stream may still use it
+        # No record_stream: the combine on the main stream waits for `ready` (after the side
+        # stream's last read of flat), and the side stream's next use starts with wait_stream(main)
+        # (after the combine's read of shared), so neither block can be reused while the other
+        # stream still needs it. (record_stream kept freed blocks counted as allocated until the
+        # GPU caught up: +0.95 GiB at the activation peak at 16K, V11.)
         return shared, ready
 
 
