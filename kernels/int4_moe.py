@@ -649,12 +649,11 @@ def combine_slots(y_sorted: torch.Tensor, inv: torch.Tensor, k: int, add: torch.
 
 def int4_moe(x, weights, ids, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale,
              expert_start: int = 0, out_dtype: torch.dtype = torch.float32,
-             impl: str = "auto", add: torch.Tensor | None = None, add_ready=None) -> torch.Tensor:
+             impl: str = "auto", add: torch.Tensor | None = None) -> torch.Tensor:
     """Triton W4A16 MoE: x [N, H] bf16, router weights [N, k] fp32 and ids [N, k] -> [N, H] out_dtype.
 
     add [N, H] (optional, e.g. the shared expert's output): added to the sum over slots in fp32
-    before the one rounding to out_dtype. add_ready (optional torch.cuda.Event): `add` is made on
-    another stream; only the final combine waits for it, so the kernels before it overlap.
+    before the one rounding to out_dtype.
 
     Weights are this rank's experts [expert_start, expert_start + E_l); pairs routed to other
     experts contribute nothing (the combine skips them). `impl`:
@@ -679,11 +678,11 @@ def int4_moe(x, weights, ids, gate_packed, gate_scale, up_packed, up_scale, down
     if impl == "v3" and not v3_fits:
         raise ValueError(f"int4_moe: v3 needs hidden {H} and intermediate {I} to be multiples of 128 and a scale "
                          f"group of 8-128 dividing 128 (got {group}); impl='v1m' takes multiples of its BLOCK_K (32-128)")
-    return _int4_moe_with(impl, *args, add=add, add_ready=add_ready)
+    return _int4_moe_with(impl, *args, add=add)
 
 
 def _int4_moe_with(impl, x, weights, ids, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale,
-                   expert_start, out_dtype, add=None, add_ready=None) -> torch.Tensor:
+                   expert_start, out_dtype, add=None) -> torch.Tensor:
     """int4_moe with one impl (checked by the caller)."""
     N, k = ids.shape
     E, I, H = gate_packed.shape[0], gate_packed.shape[1], x.shape[1]
@@ -731,10 +730,7 @@ def _int4_moe_with(impl, x, weights, ids, gate_packed, gate_scale, up_packed, up
             gu_configs = dn_configs = INTERPRET_CONFIGS
     gate_up(_pick_config(f"{impl}_gate_up", gu_configs, (I, H, group, key), gate_up))
     down(_pick_config(f"{impl}_down", dn_configs, (H, I, I // down_scale.shape[2], key), down))
-    inv = inverse_local_order(order, counts, E)
-    if add_ready is not None:
-        torch.cuda.current_stream(x.device).wait_event(add_ready)
-    return combine_slots(y, inv, k, add, out_dtype)  # [N, H]
+    return combine_slots(y, inverse_local_order(order, counts, E), k, add, out_dtype)  # [N, H]
 
 
 # ---------------------------------------------------------------------------- grouped_mm paths

@@ -434,29 +434,11 @@ MOE_BACKEND = os.environ.get("EAGLEFORGE_MOE_BACKEND", "auto")
 # threshold (short batches, the float64 tests) every rank computes every token.
 SPLIT_ROWS_MIN_TOKENS = int(os.environ.get("EAGLEFORGE_SPLIT_ROWS_MIN_TOKENS", "1024"))
 
-# On CUDA the shared expert (a dense MLP, no collective) runs on a side stream while the router
-# and the routed experts' first kernels run; the experts' combine, which adds it, waits for it.
-# The router's skinny GEMM and the sorting kernels leave most of the GPU idle: 2026-11-30 V9 timed
-# the MoE layer at 16K tokens as router 0.55 + routed experts ~34 + shared expert 2.15 ms in series.
-# EAGLEFORGE_OVERLAP_SHARED=0 runs it inline (the same kernels, the same bits).
-OVERLAP_SHARED = os.environ.get("EAGLEFORGE_OVERLAP_SHARED", "1") != "0"
-_SIDE_STREAMS: dict = {}
-
-
-def _side_stream(device: torch.device) -> "torch.cuda.Stream":
-    """One side stream per device, made once (streams are cheap but not free to create)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return _SIDE_STREAMS[index]
-
 
 def routed_experts_forward(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: RoutedExperts,
-                           add: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                           add_ready: "torch.cuda.Event | None" = None) -> torch.Tensor:
+                           add: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [N, H], router weights/ids [N, k] -> this rank's partial sum [N, H] (fp32 or wider),
-    or, with out_dtype, (that sum + add [N, H]) rounded once to out_dtype. add_ready: an event
-    recorded where `add` is computed on another stream; the add waits for it, nothing before.
+    or, with out_dtype, (that sum + add [N, H]) rounded once to out_dtype.
 
     The one place the expert matmuls happen. INT4 experts on CUDA go through
     eagleforge.kernels.int4_moe (tokens sorted by expert, fused dequantize + grouped GEMM; its
@@ -467,10 +449,8 @@ def routed_experts_forward(x: torch.Tensor, weights: torch.Tensor, ids: torch.Te
         raise ValueError("routed_experts_forward: `add` needs `out_dtype` (the sum is rounded once, with it)")
     if out_dtype is not None:
         if _triton_experts(x, experts):
-            return _int4_triton(x, weights, ids, experts, add=add, out_dtype=out_dtype, add_ready=add_ready)
+            return _int4_triton(x, weights, ids, experts, add=add, out_dtype=out_dtype)
         routed = routed_experts_forward(x, weights, ids, experts)
-        if add_ready is not None:
-            torch.cuda.current_stream(x.device).wait_event(add_ready)
         return (routed if add is None else routed + add.to(routed.dtype)).to(out_dtype)
     backend = _moe_backend(x, experts)
     if backend == "loop" or not experts.quantized:
@@ -538,29 +518,10 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [B*T, H]
-        shared, shared_ready = self._shared_expert(flat)
         weights, ids = self.tp.split_rows(self.gate, flat, min_rows=SPLIT_ROWS_MIN_TOKENS)  # each rank routes 1/tp of the tokens
         # routed (fp32 sum over slots) + shared, rounded once to x's dtype; one pass on the GPU
-        y = routed_experts_forward(flat, weights, ids, self.experts, add=shared, out_dtype=x.dtype, add_ready=shared_ready)
+        y = routed_experts_forward(flat, weights, ids, self.experts, add=self.shared_experts(flat), out_dtype=x.dtype)
         return self.reduce(y).view(shape)
-
-    def _shared_expert(self, flat: torch.Tensor):
-        """(the shared expert's output [N, H], the event it is ready at): on CUDA computed on the
-        side stream (OVERLAP_SHARED), else inline with no event."""
-        if not (flat.is_cuda and OVERLAP_SHARED):
-            return self.shared_experts(flat), None
-        main, side = torch.cuda.current_stream(flat.device), _side_stream(flat.device)
-        side.wait_stream(main)  # flat is written
-        with torch.cuda.stream(side):
-            shared = self.shared_experts(flat)
-            ready = torch.cuda.Event()
-            ready.record(side)
-        # No record_stream: the combine on the main stream waits for `ready` (after the side
-        # stream's last read of flat), and the side stream's next use starts with wait_stream(main)
-        # (after the combine's read of shared), so neither block can be reused while the other
-        # stream still needs it. (record_stream kept freed blocks counted as allocated until the
-        # GPU caught up: +0.95 GiB at the activation peak at 16K, V11.)
-        return shared, ready
 
 
 class DecoderLayer(nn.Module):
