@@ -159,6 +159,8 @@
 #       kernels; the combine waits for it): the GPU tests of the native model and the MoE kernels,
 #       bench-moe (the native layer), bench-extract tp 1 at 16K with the overlap off, then on
 #   V11 (the last ~190 s): the planner against the extraction loop at tp 1, 16K, with the side stream
+#   (V11 ran twice: with record_stream, then without; the side stream and EAGLEFORGE_OVERLAP_SHARED were
+#   removed after it: the activation peak grew by 0.95 GiB with them)
 set -u
 PHASE=$1; shift
 RES=/tmp/res_$PHASE; rm -rf "$RES"; mkdir -p "$RES"
