@@ -180,6 +180,22 @@ if HAS_GLUON:
         return gl.reshape(r, [t0.shape[0], 128])
 
     @gluon.jit
+    def _stage_ring(STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, READY_ARRIVALS: gl.constexpr):
+        """The warp-specialized kernels' ring of STAGES stages: h's blocks [BT, 128] and the weights'
+        [BN, 128] in shared memory (128-byte swizzle, as wgmma reads them), and per stage a ready
+        barrier (READY_ARRIVALS arrivals, plus the copies counted on it) and an empty barrier (the
+        consumer's one arrival)."""
+        sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, 128], sl)
+        w_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, 128], sl)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for st in gl.static_range(STAGES):
+            mbarrier.init(ready.index(st), count=READY_ARRIVALS)
+            mbarrier.init(empty.index(st), count=1)
+        return a_smem, w_smem, ready, empty
+
+    @gluon.jit
     def _ws_producer(a_ptr, stride_am, b_ptr, s_ptr, expert, pid_n, begin, end, N, nk,
                      stride_be, stride_bn, stride_se, stride_sn, a_smem, w_smem, ready, empty,
                      GROUP: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr):
@@ -236,20 +252,13 @@ if HAS_GLUON:
         block i's MMA by construction; stages handed over through ready/empty mbarriers (one
         arrival each per phase). Same tiles and output as the kernels above."""
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
-        sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         pid_n = gl.program_id(0)
         pid_t = gl.program_id(1)
         begin = gl.load(tile_begin_ptr + pid_t)
         end = gl.load(tile_end_ptr + pid_t)
         if begin < end:
             expert = gl.load(tile_expert_ptr + pid_t).to(gl.int64)
-            a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, 128], sl)
-            w_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, 128], sl)
-            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            for st in gl.static_range(STAGES):
-                mbarrier.init(ready.index(st), count=1)
-                mbarrier.init(empty.index(st), count=1)
+            a_smem, w_smem, ready, empty = _stage_ring(STAGES, BN, BT, 1)
             nk = K // 128
             (acc,) = gl.warp_specialize([
                 (_ws_consumer, (a_smem, w_smem, ready, empty, nk, BN, BT)),
@@ -358,14 +367,7 @@ if HAS_GLUON:
         unpacker (the weights into shared memory) and the consumer (wgmmas, then the epilogue,
         which overlaps the next item's loads). ready[s] completes on two arrivals (loader,
         unpacker) and the copies; empty[s] on the consumer's."""
-        sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, 128], sl)
-        w_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, 128], sl)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for st in gl.static_range(STAGES):
-            mbarrier.init(ready.index(st), count=2)
-            mbarrier.init(empty.index(st), count=1)
+        a_smem, w_smem, ready, empty = _stage_ring(STAGES, BN, BT, 2)
         nk = K // 128
         gl.warp_specialize([
             (_wsp_consumer, (c_ptr, c_rows_ptr, c_scale_ptr, stride_cm, tile_begin_ptr, tile_end_ptr, n_items, n_blocks_n,
