@@ -85,6 +85,13 @@ if HAS_GLUON:
         return w_ptrs, s_ptrs, offs_n < N
 
     @gluon.jit
+    def _block_words(w_ptrs, s_ptrs, n_mask, block, nk, GROUP: gl.constexpr):
+        """Block `block`'s packed words [BN, 16] and their scales (masked off past the last block, nk)."""
+        mask = n_mask[:, None] & (block < nk)
+        return (gl.load(w_ptrs + block * 16, mask=mask, other=0),
+                gl.load(s_ptrs + block * (128 // GROUP), mask=mask, other=0.0))
+
+    @gluon.jit
     def _store_scaled_rows(acc, c_ptr, c_rows_ptr, c_scale_ptr, stride_cm, begin, end, pid_n, N,
                            BN: gl.constexpr, BT: gl.constexpr, acc_l: gl.constexpr):
         """C^T [BN, BT] to c[c_rows[r]] times c_scale[c_rows[r]] for the tile's rows r (v3's epilogue)."""
@@ -126,12 +133,9 @@ if HAS_GLUON:
             async_copy.commit_group()
             async_copy.async_copy_global_to_shared(a_smem.index(1), a_ptrs + 128, mask=ta_mask[:, None] & (nk > 1))
             async_copy.commit_group()
-            words = gl.load(w_ptrs, mask=n_mask[:, None], other=0)
-            scales = gl.load(s_ptrs, mask=n_mask[:, None], other=0.0)
+            words, scales = _block_words(w_ptrs, s_ptrs, n_mask, 0, nk, GROUP)
             t0, t1, t2, t3, t4, t5, t6, t7 = _unpack8(words, scales)
-            more = nk > 1
-            words = gl.load(w_ptrs + 16, mask=n_mask[:, None] & more, other=0)
-            scales = gl.load(s_ptrs + 128 // GROUP, mask=n_mask[:, None] & more, other=0.0)
+            words, scales = _block_words(w_ptrs, s_ptrs, n_mask, 1, nk, GROUP)
             acc = gl.zeros([BN, BT], gl.float32, acc_l)
             for i in range(nk):
                 a_i = a_smem.index(i % 2)
@@ -149,9 +153,7 @@ if HAS_GLUON:
                 tok = hopper.warpgroup_mma(t7, a_i.slice(112, 16, dim=1).permute((1, 0)), tok, is_async=True)
                 # while the tensor cores run: block i + 1 unpacked into other registers, block i + 2's words loaded
                 u0, u1, u2, u3, u4, u5, u6, u7 = _unpack8(words, scales)
-                more = i + 2 < nk
-                words = gl.load(w_ptrs + (i + 2) * 16, mask=n_mask[:, None] & more, other=0)
-                scales = gl.load(s_ptrs + (i + 2) * (128 // GROUP), mask=n_mask[:, None] & more, other=0.0)
+                words, scales = _block_words(w_ptrs, s_ptrs, n_mask, i + 2, nk, GROUP)
                 acc, t0, t1, t2, t3, t4, t5, t6, t7 = hopper.warpgroup_mma_wait(
                     num_outstanding=0, deps=[tok, t0, t1, t2, t3, t4, t5, t6, t7])
                 _cta_barrier()  # no warp still reads block i's stage
@@ -209,17 +211,14 @@ if HAS_GLUON:
         a_ptrs, ta_mask = _h_block_pointers(a_ptr, stride_am, begin, end, BT, a_l)
         w_ptrs, s_ptrs, n_mask = _word_pointers(b_ptr, s_ptr, expert, pid_n, N, stride_be, stride_bn, stride_se,
                                                 stride_sn, BN, GROUP, w_rl)
-        words = gl.load(w_ptrs, mask=n_mask[:, None], other=0)
-        scales = gl.load(s_ptrs, mask=n_mask[:, None], other=0.0)
+        words, scales = _block_words(w_ptrs, s_ptrs, n_mask, 0, nk, GROUP)
         for i in range(nk):
             s = i % stages
             mbarrier.wait(empty.index(s), (i // stages & 1) ^ 1)  # the wgmma that read stage s is done
             async_copy.async_copy_global_to_shared(a_smem.index(s), a_ptrs + i * 128, mask=ta_mask[:, None])
             async_copy.mbarrier_arrive(ready.index(s))  # counted until this thread's copies land
             t0, t1, t2, t3, t4, t5, t6, t7 = _unpack8(words, scales)
-            more = i + 1 < nk  # the next block's words, in flight while this block's tiles are stored
-            words = gl.load(w_ptrs + (i + 1) * 16, mask=n_mask[:, None] & more, other=0)
-            scales = gl.load(s_ptrs + (i + 1) * (128 // GROUP), mask=n_mask[:, None] & more, other=0.0)
+            words, scales = _block_words(w_ptrs, s_ptrs, n_mask, i + 1, nk, GROUP)  # in flight while this block is stored
             w_smem.index(s).store(_pair_order_tile(t0, t1, t2, t3, t4, t5, t6, t7))  # one store per block
             hopper.fence_async_shared()  # the stores, before the consumer's wgmma reads them (async proxy)
             _cta_barrier()  # every producer thread has stored and registered its copies
@@ -314,14 +313,11 @@ if HAS_GLUON:
                 expert = gl.load(tile_expert_ptr + pid_t).to(gl.int64)
                 w_ptrs, s_ptrs, n_mask = _word_pointers(b_ptr, s_ptr, expert, pid_n, N, stride_be, stride_bn, stride_se,
                                                         stride_sn, BN, GROUP, w_rl)
-                words = gl.load(w_ptrs, mask=n_mask[:, None], other=0)
-                scales = gl.load(s_ptrs, mask=n_mask[:, None], other=0.0)
+                words, scales = _block_words(w_ptrs, s_ptrs, n_mask, 0, nk, GROUP)
                 for i in range(nk):
                     s = it % stages
                     t0, t1, t2, t3, t4, t5, t6, t7 = _unpack8(words, scales)
-                    more = i + 1 < nk
-                    words = gl.load(w_ptrs + (i + 1) * 16, mask=n_mask[:, None] & more, other=0)
-                    scales = gl.load(s_ptrs + (i + 1) * (128 // GROUP), mask=n_mask[:, None] & more, other=0.0)
+                    words, scales = _block_words(w_ptrs, s_ptrs, n_mask, i + 1, nk, GROUP)
                     tile = _pair_order_tile(t0, t1, t2, t3, t4, t5, t6, t7)
                     mbarrier.wait(empty.index(s), (it // stages & 1) ^ 1)
                     w_smem.index(s).store(tile)
