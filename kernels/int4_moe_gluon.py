@@ -157,7 +157,7 @@ if HAS_GLUON:
                 acc, t0, t1, t2, t3, t4, t5, t6, t7 = hopper.warpgroup_mma_wait(
                     num_outstanding=0, deps=[tok, t0, t1, t2, t3, t4, t5, t6, t7])
                 _cta_barrier()  # no warp still reads block i's stage
-                async_copy.async_copy_global_to_shared(a_i, a_ptrs + (i + 2) * 128, mask=ta_mask[:, None] & more)
+                async_copy.async_copy_global_to_shared(a_i, a_ptrs + (i + 2) * 128, mask=ta_mask[:, None] & (i + 2 < nk))
                 async_copy.commit_group()
                 t0, t1, t2, t3, t4, t5, t6, t7 = u0, u1, u2, u3, u4, u5, u6, u7
             async_copy.wait_group(0)
