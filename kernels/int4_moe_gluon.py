@@ -85,6 +85,13 @@ if HAS_GLUON:
         return w_ptrs, s_ptrs, offs_n < N
 
     @gluon.jit
+    def _program_tile(tile_begin_ptr, tile_end_ptr):
+        """(pid_n, pid_t, begin, end) of a grid program: its weight-row block (axis 0, fastest, as
+        v3's grid) and its token tile's rows [begin, end) (begin = end: a surplus tile)."""
+        pid_t = gl.program_id(1)
+        return gl.program_id(0), pid_t, gl.load(tile_begin_ptr + pid_t), gl.load(tile_end_ptr + pid_t)
+
+    @gluon.jit
     def _block_words(w_ptrs, s_ptrs, n_mask, block, nk, GROUP: gl.constexpr):
         """Block `block`'s packed words [BN, 16] and their scales (masked off past the last block, nk)."""
         mask = n_mask[:, None] & (block < nk)
@@ -114,10 +121,7 @@ if HAS_GLUON:
         w_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
         a_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # [BT, 128] bf16: 16-byte loads
         a_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        pid_n = gl.program_id(0)
-        pid_t = gl.program_id(1)
-        begin = gl.load(tile_begin_ptr + pid_t)
-        end = gl.load(tile_end_ptr + pid_t)
+        pid_n, pid_t, begin, end = _program_tile(tile_begin_ptr, tile_end_ptr)
         if begin < end:
             expert = gl.load(tile_expert_ptr + pid_t).to(gl.int64)
             # A: rows [begin, end) of h, one 128-column block at a time, copied asynchronously
@@ -251,10 +255,7 @@ if HAS_GLUON:
         block i's MMA by construction; stages handed over through ready/empty mbarriers (one
         arrival each per phase). Same tiles and output as the kernels above."""
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
-        pid_n = gl.program_id(0)
-        pid_t = gl.program_id(1)
-        begin = gl.load(tile_begin_ptr + pid_t)
-        end = gl.load(tile_end_ptr + pid_t)
+        pid_n, pid_t, begin, end = _program_tile(tile_begin_ptr, tile_end_ptr)
         if begin < end:
             expert = gl.load(tile_expert_ptr + pid_t).to(gl.int64)
             a_smem, w_smem, ready, empty = _stage_ring(STAGES, BN, BT, 1)
