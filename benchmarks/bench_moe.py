@@ -50,6 +50,18 @@ from eagleforge.kernels import int4_moe  # noqa: E402
 log = logging.getLogger("bench_moe")
 
 
+def random_int4_experts(H, I, E, gen: torch.Generator) -> dict:
+    """INT4 experts in the checkpoint layout, drawn from gen (on its device): gate/up/down packed
+    int32 [E, out, in/8] (all 32 bits random) and bf16 scales per 32 columns giving weights of
+    std ~0.02 (nibbles have std ~4.6)."""
+    packs = {}
+    for proj, (rows, cols) in {"gate": (I, H), "up": (I, H), "down": (H, I)}.items():
+        packs[f"{proj}_packed"] = torch.randint(-2**31, 2**31 - 1, (E, rows, cols // 8), generator=gen, device=gen.device,
+                                                dtype=torch.int64).to(torch.int32)
+        packs[f"{proj}_scale"] = (torch.rand(E, rows, cols // 32, generator=gen, device=gen.device) * 0.2 + 0.9).mul(0.02 / 4.6).to(torch.bfloat16)
+    return packs
+
+
 def build(H, I, E, K, device, seed=0):
     """(HF DeepseekV3MoE in bf16, INT4 expert tensors) holding the same numbers."""
     from transformers import DeepseekV3Config
@@ -58,11 +70,7 @@ def build(H, I, E, K, device, seed=0):
     cfg = DeepseekV3Config(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=K,
                            n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=2.827, norm_topk_prob=True)
     gen = torch.Generator(device=device).manual_seed(seed)
-    packs = {}
-    for proj, (rows, cols) in {"gate": (I, H), "up": (I, H), "down": (H, I)}.items():
-        packs[f"{proj}_packed"] = torch.randint(-2**31, 2**31 - 1, (E, rows, cols // 8), generator=gen, device=device,
-                                                dtype=torch.int64).to(torch.int32)
-        packs[f"{proj}_scale"] = (torch.rand(E, rows, cols // 32, generator=gen, device=device) * 0.2 + 0.9).mul(0.02 / 4.6).to(torch.bfloat16)
+    packs = random_int4_experts(H, I, E, gen)
     with torch.device(device):
         moe = DeepseekV3MoE(cfg).to(torch.bfloat16).eval().requires_grad_(False)
     with torch.no_grad():

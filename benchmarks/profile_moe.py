@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _bench_common import import_eagleforge  # noqa: E402
+from bench_moe import random_int4_experts  # noqa: E402
 
 import_eagleforge()
 from eagleforge.kernels import int4_moe  # noqa: E402
@@ -38,14 +39,8 @@ def parse_config(text: str) -> tuple:
 
 
 def random_experts(device, seed=0) -> dict:
-    """INT4 experts in the checkpoint layout: packed int32 [E, out, in/8], bf16 scales per 32 columns."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    packs = {}
-    for proj, (rows, cols) in {"gate": (I, H), "up": (I, H), "down": (H, I)}.items():
-        packs[f"{proj}_packed"] = torch.randint(-2**31, 2**31 - 1, (E, rows, cols // 8), generator=gen, device=device,
-                                                dtype=torch.int64).to(torch.int32)
-        packs[f"{proj}_scale"] = (torch.rand(E, rows, cols // 32, generator=gen, device=device) * 0.2 + 0.9).mul(0.0043).to(torch.bfloat16)
-    return packs
+    """INT4 experts in the checkpoint layout (bench_moe's draw)."""
+    return random_int4_experts(H, I, E, torch.Generator(device=device).manual_seed(seed))
 
 
 def random_routing(T: int, device, seed=1):

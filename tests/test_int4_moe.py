@@ -206,6 +206,21 @@ def test_permute_k128_and_impl_choice():
         int4_moe.int4_moe(x, weights, ids, *args_of(packs), impl="v2")
 
 
+# pointer types of the kernels' arguments for build_sm90 (others default to *bf16)
+V3_PTRS = {**dict.fromkeys(("b_ptr", "b2_ptr", "a_rows_ptr", "c_rows_ptr", "tile_expert_ptr", "tile_begin_ptr", "tile_end_ptr",
+                            "word_group_ptr"), "*i32"), "c_scale_ptr": "*fp32"}
+GLUON_PTRS = {**dict.fromkeys(("b_ptr", "c_rows_ptr", "tile_expert_ptr", "tile_begin_ptr", "tile_end_ptr"), "*i32"), "c_scale_ptr": "*fp32"}
+
+
+def _v3_consts(kernel: str, impl: str, block_t: int, block_n: int, dot_k: int) -> dict:
+    """The v3 kernel's constexprs as _launch sets them for a gate_up or down launch."""
+    import triton.language as tl
+
+    gate_up = kernel == "gate_up"
+    return dict(GROUP=32, BLOCK_N=block_n, GATHER_A=gate_up, GATE_UP=gate_up, SCATTER_C=not gate_up, DOT_DTYPE=tl.bfloat16,
+                BLOCK_T=block_t, PERMUTE_N=gate_up, ASM=impl == "sa", NIB=dot_k // 16)
+
+
 @pytest.mark.skipif(INNER, reason="compiles, does not run: outside the interpreter subprocess")
 @pytest.mark.parametrize("kernel,impl,dot_k,warps,stages", [("gate_up", "sa", 64, 4, 3), ("gate_up", "s", 128, 4, 2),
                                                           ("down", "sa", 32, 4, 2), ("down", "s", 16, 4, 3),
@@ -220,15 +235,13 @@ def test_moe_kernels_build_for_sm90(kernel, impl, dot_k, warps, stages):
     from triton_build import build_sm90
 
     gate_up = kernel == "gate_up"
-    consts = dict(GROUP=32, BLOCK_N=64, GATHER_A=gate_up, GATE_UP=gate_up, SCATTER_C=not gate_up, DOT_DTYPE=tl.bfloat16)
     if impl in ("v1", "v1m"):
         kern = int4_moe._int4_grouped_gemm_kernel
-        consts.update(BLOCK_M=128, BLOCK_K=dot_k, MAGIC=impl == "v1m")
+        consts = dict(GROUP=32, BLOCK_N=64, GATHER_A=gate_up, GATE_UP=gate_up, SCATTER_C=not gate_up, DOT_DTYPE=tl.bfloat16,
+                      BLOCK_M=128, BLOCK_K=dot_k, MAGIC=impl == "v1m")
     else:
-        kern = int4_moe._int4_moe_v3_kernel
-        consts.update(BLOCK_T=128, PERMUTE_N=gate_up, ASM=impl == "sa", NIB=dot_k // 16)
-    ints = ("b_ptr", "b2_ptr", "a_rows_ptr", "c_rows_ptr", "tile_expert_ptr", "tile_begin_ptr", "tile_end_ptr", "word_group_ptr")
-    compiled = build_sm90(kern, consts, {**dict.fromkeys(ints, "*i32"), "c_scale_ptr": "*fp32"}, num_warps=warps, num_stages=stages)
+        kern, consts = int4_moe._int4_moe_v3_kernel, _v3_consts(kernel, impl, 128, 64, dot_k)
+    compiled = build_sm90(kern, consts, V3_PTRS, num_warps=warps, num_stages=stages)
     assert compiled.asm["cubin"] and "wgmma" in compiled.asm["ptx"]
 
 
@@ -238,14 +251,10 @@ def test_down_kernel_fits_three_ctas_per_sm_without_spills():
     that fits three 4-warp CTAs per SM): the cap holds, it spills (next to) nothing, and three
     CTAs' shared memory fits the H200's 227 KB."""
     pytest.importorskip("triton")
-    import triton.language as tl
     from triton_build import build_sm90, resource_usage
 
     impl, block_t, block_n, dot_k, warps, stages, cap = int4_moe.V3_DOWN_CONFIGS["large"][0]
-    consts = dict(GROUP=32, BLOCK_N=block_n, GATHER_A=False, GATE_UP=False, SCATTER_C=True, DOT_DTYPE=tl.bfloat16,
-                  BLOCK_T=block_t, PERMUTE_N=False, ASM=impl == "sa", NIB=dot_k // 16)
-    ints = ("b_ptr", "b2_ptr", "a_rows_ptr", "c_rows_ptr", "tile_expert_ptr", "tile_begin_ptr", "tile_end_ptr", "word_group_ptr")
-    compiled = build_sm90(int4_moe._int4_moe_v3_kernel, consts, {**dict.fromkeys(ints, "*i32"), "c_scale_ptr": "*fp32"},
+    compiled = build_sm90(int4_moe._int4_moe_v3_kernel, _v3_consts("down", impl, block_t, block_n, dot_k), V3_PTRS,
                           num_warps=warps, num_stages=stages, maxnreg=cap)
     usage = resource_usage(compiled)
     # spill stack: 0 bytes in Triton 3.6's build (the device's, as measured), 32 in 3.9's
@@ -267,12 +276,10 @@ def test_gluon_down_kernel_builds_for_sm90_with_one_wait_per_block(variant, wait
 
     if not g.HAS_GLUON:
         pytest.skip(f"{g.WHY_NO_GLUON}; this Triton is {triton.__version__}")
-    ints = ("b_ptr", "c_rows_ptr", "tile_expert_ptr", "tile_begin_ptr", "tile_end_ptr")
     kernel = {"regs": g._int4_down_g_kernel, "ws": g._int4_down_ws_kernel, "wsp": g._int4_down_wsp_kernel}[variant]
     ws = dict(g.WS_VARIANTS[variant]) if variant in g.WS_VARIANTS else {"maxnreg": None}
     cap = ws.pop("maxnreg")
-    compiled = build_sm90(kernel, dict(GROUP=32, BN=g.BLOCK_N, BT=g.BLOCK_T, **ws),
-                          {**dict.fromkeys(ints, "*i32"), "c_scale_ptr": "*fp32"}, num_warps=4, gluon=True, maxnreg=cap)
+    compiled = build_sm90(kernel, dict(GROUP=32, BN=g.BLOCK_N, BT=g.BLOCK_T, **ws), GLUON_PTRS, num_warps=4, gluon=True, maxnreg=cap)
     ptx = compiled.asm["ptx"]
     assert ptx.count("wgmma.mma_async") == 8 and wait in ptx, (ptx.count("wgmma.mma_async"), ptx.count("wgmma.wait_group"))
     assert ("setmaxnreg.dec" in ptx) == (variant in g.WS_VARIANTS)
