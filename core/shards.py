@@ -68,6 +68,7 @@ import json
 import logging
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -136,10 +137,22 @@ def disk_full_errno(err: BaseException) -> int | None:
     return code if code in _DISK_FULL_ERRNOS else None
 
 
-def _disk_full_error(path: Path, code: int) -> UserInputError:
+def _free_bytes(path: Path) -> int | None:
+    """Free bytes on the file system holding `path` (its nearest existing parent)."""
+    for folder in (path, *path.parents):
+        if folder.exists():
+            return shutil.disk_usage(folder).free
+    return None
+
+
+def disk_full_error(path: Path, code: int, kept: str = "nothing partial was kept") -> UserInputError:
+    """One line for a write to `path` that failed for lack of room: the errno, the free space
+    there, and `kept` (what the failed write left behind)."""
+    free = _free_bytes(path)
+    room = "" if free is None else f", {free / 2**30:.2f} GiB free there"
     return UserInputError(
         f"{path}: cannot write, {os.strerror(code).lower()} (errno {errno.errorcode.get(code, code)}: "
-        f"no space left / file too large); nothing partial was kept, free space and rerun to resume"
+        f"no space left / file too large{room}); {kept}, free space and rerun to resume"
     )
 
 
@@ -149,7 +162,7 @@ def _write_json_atomic(path: Path, data: dict) -> None:
     except OSError as err:
         code = disk_full_errno(err)
         if code is not None:
-            raise _disk_full_error(path, code) from None
+            raise disk_full_error(path, code) from None
         raise
 
 
@@ -391,7 +404,7 @@ class ShardWriter:
         except Exception as err:  # OSError, or safetensors' SafetensorError "(os error 28)"
             code = disk_full_errno(err)
             if code is not None:
-                raise _disk_full_error(path, code) from None
+                raise disk_full_error(path, code) from None
             raise
 
     def _pack(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -9,6 +9,7 @@ See RELIABILITY.md for the table of faults and the tests that keep each row true
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
 import subprocess
@@ -366,6 +367,7 @@ def test_resuming_a_checkpoint_never_unpickles_its_files(vocab_run):
         pytest.skip(f"{ckpt} holds no pickled file")
     for f in pickled:
         f.write_bytes(pickle.dumps(_OpenMarker(marker)))
+    _restamp(ckpt)  # the checksums agree: what must stop the payload is the restricted unpickler
     cfg.train.max_steps = 2
     try:
         train(cfg)
@@ -377,6 +379,168 @@ def test_resuming_a_checkpoint_never_unpickles_its_files(vocab_run):
         if not marker.exists():
             pytest.fail(f"a damaged checkpoint gave a traceback instead of a one-line error: {type(err).__name__}: {err}")
     assert not marker.exists(), f"{', '.join(f.name for f in pickled)} of {ckpt.name} was unpickled on resume"
+
+
+def _trained_checkpoint(cfg) -> Path:
+    from eagleforge.train.loop import train
+
+    cfg.train.holdout_samples = 0
+    train(cfg)  # one step: RUN/checkpoints/step-000001/
+    [ckpt] = [p for p in (cfg.run / "checkpoints").iterdir() if p.name.startswith("step-")]
+    return ckpt
+
+
+def _restamp(ckpt: Path) -> None:
+    """Rewrite checksums.json over the directory as it is now: a crafted checkpoint passes its own
+    checksums, so what must stop it is the metadata check."""
+    from eagleforge.train.checkpoint_integrity import CHECKSUMS_FILE, describe_files, write_checksums
+
+    (ckpt / CHECKSUMS_FILE).unlink()
+    write_checksums(ckpt, describe_files([f for f in ckpt.iterdir()]))
+
+
+def _resume_and_export_refuse(cfg, ckpt: Path, marker: Path, why: str) -> None:
+    from eagleforge.train.checkpoint import export_checkpoint
+    from eagleforge.train.loop import train
+
+    cfg.train.max_steps = 2
+    for attempt in (lambda: train(cfg), lambda: export_checkpoint(ckpt, cfg.run / "exported")):
+        with pytest.raises(UserInputError) as refused:
+            attempt()
+        assert str(ckpt) in str(refused.value) and why in str(refused.value), refused.value
+        assert "\n" not in str(refused.value)
+        assert not marker.exists(), "code from the checkpoint ran"
+
+
+def _craft_bytes_entry(ckpt: Path, metadata, fqn: str, marker: Path) -> None:
+    """Mark `fqn` as bytes stored in `__7_0.distcp`, which holds a payload that creates `marker`."""
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    payload = pickle.dumps(_OpenMarker(marker))
+    (ckpt / "__7_0.distcp").write_bytes(payload)
+    metadata.state_dict_metadata[fqn] = BytesStorageMetadata()
+    metadata.storage_data = {k: v for k, v in metadata.storage_data.items() if k.fqn != fqn}
+    metadata.storage_data[MetadataIndex(fqn)] = _StorageInfo("__7_0.distcp", 0, len(payload))
+
+
+def test_checkpoint_metadata_of_allowed_classes_cannot_steer_dcp_into_unpickling(vocab_run):
+    """A .metadata made only of DCP's own classes, one entry marked as bytes and pointing at a
+    pickle payload in a file of the checkpoint: DCP's load planner would torch.load it with
+    weights_only=False. Refused on resume and on export, before any read; the payload never runs."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from eagleforge.train.checkpoint import _single_process_ok
+
+    cfg, _ = vocab_run
+    ckpt = _trained_checkpoint(cfg)
+    with open(ckpt / ".metadata", "rb") as f:
+        metadata = pickle.load(f)  # the test's own, freshly written file
+    fqn = sorted(k for k in metadata.state_dict_metadata if k.startswith("model."))[0]
+
+    # The crafted checkpoint is live: DCP's own reader, given the same metadata, runs the payload.
+    probe = cfg.run.parent / "probe_ran"
+    _craft_bytes_entry(ckpt, metadata, fqn, probe)
+
+    class PlainReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            return metadata
+
+    with _single_process_ok(), contextlib.suppress(BaseException):
+        dcp.load({fqn: torch.zeros(1)}, storage_reader=PlainReader(str(ckpt)), no_dist=True)
+    assert probe.exists(), "DCP did not unpickle a bytes entry: the crafted checkpoint tests nothing"
+
+    marker = cfg.run.parent / "code_ran"
+    _craft_bytes_entry(ckpt, metadata, fqn, marker)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+    _restamp(ckpt)
+    _resume_and_export_refuse(cfg, ckpt, marker, "not a tensor")
+
+
+@pytest.mark.parametrize("name", ["../outside.distcp", "/etc/hostname", "state.json", "__0_0.distcp/x", "__5_0.distcp"])
+def test_checkpoint_metadata_naming_a_file_outside_the_checkpoint_is_refused(vocab_run, name):
+    """A storage entry may name only a DCP data file of the checkpoint itself; `__5_0.distcp` is
+    such a name but a symbolic link to a file outside."""
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    cfg, _ = vocab_run
+    ckpt = _trained_checkpoint(cfg)
+    with open(ckpt / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    index, info = next(iter(metadata.storage_data.items()))
+    metadata.storage_data[index] = _StorageInfo(name, info.offset, info.length)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+    why = "not a checkpoint data file inside the checkpoint"
+    if name == "__5_0.distcp":
+        outside = cfg.run.parent / "outside.distcp"
+        outside.write_bytes((ckpt / "__0_0.distcp").read_bytes())
+        (ckpt / name).symlink_to(outside)
+        why = "not a plain file"
+    _restamp(ckpt)
+    _resume_and_export_refuse(cfg, ckpt, cfg.run.parent / "never", why)
+
+
+def test_flipped_bytes_in_a_checkpoint_are_refused_on_resume_and_export(vocab_run):
+    """64 bytes flipped in the middle of the tensor data (same size): the sha256 in checksums.json
+    no longer matches; so do a deleted file, an added one and a damaged checksum list."""
+    cfg, _ = vocab_run
+    ckpt = _trained_checkpoint(cfg)
+    data = ckpt / "__0_0.distcp"
+    original = data.read_bytes()
+    mid = len(original) // 2
+    data.write_bytes(original[:mid] + bytes(b ^ 0xFF for b in original[mid:mid + 64]) + original[mid + 64:])
+    _resume_and_export_refuse(cfg, ckpt, cfg.run.parent / "never", "sha256 does not match")
+    data.write_bytes(original)
+    (ckpt / "extra.bin").write_bytes(b"x")
+    _resume_and_export_refuse(cfg, ckpt, cfg.run.parent / "never", "not listed in checksums.json")
+    (ckpt / "extra.bin").unlink()
+    (ckpt / "checksums.json").write_text("{\"__0_0.distcp\": 3}")
+    _resume_and_export_refuse(cfg, ckpt, cfg.run.parent / "never", "not a checkpoint's checksum list")
+
+
+def test_disk_full_during_a_checkpoint_is_one_line_and_keeps_the_last_one(vocab_run, monkeypatch):
+    """ENOSPC inside DCP's writer at the second checkpoint (DCP wraps it in a CheckpointException
+    whose text is a traceback per rank): one line naming the checkpoint and the free space; the
+    unfinished directory is gone and the first checkpoint stays whole (it still resumes)."""
+    import errno
+
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    from eagleforge.train.checkpoint import read_state
+    from eagleforge.train.loop import train
+
+    cfg, _ = vocab_run
+    cfg.train.holdout_samples = 0
+    cfg.train.max_steps, cfg.train.save_every = 2, 1
+    real_write, calls = dcp_fs._write_item, []
+
+    def write_item(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > writes_per_checkpoint[0]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(*args, **kwargs)
+
+    writes_per_checkpoint = [10**9]
+    monkeypatch.setattr(dcp_fs, "_write_item", write_item)
+    cfg.train.max_steps = 1
+    train(cfg)
+    writes_per_checkpoint[0] = len(calls)  # the first checkpoint's writes pass, the next one's fail
+    cfg.train.max_steps = 2
+    with pytest.raises(UserInputError) as full:
+        train(cfg)
+    message = str(full.value)
+    assert "step-000002: cannot write, no space left on device" in message and "GiB free there" in message, message
+    assert "\n" not in message and "Traceback" not in message
+    root = cfg.run / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step-000001"]
+    assert read_state(root / "step-000001")["step"] == 1  # checksums intact
 
 
 # ----------------------------------------------------------------------------- (f) SIGKILL during training
@@ -501,9 +665,9 @@ def _unsafe_uses(tree: ast.AST) -> list[tuple[int, str]]:
     return found
 
 
-# The one allowed use: train/checkpoint.py's restricted unpickler for DCP's .metadata (it builds
+# The one allowed use: train/checkpoint_integrity.py's restricted unpickler for DCP's .metadata (it builds
 # only DCP's metadata classes; test_resuming_a_checkpoint_never_unpickles_its_files holds it to that).
-ALLOWED_USES = {"train/checkpoint.py": {"import pickle", "pickle.UnpicklingError(...)"}}
+ALLOWED_USES = {"train/checkpoint_integrity.py": {"import pickle", "pickle.UnpicklingError(...)"}}
 
 
 def test_no_unsafe_deserialization_in_package_sources():

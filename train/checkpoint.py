@@ -10,14 +10,15 @@
     draft_config.json   the Eagle3Config (to rebuild a plain draft for export)
     config.yaml         the resolved config of the run that wrote it
 
+    checksums.json      every other file's byte size and sha256 (train/checkpoint_integrity.py)
+
 Only tensors go through DCP. Its default planner stores any non-tensor value by torch.save and
 reads it back with torch.load(weights_only=False); keeping the optimizer's param_groups in
-state.json instead means no user data is ever unpickled. The one pickle DCP reads is its own
-`.metadata` (a Metadata dataclass: per tensor its shape, dtype and chunk offsets, and which file
-and byte range holds each chunk). A checkpoint may come from elsewhere (a shared disk, a
-download), so it is read through `SafeMetadataReader`, whose unpickler builds only those
-metadata classes, torch dtypes/sizes/layouts and paths: any other global (code) is refused with
-a UserInputError naming the file, never run.
+state.json instead means no user data is ever unpickled. A checkpoint may come from elsewhere (a
+shared disk, a download), so before DCP reads a tensor, resume and export check the checksums
+and read `.metadata` through the restricted unpickler and structural check of
+checkpoint_integrity.py: no code runs, no file outside the directory is read, no corrupt state
+is loaded.
 
 Atomic: every rank writes into `.tmp-step-...`; after a barrier rank 0 renames it to `step-*`,
 so a directory named `step-*` is always whole; then the oldest beyond `keep_last` are removed.
@@ -31,7 +32,6 @@ import dataclasses
 import json
 import logging
 import os
-import pickle  # only for the restricted unpickler of DCP's .metadata (_MetadataUnpickler)
 import re
 import shutil
 import warnings
@@ -41,8 +41,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagleforge.config import Config, UserInputError, save_config
+from eagleforge.shards import disk_full_errno, disk_full_error
 
-from .distributed import DistEnv, barrier, broadcast_object
+from .checkpoint_integrity import dcp_errors, describe_files, safe_reader, verify_checksums, write_checksums
+from .distributed import DistEnv, all_gather_object, barrier, broadcast_object
 
 log = logging.getLogger(__name__)
 
@@ -131,21 +133,34 @@ def save_checkpoint(cfg: Config, step: int, model: torch.nn.Module, optimizer, s
     model_state, optim_state = _state_dicts(model, optimizer)
     payload = {"model": model_state, "optim": optim_state["state"]}
     _check_tensors(payload, "state")
-    with _single_process_ok():
-        dcp.save(payload, checkpoint_id=str(tmp), no_dist=not env.distributed)
-    _save_rng(tmp / f"rng-{env.rank:05d}.safetensors", env)
+    failure, described = None, {}
+    try:
+        with _single_process_ok():
+            dcp.save(payload, checkpoint_id=str(tmp), no_dist=not env.distributed)
+        _save_rng(tmp / f"rng-{env.rank:05d}.safetensors", env)
+        if env.is_main:
+            record = {"step": step, "world_size": env.world_size, "scheduler": _jsonable(scheduler.state_dict()),
+                      "optimizer_param_groups": _param_groups_json(optim_state["param_groups"]), **state}
+            (tmp / STATE_FILE).write_text(json.dumps(record, indent=1), encoding="utf-8")
+            draft = _inner_draft(model)
+            (tmp / DRAFT_CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(draft.config), indent=1), encoding="utf-8")
+            save_config(cfg, tmp / "config.yaml")
+        barrier(env)  # every rank's files are written (DCP's own collectives end before .metadata)
+        described = describe_files(_fsync_own_files(tmp, env))  # each rank hashes what it wrote
+    except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        failure = _write_failure(final, err)
+        if failure is None:
+            raise
+    # One collective decides for all ranks: a rank that failed alone must not leave the others
+    # waiting at the next barrier.
+    results = all_gather_object((failure, described), env)
+    failures = [f for f, _ in results if f is not None]
+    if failures:
+        if env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise UserInputError(failures[0])
     if env.is_main:
-        record = {"step": step, "world_size": env.world_size, "scheduler": _jsonable(scheduler.state_dict()),
-                  "optimizer_param_groups": _param_groups_json(optim_state["param_groups"]), **state}
-        (tmp / STATE_FILE).write_text(json.dumps(record, indent=1), encoding="utf-8")
-        draft = _inner_draft(model)
-        (tmp / DRAFT_CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(draft.config), indent=1), encoding="utf-8")
-        save_config(cfg, tmp / "config.yaml")
-    barrier(env)  # every rank's files are written (DCP's own collectives end before .metadata)
-    if env.is_main:
-        for file in (f for f in tmp.iterdir() if f.is_file()):
-            with open(file, "rb") as f:
-                os.fsync(f.fileno())
+        write_checksums(tmp, {name: v for _, files in results for name, v in files.items()})
         if final.exists():  # the same step saved again (e.g. the final save after a periodic one)
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -153,6 +168,35 @@ def save_checkpoint(cfg: Config, step: int, model: torch.nn.Module, optimizer, s
         log.info("checkpoint %s", final)
     barrier(env)
     return final
+
+
+def _fsync_own_files(tmp: Path, env: DistEnv) -> list[Path]:
+    """The files this rank wrote into `tmp` (DCP names a rank's data `__{rank}_{n}.distcp`; rank 0
+    also writes the metadata and the JSON/YAML files), each fsynced."""
+    own = [f for f in tmp.iterdir() if f.name.startswith(f"__{env.rank}_") or f.name == f"rng-{env.rank:05d}.safetensors"]
+    if env.is_main:
+        own += [tmp / name for name in (".metadata", STATE_FILE, DRAFT_CONFIG_FILE, "config.yaml")]
+    for file in own:
+        with open(file, "rb") as f:
+            os.fsync(f.fileno())
+    return own
+
+
+def _write_failure(final: Path, err: BaseException) -> str | None:
+    """One line for a checkpoint write that failed for lack of room (DCP wraps each rank's error in
+    a CheckpointException), or None for any other error (re-raised as it is)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    causes = [err]
+    if isinstance(err, CheckpointException):
+        causes += [exc for exc, _ in err.failures.values()]
+    for cause in causes:
+        while cause is not None:
+            code = disk_full_errno(cause)
+            if code is not None:
+                return str(disk_full_error(final, code, kept="the unfinished checkpoint was removed, the last complete one kept"))
+            cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def _inner_draft(model: torch.nn.Module) -> torch.nn.Module:
@@ -176,79 +220,22 @@ def _prune(run_dir: Path, keep_last: int) -> None:
 # ----------------------------------------------------------------------------- load
 
 
-# The globals a DCP .metadata pickle names (torch 2.11-2.13): module -> allowed names (None = any
-# class of that module: DCP's metadata dataclasses). Anything else is refused, so a tampered
-# .metadata cannot run code.
-_METADATA_GLOBALS = {
-    "torch.distributed.checkpoint.metadata": None,
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size"},
-    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
-    "collections": {"OrderedDict"},
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if module in _METADATA_GLOBALS:
-            allowed = _METADATA_GLOBALS[module]
-            found = super().find_class(module, name) if allowed is None or name in allowed else None
-            if found is not None and (allowed is not None or isinstance(found, type)):
-                return found
-        raise pickle.UnpicklingError(f"global {module}.{name} is not part of a checkpoint's metadata")
-
-
-def _safe_reader(path: Path):
-    """A DCP FileSystemReader for `path` whose read_metadata uses the restricted unpickler."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-
-    class SafeMetadataReader(FileSystemReader):
-        def read_metadata(self, *args, **kwargs) -> Metadata:
-            file = Path(self.path) / ".metadata"
-            try:
-                with open(file, "rb") as f:
-                    metadata = _MetadataUnpickler(f).load()
-            except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, ValueError) as err:
-                self.refused = f"{file}: not a checkpoint's metadata ({err}); delete {path} to start over"
-                raise UserInputError(self.refused) from None
-            if not isinstance(metadata, Metadata):
-                self.refused = f"{file}: holds a {type(metadata).__name__}, not a checkpoint's metadata; delete {path} to start over"
-                raise UserInputError(self.refused)
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    reader = SafeMetadataReader(str(path))
-    reader.refused = None  # set when read_metadata refused the file (DCP wraps the error in its own)
-    return reader
-
-
-@contextlib.contextmanager
-def _dcp_errors(reader, path: Path):
-    """DCP re-raises a rank's error as CheckpointException (a BaseException): turn a refused
-    .metadata into the UserInputError it was."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    try:
-        yield
-    except CheckpointException as err:
-        if reader.refused:
-            raise UserInputError(reader.refused) from None
-        raise UserInputError(f"{path}: cannot read the checkpoint ({str(err).strip().splitlines()[-1][:300]}); delete {path} to start over") from None
-
-
-
-def read_state(path: str | os.PathLike) -> dict:
-    """state.json of a checkpoint; a clear error when the directory is not a whole checkpoint."""
+def read_state(path: str | os.PathLike, env: DistEnv = SINGLE) -> dict:
+    """state.json of a checkpoint whose files all match their checksums (rank 0 verifies them, every
+    rank gets the verdict); a one-line error when the directory is not a whole, intact checkpoint."""
     path = Path(path)
-    for name in (".metadata", STATE_FILE):
-        if not (path / name).is_file():
-            raise UserInputError(f"{path / name}: missing from the checkpoint (delete {path} to start over)")
+    failure = None
+    if env.is_main:
+        try:
+            for name in (".metadata", STATE_FILE):
+                if not (path / name).is_file():
+                    raise UserInputError(f"{path / name}: missing from the checkpoint (delete {path} to start over)")
+            verify_checksums(path)
+        except UserInputError as err:
+            failure = str(err)
+    failure = broadcast_object(failure, env)
+    if failure is not None:
+        raise UserInputError(failure)
     return json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
 
 
@@ -259,11 +246,11 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer, 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     path = Path(path)
-    state = read_state(path)
+    state = read_state(path, env)
     model_state, optim_state = _state_dicts(model, optimizer)
-    reader = _safe_reader(path)
+    reader = safe_reader(path)
     try:
-        with _single_process_ok(), _dcp_errors(reader, path):
+        with _single_process_ok(), dcp_errors(reader, path):
             dcp.load({"model": model_state, "optim": optim_state["state"]}, storage_reader=reader, no_dist=not env.distributed)
     except (RuntimeError, ValueError, KeyError) as err:
         raise UserInputError(f"{path}: cannot load the checkpoint into this draft ({str(err).splitlines()[0][:300]}); "
@@ -317,8 +304,8 @@ def load_draft_from_checkpoint(path: str | os.PathLike, embed_tokens: torch.Tens
     draft = Eagle3Draft(Eagle3Config(**json.loads(config_file.read_text(encoding="utf-8"))))
     # state_dict() tensors share storage with the parameters and buffers: DCP loads in place.
     target = {MODEL_PREFIX + k: v for k, v in draft.state_dict().items() if k not in FROZEN_KEYS}
-    reader = _safe_reader(path)
-    with _single_process_ok(), _dcp_errors(reader, path):
+    reader = safe_reader(path)
+    with _single_process_ok(), dcp_errors(reader, path):
         dcp.load({"model": target}, storage_reader=reader, no_dist=True)
     if embed_tokens is not None:
         draft.set_embed_tokens(embed_tokens)

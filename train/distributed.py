@@ -118,6 +118,17 @@ def broadcast_object(obj, env: DistEnv):
     return box[0]
 
 
+def all_gather_object(obj, env: DistEnv) -> list:
+    """Every rank's `obj` (a small picklable value), in rank order, on every rank."""
+    if not env.distributed:
+        return [obj]
+    import torch.distributed as dist
+
+    out = [None] * env.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def all_reduce_tensor(tensor: torch.Tensor, env: DistEnv) -> torch.Tensor:
     """A summed copy of `tensor` over all ranks, on its device (no host sync with NCCL)."""
     out = tensor.clone()
