@@ -13,20 +13,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def import_eagleforge() -> None:
-    """Make `import eagleforge` work on a machine where the package is not installed (the device
-    machine runs a bare checkout): a folder in /tmp maps the package-dir layout of pyproject.toml."""
+    """Make `import eagleforge` work from a checkout where the package is not installed: the stage
+    folders are added to the root package's path, as pyproject.toml's package-dir maps them."""
     try:
         import eagleforge  # noqa: F401
         return
     except ImportError:
         pass
-    shim = Path(os.environ.get("TMPDIR", "/tmp")) / f"eagleforge_shim_{os.getpid()}"
-    package = shim / "eagleforge"
-    if not package.exists():
-        package.parent.mkdir(parents=True, exist_ok=True)
-        package.symlink_to(ROOT / "core", target_is_directory=True)
-    # eagleforge.<sub> resolves inside core/ through __path__: extend it with the other folders
-    sys.path.insert(0, str(shim))
+    sys.path.insert(0, str(ROOT))  # ROOT/eagleforge is the root package
     import eagleforge
 
     eagleforge.__path__.append(str(ROOT))  # eagleforge.extract -> ROOT/extract, eagleforge.kernels -> ROOT/kernels

@@ -37,7 +37,7 @@ comes from the shards), 2 H V for SpecForge (full vocabulary, as it does). MFU i
 --peak-tflops (H200 dense bf16, 989).
 
 Variants (issue 7, old vs new side by side in ONE run; --variants picks them, each a spec
-`key=value,...` with ckpt = step | none | selective | selective_all (draft.model.CHECKPOINT_MODES),
+`key=value,...` with ckpt = step | none | selective | selective_all (eagleforge.modes.CHECKPOINT_MODES),
 attn = flex | merged | merged_cudnn | sdpa (draft.attention), compile = 0 | 1 (fused elementwise pieces),
 packed = 0 | 1 (the loss's packed TTT form), fusegrad = 0 | 1 (midlayer weight gradients accumulated by the
 GEMM itself, draft.grad_accum)). The default list starts with the 2026-11-29
@@ -238,9 +238,9 @@ def ttt_layer_step(draft: Eagle3Draft, attention: str, n_prev: int, hidden, emb,
 
 def step_modes(ckpt: str, k_steps: int) -> list[str]:
     """A variant's ckpt -> one checkpoint mode per TTT step: "selective:4" (selective for steps
-    0..3, step after; this script's own form), else draft.model.checkpoint_modes ("selective_all",
+    0..3, step after; this script's own form), else eagleforge.modes.checkpoint_modes ("selective_all",
     "selective*3+selective_all*4")."""
-    from eagleforge.draft.model import checkpoint_modes
+    from eagleforge.modes import checkpoint_modes
 
     mode, _, first = ckpt.partition(":")
     if first:
@@ -261,7 +261,7 @@ class Variant:
 
     @classmethod
     def parse(cls, spec: str) -> "Variant":
-        from eagleforge.draft.model import CHECKPOINT_MODES
+        from eagleforge.modes import CHECKPOINT_MODES
 
         out = cls()
         for item in filter(None, spec.split(",")):

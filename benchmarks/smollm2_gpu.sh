@@ -21,6 +21,6 @@ for stage in ${STAGES:-data extract vocab train eval}; do
   [ "$stage" = eval ] && extra=(eval.n_prompts="$EVAL_PROMPTS")
   $PY -m eagleforge.$stage --config $CFG run_dir="$RUN" "${extra[@]}" "$@" || { echo "stage $stage failed"; exit 1; }
   echo "$stage $(( $(date +%s) - t0 )) s" | tee -a "$RUN/timings.txt"
-  [ "$stage" = train ] && $PY -m eagleforge.train.plots "$RUN" 5 | tee -a "$RUN/timings.txt"
+  [ "$stage" = train ] && $PY -m eagleforge.eval.plots "$RUN" 5 | tee -a "$RUN/timings.txt"
 done
 echo "total $(( $(date +%s) - start )) s" | tee -a "$RUN/timings.txt"

@@ -30,8 +30,8 @@ import_eagleforge()
 
 from eagleforge.config import load_config  # noqa: E402
 from eagleforge.target import load_target, use_cpu_attention  # noqa: E402
-from eagleforge.train.evaluate import draft_dir, load_eval_draft, load_prompts, on_own_outputs, run_greedy  # noqa: E402
-from eagleforge.train.specdec import eos_token_ids, teacher_forced_acceptance, teacher_forced_hits  # noqa: E402
+from eagleforge.eval.evaluate import draft_dir, load_eval_draft, load_prompts, on_own_outputs, run_greedy  # noqa: E402
+from eagleforge.eval.specdec import eos_token_ids, teacher_forced_acceptance, teacher_forced_hits  # noqa: E402
 
 
 def heldout_rows(run: Path, holdout: int) -> list[dict]:
@@ -62,7 +62,7 @@ def on_heldout(draft, target, tokenizer, rows: list[dict], answer_tokens: int, k
     for row in rows:
         start = row["loss_mask"].index(1)  # the first answer token
         prompt, answer = row["input_ids"][:start], row["input_ids"][start:start + answer_tokens]
-        # A bare stub's user turn starts with its `def` (core/prompts.py `_stub`); the rest ask in words.
+        # A bare stub's user turn starts with its `def` (eagleforge/data/prompts.py `_stub`); the rest ask in words.
         kind = "stub" if "user\ndef " in tokenizer.decode(prompt) else "instruction"
         groups[kind][0].append(teacher_forced_hits(draft, target, prompt + answer, k))
         groups[kind][1].append(len(prompt) - 1)

@@ -43,9 +43,10 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from eagleforge.modes import ATTENTION_MODES
+
 log = logging.getLogger(__name__)
 
-ATTENTION_MODES = ("auto", "reference", "fast", "sdpa", "merged", "merged_cudnn", "flex")
 
 
 def _check(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:

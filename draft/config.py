@@ -1,4 +1,4 @@
-"""Eagle3Config: the sizes of the EAGLE-3 draft and its export config.json (DESIGN section 6).
+"""Eagle3Config: the sizes of the EAGLE-3 draft and its export config.json (docs/export.md).
 
 The draft is one Llama decoder layer whatever the target is. Its sizes default to the target's
 (hidden, heads, kv heads, head_dim, intermediate, norm eps, RoPE, max positions, vocabulary), read
@@ -129,7 +129,7 @@ class Eagle3Config:
     # ------------------------------------------------------------------ config.json
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The export's config.json (DESIGN section 6), aux ids in vLLM's convention (ids + 1)."""
+        """The export's config.json (docs/export.md), aux ids in vLLM's convention (ids + 1)."""
         out: dict[str, Any] = {
             "architectures": [DRAFT_ARCHITECTURE],
             "model_type": "llama",

@@ -1,4 +1,4 @@
-"""Export and load of the draft in the format vLLM and SGLang load unchanged (DESIGN section 6).
+"""Export and load of the draft in the format vLLM and SGLang load unchanged (docs/export.md).
 
     out_dir/config.json          Eagle3Config.to_hf_dict()
     out_dir/model.safetensors    EXPORT_TENSOR_NAMES, bf16 unless noted, metadata {"format": "pt"}
@@ -19,8 +19,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .config import Eagle3Config
-from .model import Eagle3Draft
+from eagleforge.draft.config import Eagle3Config
+from eagleforge.draft.model import Eagle3Draft
 
 log = logging.getLogger(__name__)
 

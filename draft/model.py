@@ -34,48 +34,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
-from .attention import many_graphs, repeat_kv, ttt_attention
-from .grad_accum import accumulating_linear
-from .config import Eagle3Config
+from eagleforge.draft.attention import many_graphs, repeat_kv, ttt_attention
+from eagleforge.draft.grad_accum import accumulating_linear
+from eagleforge.draft.config import Eagle3Config
+from eagleforge.modes import CHECKPOINT_MODES, COMPILE_MODES, checkpoint_modes
 
 
-# Activation checkpointing of forward_ttt, per TTT step:
-#   none       keep every activation (most memory, no recompute)
-#   step       keep only each step's inputs and outputs; the backward reruns the whole step
-#   selective  torch.utils.checkpoint with a selective policy: the outputs of the matmuls whose
-#              inner dimension exceeds H (q/k/v from 2H, o_proj from heads*D, down from the
-#              intermediate: ~2/3 of the step's matmul FLOPs; v's output is the step's own
-#              output anyway, so the extra bytes are q, k, o, down [T, *] bf16) and
-#              of the flash attention kernel are kept; norms, RoPE, SiLU, the attention merge
-#              and the gate/up matmuls are recomputed
-#   selective_all  the same, keeping every matmul output (gate/up too): no matmul recomputed
+# Activation checkpointing of forward_ttt, per TTT step: eagleforge/modes.py names the modes.
 # With compile=True the fused elementwise kernels run (and rerun) inside the checkpoint; the
 # policy only ever sees the eager matmuls and attention kernels.
-CHECKPOINT_MODES = ("none", "step", "selective", "selective_all")
-COMPILE_MODES = (False, True, "dynamic")  # off, static shapes (a graph per shape), dynamic shapes
-
-
-def checkpoint_modes(spec: str | Sequence[str], ttt_steps: int) -> list[str]:
-    """One of CHECKPOINT_MODES per TTT step, from a mode for every step ("selective_all"), a list
-    of ttt_steps modes, or the same list as a string, "*n" repeating a mode:
-    "selective*3+selective_all*4" (the first 3 steps recompute gate/up, the last 4 keep them: at
-    2K tokens on an H200 0.42 GiB less peak memory for ~4 ms, BENCHMARKS.md 2026-11-30 R5)."""
-    if isinstance(spec, str) and "+" not in spec and "*" not in spec:
-        modes = [spec.strip()] * ttt_steps
-    elif isinstance(spec, str):
-        modes = []
-        for part in spec.split("+"):
-            mode, _, count = (p.strip() for p in part.partition("*"))
-            if not (count == "" or (count.isdigit() and int(count) > 0)):
-                raise ValueError(f"checkpoint {spec!r}: {part!r} is not MODE or MODE*N")
-            modes += [mode] * int(count or 1)
-    else:
-        modes = list(spec)
-    bad = [m for m in modes if m not in CHECKPOINT_MODES]
-    if bad or len(modes) != ttt_steps:
-        raise ValueError(f"checkpoint {spec!r}: need one of {CHECKPOINT_MODES} per TTT step ({ttt_steps} steps), "
-                         f"as one mode, a list or 'MODE*N+MODE*M'; got {len(modes)} steps" + (f", unknown {bad}" if bad else ""))
-    return modes
 
 
 def _flash_ops() -> tuple:

@@ -10,19 +10,19 @@ the DeepSeek-V3 / Kimi-K2.5 tensor-parallel backend (extract/native/).
 
 from __future__ import annotations
 
-from ..config import Config, run_main
+from eagleforge.config import Config, run_main
 
 
 def main(cfg: Config) -> None:
     if cfg.target.backend == "native":
-        from .native import extract_native  # imported lazily: heavy, and only for that backend
+        from eagleforge.extract.native import extract_native  # imported lazily: heavy, and only for that backend
 
         extract_native(cfg)
         return
-    from .hf import extract_hf
+    from eagleforge.extract.hf import extract_hf
 
     extract_hf(cfg)
 
 
 if __name__ == "__main__":
-    run_main(main, "Extract target hidden states into RUN/hidden/ (DESIGN section 4).")
+    run_main(main, "Extract target hidden states into RUN/hidden/ (docs/shards.md).")

@@ -9,7 +9,7 @@ are kept (not the L + 1 states of `output_hidden_states=True`):
         aux = capture.aux_hidden_states    # [B, T, 3*H], layers ascending
         last = capture.last_hidden_state   # [B, T, H], output of the final norm
 
-Aux layer ids follow the project convention (DESIGN section 4): the OUTPUT of 0-indexed decoder
+Aux layer ids follow the project convention (docs/aux-layers.md): the OUTPUT of 0-indexed decoder
 layer i, which is transformers' `hidden_states[i + 1]`. The captured tensors are the modules'
 own outputs (no copy); models must not modify a layer's output in place afterwards (transformers
 and the native backend build a new residual tensor per layer).

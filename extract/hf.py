@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..config import Config, UserInputError, save_config
-from ..shards import ShardWriter, load_manifest, merge_manifests
-from ..target import (decoder_layers, default_aux_layers, final_norm, load_target, padding_id, resolve_device,
+from eagleforge.config import Config, UserInputError, save_config
+from eagleforge.shards import ShardWriter, load_manifest, merge_manifests
+from eagleforge.target import (decoder_layers, default_aux_layers, final_norm, load_target, padding_id, resolve_device,
                       target_path, text_config)
-from .capture import HiddenStateCapture
-from .writer import BatchRows, ShardSink, make_writer, writer_summary
+from eagleforge.extract.capture import HiddenStateCapture
+from eagleforge.extract.writer import BatchRows, ShardSink, make_writer, writer_summary
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def _barrier() -> None:
 
 def _load_samples(run_dir: Path) -> list[dict]:
     """RUN/data/samples.jsonl rows {"id", "input_ids", "loss_mask"} (checked by check_samples)."""
-    from ..data import load_samples
+    from eagleforge.data.stage import load_samples
 
     return load_samples(run_dir)
 
@@ -262,11 +262,11 @@ def _extract(cfg: Config, device: torch.device, rank: int, world: int, start_s: 
     if rank != 0:
         return None
     manifest = merge_manifests(hidden_dir) if world > 1 else load_manifest(hidden_dir)
-    _report(manifest, hidden_dir, sink.skipped, time.perf_counter() - start_s)
+    log_extraction_summary(manifest, hidden_dir, sink.skipped, time.perf_counter() - start_s)
     return manifest
 
 
-def _report(manifest: dict, hidden_dir: Path, skipped_here: int, wall_s: float) -> None:
+def log_extraction_summary(manifest: dict, hidden_dir: Path, skipped_here: int, wall_s: float) -> None:
     shards = manifest["shards"]
     samples = sum(e["samples"] for e in shards)
     tokens = sum(e["tokens"] for e in shards)

@@ -20,7 +20,7 @@ sink synchronously (extract.overlap_writes=false): the same bytes, no thread.
 
 fp8 storage (e4m3, one fp32 scale per token and per block of columns, block = H so each aux
 layer of a token gets its own scale): `quantize_fp8` / `dequantize_fp8`, defined with the shard
-format in core/shards.py; bytes per token (k + 1) * (H + 4) instead of (k + 1) * 2H. The reader
+format in eagleforge/shards.py; bytes per token (k + 1) * (H + 4) instead of (k + 1) * 2H. The reader
 multiplies back.
 """
 
@@ -35,9 +35,9 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import ConfigError, UserInputError
-# The fp8 format lives with the shard format (core/shards.py); re-exported here for writers.
-from ..shards import FP8_DTYPE, FP8_MAX, dequantize_fp8, quantize_fp8  # noqa: F401
+from eagleforge.config import ConfigError, UserInputError
+# The fp8 format lives with the shard format (eagleforge/shards.py); re-exported here for writers.
+from eagleforge.shards import FP8_DTYPE, FP8_MAX, dequantize_fp8, quantize_fp8  # noqa: F401
 
 log = logging.getLogger(__name__)
 

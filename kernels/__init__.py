@@ -1,7 +1,7 @@
 """Fused kernels for draft training (installed as `eagleforge.kernels`).
 
 Each op lives in its own file beside its plain-torch reference and a CPU path:
-- `soft_ce`: the EAGLE-3 fused linear soft cross-entropy (DESIGN section 5).
+- `soft_ce`: the EAGLE-3 fused linear soft cross-entropy (docs/training.md).
 - `int4_moe`: the W4A16 routed experts of the native extraction (and its slot combine).
 - `rms_norm`: RMSNorm in one pass for the native extraction.
 """

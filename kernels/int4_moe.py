@@ -1,6 +1,6 @@
 """W4A16 grouped MoE: routed experts with INT4 weights, bf16 activations (Kimi-K2.5's layout).
 
-Math, per token n with router ids e_1..e_k and weights w_1..w_k (DESIGN section 9):
+Math, per token n with router ids e_1..e_k and weights w_1..w_k (docs/kimi-k25.md):
 
     h_nj = silu(x_n @ Wg[e_j].T) * (x_n @ Wu[e_j].T)          [I]
     y_n  = sum_j w_j * (h_nj @ Wd[e_j].T)                        [H]
@@ -68,7 +68,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """int32 [..., out, in/8] + scale [..., out, in/32] -> dtype [..., out, in] (DESIGN section 9)."""
+    """int32 [..., out, in/8] + scale [..., out, in/32] -> dtype [..., out, in] (docs/kimi-k25.md)."""
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
     q = ((packed.unsqueeze(-1) >> shifts) & 0xF) - 8  # [..., out, in/8, 8], nibble n = column 8j+n
     q = q.flatten(-2).to(dtype)  # [..., out, in]

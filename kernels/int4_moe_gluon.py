@@ -50,7 +50,7 @@ except (ImportError, AttributeError):  # pragma: no cover - depends on the Trito
     HAS_GLUON = False
 WHY_NO_GLUON = f"the Gluon kernel is written against Triton {GLUON_TRITON}'s Gluon API (the device image's)"
 
-from .int4_moe import _UNPACK_PTX_TEXT, PACK_FACTOR
+from eagleforge.kernels.int4_moe import _UNPACK_PTX_TEXT, PACK_FACTOR
 
 BLOCK_N = 64  # weight rows per program: one warpgroup's wgmma M
 BLOCK_T = 128  # tokens per program (the tile table's block_m): wgmma N

@@ -1,4 +1,4 @@
-"""Fused linear soft cross-entropy for EAGLE-3 (DESIGN section 5, ARCHITECTURE "Loss").
+"""Fused linear soft cross-entropy for EAGLE-3 (docs/training.md, ARCHITECTURE "Loss").
 
 For N positions, the draft head W [Vd, H] and the target's head rows of the draft vocabulary
 U [Vd, H]:

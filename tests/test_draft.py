@@ -1,5 +1,5 @@
 """The EAGLE-3 draft: TTT alignment against a per-row plain-math reference and against serving
-with the KV cache, propose() against a greedy loop from scratch, the export format of DESIGN
+with the KV cache, propose() against a greedy loop from scratch, the export format of
 section 6, and from_target_config on Llama, DeepSeek-V3 and Kimi-K2.5-like configs."""
 
 import copy
@@ -264,7 +264,7 @@ def test_propose_maps_draft_ids_through_d2t():
 
 # --------------------------------------------------------------------------- (c) export
 
-DESIGN6_NAMES = [
+EXPORT_NAMES = [
     "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
     "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight",
     "midlayer.mlp.down_proj.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
@@ -293,10 +293,10 @@ def test_export_format_and_reload(tmp_path, draft_vocab_size):
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         assert f.metadata() == {"format": "pt"}
         names = set(f.keys())
-        expected = set(DESIGN6_NAMES) | ({"d2t", "t2d"} if vd < v else set())
+        expected = set(EXPORT_NAMES) | ({"d2t", "t2d"} if vd < v else set())
         assert names == expected
         assert names <= set(EXPORT_TENSOR_NAMES)
-        for name in DESIGN6_NAMES:
+        for name in EXPORT_NAMES:
             tensor = f.get_tensor(name)
             assert tuple(tensor.shape) == shapes[name] and tensor.dtype == torch.bfloat16, name
         if vd < v:
@@ -448,7 +448,7 @@ def test_from_target_config_deepseek_v3_and_kimi():
     cfg = Eagle3Config.from_target_config(raw, 32000, aux)
     _check_kimi(cfg)
     assert Eagle3Config.from_hf_dict(cfg.to_hf_dict()) == Eagle3Config(**{**cfg.__dict__, "target_num_layers": 0})
-    # The Kimi-sized draft builds on the meta device (no memory) with the DESIGN 6 shapes.
+    # The Kimi-sized draft builds on the meta device (no memory) with the export's shapes.
     with torch.device("meta"):
         kimi = Eagle3Draft(cfg)
     assert tuple(kimi.midlayer.self_attn.q_proj.weight.shape) == (64 * 128, 2 * 7168)
@@ -632,7 +632,7 @@ def test_forward_ttt_dynamic_compile_one_graph_for_every_length(compiled):
 
 
 def test_checkpoint_modes_per_step_forms_and_errors():
-    from eagleforge.draft.model import checkpoint_modes
+    from eagleforge.modes import checkpoint_modes
 
     assert checkpoint_modes("selective_all", 3) == ["selective_all"] * 3
     assert checkpoint_modes("selective*3+selective_all*4", 7) == ["selective"] * 3 + ["selective_all"] * 4

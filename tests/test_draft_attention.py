@@ -87,8 +87,10 @@ def test_merged_matches_reference_values_and_gradients(shape, dtype):
     tol = 1e-5 if dtype == torch.float32 else 3e-2  # bf16: inputs and outputs rounded to 8 bits
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
     for i, (g, gr) in enumerate(zip(grads, ref_grads)):
-        err = ((g.float() - gr).norm() / gr.norm().clamp_min(1e-30)).item()
-        assert err < tol, f"gradient of leaf {i}: relative error {err:.2e}"
+        # Relative to the gradient, or absolute where the exact gradient is 0 (a query that sees a
+        # single key has dq = 0: both sides are rounding noise there, 1e-8 against 1e-30).
+        err = ((g.float() - gr).norm() / gr.norm().clamp_min(1.0)).item()
+        assert err < tol, f"gradient of leaf {i}: error {err:.2e} (relative where |grad| > 1)"
 
 
 @pytest.mark.parametrize("shape", SHAPES[:2])

@@ -1,5 +1,5 @@
 """The eval stage end to end on a tiny setup: SmolLM2 target, a random exported draft, two
-HumanEval prompts, a few new tokens. Checks results.json (every field DESIGN section 8 requires,
+HumanEval prompts, a few new tokens. Checks results.json (every field docs/eval-results.md requires,
 and their arithmetic), the PNGs, the greedy-equality record, prompt loading and the CLI errors."""
 
 from __future__ import annotations
@@ -37,15 +37,15 @@ def one_thread():
 @pytest.fixture(autouse=True)
 def private_ngram_cache(tmp_path, monkeypatch):
     """Each test its own n-gram result store (never the user's ~/.cache)."""
-    from eagleforge.train import evaluate
+    from eagleforge.eval import evaluate
 
     monkeypatch.setattr(evaluate, "ngram_cache_dir", lambda: tmp_path / "ngram-cache")
     return tmp_path / "ngram-cache"
 
 
 def test_ngram_baseline_is_reused_only_for_the_same_inputs(smollm2, private_ngram_cache, caplog):
-    from eagleforge.train.evaluate import load_prompts, ngram_baseline
-    from eagleforge.train.specdec import eos_token_ids
+    from eagleforge.eval.evaluate import load_prompts, ngram_baseline
+    from eagleforge.eval.specdec import eos_token_ids
 
     model, tokenizer = smollm2
     prompts = load_prompts("humaneval", 2, tokenizer)
@@ -153,7 +153,7 @@ def test_eval_stage_end_to_end(smollm2, tmp_path):
 
 
 def test_humaneval_prompts_through_chat_template(smollm2):
-    from eagleforge.train.evaluate import humaneval_path, load_prompts
+    from eagleforge.eval.evaluate import humaneval_path, load_prompts
 
     _, tokenizer = smollm2
     prompts = load_prompts("humaneval", 3, tokenizer)
@@ -168,7 +168,7 @@ def test_humaneval_prompts_through_chat_template(smollm2):
 
 def test_prompt_jsonl_rows_and_errors(smollm2, tmp_path):
     from eagleforge.config import UserInputError
-    from eagleforge.train.evaluate import chat_prompt_ids, load_prompts
+    from eagleforge.eval.evaluate import chat_prompt_ids, load_prompts
 
     _, tokenizer = smollm2
     path = tmp_path / "prompts.jsonl"
@@ -207,7 +207,7 @@ def test_acceptance_curve_per_epoch(tmp_path):
     """Last logged row of each epoch -> 1 + sum_j prod_{i<=j} acc_i, tokens = step * tokens/step."""
     import random
 
-    from eagleforge.train.plots import acceptance_curve
+    from eagleforge.eval.plots import acceptance_curve
 
     rng = random.Random(3)
     rows, expected = [], {}

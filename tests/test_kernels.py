@@ -26,7 +26,7 @@ SHAPES = [(37, 72, 1000), (37, 72, 997), (5, 16, 33)]  # (N, H, Vd): odd N and H
 
 
 def plain_soft_ce(h, w_draft, t, w_teacher, weight):
-    """Independent reference: the DESIGN formula in fp32, log_softmax teacher, autograd."""
+    """Independent reference: the formula of docs/training.md in fp32, log_softmax teacher, autograd."""
     z = h.float() @ w_draft.float().T
     with torch.no_grad():
         log_p = torch.log_softmax(t.float() @ w_teacher.float().T, dim=-1)

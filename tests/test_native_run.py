@@ -125,7 +125,7 @@ def test_planner_kimi_on_96gb_and_refusal():
     a = ModelArgs.from_config(KIMI_K25_TEXT_CONFIG)
     for layout in ("ep", "tp"):
         plan = plan_memory(a, 8, layout)
-        # DESIGN section 9: about 76 GB of weights per GPU at 8-way, routed experts 9.5 GB per layer
+        # docs/kimi-k25.md: about 76 GB of weights per GPU at 8-way, routed experts 9.5 GB per layer
         assert 74e9 < plan.weights_bytes < 78e9, plan.components
         assert plan.total_bytes < 96e9
     assert plan_memory(a, 4, "ep").total_bytes > 96e9

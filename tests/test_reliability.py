@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from eagleforge.config import Config, ConfigError, UserInputError, load_config
 from eagleforge.atomic import write_jsonl_atomic
-from eagleforge.data import Stats, _RowChecker, _read_local, load_records
+from eagleforge.data.sources import Stats, _RowChecker, _read_local, load_records
 
 REPO = Path(__file__).resolve().parents[1]
 FUZZ = settings(max_examples=250, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
@@ -591,7 +591,7 @@ def _kill_after_checkpoint(run: Path, args: list[str], after: int) -> None:
 
 
 def test_sigkill_during_training_then_rerun_equals_uninterrupted(tmp_path, tiny_llama_config):
-    """Through the CLI and the run files only (DESIGN section 3): killed twice (right after the
+    """Through the CLI and the run files only (docs/run-directory.md): killed twice (right after the
     first checkpoint, then after a later one), rerun: every step logged once, the final step
     count and the exported draft equal an uninterrupted run's."""
     import csv
@@ -636,7 +636,7 @@ def test_sigkill_during_training_then_rerun_equals_uninterrupted(tmp_path, tiny_
 
 # ----------------------------------------------------------------------------- (e) security
 
-PACKAGE_DIRS = ("core", "extract", "draft", "train", "kernels")
+PACKAGE_DIRS = ("eagleforge", "extract", "draft", "train", "eval", "kernels")
 PICKLERS = {"pickle", "cPickle", "_pickle", "dill", "joblib", "shelve", "marshal"}
 
 

@@ -1,4 +1,4 @@
-"""Shard writer/reader (DESIGN section 4): round trip, integrity checks, atomic writes, parts."""
+"""Shard writer/reader (docs/shards.md): round trip, integrity checks, atomic writes, parts."""
 
 import json
 import os

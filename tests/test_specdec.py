@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eagleforge.target import padding_id
-from eagleforge.train.specdec import (
+from eagleforge.eval.specdec import (
     Eagle3Drafter,
     NgramDrafter,
     RoundStats,
@@ -37,7 +37,7 @@ PROMPTS = [
 
 
 def _prompt_ids(tokenizer, text: str) -> list[int]:
-    from eagleforge.train.evaluate import chat_prompt_ids
+    from eagleforge.eval.evaluate import chat_prompt_ids
 
     return chat_prompt_ids(tokenizer, [{"role": "user", "content": text}])
 
@@ -350,7 +350,7 @@ def test_ngram_match_against_bruteforce(context, k, ngram_min, span):
 @pytest.mark.parametrize("q_len,k_len,kv_heads,groups", [(1, 37, 3, 3), (6, 41, 2, 5), (13, 13, 1, 4)])
 def test_gqa_attention_matches_sdpa(q_len, k_len, kv_heads, groups):
     """Against torch's sdpa on K/V repeated per query head, with left padding and causality."""
-    from eagleforge.train.specdec import _gqa_attention
+    from eagleforge.target import gqa_attention
 
     gen = torch.Generator().manual_seed(q_len * 100 + k_len)
     batch, head_dim = 3, 24
@@ -361,7 +361,7 @@ def test_gqa_attention_matches_sdpa(q_len, k_len, kv_heads, groups):
     allowed = torch.ones(batch, 1, q_len, k_len, dtype=torch.bool).tril(diagonal=k_len - q_len)  # causal, queries last
     allowed[1, :, :, :5] = False  # row 1 is left-padded by 5
     additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
-    out, _ = _gqa_attention(None, query, key, value, additive, scaling=0.3)  # [B, Tq, H, D]
+    out, _ = gqa_attention(None, query, key, value, additive, scaling=0.3)  # [B, Tq, H, D]
     ref = torch.nn.functional.scaled_dot_product_attention(
         query, key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1), attn_mask=allowed, scale=0.3
     ).transpose(1, 2)
@@ -374,7 +374,7 @@ def test_gqa_attention_matches_sdpa(q_len, k_len, kv_heads, groups):
 @pytest.fixture
 def cpu_attention(smollm2):
     """The shared SmolLM2 model switched to the CPU attention for one test, then restored."""
-    from eagleforge.train.specdec import use_cpu_attention
+    from eagleforge.target import use_cpu_attention
 
     model, _ = smollm2
     before = model.config._attn_implementation
@@ -469,7 +469,7 @@ def test_rounds_accept_the_teacher_forced_run_of_hits(smollm2, cases):
     (incremental draft cache, aux states from the verify forwards) accepts exactly the leading
     run of the draft's teacher-forced TTT hits (one target forward, forward_ttt) at the round's
     start row; the teacher-forced acceptance is then the measured one over those rows."""
-    from eagleforge.train.specdec import teacher_forced_acceptance, teacher_forced_hits
+    from eagleforge.eval.specdec import teacher_forced_acceptance, teacher_forced_hits
 
     model, _ = smollm2
     prompts, eos = cases
@@ -505,7 +505,7 @@ def test_rounds_accept_the_teacher_forced_run_of_hits(smollm2, cases):
 
 
 def test_teacher_forced_acceptance_hand_made():
-    from eagleforge.train.specdec import teacher_forced_acceptance
+    from eagleforge.eval.specdec import teacher_forced_acceptance
 
     t, f = True, False
     hits = torch.tensor([[t, t, f], [f, t, t], [t, f, t], [t, t, t], [t, t, t], [t, t, t], [t, t, t],

@@ -38,8 +38,8 @@ and the data position is global.
 
 from eagleforge.config import Config, run_main, save_config
 
-from .distributed import env_rank
-from .loop import train
+from eagleforge.train.distributed import env_rank
+from eagleforge.train.loop import train
 
 
 def main(cfg: Config) -> None:

@@ -33,11 +33,11 @@ import torch
 from torch import nn
 
 from eagleforge.config import UserInputError
+from eagleforge.modes import PARALLEL_MODES
 from eagleforge.target import resolve_device
 
 log = logging.getLogger(__name__)
 
-PARALLEL_CHOICES = ("auto", "none", "fsdp", "ddp")
 # Long enough for a checkpoint of a large draft on slow shared storage between two collectives.
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=30)
 
@@ -172,8 +172,8 @@ class DraftWithLoss(nn.Module):
 
 def resolve_parallel(mode: str, env: DistEnv) -> str:
     """'auto' -> fsdp on more than one rank, else none; fsdp/ddp on one process -> none."""
-    if mode not in PARALLEL_CHOICES:
-        raise UserInputError(f"config key 'train.parallel' must be one of {list(PARALLEL_CHOICES)}, got {mode!r}")
+    if mode not in PARALLEL_MODES:
+        raise UserInputError(f"config key 'train.parallel' must be one of {list(PARALLEL_MODES)}, got {mode!r}")
     if mode == "auto":
         return "fsdp" if env.distributed else "none"
     if mode != "none" and not env.distributed:

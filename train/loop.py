@@ -42,14 +42,14 @@ from eagleforge.config import Config, UserInputError
 from eagleforge.target import target_path
 from eagleforge.vocab import coverage, load_target_head, load_vocab_map, read_target_head, training_sample_count
 
-from ..atomic import write_json_atomic
-from .batching import Batch, collate, make_batches, rank_micro_batches
-from .checkpoint import checkpoint_dir, export_checkpoint, find_resume_checkpoint, load_checkpoint, save_checkpoint
-from .distributed import (
+from eagleforge.atomic import write_json_atomic
+from eagleforge.train.batching import Batch, collate, make_batches, rank_micro_batches
+from eagleforge.train.checkpoint import checkpoint_dir, export_checkpoint, find_resume_checkpoint, load_checkpoint, save_checkpoint
+from eagleforge.train.distributed import (
     DistEnv, DraftWithLoss, all_reduce_sum, all_reduce_tensor, barrier, clip_grad_norm, gradient_sync, init_distributed, parallelize,
     resolve_parallel, shutdown,
 )
-from .loss import get_loss_fn, teacher_logsumexp
+from eagleforge.train.loss import get_loss_fn, teacher_logsumexp
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class TTTStats:
 
 
 def simulated_acceptance_length(accuracy_per_step: list[float], k: int) -> float:
-    """1 + sum_{j<k} prod_{i<=j} acc_i (DESIGN section 5; same definition as measured in eval)."""
+    """1 + sum_{j<k} prod_{i<=j} acc_i (docs/training.md; same definition as measured in eval)."""
     total, prod = 1.0, 1.0
     for acc in accuracy_per_step[:k]:
         prod *= acc

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 def extract_native(cfg):
     """See run.extract_native (imported lazily: the planner and the loader do not need it)."""
-    from .run import extract_native as _extract_native
+    from eagleforge.extract.native.run import extract_native as _extract_native
 
     return _extract_native(cfg)
 

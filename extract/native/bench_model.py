@@ -1,6 +1,6 @@
 """A Kimi-K2.5-shaped model built in memory with random weights: benchmarks need no download.
 
-Real K2.5 dimensions (DESIGN section 9): hidden 7168, 64 heads with MLA (q_lora 1536, kv_lora
+Real K2.5 dimensions (docs/kimi-k25.md): hidden 7168, 64 heads with MLA (q_lora 1536, kv_lora
 512, qk 128 + 64 rope, v 128), YaRN factor 64, vocab 163840, 384 routed experts with 8 active,
 INT4 group-32 packed experts (random nibbles, scales giving weights of std ~0.02), one shared
 expert, dense layer 0 with intermediate 18432; only the layer count is cut (default 1 dense +
@@ -16,8 +16,8 @@ import zlib
 
 import torch
 
-from .model import DeepseekV3ForExtraction, ModelArgs
-from .parallel import TensorParallel
+from eagleforge.extract.native.model import DeepseekV3ForExtraction, ModelArgs
+from eagleforge.extract.native.parallel import TensorParallel
 
 KIMI_K25_TEXT = dict(
     vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,

@@ -1,6 +1,6 @@
 """INT4 "pack-quantized" weights (compressed-tensors), as Kimi-K2.5 stores its routed experts.
 
-Layout (DESIGN section 9): symmetric, group size 32 along the input dimension, no zero point.
+Layout (docs/kimi-k25.md): symmetric, group size 32 along the input dimension, no zero point.
 
     weight_packed  int32 [out, in/8]   eight 4-bit values per int32, column 8j+n in nibble n
                                        (n = 0 is the least significant), each stored as q + 8

@@ -1,6 +1,6 @@
 """Checkpoint reading for the native backend: config, safetensors index, per-rank slices.
 
-Accepted layouts (DESIGN section 9):
+Accepted layouts (docs/kimi-k25.md):
   - Kimi-K2.5: config.json is the `kimi_k25` wrapper with the language model in `text_config`;
     text weights under `language_model.model.*` and `language_model.lm_head.weight`;
     `vision_tower.*` / `mm_projector.*` are never read.
@@ -27,9 +27,9 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from . import int4
-from .model import DeepseekV3ForExtraction, ModelArgs, RoutedExperts
-from .parallel import TensorParallel
+from eagleforge.extract.native import int4
+from eagleforge.extract.native.model import DeepseekV3ForExtraction, ModelArgs, RoutedExperts
+from eagleforge.extract.native.parallel import TensorParallel
 
 log = logging.getLogger(__name__)
 

@@ -31,10 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
-from ...kernels import int4_moe
-from ...kernels.rms_norm import rms_norm
-from . import int4
-from .parallel import (
+from eagleforge.kernels import int4_moe
+from eagleforge.kernels.rms_norm import rms_norm
+from eagleforge.extract.native import int4
+from eagleforge.extract.native.parallel import (
     AllReduce,
     ColumnParallelLinear,
     ReplicatedLinear,

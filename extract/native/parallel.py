@@ -1,6 +1,6 @@
 """Parallel layers and process groups: the only file of the native backend that communicates.
 
-Layout (DESIGN section 4 and 9): the world is split into groups of `tp` consecutive ranks.
+Layout (docs/shards.md, docs/kimi-k25.md): the world is split into groups of `tp` consecutive ranks.
 Inside a group, tensor parallelism cuts every layer so that each rank holds 1/tp of it:
 
     embedding        vocab-parallel: a contiguous range of token rows, masked lookup, all-reduce

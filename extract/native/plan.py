@@ -4,7 +4,7 @@
     python -m eagleforge.extract.native.plan --config configs/kimi_k25_b300.yaml target.tp=16
 
 Reads the target's config.json (target.path); when that directory does not exist on this machine
-(planning before downloading 595 GB), it plans the built-in Kimi-K2.5 text config of DESIGN
+(planning before downloading 595 GB), it plans the built-in Kimi-K2.5 text config of
 section 9 and says so. Prints the configured layout in detail, then the grid tp 4/8/16 x expert
 layouts ep/tp against common GPU sizes. Extraction calls `check_fits` before loading anything and
 refuses to start, saying by how much, when the largest rank's share does not fit.
@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from ...config import Config, UserInputError, run_main
-from ...target import default_aux_layers
-from . import int4
-from .model import ATTENTION_CHUNK_TOKENS, ModelArgs
-from .parallel import ARGMAX_CHUNK_TOKENS, split_range
+from eagleforge.config import Config, UserInputError, run_main
+from eagleforge.target import default_aux_layers
+from eagleforge.extract.native import int4
+from eagleforge.extract.native.model import ATTENTION_CHUNK_TOKENS, ModelArgs
+from eagleforge.extract.native.parallel import ARGMAX_CHUNK_TOKENS, split_range
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ NCCL_RESERVE_BYTES = 1 * GIB
 ALLOCATOR_SLACK = 0.10  # of the activations
 GPU_SIZES_GB = {"96 GB (RTX PRO 6000)": 96e9, "141 GB (H200)": 141e9, "288 GB (B300)": 288e9}
 
-# DESIGN section 9 (Kimi-K2.5 text_config), used when target.path is not on this machine.
+# The Kimi-K2.5 text_config (docs/kimi-k25.md), used when target.path is not on this machine.
 KIMI_K25_TEXT_CONFIG = dict(
     model_type="deepseek_v3", vocab_size=163840, hidden_size=7168, intermediate_size=18432,
     moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=64, num_key_value_heads=64,
@@ -220,11 +220,11 @@ def format_grid(a: ModelArgs, quantized: bool, dtype_bytes: int, batch_tokens: i
 
 def target_args(cfg: Config) -> tuple[ModelArgs, bool, str]:
     """(model args, quantized experts, where they came from) for the planner."""
-    from .loader import check_quantization, text_config_of
+    from eagleforge.extract.native.loader import check_quantization, text_config_of
 
     path = Path(cfg.target.path) if cfg.target.path else None
     if path is None or not (path / "config.json").is_file():
-        note = f"{path}/config.json not found here: planning the built-in Kimi-K2.5 config (DESIGN section 9)"
+        note = f"{path}/config.json not found here: planning the built-in Kimi-K2.5 config (docs/kimi-k25.md)"
         return ModelArgs.from_config(KIMI_K25_TEXT_CONFIG, "built-in Kimi-K2.5 config"), True, note
     config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     text, _ = text_config_of(config, str(path / "config.json"))
@@ -237,7 +237,7 @@ def _dtype_bytes(cfg: Config) -> int:
 
 
 def _aux_ids(cfg: Config, a: ModelArgs) -> list[int]:
-    """The aux layers extraction will capture (extract.aux_layers, else DESIGN's default)."""
+    """The aux layers extraction will capture (extract.aux_layers, else the default of docs/aux-layers.md)."""
     return sorted(int(i) for i in cfg.extract.aux_layers) or default_aux_layers(a.num_hidden_layers)
 
 

@@ -7,7 +7,7 @@
 The world is cut into groups of `target.tp` ranks (parallel.py). Every rank loads only its slices
 (loader.py); a group runs the forward together; after each block's all-reduce all ranks of a group
 hold the same states, so the group's first rank captures them (extract/capture.py) and writes the
-group's shards (core/shards.py). Samples are cut into fixed chunks of `extract.samples_per_shard`
+group's shards (eagleforge/shards.py). Samples are cut into fixed chunks of `extract.samples_per_shard`
 in id order; chunk c belongs to group c % groups (the hf backend's rule, so shards and resume
 behave the same). Rank 0 merges the groups' manifest parts at the end.
 
@@ -27,16 +27,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ...config import Config, UserInputError, save_config
-from ...shards import ShardWriter, load_manifest, merge_manifests
-from ...target import default_aux_layers, target_path, torch_dtype
-from ..capture import HiddenStateCapture
-from ..hf import _report, batch_by_tokens, check_samples
-from ..writer import BatchRows, ShardSink, make_writer, writer_summary
-from .loader import build_model, load_weights, read_checkpoint_info
-from .model import DeepseekV3ForExtraction
-from .parallel import ParallelState, barrier, gather_objects, init_parallel, shutdown
-from .plan import GIB, check_fits, format_plan
+from eagleforge.config import Config, UserInputError, save_config
+from eagleforge.shards import ShardWriter, load_manifest, merge_manifests
+from eagleforge.target import default_aux_layers, target_path, torch_dtype
+from eagleforge.extract.capture import HiddenStateCapture
+from eagleforge.extract.hf import log_extraction_summary, batch_by_tokens, check_samples
+from eagleforge.extract.writer import BatchRows, ShardSink, make_writer, writer_summary
+from eagleforge.extract.native.loader import build_model, load_weights, read_checkpoint_info
+from eagleforge.extract.native.model import DeepseekV3ForExtraction
+from eagleforge.extract.native.parallel import ParallelState, barrier, gather_objects, init_parallel, shutdown
+from eagleforge.extract.native.plan import GIB, check_fits, format_plan
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ def _extract(cfg: Config, state: ParallelState) -> dict | None:
         return None
     hidden_dir = cfg.run / "hidden"
     manifest = merge_manifests(hidden_dir) if state.num_groups > 1 else load_manifest(hidden_dir)
-    _report(manifest, hidden_dir, sink.skipped if sink is not None else 0, time.perf_counter() - start_s)
+    log_extraction_summary(manifest, hidden_dir, sink.skipped if sink is not None else 0, time.perf_counter() - start_s)
     return manifest
 
 

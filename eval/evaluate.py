@@ -1,4 +1,4 @@
-"""The eval stage: acceptance length by real speculative decoding (DESIGN section 8).
+"""The eval stage: acceptance length by real speculative decoding (docs/eval-results.md).
 
     python -m eagleforge.eval [--config FILE] [section.key=value ...]
     python -m eagleforge.eval target.path=/models/target eval.draft_path=/runs/x/draft run_dir=runs/x
@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..atomic import write_json_atomic
-from ..config import Config, UserInputError, save_config
-from . import plots
-from .specdec import (
+from eagleforge.atomic import write_json_atomic
+from eagleforge.config import Config, UserInputError, save_config
+from eagleforge.eval import plots
+from eagleforge.eval.specdec import (
     Eagle3Drafter,
     NgramDrafter,
     acceptance_by_kind,
@@ -44,8 +44,8 @@ from .specdec import (
     speculative_generate,
     teacher_forced_acceptance,
     teacher_forced_hits,
-    use_cpu_attention,
 )
+from eagleforge.target import use_cpu_attention
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ def draft_dir(cfg: Config) -> Path:
 def load_eval_draft(path: Path, target):
     """The draft in the export format, sharing the target's input embedding, on its device
     and in its dtype (the export is bf16; CPU evaluation runs the target in fp32)."""
-    from ..draft import load_draft
+    from eagleforge.draft import load_draft
 
     param = next(target.parameters())
     draft = load_draft(path, embed_tokens=target.get_input_embeddings(), dtype=param.dtype, device=param.device)
@@ -186,7 +186,7 @@ def simulated_acceptance(run_dir: Path, k: int) -> tuple[float | None, list[floa
     RUN/train_summary.json, written by the trainer from held-out TTT accuracies.
 
     From the held-out accuracy per TTT step when it covers k steps (position j is accepted with
-    probability prod_{i<=j} acc_i, DESIGN section 5), else the summary's value for this k.
+    probability prod_{i<=j} acc_i, docs/eval-results.md), else the summary's value for this k.
     None when there is no summary or no held-out evaluation (or k exceeds the TTT steps).
     """
     path = run_dir / "train_summary.json"
@@ -270,7 +270,7 @@ def _mismatches(outputs: list[list[int]], reference: list[list[int]], prompts: l
 
 def evaluate(cfg: Config) -> dict:
     """Run the eval stage for `cfg`; returns the results dict also written to results.json."""
-    from ..target import load_target, target_path
+    from eagleforge.target import load_target, target_path
 
     run_dir = cfg.run
     save_config(cfg, run_dir / "config.yaml")
@@ -322,7 +322,7 @@ def evaluate(cfg: Config) -> dict:
 
 
 def ngram_cache_dir() -> Path:
-    from ..target import cache_root
+    from eagleforge.target import cache_root
 
     return cache_root() / "ngram"
 
@@ -360,9 +360,9 @@ def _ngram_key(cfg: Config, target, prompts: list[dict], eos_ids) -> str:
 
     import transformers
 
-    from .. import target as target_module
-    from ..target import target_path
-    from . import specdec
+    from eagleforge import target as target_module
+    from eagleforge.target import target_path
+    from eagleforge.eval import specdec
 
     root = Path(target_path(cfg.target))
     files = sorted(root.iterdir()) if root.is_dir() else [root]

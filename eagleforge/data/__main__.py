@@ -1,0 +1,5 @@
+from eagleforge.config import run_main
+from eagleforge.data.stage import main
+
+if __name__ == "__main__":
+    run_main(main, "data stage: prompts -> conversations -> token rows with assistant loss masks")

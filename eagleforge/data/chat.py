@@ -1,0 +1,134 @@
+"""Chat tokenization: a conversation -> (input_ids, loss_mask) through the target's chat template.
+
+Loss mask: exactly the assistant tokens, i.e. each assistant message's content plus the
+special token the chat template puts right after it (the end of turn, e.g. <|im_end|> or
+<|eot_id|>), never the role header. Spans are found in the rendered text (prefix renders with
+add_generation_prompt) and mapped to tokens through the fast tokenizer's offsets.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from eagleforge.config import UserInputError
+
+
+class TemplateMismatch(ValueError):
+    """The chat template does not reproduce an assistant message verbatim (it rewrites it)."""
+
+
+
+# ----------------------------------------------------------------------------------------------
+# Chat template and loss mask
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def _try_prefix(tokenizer, messages: list[dict]) -> str | None:
+    """The render of `messages` followed by the assistant header, or None if the template refuses."""
+    from jinja2 import TemplateError
+
+    try:
+        return render_chat(tokenizer, messages, True)
+    except (TemplateError, IndexError, KeyError, TypeError, ValueError):
+        return None  # e.g. a template that reads messages[0] of an empty list
+
+
+def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """(rendered text, [(start, end)] character span of each assistant message's content).
+
+    The content of assistant message i starts where the render of messages[:i] with the
+    generation prompt ends, when that render is a prefix of the full one (true for ChatML,
+    Llama-3, Kimi and most templates). Otherwise, or when the template trims the content, the
+    content (or its stripped form) is searched after the previous span.
+    """
+    text = render_chat(tokenizer, messages, False)
+    spans, cursor = [], 0
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        candidates = [c for c in dict.fromkeys((message["content"], message["content"].strip()))]
+        start = found = None
+        prefix = _try_prefix(tokenizer, messages[:index]) if index else None
+        if prefix is not None and len(prefix) >= cursor and text.startswith(prefix):
+            found = next((c for c in candidates if text.startswith(c, len(prefix))), None)
+            start = len(prefix) if found is not None else None
+        if start is None:
+            for c in candidates:
+                position = text.find(c, cursor) if c else -1
+                if position >= 0:
+                    start, found = position, c
+                    break
+        if start is None:
+            raise TemplateMismatch(f"the chat template does not reproduce assistant message {index} verbatim")
+        spans.append((start, start + len(found)))
+        cursor = start + len(found)
+    return text, spans
+
+
+def special_ids(tokenizer) -> set[int]:
+    ids = set(tokenizer.all_special_ids)
+    ids.update(i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(token, "special", False))
+    return ids
+
+
+def tokenize_messages(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask) of the whole rendered conversation, no length limit.
+
+    Masked: every token overlapping an assistant content span, plus the token right after it
+    when that is a special token (the end of turn that closes the assistant message; the
+    newline some templates add after it is not masked). The ids equal
+    `apply_chat_template(messages, tokenize=True)`.
+    """
+    if not getattr(tokenizer, "is_fast", False):
+        raise UserInputError(f"{type(tokenizer).__name__}: the data stage needs a fast tokenizer (offsets)")
+    text, spans = assistant_spans(tokenizer, messages)
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    input_ids, offsets = list(encoding["input_ids"]), encoding["offset_mapping"]
+    starts = [start for start, _ in offsets]
+    special = special_ids(tokenizer)
+    loss_mask = [0] * len(input_ids)
+    for span_start, span_end in spans:
+        # tokens overlapping [span_start, span_end): begin before span_end, end after span_start
+        first = bisect.bisect_left(starts, span_start)
+        while first > 0 and offsets[first - 1][1] > span_start:
+            first -= 1  # a token that begins before the span and reaches into it
+        for t in range(first, len(input_ids)):
+            token_start, token_end = offsets[t]
+            if token_start >= span_end:
+                break
+            if token_end > span_start:
+                loss_mask[t] = 1
+        after = bisect.bisect_left(starts, span_end)
+        while after < len(input_ids) and offsets[after][1] <= span_end:
+            after += 1  # skip zero-width or straddling tokens already inside the span
+        if after < len(input_ids) and input_ids[after] in special:
+            loss_mask[after] = 1
+    return input_ids, loss_mask
+
+
+def fit_length(input_ids: list[int], loss_mask: list[int], max_length: int, overlong: str):
+    """(input_ids, loss_mask, status) with status "ok" | "truncated" | "dropped" (None ids when dropped)."""
+    if len(input_ids) <= max_length:
+        return input_ids, loss_mask, "ok"
+    if overlong == "drop":
+        return None, None, "dropped"
+    if overlong != "truncate":
+        raise ValueError(f"data.overlong must be 'truncate' or 'drop', got {overlong!r}")
+    return input_ids[:max_length], loss_mask[:max_length], "truncated"
+
+
+def tokenize_conversation(tokenizer, messages: list[dict], max_length: int, overlong: str = "truncate"):
+    """(input_ids, loss_mask) of one chat conversation, or None when it is dropped.
+
+    Dropped: longer than max_length with overlong="drop", or no assistant token left after
+    truncation. Raises TemplateMismatch when the template rewrites an assistant message.
+    """
+    input_ids, loss_mask = tokenize_messages(tokenizer, messages)
+    input_ids, loss_mask, _ = fit_length(input_ids, loss_mask, max_length, overlong)
+    if input_ids is None or not any(loss_mask):
+        return None
+    return input_ids, loss_mask
+

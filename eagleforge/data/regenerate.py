@@ -1,0 +1,273 @@
+"""Regeneration: the target answers the prompts itself (greedy, batched, resumable), as the
+EAGLE-3 recipe asks: the draft then learns the target's own distribution.
+
+RUN/data/conversations.jsonl gets {"id", "messages", "new_tokens", "finished", "max_new_tokens"}
+appended one fsynced batch at a time, so a killed run resumes where it stopped (ids already
+there are skipped).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+from eagleforge.config import Config, UserInputError
+from eagleforge.data.chat import render_chat, special_ids
+from eagleforge.data.sources import Record, Stats, prompt_part
+
+log = logging.getLogger(__name__)
+
+CONVERSATIONS_FILE = "conversations.jsonl"
+# Tokens that end an assistant turn in common chat templates; generation stops at any of them
+# that the tokenizer knows as a special token, besides the model's own eos ids.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<|end|>", "<end_of_turn>", "</s>")
+
+
+# ----------------------------------------------------------------------------------------------
+# Regeneration (greedy, batched, resumable)
+
+
+def _stop_ids(model, tokenizer) -> list[int]:
+    """Token ids that end an answer: the model's eos ids, the tokenizer's eos, end-of-turn tokens."""
+    ids = set()
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    special = special_ids(tokenizer)
+    vocab = tokenizer.get_vocab()
+    ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab and vocab[t] in special)
+    return sorted(ids)
+
+
+def read_conversations(path: Path) -> dict[int, dict]:
+    """Answered conversations by id; a torn last line (a killed writer) is cut off the file.
+
+    Rows are appended whole with their newline, so only the tail after the last newline can
+    be incomplete; a complete line that is not JSON means the file was damaged otherwise.
+    """
+    if not path.is_file():
+        return {}
+    raw = path.read_bytes()
+    done, position, line_no = {}, 0, 0
+    while position < len(raw):
+        newline = raw.find(b"\n", position)
+        line_no += 1
+        if newline < 0:
+            log.warning("%s: dropping a torn last line (%d bytes) left by an interrupted run", path, len(raw) - position)
+            with open(path, "r+b") as f:
+                f.truncate(position)
+                f.flush()
+                os.fsync(f.fileno())
+            break
+        line = raw[position:newline]
+        if line.strip():
+            try:
+                row = json.loads(line.decode("utf-8"))
+                done[int(row["id"])] = row
+            except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+                raise UserInputError(f"{path} line {line_no}: not a conversation row; the file is damaged, delete it to regenerate") from None
+        position = newline + 1
+    return done
+
+
+def _append_rows(path: Path, rows: list[dict]) -> None:
+    """Append whole rows and make them durable before the next batch starts."""
+    with open(path, "ab") as f:
+        f.write(b"".join((json.dumps(r, ensure_ascii=False) + "\n").encode("utf-8") for r in rows))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _generate_batch(model, prompt_ids: list[list[int]], max_new_tokens: int, stop_ids: list[int], pad_id: int):
+    """Greedy answers of a left-padded batch: [(answer ids without the stop token, stopped?)].
+
+    Our own loop rather than `model.generate`: generate keeps computing rows that already
+    stopped (a third of the answers stop early) and runs its logits processors every step.
+    Here stopped rows leave the batch (their KV cache rows are dropped, a group at a time), the
+    KV cache is preallocated (StaticCache: no per-step torch.cat of every layer's K and V), the
+    CPU attention groups query heads per KV head (eagleforge.target.use_cpu_attention), and one
+    step costs one forward of the rows still in the batch plus one argmax and one host sync. Positions come from the attention
+    mask (left padding), as in generate, so each row equals its own unbatched greedy decoding
+    up to the numerics of batched matmuls.
+    """
+    import torch
+
+    from eagleforge.target import use_cpu_attention
+
+    use_cpu_attention(model)
+    if max_new_tokens < 1:
+        raise ValueError(f"data.max_new_tokens must be >= 1, got {max_new_tokens}")
+    device = next(model.parameters()).device
+    batch, width = len(prompt_ids), max(len(p) for p in prompt_ids)
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)  # [B, T]
+    attention_mask = torch.zeros((batch, width), dtype=torch.long)  # [B, T], 0 = left pad
+    for row, ids in enumerate(prompt_ids):
+        input_ids[row, width - len(ids):] = torch.tensor(ids)
+        attention_mask[row, width - len(ids):] = 1
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]
+    stop_set = set(stop_ids)
+    cache = _new_cache(model, width + max_new_tokens)
+    answers: list[list[int]] = [[] for _ in prompt_ids]
+    finished = [False] * batch
+    alive = list(range(batch))  # original row of each row still in the batch
+    with torch.inference_mode():
+        logits = _forward(model, input_ids, attention_mask, position_ids, cache, logits_to_keep=1)  # [B, 1, V]
+        next_pos = position_ids[:, -1:] + 1  # [B, 1]
+        for step in range(max_new_tokens):
+            tokens = logits[:, -1].argmax(dim=-1)  # [b]
+            for row, token in zip(alive, tokens.tolist()):  # one host sync per step
+                if finished[row]:
+                    continue  # stopped earlier, still in the batch until the next drop
+                if token in stop_set:
+                    finished[row] = True
+                else:
+                    answers[row].append(token)
+            if step == max_new_tokens - 1:
+                break
+            done = [finished[row] for row in alive]
+            # Drop stopped rows once they are an eighth of the batch: each drop copies the
+            # whole cache (GBs at batch 512 on a GPU), so it is batched rather than per row.
+            if sum(done) >= max(1, len(alive) // 8):
+                keep_rows = [i for i, is_done in enumerate(done) if not is_done]
+                if not keep_rows:
+                    break
+                keep = torch.tensor(keep_rows, dtype=torch.long, device=device)  # [b']
+                alive = [alive[i] for i in keep_rows]
+                _select_rows(cache, keep)
+                tokens, attention_mask, next_pos = tokens[keep], attention_mask[keep], next_pos[keep]
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(alive), 1)], dim=1)  # [b, T+1]
+            logits = _forward(model, tokens[:, None], attention_mask, next_pos, cache)  # [b, 1, V]
+            next_pos = next_pos + 1
+    return list(zip(answers, finished))
+
+
+def _generate_fitting(model, prompt_ids: list[list[int]], max_new_tokens: int, stop_ids: list[int], pad_id: int):
+    """_generate_batch, halving the batch on an accelerator out-of-memory error (the longest
+    prompts come last and need the most KV cache); the answers are the same up to the numerics
+    of batched matmuls (as between any two batch sizes)."""
+    import torch
+
+    try:
+        return _generate_batch(model, prompt_ids, max_new_tokens, stop_ids, pad_id)
+    except torch.OutOfMemoryError:
+        if len(prompt_ids) == 1:
+            raise
+    torch.cuda.empty_cache()  # outside the except block: the error's frames no longer hold the cache
+    half = len(prompt_ids) // 2
+    log.warning("out of memory generating %d rows: retrying as %d + %d (lower data.gen_batch_size to avoid this)",
+                len(prompt_ids), half, len(prompt_ids) - half)
+    return (_generate_fitting(model, prompt_ids[:half], max_new_tokens, stop_ids, pad_id)
+            + _generate_fitting(model, prompt_ids[half:], max_new_tokens, stop_ids, pad_id))
+
+
+def _new_cache(model, max_len: int):
+    """A preallocated KV cache: a DynamicCache re-copies every layer's K and V on each step
+    (torch.cat), 40% of a bf16 CPU decode step at batch 64."""
+    from transformers import StaticCache
+
+    return StaticCache(config=model.config, max_cache_len=max_len)
+
+
+def _select_rows(cache, keep) -> None:
+    """Keep only batch rows `keep` [b'] of a StaticCache (StaticLayer has no batch_select_indices)."""
+    for layer in cache.layers:
+        if layer.is_initialized:
+            layer.keys, layer.values = layer.keys[keep], layer.values[keep]
+            layer.batch_size = layer.keys.shape[0]
+
+
+def _forward(model, input_ids, attention_mask, position_ids, cache, logits_to_keep: int = 0):
+    """One cached forward; transformers >= 5.2x names the cache argument `cache`."""
+    import inspect
+
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    kwargs = {key: cache, "use_cache": True}
+    if logits_to_keep:
+        kwargs["logits_to_keep"] = logits_to_keep  # the prefill needs only the last row of [T, V]
+    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs).logits
+
+
+def regenerate(cfg: Config, records: list[Record], data_dir: Path, stats: Stats) -> dict[int, list[dict]]:
+    """Answer each record's prompt with the target (greedy); {id: conversation messages}.
+
+    Batches are formed from all prompts sorted by token length (less padding), so a resumed
+    run forms the same batches and skips those already in conversations.jsonl.
+    """
+    from tqdm import tqdm
+
+    from eagleforge.target import load_target, padding_id
+
+    path = data_dir / CONVERSATIONS_FILE
+    done = read_conversations(path)
+    model, tokenizer = load_target(cfg.target)
+    data = cfg.data
+    prompts = {}  # id -> (prompt messages, prompt token ids)
+    for record in records:
+        messages = prompt_part(record.messages)
+        ids = tokenizer(render_chat(tokenizer, messages, True), add_special_tokens=False)["input_ids"]
+        if len(ids) >= data.max_length:
+            stats.drop("prompt_longer_than_max_length")
+            continue
+        prompts[record.id] = (messages, list(ids))
+    for record_id, row in done.items():
+        if record_id in prompts and (row["messages"][:-1] != prompts[record_id][0] or row.get("max_new_tokens") != data.max_new_tokens):
+            raise UserInputError(
+                f"{path}: id {record_id} was answered for another prompt or max_new_tokens (the config changed?); "
+                "delete the file or use another run_dir"
+            )
+    order = sorted(prompts, key=lambda i: (len(prompts[i][1]), i))
+    batches = [order[i:i + data.gen_batch_size] for i in range(0, len(order), data.gen_batch_size)]
+    todo = [[i for i in batch if i not in done] for batch in batches]
+    todo = [batch for batch in todo if batch]
+    pending = sum(len(b) for b in todo)
+    log.info("regeneration: %d prompts, %d already answered in %s, %d to go", len(prompts), len(prompts) - pending, path, pending)
+
+    stop_ids = _stop_ids(model, tokenizer)
+    pad = padding_id(tokenizer)
+    new_tokens, seconds = 0, 0.0
+    with tqdm(total=pending, unit="prompt", desc="generate", dynamic_ncols=True) as bar:
+        for batch in todo:
+            start = time.perf_counter()
+            answers = _generate_fitting(model, [prompts[i][1] for i in batch], data.max_new_tokens, stop_ids, pad)
+            seconds += time.perf_counter() - start
+            rows = []
+            for record_id, (answer_ids, finished) in zip(batch, answers):
+                text = tokenizer.decode(answer_ids, skip_special_tokens=True)
+                count = len(answer_ids) + int(finished)  # the stop token is generated too
+                new_tokens += count
+                rows.append({"id": record_id, "messages": prompts[record_id][0] + [{"role": "assistant", "content": text}],
+                             "new_tokens": count, "finished": finished, "max_new_tokens": data.max_new_tokens})
+            _append_rows(path, rows)
+            done.update((row["id"], row) for row in rows)
+            bar.update(len(batch))
+            bar.set_postfix(new_tok_s=f"{new_tokens / max(seconds, 1e-9):.1f}")
+    stats.generation = {
+        "prompts_answered_now": pending,
+        "prompts_answered_before": len(prompts) - pending,
+        "new_tokens": new_tokens,
+        "seconds": round(seconds, 2),
+        "new_tokens_per_s": round(new_tokens / seconds, 2) if seconds else None,
+        "batch_size": data.gen_batch_size,
+        "max_new_tokens": data.max_new_tokens,
+        "torch_threads": _torch_threads(),
+    }
+    log.info("generated %d new tokens in %.1f s (%.1f new tokens/s)", new_tokens, seconds, new_tokens / max(seconds, 1e-9))
+    return {i: done[i]["messages"] for i in prompts}
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()

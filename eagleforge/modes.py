@@ -1,0 +1,52 @@
+"""The one list of every mode a config key can name, and the parser of the per-step activation
+checkpointing form. Plain Python with no imports, so that the config layer, the draft library
+and the trainer all check against the same names without importing each other.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+# train.attention: how the TTT attention (step-0 causal keys + a diagonal of later steps) runs;
+# "auto" picks merged_cudnn on CUDA and fast elsewhere (draft/attention.py).
+ATTENTION_MODES = ("auto", "reference", "fast", "sdpa", "merged", "merged_cudnn", "flex")
+
+# train.activation_checkpoint, per TTT step:
+#   none       keep every activation (most memory, no recompute)
+#   step       keep only each step's inputs and outputs; the backward reruns the whole step
+#   selective  keep the outputs of the matmuls whose inner dimension exceeds H and of the flash
+#              attention kernel; recompute norms, RoPE, SiLU, the attention merge and gate/up
+#   selective_all  the same, keeping every matmul output (gate/up too): no matmul recomputed
+CHECKPOINT_MODES = ("none", "step", "selective", "selective_all")
+COMPILE_MODES = (False, True, "dynamic")  # train.compile: off, static shapes (a graph per shape), dynamic
+PARALLEL_MODES = ("auto", "none", "fsdp", "ddp")  # train.parallel (train/distributed.py)
+LOSS_MODES = ("auto", "reference", "fused")  # train.loss: plain torch or the fused Triton kernel
+LOSS_POSITIONS = ("assistant", "all")  # train.loss_positions
+TARGET_BACKENDS = ("hf", "native")  # target.backend
+EXPERT_LAYOUTS = ("ep", "tp")  # target.expert_layout: whole experts per rank, or each expert split
+TARGET_DTYPES = ("float32", "bfloat16", "float16")
+STORAGE_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn")  # extract.storage_dtype
+OVERLONG_MODES = ("truncate", "drop")  # data.overlong
+
+
+def checkpoint_modes(spec: str | Sequence[str], ttt_steps: int) -> list[str]:
+    """One of CHECKPOINT_MODES per TTT step, from a mode for every step ("selective_all"), a list
+    of ttt_steps modes, or the same list as a string, "*n" repeating a mode:
+    "selective*3+selective_all*4" (the first 3 steps recompute gate/up, the last 4 keep them:
+    between the two modes in memory and time)."""
+    if isinstance(spec, str) and "+" not in spec and "*" not in spec:
+        modes = [spec.strip()] * ttt_steps
+    elif isinstance(spec, str):
+        modes = []
+        for part in spec.split("+"):
+            mode, _, count = (p.strip() for p in part.partition("*"))
+            if not (count == "" or (count.isdigit() and int(count) > 0)):
+                raise ValueError(f"checkpoint {spec!r}: {part!r} is not MODE or MODE*N")
+            modes += [mode] * int(count or 1)
+    else:
+        modes = list(spec)
+    bad = [m for m in modes if m not in CHECKPOINT_MODES]
+    if bad or len(modes) != ttt_steps:
+        raise ValueError(f"checkpoint {spec!r}: need one of {CHECKPOINT_MODES} per TTT step ({ttt_steps} steps), "
+                         f"as one mode, a list or 'MODE*N+MODE*M'; got {len(modes)} steps" + (f", unknown {bad}" if bad else ""))
+    return modes
