@@ -209,7 +209,6 @@ def test_permute_k128_and_impl_choice():
 # pointer types of the kernels' arguments for build_sm90 (others default to *bf16)
 V3_PTRS = {**dict.fromkeys(("b_ptr", "b2_ptr", "a_rows_ptr", "c_rows_ptr", "tile_expert_ptr", "tile_begin_ptr", "tile_end_ptr",
                             "word_group_ptr"), "*i32"), "c_scale_ptr": "*fp32"}
-GLUON_PTRS = {**dict.fromkeys(("b_ptr", "c_rows_ptr", "tile_expert_ptr", "tile_begin_ptr", "tile_end_ptr"), "*i32"), "c_scale_ptr": "*fp32"}
 
 
 def _v3_consts(kernel: str, impl: str, block_t: int, block_n: int, dot_k: int) -> dict:
@@ -260,67 +259,6 @@ def test_down_kernel_fits_three_ctas_per_sm_without_spills():
     # spill stack: 0 bytes in Triton 3.6's build (the device's, as measured), 32 in 3.9's
     assert usage["REG"] <= cap and usage.get("STACK", 0) <= 32, usage
     assert 3 * (compiled.metadata.shared + 1024) <= 227 * 1024, compiled.metadata.shared
-
-
-@pytest.mark.skipif(INNER, reason="compiles, does not run: outside the interpreter subprocess")
-@pytest.mark.parametrize("variant,wait", [("regs", "wgmma.wait_group.sync.aligned 0"), ("ws", "wgmma.wait_group.sync.aligned 1"),
-                                          ("wsp", "wgmma.wait_group.sync.aligned 1")])
-def test_gluon_down_kernel_builds_for_sm90_with_one_wait_per_block(variant, wait):
-    """The Gluon down kernels (kernels/int4_moe_gluon.py) for sm_90: eight async wgmmas per
-    128-column block and one wait for them in the loop (v3 in Triton waits after each dot); the
-    warp-specialized ones leave the block's wgmmas in flight and split the registers between
-    their warpgroups (setmaxnreg)."""
-    triton = pytest.importorskip("triton")
-    from eagleforge.kernels import int4_moe_gluon as g
-    from triton_build import build_sm90
-
-    if not g.HAS_GLUON:
-        pytest.skip(f"{g.WHY_NO_GLUON}; this Triton is {triton.__version__}")
-    kernel = {"regs": g._int4_down_g_kernel, "ws": g._int4_down_ws_kernel, "wsp": g._int4_down_wsp_kernel}[variant]
-    ws = dict(g.WS_VARIANTS[variant]) if variant in g.WS_VARIANTS else {"maxnreg": None}
-    cap = ws.pop("maxnreg")
-    compiled = build_sm90(kernel, dict(GROUP=32, BN=g.BLOCK_N, BT=g.BLOCK_T, **ws), GLUON_PTRS, num_warps=4, gluon=True, maxnreg=cap)
-    ptx = compiled.asm["ptx"]
-    assert ptx.count("wgmma.mma_async") == 8 and wait in ptx, (ptx.count("wgmma.mma_async"), ptx.count("wgmma.wait_group"))
-    assert ("setmaxnreg.dec" in ptx) == (variant in g.WS_VARIANTS)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["regs", "ws", "wsp"])
-def test_gluon_down_kernel_equals_v3(variant):
-    """The Gluon down kernel against v3's down launch on the same sorted rows (8 experts, uneven
-    tiles, one empty): the same output bit for bit (the same products, in the same order per
-    wgmma; the "ws" variants' pair order sums in another order: within 1e-2), and against float64."""
-    if not HAS_CUDA or torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("needs an sm_90 GPU (wgmma)")
-    from eagleforge.kernels import int4_moe_gluon as g
-
-    if not g.HAS_GLUON:
-        pytest.skip(g.WHY_NO_GLUON)
-    E, H, I, N, k = 8, 256, 384, 301, 2
-    packs, dense = make_experts(E, I, H, seed=5, device="cuda")
-    ids, weights = routing(N, k, E, empty=(3,), seed=6)
-    ids, weights = ids.cuda(), weights.cuda()
-    order, counts = int4_moe.sort_by_expert(ids, E, 0)
-    rows = N * k
-    table = int4_moe.tile_table(counts, E, g.BLOCK_T, rows)
-    h_true = torch.randn(rows, I, device="cuda").bfloat16()
-    h = int4_moe.permute_k128(h_true)
-    rows_out = torch.arange(rows, dtype=torch.int32, device="cuda")
-    sorted_weight = weights.reshape(-1).float()[order].contiguous()
-    y3, yg = (torch.zeros(rows, H, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-    int4_moe._launch(("sa", g.BLOCK_T, g.BLOCK_N, 64, 4, 2), h, None, packs["down_packed"], packs["down_scale"], None, None,
-                     y3, rows_out, sorted_weight, table, False, False, True)
-    h_variant = g.permute_pairs(h_true) if variant in g.WS_VARIANTS else h
-    g.down_gluon(h_variant, packs["down_packed"], packs["down_scale"], yg, rows_out, sorted_weight, table, variant=variant,
-                 max_programs=3)  # "wsp": three programs walk the 4 x 13 items, 28 not empty (the ring wraps across items)
-    if variant in g.WS_VARIANTS:  # its K = 16 steps group other columns: the same sums in another order
-        assert ((yg.float() - y3.float()).norm() / y3.float().norm()).item() < 1e-2
-    else:
-        assert torch.equal(yg, y3)
-    expert = ids.flatten()[order].cpu()
-    ref = torch.stack([dense["down"][expert[r]] @ h_true[r].double().cpu() for r in range(rows)]) * sorted_weight.double().cpu()[:, None]
-    assert ((yg.double().cpu() - ref).norm() / ref.norm()).item() < 1e-2
 
 
 @pytest.mark.skipif(INNER, reason="compiles, does not run: outside the interpreter subprocess")
