@@ -8,10 +8,9 @@ input dims of 3 and 2 scale groups (96 = 3 x 32, 64 = 2 x 32) so group boundarie
 and across BLOCK_K.
 
 The Triton kernels run on the CPU under TRITON_INTERPRET=1 in a subprocess (the variable must be
-set before triton is imported), and directly on CUDA where there is a GPU: the first kernel as
-measured ("v1"), the same with v3's conversion-free unpack ("v1m"), and v3 with its unpack in
-Triton ops ("s") and in inline PTX ("sa", CUDA only), each on every routing case (v3's with dims
-that are multiples of 128). v3's unpacks alone are checked against compressed-tensors' own
+set before triton is imported), and directly on CUDA where there is a GPU: the kernels with their
+unpack in Triton ops ("s") and in inline PTX ("sa", CUDA only), each on every routing case (dims
+that are multiples of 128). The unpacks alone are checked against compressed-tensors' own
 unpack_from_int32.
 """
 
@@ -136,17 +135,9 @@ def test_rejects_bad_shapes():
 # ---------------------------------------------------------------------------- Triton
 
 
-def _triton_cases(impl: str):
-    # (N, k, E, I, H, empty experts, EP range, scale group, v3's K per dot)
-    if impl in ("v1", "v1m"):
-        return [
-            (13, 3, 7, 64, 96, (2,), (0, 7), 32, None),  # 3 groups along H; expert 2 has no token
-            (29, 4, 9, 96, 64, (0, 8), (0, 9), 32, None),  # down's K = 96: groups straddle BLOCK_K 64
-            (17, 2, 8, 64, 128, (5,), (3, 8), 32, None),  # EP: this rank owns experts 3..7 of 8
-            (1, 1, 3, 32, 32, (), (0, 3), 32, None),  # one token, one group
-            (11, 2, 5, 128, 128, (1,), (0, 5), 64, None),  # groups of 64
-        ]
-    return [  # v3 works in blocks of 128 columns; each case another K per dot (NIB 4, 2, 1, 8)
+def _triton_cases():
+    # (N, k, E, I, H, empty experts, EP range, scale group, K per dot)
+    return [  # the kernels work in blocks of 128 columns; each case another K per dot (NIB 4, 2, 1, 8)
         (13, 3, 7, 128, 256, (2,), (0, 7), 32, 64),  # two 128-blocks along H; expert 2 has no token
         (29, 4, 9, 256, 128, (0, 8), (0, 9), 16, 32),  # two blocks along I (the permuted h spans both); groups of 16
         (17, 2, 8, 128, 384, (5,), (3, 8), 64, 16),  # EP: this rank owns experts 3..7 of 8; groups of 64
@@ -154,8 +145,8 @@ def _triton_cases(impl: str):
     ]
 
 
-TRITON_IMPLS = ["v1", "v1m", "s", "sa"]  # v1m: v1 with the conversion-free unpack; s, sa: v3 (sa: inline-PTX unpack)
-TRITON_CASES = [(impl, case) for impl in TRITON_IMPLS for case in _triton_cases(impl)] + [("auto", _triton_cases("s")[0])]
+TRITON_IMPLS = ["s", "sa"]  # the unpack in Triton ops / in inline PTX
+TRITON_CASES = [(impl, case) for impl in TRITON_IMPLS for case in _triton_cases()]
 
 
 @pytest.mark.skipif(not (INNER or HAS_CUDA), reason="runs in the TRITON_INTERPRET=1 subprocess (test_triton_interpreted) or on CUDA")
@@ -165,21 +156,18 @@ def test_triton_matches_formula(impl, case, monkeypatch):
     device = "cuda" if HAS_CUDA and not INNER else "cpu"
     if impl == "sa" and INNER:
         pytest.skip("inline PTX (v3's 'sa' unpack) does not run under the Triton interpreter; it runs on CUDA")
-    if impl in ("s", "sa", "auto"):  # one unpack and one K per dot of v3 (auto: v3 on these shapes)
-        config = ("s" if impl == "auto" else impl, 16 if INNER else 64, 32 if INNER else 64, dot_k, 4, 1 if INNER else 2)
-        down = config + ((168,) if impl == "sa" else ())  # down's register cap (three CTAs per SM), as launched
-        monkeypatch.setattr(int4_moe, "INTERPRET_CONFIGS", [config])
-        monkeypatch.setattr(int4_moe, "V3_CONFIGS", {"large": [config], "small": [config]})
-        monkeypatch.setattr(int4_moe, "V3_DOWN_CONFIGS", {"large": [down], "small": [down]})
-        monkeypatch.setattr(int4_moe, "_CHOSEN", {})
-    if device == "cuda" and (H % 64 or I % 64):
-        pytest.skip("the CUDA configs need dims that are multiples of 64 (BLOCK_K; int4_moe refuses others); "
-                    "these shapes run under the Triton interpreter on machines without CUDA")
+    # one unpack and one K per dot
+    config = (impl, 16 if INNER else 64, 32 if INNER else 64, dot_k, 4, 1 if INNER else 2)
+    down = config + ((168,) if impl == "sa" else ())  # down's register cap (three CTAs per SM), as launched
+    monkeypatch.setattr(int4_moe, "INTERPRET_CONFIGS", [config])
+    monkeypatch.setattr(int4_moe, "V3_CONFIGS", {"large": [config], "small": [config]})
+    monkeypatch.setattr(int4_moe, "V3_DOWN_CONFIGS", {"large": [down], "small": [down]})
+    monkeypatch.setattr(int4_moe, "_CHOSEN", {})
     packs, dense = make_experts(E, I, H, seed=N, group=group)
     ids, weights = routing(N, k, E, empty, seed=N)
     x = torch.randn(N, H, generator=torch.Generator().manual_seed(N)).to(torch.bfloat16)
     got = int4_moe.int4_moe(x.to(device), weights.to(device), ids.to(device), *[t.to(device) for t in args_of(packs, lo, hi)],
-                            expert_start=lo, impl=impl if impl in ("v1", "v1m", "auto") else "v3")
+                            expert_start=lo)
     want = formula(x, weights, ids, dense, lo, hi)
     assert got.dtype == torch.float32 and got.shape == (N, H)
     assert rel_err(got, want) < 1.5e-2, rel_err(got, want)
@@ -189,9 +177,9 @@ def test_triton_matches_formula(impl, case, monkeypatch):
     assert rel_err(got, want) < 3 * rel_err(torch_bf16, want) + 1e-3
 
 
-def test_permute_k128_and_impl_choice():
-    """permute_k128 puts column 8j + n of each 128-block at 16n + j; "auto" takes v3 only where its
-    shapes fit, and an explicit v3 on other shapes is refused with the dims named."""
+def test_permute_k128_and_supported_dims():
+    """permute_k128 puts column 8j + n of each 128-block at 16n + j; dims the kernels do not take
+    are refused with the dims named (`supports` says which)."""
     a = torch.arange(2 * 256).view(2, 256)
     p = int4_moe.permute_k128(a)
     for block, n, j in ((0, 0, 1), (0, 3, 5), (1, 7, 15), (1, 2, 0)):
@@ -200,10 +188,10 @@ def test_permute_k128_and_impl_choice():
     packs, _ = make_experts(3, 64, 96, seed=0)
     x = torch.randn(4, 96, dtype=torch.bfloat16)
     ids, weights = routing(4, 2, 3, empty=(), seed=0)
+    assert not int4_moe.supports(96, 64, 32, 32)
+    assert int4_moe.supports(7168, 2048, 32, 32) and not int4_moe.supports(7168, 2048, 32, 64)
     with pytest.raises(ValueError, match="hidden 96 and intermediate 64"):
-        int4_moe.int4_moe(x, weights, ids, *args_of(packs), impl="v3")
-    with pytest.raises(ValueError, match="'v2'"):
-        int4_moe.int4_moe(x, weights, ids, *args_of(packs), impl="v2")
+        int4_moe.int4_moe(x, weights, ids, *args_of(packs))
 
 
 # pointer types of the kernels' arguments for build_sm90 (others default to *bf16)
@@ -222,25 +210,16 @@ def _v3_consts(kernel: str, impl: str, block_t: int, block_n: int, dot_k: int) -
 
 @pytest.mark.skipif(INNER, reason="compiles, does not run: outside the interpreter subprocess")
 @pytest.mark.parametrize("kernel,impl,dot_k,warps,stages", [("gate_up", "sa", 64, 4, 3), ("gate_up", "s", 128, 4, 2),
-                                                          ("down", "sa", 32, 4, 2), ("down", "s", 16, 4, 3),
-                                                          ("gate_up", "v1m", 64, 8, 3), ("down", "v1", 128, 4, 3)])
+                                                          ("down", "sa", 32, 4, 2), ("down", "s", 16, 4, 3)])
 def test_moe_kernels_build_for_sm90(kernel, impl, dot_k, warps, stages):
-    """The v3 and v1 kernels compiled ahead of time for sm_90 (no GPU needed: Triton's own ptxas),
-    as the configs launch them (dot_k: v3's K per dot, v1's BLOCK_K). The interpreter runs a
+    """The kernels compiled ahead of time for sm_90 (no GPU needed: Triton's own ptxas), as the
+    configs launch them (dot_k: the K per dot). The interpreter runs a
     kernel as Python and does not see compile-time errors (a branch returning two shapes once
     passed every interpreted test and failed here)."""
     pytest.importorskip("triton")
-    import triton.language as tl
     from triton_build import build_sm90
 
-    gate_up = kernel == "gate_up"
-    if impl in ("v1", "v1m"):
-        kern = int4_moe._int4_grouped_gemm_kernel
-        consts = dict(GROUP=32, BLOCK_N=64, GATHER_A=gate_up, GATE_UP=gate_up, SCATTER_C=not gate_up, DOT_DTYPE=tl.bfloat16,
-                      BLOCK_M=128, BLOCK_K=dot_k, MAGIC=impl == "v1m")
-    else:
-        kern, consts = int4_moe._int4_moe_v3_kernel, _v3_consts(kernel, impl, 128, 64, dot_k)
-    compiled = build_sm90(kern, consts, V3_PTRS, num_warps=warps, num_stages=stages)
+    compiled = build_sm90(int4_moe._int4_moe_v3_kernel, _v3_consts(kernel, impl, 128, 64, dot_k), V3_PTRS, num_warps=warps, num_stages=stages)
     assert compiled.asm["cubin"] and "wgmma" in compiled.asm["ptx"]
 
 

@@ -465,8 +465,15 @@ def routed_experts_forward(x: torch.Tensor, weights: torch.Tensor, ids: torch.Te
 def _moe_backend(x: torch.Tensor, experts: RoutedExperts) -> str:
     if MOE_BACKEND != "auto":
         return MOE_BACKEND
-    fast = experts.quantized and x.is_cuda and x.dtype == torch.bfloat16 and int4_moe.HAS_TRITON
+    fast = experts.quantized and x.is_cuda and x.dtype == torch.bfloat16 and int4_moe.HAS_TRITON and _kernel_dims(experts)
     return "triton" if fast else "loop"
+
+
+def _kernel_dims(experts: RoutedExperts) -> bool:
+    """Whether the Triton kernel takes these experts' dims (Kimi-K2.5's do; small test models may not)."""
+    intermediate, hidden = experts.gate_proj_packed.shape[1], experts.gate_proj_packed.shape[2] * int4_moe.PACK_FACTOR
+    return int4_moe.supports(hidden, intermediate, hidden // experts.gate_proj_scale.shape[2],
+                             intermediate // experts.down_proj_scale.shape[2])
 
 
 def _triton_experts(x: torch.Tensor, experts: RoutedExperts) -> bool:
