@@ -387,16 +387,6 @@ def _compiled_flex():
     return torch.compile(flex_attention)
 
 
-def flex_available(device: torch.device) -> bool:
-    if device.type != "cuda":
-        return False
-    try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 @functools.lru_cache(maxsize=64)
 def _ttt_block_mask(seq_len: int, num_steps: int, device: str):
     from torch.nn.attention.flex_attention import create_block_mask
