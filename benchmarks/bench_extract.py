@@ -1,6 +1,6 @@
 """Benchmark: native extraction throughput on a Kimi-K2.5-shaped model (issue 6, `make bench-extract`).
 
-The model is built in memory (extract/native/bench_model.py): real K2.5 dimensions, random
+The model is built in memory (benchmarks/kimi_shaped.py): real K2.5 dimensions, random
 weights, INT4 experts, default 1 dense + 3 MoE layers. Per prompt length T (one sequence of T
 tokens per forward):
 
@@ -44,7 +44,7 @@ from _bench_common import median_ms as _median_ms  # noqa: E402
 import_eagleforge()
 from eagleforge.extract.capture import HiddenStateCapture  # noqa: E402
 from eagleforge.extract.native import model as native_model  # noqa: E402
-from eagleforge.extract.native.bench_model import build_bench_model, kimi_args, tiny_args  # noqa: E402
+from kimi_shaped import build_bench_model, kimi_args, tiny_args  # noqa: E402
 from eagleforge.extract.native.plan import plan_memory  # noqa: E402
 from eagleforge.extract.native import parallel as native_parallel  # noqa: E402
 from eagleforge.extract.native.parallel import init_parallel, shutdown  # noqa: E402

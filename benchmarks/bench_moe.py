@@ -91,7 +91,7 @@ def native_moe(moe, packs, H, I, E, K, device):
     """The extraction model's own MoE layer (extract/native/model.py, tp 1) on the same weights:
     its router (one bf16 GEMM with fp32 output; transformers' computes the logits in fp32), the
     Triton INT4 experts, and the shared expert added in the experts' combine pass."""
-    from eagleforge.extract.native.bench_model import kimi_args
+    from kimi_shaped import kimi_args
     from eagleforge.extract.native.model import MoE
     from eagleforge.extract.native.parallel import TensorParallel
 

@@ -29,6 +29,8 @@ from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32,
 
 from eagleforge.kernels import int4_moe
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # kimi_shaped: the benchmarks' Kimi-shaped model
+
 INNER = os.environ.get("EAGLEFORGE_TRITON_INNER") == "1"
 HAS_CUDA = torch.cuda.is_available()
 
@@ -408,7 +410,7 @@ def test_prefill_attention_cuda_backends_match_float64(backend, chunk):
 def test_routed_experts_backends_agree():
     """routed_experts_forward's loop and grouped_mm backends on a random Kimi-shaped toy layer (bf16)."""
     from eagleforge.extract.native import model as M
-    from eagleforge.extract.native.bench_model import build_bench_model, tiny_args
+    from kimi_shaped import build_bench_model, tiny_args
 
     model = build_bench_model(tiny_args(), device="cpu", seed=1)
     moe = model.model.layers[1].mlp
@@ -432,7 +434,7 @@ def test_router_bf16_gemm_with_fp32_output_matches_the_fp32_gemm():
     """The router's CUDA path (bf16 x bf16 GEMM, fp32 output) against the fp32 GEMM it replaces,
     at the real width (7168 x 384) and an odd token count: scores to fp32 rounding, the same
     experts chosen wherever the choice is not a near tie."""
-    from eagleforge.extract.native.bench_model import kimi_args
+    from kimi_shaped import kimi_args
     from eagleforge.extract.native.model import _MM_OUT_DTYPE, Router
 
     assert _MM_OUT_DTYPE, "torch.mm(out_dtype=) missing: the router falls back to the fp32 GEMM"
@@ -460,7 +462,7 @@ def test_router_with_groups_on_zero_tokens_and_add_needs_out_dtype():
     """A rank with no rows of a split router (few tokens, many ranks) routes nothing without
     failing, group-limited routing included; routed_experts_forward refuses an `add` it would drop."""
     from eagleforge.extract.native import model as M
-    from eagleforge.extract.native.bench_model import build_bench_model, tiny_args
+    from kimi_shaped import build_bench_model, tiny_args
 
     args = dataclasses.replace(tiny_args(), n_group=2, topk_group=1)
     router = M.Router(args, torch.float32)
