@@ -16,7 +16,7 @@ bf16 rows.
                               comparison; the product does not run it)
     *_experts_only            routed experts alone, routing precomputed
 
-FLOPs (anchor's count): 2 T (k + 1) 3 H I + 2 T H E. MFU against the bf16 8192^3 matmul rate of
+FLOPs: 2 T (k + 1) 3 H I + 2 T H E. MFU against the bf16 8192^3 matmul rate of
 the same run; "x_grouped" = grouped_mm_bf16's ms / this row's ms.
 Correctness: each output against grouped_mm_bf16 (relative L2). The table is printed at the end,
 the full record (config search times, failed configs) goes to --json.
@@ -236,7 +236,7 @@ def main(argv=None) -> dict:
                 except torch.OutOfMemoryError as err:
                     rows[T]["hf_deepseekv3_bf16"] = {"error": repr(err)[:200]}
                 torch.cuda.empty_cache() if device.type == "cuda" else None
-        # (b) the anchor's grouped_mm reference; the HF expert weights are replaced by its layout
+        # (b) the grouped_mm reference; the HF expert weights are replaced by its layout
         gu_t = moe.experts.gate_up_proj.data.transpose(1, 2).contiguous()  # [E, H, 2I]
         moe.experts.gate_up_proj.data = torch.empty(0, device=device)
         dn_t = moe.experts.down_proj.data.transpose(1, 2).contiguous()  # [E, I, H]

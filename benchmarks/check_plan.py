@@ -1,4 +1,4 @@
-"""Issue 10's memory check: the planner's bytes per GPU against what the extraction loop uses.
+"""Memory check: the planner's bytes per GPU against what the extraction loop uses.
 
 Builds the Kimi-shaped bench model (real K2.5 dimensions, `--layers` layers, random weights) at
 this run's tensor-parallel size in each expert layout asked for, and runs the extraction loop of

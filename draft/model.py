@@ -59,7 +59,7 @@ def checkpoint_modes(spec: str | Sequence[str], ttt_steps: int) -> list[str]:
     """One of CHECKPOINT_MODES per TTT step, from a mode for every step ("selective_all"), a list
     of ttt_steps modes, or the same list as a string, "*n" repeating a mode:
     "selective*3+selective_all*4" (the first 3 steps recompute gate/up, the last 4 keep them: at
-    2K tokens on an H200 0.42 GiB less peak memory for ~4 ms, BENCHMARKS.md 2026-11-30 R5)."""
+    2K tokens on an H200 0.42 GiB less peak memory for ~4 ms, BENCHMARKS.md)."""
     if isinstance(spec, str) and "+" not in spec and "*" not in spec:
         modes = [spec.strip()] * ttt_steps
     elif isinstance(spec, str):
@@ -349,7 +349,7 @@ class Eagle3Draft(nn.Module):
 
     def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
         """inv_freq on `device`, copied once: a copy per call from the host is a blocking
-        transfer (a host sync per TTT step, seen 2026-11-30 in bench-train's sync list)."""
+        transfer (a host sync per TTT step, seen in bench-train's sync list)."""
         cache = self.__dict__.setdefault("_inv_freq_cache", {})
         if cache.get("source") is not self.inv_freq:  # a new table: drop the old copies
             cache.clear()

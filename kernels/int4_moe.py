@@ -30,7 +30,7 @@ bf16 scales [E, out, in/G]. Three implementations, same numbers up to bf16 round
   gate+up kernel writes h already permuted).
 
 `bf16_grouped_mm_moe` is the speed-of-light reference of the same math with bf16 weights (the
-anchor's sort-by-expert torch._grouped_mm), used by benchmarks/bench_moe.py.
+sort-by-expert torch._grouped_mm), used by benchmarks/bench_moe.py.
 
 Expert parallelism: the caller passes only its local experts and `expert_start`; pairs routed to
 other ranks' experts fall into a dummy bucket that gets no tiles, so they contribute zero.
@@ -594,7 +594,7 @@ def _grouped_offsets(counts: torch.Tensor, num_local: int) -> torch.Tensor:
 def bf16_grouped_mm_moe(x, weights, ids, gate_up_t, down_t, expert_start: int = 0) -> torch.Tensor:
     """Sort by expert + torch._grouped_mm with bf16 weights: gate_up_t [E, H, 2I], down_t [E, I, H] -> [N, H] bf16.
 
-    The anchor's speed-of-light reference (../shared/anchors/anchor_moe.py), same math.
+    The speed-of-light reference of the same math with bf16 weights.
     """
     N, k = ids.shape
     E = gate_up_t.shape[0]
