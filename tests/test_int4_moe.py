@@ -339,7 +339,7 @@ def test_triton_combine_slots_matches_reference(with_add):
 
 @pytest.mark.skipif(INNER, reason="this is the outer launcher")
 @pytest.mark.skipif(HAS_CUDA, reason="CUDA is present: the compiled kernels run these cases directly (and Triton 3.6's "
-                    "interpreter failed under numpy 2.5 on the device image)")
+                    "interpreter failed under numpy 2.5)")
 def test_triton_interpreted():
     """This file's Triton tests again, in a subprocess under TRITON_INTERPRET=1 (CPU)."""
     pytest.importorskip("triton")
@@ -347,7 +347,7 @@ def test_triton_interpreted():
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(Path(__file__)),
                              "-k", "triton_"], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    n_cases = len(TRITON_CASES) - len(_triton_cases("sa")) + 2 + 2  # sa skipped; + the Triton-ops unpacks + the slot combines
+    n_cases = len(TRITON_CASES) - len(_triton_cases()) + 2 + 2  # sa skipped; + the Triton-ops unpacks + the slot combines
     assert f"{n_cases} passed" in result.stdout, result.stdout[-2000:]
 
 
