@@ -2,6 +2,7 @@
 #
 #   make extract train              the embedded default (SmolLM2-135M on the CPU), end to end
 #   make test                       the test suite (CPU; GPU tests skip with a reason)
+#   make bench-gpu                  every GPU benchmark on the GPUs present (BENCHMARKS.md)
 #   make extract train CONFIG=configs/kimi_k25_pilot.yaml RUN=runs/kimi
 #   make train OVERRIDES="train.lr=1e-4 train.epochs=2"
 #
@@ -21,7 +22,7 @@ PY := $(VENV)/bin/python
 ARGS := $(if $(CONFIG),--config $(CONFIG)) run_dir=$(RUN) $(OVERRIDES)
 STAMP := $(VENV)/.installed
 
-.PHONY: install data extract vocab train eval plan test test-fast bench-extract-cpu bench-extract bench-moe bench-loss bench-train bench-prefill-attention bench-teacher-forced clean
+.PHONY: install data extract vocab train eval plan test bench-extract-cpu bench-extract bench-moe bench-loss bench-train bench-prefill-attention bench-teacher-forced bench-gpu clean
 
 install: $(STAMP)
 
@@ -71,6 +72,11 @@ bench-train: $(STAMP)
 
 bench-prefill-attention: $(STAMP)
 	$(PY) benchmarks/bench_prefill_attention.py
+
+# Every GPU benchmark on the GPUs present, tables printed, logs and JSON under runs/bench
+# (benchmarks/run_all.sh; installs nothing: `make install` first, plus the GPU extras).
+bench-gpu:
+	PYTHON=$(if $(wildcard $(PY)),$(PY),$(PYTHON)) bash benchmarks/run_all.sh
 
 # Where a trained draft's acceptance is lost: teacher-forced on HumanEval vs its own held-out text.
 bench-teacher-forced: $(STAMP)

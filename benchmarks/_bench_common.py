@@ -32,7 +32,7 @@ def median_ms(fn, device: torch.device, rep_ms: int = 100, cpu_reps: int = 3, fi
     fixed_iters: time exactly that many calls (after 3 warm-up calls), each between CUDA events.
     Needed where fn holds collectives: do_bench picks its number of calls from each rank's own
     first timings, so ranks would issue different numbers of all-reduces, which then pair with
-    the wrong calls or hang at exit (phase N, 2026-11-30)."""
+    the wrong calls or hang at exit (seen at tp 2)."""
     if device.type == "cuda" and fixed_iters:
         for _ in range(3):
             fn()

@@ -1,6 +1,6 @@
-"""Benchmark: native extraction throughput on a Kimi-K2.5-shaped model (issue 6, `make bench-extract`).
+"""Benchmark: native extraction throughput on a Kimi-K2.5-shaped model (`make bench-extract`).
 
-The model is built in memory (extract/native/bench_model.py): real K2.5 dimensions, random
+The model is built in memory (benchmarks/kimi_shaped.py): real K2.5 dimensions, random
 weights, INT4 experts, default 1 dense + 3 MoE layers. Per prompt length T (one sequence of T
 tokens per forward):
 
@@ -44,7 +44,7 @@ from _bench_common import median_ms as _median_ms  # noqa: E402
 import_eagleforge()
 from eagleforge.extract.capture import HiddenStateCapture  # noqa: E402
 from eagleforge.extract.native import model as native_model  # noqa: E402
-from eagleforge.extract.native.bench_model import build_bench_model, kimi_args, tiny_args  # noqa: E402
+from kimi_shaped import build_bench_model, kimi_args, tiny_args  # noqa: E402
 from eagleforge.extract.native.plan import plan_memory  # noqa: E402
 from eagleforge.extract.native import parallel as native_parallel  # noqa: E402
 from eagleforge.extract.native.parallel import init_parallel, shutdown  # noqa: E402
@@ -277,7 +277,7 @@ AB_SWITCHES = {"split_rows": (native_model, "SPLIT_ROWS_MIN_TOKENS"), "overlap_h
 def ab_forward(model, state, T: int, switch: str, rounds: int, reps: int) -> dict:
     """Forward-only ms with `switch` on (its default) and off, INTERLEAVED: `rounds` rounds of
     (on, off), each `reps` pipelined forwards, so the machine's drift over the run (about 3% between
-    runs of the tp 2 forward on 2026-11-30) falls on both alike. Off = its threshold set past any batch."""
+    runs of the tp 2 forward on an H200 pair) falls on both alike. Off = its threshold set past any batch."""
     module, name = AB_SWITCHES[switch]
     default = getattr(module, name)
     ids = torch.randint(0, model.args.vocab_size, (1, T), generator=torch.Generator().manual_seed(T)).to(state.device)
@@ -298,7 +298,7 @@ def ab_forward(model, state, T: int, switch: str, rounds: int, reps: int) -> dic
 
 
 def summary(res: dict, tokens: list) -> None:
-    """One line per T: the numbers issue 6 asks for."""
+    """One line per T: forward, head, capture, components, MFU and the 8-GPU projection."""
     print(f"tp {res['tp']}, {res['layers']} layers, matmul {res['matmul_TFLOPs']} TFLOP/s, {res['device']}")
     for T in tokens:
         r = res.get(f"T={T}", {})
@@ -351,7 +351,7 @@ def main(argv=None) -> dict:
                "layers": args.num_hidden_layers, "aux_layers": aux_layers, "build_s": round(time.perf_counter() - t0, 1),
                "matmul_TFLOPs": round(matmul_tflops(state.device), 1), "moe_backend": native_model.MOE_BACKEND,
                "torch": torch.__version__}
-        # the memory planner beside the measurement (issue 10 compares them per GPU, goal 5%)
+        # the memory planner beside the measurement (benchmarks/check_plan.py compares them per GPU)
         res["planner_weights_GiB"] = round(plan_memory(args, state.tp.size, "ep").weights_bytes / 2**30, 2)
         if state.device.type == "cuda":
             res["memory_GiB_after_build"] = round(torch.cuda.memory_allocated() / 2**30, 2)

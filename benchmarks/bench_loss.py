@@ -1,7 +1,7 @@
 """Benchmark: the EAGLE-3 soft cross-entropy, forward + backward, ours vs the peers, one run.
 
-Issue 7's table at the Kimi-K2.5 draft shape (H = 7168, Vd = 32000) for T = 8192 and 32768,
-with the anchor's peers (../shared/anchors/anchor_loss.py) run side by side in the same process:
+At the Kimi-K2.5 draft shape (H = 7168, Vd = 32000) for T = 8192 and 32768,
+with the usual alternatives run side by side in the same process:
 
     naive_torch                       public trainers' way: fp32 softmax of both [T, Vd] logits
     liger_fused_linear_jsd_beta0      Liger-Kernel's fused linear JSD, beta 0 (forward KL)
@@ -12,7 +12,7 @@ with the anchor's peers (../shared/anchors/anchor_loss.py) run side by side in t
                                       (naive: probabilities once + 7 steps; Liger KL: the same;
                                       ours: fused_soft_cross_entropy_ttt, teacher logits once)
     ours_ttt7_chunkC                  per step: K x (3 matmuls + row pass) per teacher chunk of C
-    ours_ttt7_packed_chunkC           packed (issue 7): the K steps' rows of a teacher chunk of C/K
+    ours_ttt7_packed_chunkC           packed (train.loss_packed): the K steps' rows of a teacher chunk of C/K
                                       positions in ONE [C, H] x [H, Vd] matmul, one row pass, one
                                       grad-hidden matmul, one grad-head addmm (same buffer sizes)
 
@@ -27,10 +27,8 @@ matmul rate is measured in the same run and gives the floors (3 or 4 matmuls of 
     python benchmarks/bench_loss.py --ttt-only --variants perstep packed   # old vs packed TTT only
     python benchmarks/bench_loss.py --cpu-check          # tiny shapes on the CPU: checks the script
 
-On the H200 device machine (liger-kernel carried as a wheel in .whl/, carry [".whl"]):
-
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/liger_kernel-*.whl \
-      && PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 benchmarks/bench_loss.py --json $OUT/bench_loss.json
+The Liger rows need liger-kernel installed (`pip install -e ".[bench]"`); without it they are
+skipped.
 """
 
 from __future__ import annotations
@@ -51,7 +49,7 @@ log = logging.getLogger("bench_loss")
 
 def load_soft_ce():
     """eagleforge.kernels.soft_ce, or the file beside this script when the package is not installed
-    (the device machine runs from a bare checkout; soft_ce.py imports nothing from eagleforge)."""
+    (a bare checkout; soft_ce.py imports nothing from eagleforge)."""
     try:
         from eagleforge.kernels import soft_ce
         return soft_ce
@@ -102,7 +100,7 @@ def peak_above_inputs(fn, device: torch.device) -> float | None:
 
 
 def make_inputs(tokens: int, hidden: int, vocab: int, steps: int, device, dtype):
-    """The anchor's inputs (same scales), plus K draft hidden states for the TTT cases."""
+    """Random inputs at a trained model's scales, plus K draft hidden states for the TTT cases."""
     torch.manual_seed(0)
     hd = (torch.randn(tokens, hidden, device=device, dtype=dtype) * 0.5).requires_grad_()
     wd = (torch.randn(vocab, hidden, device=device, dtype=dtype) * hidden**-0.5).requires_grad_()
@@ -118,7 +116,7 @@ def run_cases(tokens, hidden, vocab, steps, chunks, device, dtype, timer, with_l
     params = [hd, wd, *hds]
     grad_gib = (hd.numel() * hd.element_size() + wd.numel() * wd.element_size()) / 2**30
     ones = torch.ones(tokens, device=device)
-    mean_w = ones / tokens  # the anchor's loss is a mean over tokens
+    mean_w = ones / tokens  # the loss is a mean over tokens
     ttt_w = torch.ones(steps, tokens, device=device) / tokens
     for j in range(steps):
         ttt_w[j, tokens - 1 - j :] = 0  # step j's last 1 + j rows have no teacher
@@ -411,7 +409,7 @@ def main(argv=None) -> dict:
         args.tokens, args.hidden, args.vocab, args.chunks = [96, 61], 40, 997, [32]
     else:
         if not torch.cuda.is_available():
-            raise SystemExit("bench_loss.py needs a CUDA GPU (H200 for the issue's table); --cpu-check runs tiny shapes on the CPU")
+            raise SystemExit("bench_loss.py needs a CUDA GPU (an H200 for BENCHMARKS.md's table); --cpu-check runs tiny shapes on the CPU")
         device, dtype = torch.device("cuda"), torch.bfloat16
     timer = Timer(device, args.rep_ms)
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -425,7 +423,7 @@ def main(argv=None) -> dict:
         env["liger_kernel"] = None
         with_liger = False
         if device.type == "cuda" and not args.no_liger:
-            log.warning("liger_kernel not importable: its rows are skipped (carry the wheel: see the docstring)")
+            log.warning("liger_kernel not importable: its rows are skipped (pip install liger-kernel to include them)")
     result = {"env": env, "shape": {"hidden": args.hidden, "vocab": args.vocab, "steps": args.steps}}
     tflops = matmul_tflops(device, dtype, timer, 8192 if device.type == "cuda" else 256)
     result["matmul_tflops"] = round(tflops, 1)

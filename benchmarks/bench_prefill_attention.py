@@ -1,13 +1,13 @@
-"""Benchmark: the extraction's prefill attention (MLA heads of Kimi-K2.5) by kernel (issue 6 item 3).
+"""Benchmark: the extraction's prefill attention (MLA heads of Kimi-K2.5) by kernel.
 
 One rank's heads at tp 1 (64 heads, q/k head dim 192 = 128 nope + 64 rope, v head dim 128), one
 causal sequence of T tokens, forward only, bf16, through extract.native.model.prefill_attention:
 
-    flash, chunks of 8192    the default until 2026-11-30: FlashAttention-2 through SDPA, v
+    flash, chunks of 8192    FlashAttention-2 through SDPA (EAGLEFORGE_PREFILL_ATTENTION=flash), v
                              padded to 192, query chunks of 8192 (bottom-right causal masks)
     flash, one call          the same kernel over the whole prompt at once
     cudnn, v padded          SDPA with cuDNN's fused attention alone, v padded to 192
-    auto (cudnn, v unpadded) the default now: cuDNN on q, k [.., 192] and v [.., 128] (no wasted
+    auto (cudnn, v unpadded) the default: cuDNN on q, k [.., 192] and v [.., 128] (no wasted
                              PV work)
 
 Each row: median ms (do_bench), TFLOP/s of the causal core (2 x n x T^2/2 x (192 + 128), the

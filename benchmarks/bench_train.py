@@ -1,5 +1,5 @@
 """Benchmark: one full EAGLE-3 draft training step (forward, backward, optimizer) at Kimi-K2.5's
-draft shape, ours against SpecForge's own step, side by side in one process (issue 7 item 4).
+draft shape, ours against SpecForge's own step, side by side in one process.
 
 Shape (Kimi-K2.5 draft): hidden 7168, one layer, 64 query and 64 KV heads of 128, intermediate
 18432, target vocabulary 163840, draft vocabulary Vd 32000, TTT 7, batch 1 x T tokens.
@@ -20,13 +20,13 @@ Our step mirrors the trainer (train/loop.py) with the memory changes measured he
                                / (rows of step j); the target argmax comes with the shards
     loss.backward(); clip_grad_norm_(0.5); AdamW(fused=True).step(); zero_grad(set_to_none=True)
 
-Parameters are bf16 and AdamW keeps bf16 states (the same as SpecForge's anchor, which trains
+Parameters are bf16 and AdamW keeps bf16 states (the same as SpecForge's step, which trains
 bf16 parameters with plain AdamW; the trainer's fp32 master weights would add 8 bytes per
 parameter, 8.9 GiB here). The frozen target embedding [163840, 7168] (2.2 GiB) stays on the
 host by default (--embed-device cpu): only the T rows a batch uses are gathered there (into
 pinned memory) and copied over, inside the timed step.
 
-SpecForge's step is its anchor (../shared/anchors/anchor_specforge_train.py) verbatim:
+SpecForge's step is its own training step:
 LlamaForCausalLMEagle3 in OnlineEagle3Model, flex_attention backend, its compact teacher from
 hidden states over the FULL target vocabulary (163840) every step.
 
@@ -36,13 +36,14 @@ teacher's forward logits: 2 H Vd per token for ours (once, shared over steps; th
 comes from the shards), 2 H V for SpecForge (full vocabulary, as it does). MFU is against
 --peak-tflops (H200 dense bf16, 989).
 
-Variants (issue 7, old vs new side by side in ONE run; --variants picks them, each a spec
+Variants (side by side in ONE run; --variants picks them, each a spec
 `key=value,...` with ckpt = step | none | selective | selective_all (eagleforge.modes.CHECKPOINT_MODES),
 attn = flex | merged | merged_cudnn | sdpa (draft.attention), compile = 0 | 1 (fused elementwise pieces),
 packed = 0 | 1 (the loss's packed TTT form), fusegrad = 0 | 1 (midlayer weight gradients accumulated by the
-GEMM itself, draft.grad_accum)). The default list starts with the 2026-11-29
-configuration (ckpt=step,attn=flex). Rows carry "vs SpecForge" ratios against SpecForge measured
-in the same run, or else against its 2026-11-29 numbers (SPECFORGE_2026_11_29).
+GEMM itself, draft.grad_accum: Eagle3Draft.fuse_weight_grads, an opt-in the trainer does not set)).
+The trainer's Kimi configs run ckpt=selective_all,attn=merged_cudnn,compile=1 (packed = the
+`train.loss_packed` option, off by default). Rows carry "vs SpecForge" ratios against SpecForge
+measured in the same run (none without SpecForge installed).
 
     python benchmarks/bench_train.py --no-specforge --json $OUT/bench_train.json        # attention + all variants
     python benchmarks/bench_train.py --attention-bench --json $OUT/attn.json              # TTT attention only
@@ -56,11 +57,8 @@ in the same run, or else against its 2026-11-29 numbers (SPECFORGE_2026_11_29).
         ckpt=selective_all,attn=merged,compile=dynamic,packed=1 \
         ckpt=selective_all,attn=merged_cudnn,compile=dynamic,packed=1   # lengths changing every step
 
-On the H200 device machine (wheels carried in .whl/):
-
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-      && export PYTHONPATH=/tmp/site && python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . \
-      && PYTHONUNBUFFERED=1 python3 benchmarks/bench_train.py --json $OUT/bench_train.json
+The SpecForge rows need specforge installed (and the Liger kernels it uses); without it they are
+skipped and no ratio is given.
 """
 
 from __future__ import annotations
@@ -83,7 +81,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import gpu_busy_ms, host_syncs, import_eagleforge, memory_at_peak  # noqa: E402
 
-import_eagleforge()  # a bare checkout (the device machine) runs without `pip install -e .`
+import_eagleforge()  # a bare checkout runs without `pip install -e .`
 
 from eagleforge.draft import Eagle3Config, Eagle3Draft  # noqa: E402
 from eagleforge.draft.attention import ttt_attention  # noqa: E402
@@ -94,17 +92,14 @@ log = logging.getLogger("bench_train")
 STEP_WEIGHT_DECAY = 0.8
 GRAD_CLIP = 0.5
 
-# SpecForge 0.2.0 on one H200, BENCHMARKS.md 2026-11-29: T -> (tokens/s, peak GiB).
-SPECFORGE_2026_11_29 = {2048: (9995, 20.08), 8192: (10129, 41.18), 16384: (9214, 71.06), 32768: (7519, 130.82)}
-
 DEFAULT_VARIANTS = [
-    "ckpt=step,attn=flex",  # the 2026-11-29 configuration
+    "ckpt=step,attn=flex",  # whole-step checkpointing, flex attention: the simplest configuration
     "ckpt=selective,attn=merged",
     "ckpt=selective,attn=merged,compile=1,packed=1",
     "ckpt=selective_all,attn=merged,compile=1,packed=1",
     "ckpt=step,attn=merged,compile=1,packed=1",
     "ckpt=none,attn=merged,compile=1,packed=1",
-    "ckpt=selective_all,attn=merged_cudnn,compile=1,packed=1,fusegrad=1",  # the best of 2026-11-30
+    "ckpt=selective_all,attn=merged_cudnn,compile=1,packed=1,fusegrad=1",  # the fastest measured (BENCHMARKS.md)
 ]
 
 
@@ -149,7 +144,7 @@ def flops_per_token(s: Shape, tokens: int, teacher_vocab: int) -> float:
 
 
 # ----------------------------------------------------------------------------------------------
-# Inputs (random, the anchor's scales) and memory/time helpers
+# Inputs (random, at a trained model's scales) and memory/time helpers
 # ----------------------------------------------------------------------------------------------
 
 
@@ -176,7 +171,7 @@ def use_compiled_block_masks() -> None:
 
 def make_batch(s: Shape, tokens: int, device: torch.device, used_ids: torch.Tensor, seed: int = 0) -> dict:
     """One sample of T tokens as the shards hold it: aux [1, T, 3H], last hidden [1, T, H],
-    input ids, loss mask (all ones, as the anchor), target argmax (90% inside the draft vocab)."""
+    input ids, loss mask (all ones, as SpecForge's step), target argmax (90% inside the draft vocab)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     input_ids = torch.randint(0, s.vocab, (1, tokens), generator=gen)
     in_vocab = used_ids[torch.randint(0, len(used_ids), (1, tokens), generator=gen)]
@@ -257,7 +252,7 @@ class Variant:
     compile: bool | str = False  # False, True (a graph per length) or "dynamic"
     packed: bool = False
     fusegrad: bool = False
-    sync: bool = False  # the two host syncs of the loss before 2026-11-30's sixth session, for comparison
+    sync: bool = False  # two host syncs in the loss's backward (what they would cost; the loss makes none)
 
     @classmethod
     def parse(cls, spec: str) -> "Variant":
@@ -375,8 +370,8 @@ class OurStep:
     def step(self, batch: dict) -> torch.Tensor:
         loss, step_losses, argmax = self.forward_loss(batch)
         if self.sync and self.device.type == "cuda":
-            # sync=1: what the loss's backward did until 2026-11-30 (read the upstream gradient
-            # back to test it for 1), here as the same wait at the same moment
+            # sync=1: a host wait before the backward, as a loss reading the upstream gradient
+            # back (to test it for 1) would make
             torch.cuda.synchronize()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, GRAD_CLIP, foreach=True)
@@ -386,7 +381,7 @@ class OurStep:
 
 
 # ----------------------------------------------------------------------------------------------
-# SpecForge's step (the anchor's logic)
+# SpecForge's step
 # ----------------------------------------------------------------------------------------------
 
 
@@ -630,7 +625,7 @@ def profile_step(name: str, method, s: Shape, tokens: int, device: torch.device,
         print(f"memory by phase (GiB): {json.dumps(out['memory_phases'])}", flush=True)
     if getattr(method, "compile", False):
         # torch 2.11: the allocator's history with python stacks breaks compiled code inside a
-        # checkpoint (SystemError in the backward, pytorch/pytorch#179536; seen 2026-11-30)
+        # checkpoint (SystemError in the backward, pytorch/pytorch#179536)
         print("memory at the peak by source line: skipped (compiled variant; see pytorch#179536)")
         return out
     try:
@@ -649,7 +644,7 @@ def profile_step(name: str, method, s: Shape, tokens: int, device: torch.device,
 def attention_bench(s: Shape, device: torch.device, tokens_list: list[int], modes: list[str], warmup: int,
                     iters: int) -> list[dict]:
     """TTT attention alone as training runs it: for j = 0..K-1, forward over the keys of steps
-    0..j and backward, per mode (flex: the 2026-11-29 default on CUDA; merged: flash + diagonal
+    0..j and backward, per mode (flex: flex_attention over the concatenated keys; merged: flash + diagonal
     merge). Time per full set of K steps, peak memory above the inputs, attention TFLOP/s
     (causal QK^T and PV, forward + backward = 3 x 4 x T/2 x heads x D per token and step)."""
     rows = []
@@ -683,18 +678,16 @@ def attention_bench(s: Shape, device: torch.device, tokens_list: list[int], mode
 
 
 def versus_specforge(rows: list[dict]) -> None:
-    """Add speed and memory ratios against SpecForge: measured in this run when it ran, else
-    its 2026-11-29 numbers (the goal: speed >= 1.15x, memory <= 0.6x)."""
+    """Add speed and memory ratios against SpecForge measured in this run (at the same T)."""
     measured = {r["tokens"]: (r["tokens_per_s"], r["peak_GiB"]) for r in rows
                 if r["method"].startswith("specforge") and "error" not in r}
     for r in rows:
         if "error" in r or r["method"].startswith("specforge") or "step_ms" not in r:
             continue
-        ref = measured.get(r["tokens"]) or SPECFORGE_2026_11_29.get(r["tokens"])
+        ref = measured.get(r["tokens"])
         if ref:
             r["vs_specforge_speed"] = round(r["tokens_per_s"] / ref[0], 3)
             r["vs_specforge_memory"] = None if r["peak_GiB"] is None else round(r["peak_GiB"] / ref[1], 3)
-            r["vs_specforge_source"] = "this run" if r["tokens"] in measured else "2026-11-29"
 
 
 def print_table(rows: list[dict]) -> None:
@@ -717,7 +710,7 @@ def print_table(rows: list[dict]) -> None:
         if "error" in r:
             print(f"| {r['tokens']} | {r['method']} | {r['error']} | | | | | | |")
         else:
-            vs = f"{r['vs_specforge_speed']}x, {r['vs_specforge_memory']}x ({r['vs_specforge_source']})" \
+            vs = f"{r['vs_specforge_speed']}x, {r['vs_specforge_memory']}x" \
                 if "vs_specforge_speed" in r else ""
             print(f"| {r['tokens']} | {r['method']} | {r['step_ms']} | {r['tokens_per_s']} | {r['peak_GiB']} | "
                   f"{r['GFLOP_per_token']} | {r['TFLOPs']} | {r['MFU']} | {vs} |")
@@ -840,7 +833,7 @@ def main(argv=None) -> dict:
                    s, tokens, device, used_ids, args.warmup, args.iters, args.peak_tflops, s.draft_vocab, report["results"])
         versus_specforge(report["results"])
         save()
-    # SpecForge last: in the 2026-11-29 run every row measured after it carried ~10 GiB more fixed
+    # SpecForge last: rows measured after it in the same process carried ~10 GiB more fixed
     # memory (most likely its model kept alive by compile caches), so nothing of ours follows it.
     if not args.no_specforge:
         try:

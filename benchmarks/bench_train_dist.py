@@ -1,5 +1,5 @@
-"""Benchmark: data-parallel training throughput of the Kimi-K2.5-shaped draft at 1 and 2 GPUs
-(issue 8): tokens/s, scaling, step time, peak memory, MFU.
+"""Benchmark: data-parallel training throughput of the Kimi-K2.5-shaped draft at 1 and 2 GPUs:
+tokens/s, scaling, step time, peak memory, MFU.
 
 Shape: bench_train.Shape (hidden 7168, one layer, 64/64 heads of 128, intermediate 18432,
 vocab 163840, Vd 32000, TTT 7). Each rank trains on its own synthetic batch of --tokens tokens

@@ -1,4 +1,4 @@
-"""Issue 10's memory check: the planner's bytes per GPU against what the extraction loop uses.
+"""Memory check: the planner's bytes per GPU against what the extraction loop uses.
 
 Builds the Kimi-shaped bench model (real K2.5 dimensions, `--layers` layers, random weights) at
 this run's tensor-parallel size in each expert layout asked for, and runs the extraction loop of
@@ -38,7 +38,7 @@ from bench_extract import NullSink  # noqa: E402  (the writer's sink that drops 
 
 import_eagleforge()
 from eagleforge.extract.capture import HiddenStateCapture  # noqa: E402
-from eagleforge.extract.native.bench_model import build_bench_model, kimi_args, tiny_args  # noqa: E402
+from kimi_shaped import build_bench_model, kimi_args, tiny_args  # noqa: E402
 from eagleforge.extract.native.parallel import gather_objects, init_parallel, shutdown  # noqa: E402
 from eagleforge.extract.native.plan import GIB, plan_memory  # noqa: E402
 from eagleforge.extract.native.run import extract_chunk, forward_batch  # noqa: E402

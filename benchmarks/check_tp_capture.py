@@ -4,8 +4,8 @@ parallelism on GPUs, bf16 and the fast kernels (cuDNN prefill attention, INT4 Tr
 Run under torchrun. Every rank feeds the SAME ids (drawn on the CPU from a fixed seed) and must
 hold the same replicated hidden states after each all-reduce: the script reports, per rank, the
 captured states' finiteness and smallest token norm, and the largest difference between ranks.
-Phase N (2026-11-30) saw a NaN fp8 error and a near-zero token in bench-extract's tp 2 capture,
-whose ids came from each rank's own CUDA generator.
+(A capture whose ranks drew their ids from their own CUDA generators once showed a NaN fp8 error
+and a near-zero token in bench-extract's tp 2 run.)
 
     torchrun --standalone --nproc-per-node 2 benchmarks/check_tp_capture.py --tokens 4096
 """
@@ -24,7 +24,7 @@ from _bench_common import import_eagleforge  # noqa: E402
 
 import_eagleforge()
 from eagleforge.extract.capture import HiddenStateCapture  # noqa: E402
-from eagleforge.extract.native.bench_model import build_bench_model, kimi_args, tiny_args  # noqa: E402
+from kimi_shaped import build_bench_model, kimi_args, tiny_args  # noqa: E402
 from eagleforge.extract.native.parallel import init_parallel, shutdown  # noqa: E402
 
 

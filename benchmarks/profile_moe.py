@@ -1,5 +1,5 @@
-"""Profile target: the routed experts of one Kimi-K2.5 MoE layer, INT4 v3 and the bf16 grouped_mm
-reference, each in its own NVTX range, for Nsight Compute (issue 6: what bounds the INT4 kernels).
+"""Profile target: the routed experts of one Kimi-K2.5 MoE layer, INT4 (kernels/int4_moe.py) and the bf16 grouped_mm
+reference, each in its own NVTX range, for Nsight Compute (what bounds the INT4 kernels).
 
 Launch configs are pinned (no search: every launch under the profiler is one of the ones asked
 for). Each variant runs `--reps` times inside its range; ncu's --launch-skip takes the warm-up
@@ -10,7 +10,7 @@ calls out.
         python3 benchmarks/profile_moe.py --tokens 16384
     python3 benchmarks/profile_moe.py --tokens 4096 16384 --time     # no profiler: ms per config
 
---gate-up / --down: v3 configs as impl,BT,BN,BK,warps,stages[,maxnreg] (the default: int4_moe's
+--gate-up / --down: launch configs as impl,BT,BN,BK,warps,stages[,maxnreg] (the default: int4_moe's
 first candidates for the shape). With --time, every config given is timed (do_bench median) on
 the same routing, each against the bf16 grouped_mm experts of the same run.
 """
@@ -81,7 +81,7 @@ def main(argv=None) -> None:
         with torch.no_grad():
             torch.cuda.nvtx.range_push("int4")
             for _ in range(a.reps):
-                int4_moe.int4_moe(x, w, ids, *pk, impl="v3")
+                int4_moe.int4_moe(x, w, ids, *pk)
             torch.cuda.nvtx.range_pop()
             gu_t, dn_t = dequantized_weights(packs)
             torch.cuda.nvtx.range_push("ref")
@@ -122,7 +122,7 @@ def time_configs(T, x, w, ids, pk, gate_ups, downs) -> None:
         for g, d in pairs:
             pin(g, d)
             try:
-                t = ms(lambda: int4_moe.int4_moe(x, w, ids, *pk, impl="v3"))
+                t = ms(lambda: int4_moe.int4_moe(x, w, ids, *pk))
             except int4_moe._compile_errors() as err:
                 print(f"T={T} gate_up {g} down {d}: failed {str(err)[:200]}")
                 continue

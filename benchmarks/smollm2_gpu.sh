@@ -3,7 +3,7 @@
 # vocabulary, training and evaluation on one GPU, timing each stage. Usage:
 #   bash benchmarks/smollm2_gpu.sh [RUN] [extra section.key=value ...]
 #   EVAL_PROMPTS=40 bash benchmarks/smollm2_gpu.sh runs/g     # the full 40-prompt eval (~6 min more)
-#   STAGES="data extract vocab train" bash benchmarks/smollm2_gpu.sh runs/g   # eval elsewhere
+#   STAGES="data extract vocab train" bash benchmarks/smollm2_gpu.sh runs/g   # eval elsewhere (e.g. a CPU)
 # Writes RUN/timings.txt beside the stages' own outputs, and RUN/eval/acceptance_curve.csv
 # (+ .png): the simulated acceptance length at k=5 at the end of each epoch against the
 # training tokens seen (per-TTT-step accuracies of RUN/train_log.csv), written right after
@@ -12,7 +12,7 @@ set -uo pipefail
 RUN=${1:-runs/smollm2_gpu}; shift || true
 PY=${PYTHON:-python3}
 CFG=configs/smollm2_gpu.yaml
-EVAL_PROMPTS=${EVAL_PROMPTS:-16}  # 40 does not fit the 9-minute budget (Python-bound batch-1 decoding)
+EVAL_PROMPTS=${EVAL_PROMPTS:-16}  # 40 takes ~6 minutes more (batch-1 decoding is Python-bound)
 mkdir -p "$RUN"
 start=$(date +%s)
 for stage in ${STAGES:-data extract vocab train eval}; do

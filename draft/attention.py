@@ -27,7 +27,7 @@ Five implementations, equal up to rounding (tests/test_draft_attention.py):
 - `ttt_attention_flex`: flex_attention with a block mask over the concatenated keys (CUDA,
   compiled; block sparsity skips the masked-out blocks).
 `ttt_attention(..., mode="auto")` is merged_cudnn on CUDA and merged elsewhere; "fast" is the
-same as "auto". Measured on an H200 (2026-11-30, BENCHMARKS.md): forward + backward per TTT step
+same as "auto". Measured on an H200 (BENCHMARKS.md): forward + backward per TTT step
 at a fixed 8K, merge compiled, 8.8 ms merged_cudnn, 14.1 merged, 15.3 flex (2K: 1.5 ms for both
 merged forms); and whole training steps whose length changes every step (16 lengths in
 [4K, 8K], compiled dynamic, every first use included): 560 ms per step with merged_cudnn,
@@ -130,7 +130,7 @@ def _causal_lse(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 # The CPU flash backward is trusted from this torch on: torch 2.11's returned a garbage q gradient
-# (relative error 9e23) for a one-row causal block on the 2026-11-30 device run (through the merged Function and through
+# (relative error 9e23) for a one-row causal block on an H200 machine's CPU (through the merged Function and through
 # F.scaled_dot_product_attention, which picks the same CPU flash kernel), while 2.13 (the
 # version the Makefile installs and the tests run) matches the reference at every tested shape.
 CPU_FLASH_MIN_TORCH = (2, 13)
@@ -386,16 +386,6 @@ def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention)
-
-
-def flex_available(device: torch.device) -> bool:
-    if device.type != "cuda":
-        return False
-    try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 @functools.lru_cache(maxsize=64)

@@ -316,7 +316,7 @@ class Eagle3Draft(nn.Module):
 
     def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
         """inv_freq on `device`, copied once: a copy per call from the host is a blocking
-        transfer (a host sync per TTT step, seen 2026-11-30 in bench-train's sync list)."""
+        transfer (a host sync per TTT step, seen in bench-train's sync list)."""
         cache = self.__dict__.setdefault("_inv_freq_cache", {})
         if cache.get("source") is not self.inv_freq:  # a new table: drop the old copies
             cache.clear()

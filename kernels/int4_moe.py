@@ -22,19 +22,15 @@ bf16 scales [E, out, in/G]. Three implementations, same numbers up to bf16 round
   by the down weights and scales by the router weight, still in sorted order; a combine kernel
   sums each token's slots through the inverse order (reading only this rank's rows, adding an
   optional [N, H] such as the shared expert, one rounding; deterministic, no atomics).
-  impl="v3" (the default where H and I are multiples of 128): per 128 columns each weight row's
-  16 packed words are loaded once and nibble position n (n = 0..7) becomes its own [BN, 16] tile,
-  unpacked elementwise without an int -> float conversion (the bf16 magic number 0x4300; in
-  inline PTX on sm_90), and NIB of them side by side make one dot of K = 16 NIB against A's
-  columns permuted to match (permute_k128 on x; the gate+up kernel writes h already permuted).
-  impl="v1m" is v1 with that unpack (auto's choice where v3's shapes do not fit). impl="v1" is the first version (measured 2026-11-29: 57.2 ms at 16K
-  tokens on the H200): words [BN, BK/8] unpacked through a 3-D reshape, nibble -> int -> fp32,
-  fp32 scale, round to bf16 (two conversions per weight, at 16 per clock per SM). A second
-  version with an interleave-tree unpack did not compile in Triton 3.6 ("Illegal shared layout")
-  and was removed; v3 replaced it.
+  The kernel ("v3"; H and I multiples of 128, a scale group of 8-128 dividing 128: `supports`):
+  per 128 columns each weight row's 16 packed words are loaded once and nibble position n
+  (n = 0..7) becomes its own [BN, 16] tile, unpacked elementwise without an int -> float
+  conversion (the bf16 magic number 0x4300; in inline PTX on sm_90), and NIB of them side by
+  side make one dot of K = 16 NIB against A's columns permuted to match (permute_k128 on x; the
+  gate+up kernel writes h already permuted).
 
 `bf16_grouped_mm_moe` is the speed-of-light reference of the same math with bf16 weights (the
-anchor's sort-by-expert torch._grouped_mm), used by benchmarks/bench_moe.py.
+sort-by-expert torch._grouped_mm), used by benchmarks/bench_moe.py.
 
 Expert parallelism: the caller passes only its local experts and `expert_start`; pairs routed to
 other ranks' experts fall into a dummy bucket that gets no tiles, so they contribute zero.
@@ -178,40 +174,6 @@ if HAS_TRITON:
     _UNPACK_PTX = tl.constexpr(_UNPACK_PTX_TEXT)
 
     @triton.jit
-    def _dequant_tile(words, scale, shifts, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                      DOT_DTYPE: tl.constexpr):
-        """words int32 [BN, BK/8], scale [BN, BK/GROUP] -> W tile [BN, BK] in DOT_DTYPE (v1's unpack).
-
-        [BN, BK/8, 8] nibbles (column 8j + n = nibble n of word j) -> [BN, BK/G, G] times the
-        group's scale (q * scale in fp32, rounded once: the correctly rounded bf16 product, as
-        dequantize_int4's bf16 multiply gives) -> [BN, BK].
-        """
-        q = ((words[:, :, None] >> shifts[None, None, :]) & 0xF) - 8  # [BN, BK/8, 8]
-        q = tl.reshape(q, (BLOCK_N, BLOCK_K // GROUP, GROUP)).to(tl.float32)
-        w = q * scale.to(tl.float32)[:, :, None]
-        return tl.reshape(w.to(DOT_DTYPE), (BLOCK_N, BLOCK_K))
-
-    @triton.jit
-    def _dequant_tile_magic(words, scale, shifts, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                            FP32_MATH: tl.constexpr):
-        """_dequant_tile's values without its two conversions per weight (see _nibble_times_scale):
-        words int32 [BN, BK/8], scale bf16 [BN, BK/GROUP] -> [BN, BK] bf16 (fp32 under FP32_MATH)."""
-        nib = ((words[:, :, None] >> shifts[None, None, :]) & 0xF) | 0x4300  # [BN, BK/8, 8]
-        b = tl.reshape(nib.to(tl.int16).to(tl.bfloat16, bitcast=True), (BLOCK_N, BLOCK_K // GROUP, GROUP))  # 128 + nibble
-        if FP32_MATH:  # the interpreter: numpy has no bf16 arithmetic; the same values in fp32
-            w = (b.to(tl.float32) - 136.0) * scale.to(tl.float32)[:, :, None]
-        else:
-            w = (b - 136.0) * scale[:, :, None]
-        return tl.reshape(w, (BLOCK_N, BLOCK_K))
-
-    @triton.jit
-    def _v1_unpack(words, scale, shifts, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                   DOT_DTYPE: tl.constexpr, MAGIC: tl.constexpr):
-        if MAGIC:
-            return _dequant_tile_magic(words, scale, shifts, BLOCK_N, BLOCK_K, GROUP, DOT_DTYPE == tl.float32).to(DOT_DTYPE)
-        return _dequant_tile(words, scale, shifts, BLOCK_N, BLOCK_K, GROUP, DOT_DTYPE)
-
-    @triton.jit
     def _combine_slots_kernel(y_ptr, inv_ptr, add_ptr, out_ptr, H, stride_y, stride_add, stride_out,
                               K: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK_H: tl.constexpr):
         """One program per (token n, block of H): out[n] = sum_s y[inv[n*K + s]] (+ add[n]) in fp32."""
@@ -228,74 +190,10 @@ if HAS_TRITON:
         tl.store(out_ptr + n * stride_out + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _int4_grouped_gemm_kernel(
-        a_ptr, a_rows_ptr, stride_am,  # A [*, K] bf16; sorted row r reads A[a_rows[r]] when GATHER_A
-        b_ptr, s_ptr, b2_ptr, s2_ptr,  # packed int32 [E, N, K/8], scales bf16 [E, N, K/GROUP]; b2/s2: up
-        c_ptr, c_rows_ptr, c_scale_ptr, stride_cm,  # C rows; SCATTER_C: row r -> C[c_rows[r]] * c_scale[c_rows[r]]
-        tile_expert_ptr, tile_begin_ptr, tile_end_ptr,
-        N, K,
-        stride_be, stride_bn, stride_se, stride_sn,
-        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        GATHER_A: tl.constexpr, GATE_UP: tl.constexpr, SCATTER_C: tl.constexpr, DOT_DTYPE: tl.constexpr,
-        MAGIC: tl.constexpr = False,
-    ):
-        """v1: C tile [BM, BN] = A rows [BM, K] @ W tile [BN, K]^T, W unpacked per K step (one dot of
-        K = BLOCK_K) by _dequant_tile, or with MAGIC by _dequant_tile_magic (the same values)."""
-        # axis 0 (fastest) walks N tiles, so consecutive programs share one A tile and stream
-        # one expert's weights; that expert's other M tiles follow and find them in L2.
-        pid_n = tl.program_id(0)
-        pid_t = tl.program_id(1)
-        begin = tl.load(tile_begin_ptr + pid_t)
-        end = tl.load(tile_end_ptr + pid_t)
-        if begin < end:
-            expert = tl.load(tile_expert_ptr + pid_t).to(tl.int64)
-            offs_m = begin + tl.arange(0, BLOCK_M)
-            m_mask = offs_m < end
-            if GATHER_A:
-                a_rows = tl.load(a_rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-            else:
-                a_rows = offs_m.to(tl.int64)
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < N
-            offs_w = tl.arange(0, BLOCK_K // 8)  # packed words of one K step
-            offs_g = tl.arange(0, BLOCK_K // GROUP)  # scale groups of one K step
-            shifts = tl.arange(0, 8) * 4  # nibble n of a word: bits 4n..4n+3
-            offs_k = tl.arange(0, BLOCK_K)
-            a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]  # [BM, BK]
-            # weights are read along K, where the packed words and the scales are contiguous:
-            # words [BN, BK/8] and scales [BN, BK/GROUP] per step, each read once, vector loads
-            b_off = expert * stride_be + offs_n[:, None].to(tl.int64) * stride_bn + offs_w[None, :]
-            s_off = expert * stride_se + offs_n[:, None].to(tl.int64) * stride_sn + offs_g[None, :]
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                a = tl.load(a_ptrs + k0, mask=m_mask[:, None], other=0.0).to(DOT_DTYPE)
-                words = tl.load(b_ptr + b_off + k0 // 8, mask=n_mask[:, None], other=0)  # [BN, BK/8] int32
-                scale = tl.load(s_ptr + s_off + k0 // GROUP, mask=n_mask[:, None], other=0.0)  # [BN, BK/GROUP]
-                acc = tl.dot(a, tl.trans(_v1_unpack(words, scale, shifts, BLOCK_N, BLOCK_K, GROUP, DOT_DTYPE, MAGIC)), acc)
-                if GATE_UP:
-                    words = tl.load(b2_ptr + b_off + k0 // 8, mask=n_mask[:, None], other=0)
-                    scale = tl.load(s2_ptr + s_off + k0 // GROUP, mask=n_mask[:, None], other=0.0)
-                    acc2 = tl.dot(a, tl.trans(_v1_unpack(words, scale, shifts, BLOCK_N, BLOCK_K, GROUP, DOT_DTYPE, MAGIC)), acc2)
-            if GATE_UP:
-                acc = acc * tl.sigmoid(acc) * acc2  # silu(gate) * up
-            c_mask = m_mask[:, None] & n_mask[None, :]
-            if SCATTER_C:
-                c_rows = tl.load(c_rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-                row_scale = tl.load(c_scale_ptr + c_rows, mask=m_mask, other=0.0)
-                acc = acc * row_scale[:, None]
-            else:
-                c_rows = offs_m.to(tl.int64)
-            c_ptrs = c_ptr + c_rows[:, None] * stride_cm + offs_n[None, :]
-            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
-
-
-    @triton.jit
     def _nibble_times_scale(words, n: tl.constexpr, scale_w, FP32_MATH: tl.constexpr):
         """Nibble n of each word times its scale: int32 [BN, 16] -> [BN, 16] bf16 (fp32 under FP32_MATH).
 
-        No int -> float conversion instruction (16 per clock per SM on Hopper; v1 spends two per
-        weight): OR-ing a nibble into the mantissa of bf16 128.0 (bits 0x4300) gives the bf16
+        No int -> float conversion instruction (16 per clock per SM on Hopper): OR-ing a nibble into the mantissa of bf16 128.0 (bits 0x4300) gives the bf16
         value 128 + nibble exactly, so W = (that - 136) * scale is one exact bf16 subtraction and
         one correctly rounded bf16 multiply (the bits of dequantize_int4's bf16 math).
         """
@@ -455,33 +353,27 @@ if HAS_TRITON:
 
 # ---------------------------------------------------------------------------- launch configs
 #
-# A config is (impl, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, maxnreg]):
-#   "v1"  the first kernel as measured on 2026-11-29 (int -> fp32 unpack), BLOCK_M by choose_block_m
-#   "v1m" v1 with the conversion-free unpack
-#   "s"   v3: weights on the MMA's M side (BLOCK_N rows), tokens on its N side (BLOCK_M = BLOCK_T)
-#   "sa"  v3 with the unpack in inline PTX (two nibbles per 32-bit operation; sm_90)
-# (v3 with tokens on the M side, weights through shared memory, measured 35.8 ms against 24.5 for
-# gate+up at 16K in T3, was removed.)
-# v3's BLOCK_K is the K of one dot: 16 NIB, NIB nibble tiles side by side (a loop step covers
-# 128 columns in 8 / NIB dots). What decides v3's speed, from the sm_90 SASS (Triton 3.6) and the
-# 2026-11-30 runs (gate+up at 16K): each dot waits for its wgmma (a register operand), so 8 / NIB
-# waits per step; an arange-derived word_group sent every unpacked tile through shared memory
-# (two barriers per dot; T1: 35.4 ms), a loaded one keeps it in registers; 4-warp configs under
-# ~110 KB of shared memory put two CTAs on an SM to cover each other's waits (T3: 23.8 ms); the
-# PTX unpack cuts the step from 821 to 604 instructions (T4: 23.5 ms: issue was not the bound).
-
-V1_GATE_UP_CONFIGS = [(128, 64, 8, 3), (64, 128, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 32, 4, 4)]  # (BN, BK, warps, stages)
-V1_DOWN_CONFIGS = [(128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 3), (64, 32, 4, 4)]
+# A config is (impl, BLOCK_T, BLOCK_N, BLOCK_K, num_warps, num_stages[, maxnreg]):
+#   "s"   weights on the MMA's M side (BLOCK_N rows), tokens on its N side (BLOCK_T)
+#   "sa"  the same with the unpack in inline PTX (two nibbles per 32-bit operation; sm_90)
+# BLOCK_K is the K of one dot: 16 NIB, NIB nibble tiles side by side (a loop step covers 128
+# columns in 8 / NIB dots). What decides the speed, from the sm_90 SASS (Triton 3.6) and
+# measurements on an H200 (gate+up at 16K tokens): each dot waits for its wgmma (a register
+# operand), so 8 / NIB waits per step; an arange-derived word_group sent every unpacked tile
+# through shared memory (two barriers per dot; 35.4 ms), a loaded one keeps it in registers;
+# 4-warp configs under ~110 KB of shared memory put two CTAs on an SM to cover each other's
+# waits (23.8 ms); the PTX unpack cuts the step from 821 to 604 instructions (23.5 ms: issue was
+# not the bound).
 
 # v3 candidates per rows-per-expert bucket, each timed once per shape; the first is used untimed
 # under the interpreter (INTERPRET_CONFIGS there)
 # Down: a cap of 168 registers (185 uncapped, no spills at 168) fits three 4-warp CTAs per SM
-# instead of two (2026-11-30 V1: the routed experts 35.80 -> 34.54 ms at 16K, 12.73 -> 11.70 at
-# 4K). Gate+up keeps two (255 registers for its two accumulators; at 168 it spills 552 bytes).
-# Both kernels are latency-bound (Nsight Compute, V1: tensor pipe 37-46% active, L2 ~50% of its
-# throughput, the largest stall the words' global loads in the step that unpacks them); a
-# prefetch of the next block into L1 (V2) doubled the L2 traffic and lost 9-15%; gate+up with
-# gate and up stacked in one accumulator (three CTAs per SM, twice the token-tile reads; V8)
+# instead of two (measured on an H200: the routed experts 35.80 -> 34.54 ms at 16K tokens,
+# 12.73 -> 11.70 at 4K). Gate+up keeps two (255 registers for its two accumulators; at 168 it
+# spills 552 bytes). Both kernels are latency-bound (Nsight Compute: tensor pipe 37-46% active,
+# L2 ~50% of its throughput, the largest stall the words' global loads in the step that unpacks
+# them); a prefetch of the next block into L1 doubled the L2 traffic and lost 9-15%; gate+up
+# with gate and up stacked in one accumulator (three CTAs per SM, twice the token-tile reads)
 # lost 9-13%.
 V3_CONFIGS = {
     "large": [("sa", 128, 64, 64, 4, 3), ("sa", 128, 64, 32, 4, 3), ("s", 128, 64, 64, 4, 3), ("sa", 128, 64, 16, 4, 3)],
@@ -497,17 +389,6 @@ _FAILED: dict = {}  # config -> error text, for the benchmark's report
 _TIMES: dict = {}  # shape key -> {config: ms} of the search
 
 
-def choose_block_m(rows: int, num_local: int) -> int:
-    """v1's rows per expert tile: 128 when experts average >= 192 rows (16K tokens at 384 experts, k 8), else 64.
-
-    Small tiles waste fewer rows on each expert's last partial tile; large ones reuse each
-    dequantized weight tile over more rows (half the unpack work per FLOP).
-    """
-    if INTERPRET:
-        return 16
-    return 128 if size_bucket(rows, num_local) == "large" else 64
-
-
 def size_bucket(rows: int, num_local: int) -> str:
     """"large" when experts average >= 192 rows (16K tokens at 384 experts and k 8: ~341), else "small" (4K: ~85)."""
     return "large" if rows >= 192 * num_local else "small"
@@ -521,7 +402,7 @@ def permute_k128(a: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(config, a, a_rows, b, s, b2, s2, c, c_rows, c_scale, table, gather, gate_up, scatter):
-    impl, block_m, block_n, block_k, warps, stages, *maxnreg = config  # maxnreg: optional 7th, registers per thread
+    impl, block_t, block_n, block_k, warps, stages, *maxnreg = config  # maxnreg: optional 7th, registers per thread
     n, k = b.shape[1], b.shape[2] * PACK_FACTOR
     grid = (triton.cdiv(n, block_n), table[0].shape[0])
     dummy = table[0]  # any int32 tensor: unused pointer arguments of a disabled branch
@@ -535,13 +416,11 @@ def _launch(config, a, a_rows, b, s, b2, s2, c, c_rows, c_scale, table, gather, 
     common = dict(GROUP=k // s.shape[2], BLOCK_N=block_n, GATHER_A=gather, GATE_UP=gate_up,
                   SCATTER_C=scatter, DOT_DTYPE=tl.float32 if INTERPRET else tl.bfloat16,
                   **({} if INTERPRET else {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg[0]} if maxnreg else {})}))
-    if impl in ("v1", "v1m"):
-        _int4_grouped_gemm_kernel[grid](*args, BLOCK_M=block_m, BLOCK_K=block_k, MAGIC=impl == "v1m", **common)
-    else:  # v3: the gate+up kernel writes h in the permuted column order the down kernel reads
-        if block_k not in (16, 32, 64, 128):
-            raise ValueError(f"int4_moe v3: config {config}: the K of a dot (BLOCK_K) must be 16, 32, 64 or 128")
-        _int4_moe_v3_kernel[grid](*args, _word_group_table(common["GROUP"], b.device), BLOCK_T=block_m, PERMUTE_N=gate_up,
-                                  ASM=impl == "sa" and _has_bf16x2_math(b.device), NIB=block_k // 16, **common)
+    if block_k not in (16, 32, 64, 128):
+        raise ValueError(f"int4_moe: config {config}: the K of a dot (BLOCK_K) must be 16, 32, 64 or 128")
+    # the gate+up kernel writes h in the permuted column order the down kernel reads
+    _int4_moe_v3_kernel[grid](*args, _word_group_table(common["GROUP"], b.device), BLOCK_T=block_t, PERMUTE_N=gate_up,
+                              ASM=impl == "sa" and _has_bf16x2_math(b.device), NIB=block_k // 16, **common)
 
 
 def _has_bf16x2_math(device: torch.device) -> bool:
@@ -569,7 +448,7 @@ def _compile_errors():
 def _pick_config(name: str, configs: list, key: tuple, run) -> tuple:
     """The fastest of `configs` for this shape key, timed once per key (the first one under the interpreter).
 
-    An own search rather than triton.autotune: BLOCK_M decides the host-side tile table, so each
+    An own search rather than triton.autotune: BLOCK_T decides the host-side tile table, so each
     candidate needs its own table, built in `run`. A candidate that fails to compile or runs out
     of shared memory is skipped (and recorded in _FAILED); if all fail, the error is raised.
     """
@@ -593,12 +472,6 @@ def _pick_config(name: str, configs: list, key: tuple, run) -> tuple:
         _TIMES[full_key] = {str(c): round(t, 3) for c, t in zip(configs, times)}
         log.info("int4_moe %s %s: configs %s ms %s -> %s", name, key, configs, [round(t, 3) for t in times], _CHOSEN[full_key])
     return _CHOSEN[full_key]
-
-
-def _v1_configs(impl: str, configs: list, block_m: int, k_dim: int, group: int) -> list:
-    """v1's candidates whose BLOCK_K divides K and covers whole scale groups."""
-    usable = [(impl, block_m) + c for c in configs if k_dim % c[1] == 0 and c[1] % group == 0]
-    return usable[:4]  # each candidate costs a compile on first use
 
 
 def _check(x, weights, ids, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale):
@@ -647,50 +520,38 @@ def combine_slots(y_sorted: torch.Tensor, inv: torch.Tensor, k: int, add: torch.
     return out
 
 
+def supports(hidden: int, intermediate: int, group: int, down_group: int) -> bool:
+    """Whether int4_moe's kernels take these dims: hidden and intermediate multiples of 128, one
+    scale group of 8-128 dividing 128 for both gate/up and down (Kimi-K2.5: 7168, 2048, 32)."""
+    return (hidden % 128 == 0 and intermediate % 128 == 0 and group % 8 == 0 and 128 % group == 0
+            and down_group == group)
+
+
 def int4_moe(x, weights, ids, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale,
              expert_start: int = 0, out_dtype: torch.dtype = torch.float32,
-             impl: str = "auto", add: torch.Tensor | None = None) -> torch.Tensor:
+             add: torch.Tensor | None = None) -> torch.Tensor:
     """Triton W4A16 MoE: x [N, H] bf16, router weights [N, k] fp32 and ids [N, k] -> [N, H] out_dtype.
 
     add [N, H] (optional, e.g. the shared expert's output): added to the sum over slots in fp32
     before the one rounding to out_dtype.
 
     Weights are this rank's experts [expert_start, expert_start + E_l); pairs routed to other
-    experts contribute nothing (the combine skips them). `impl`:
-      "v1"   the first kernel as measured on 2026-11-29 (int -> fp32 -> bf16 unpack), kept for comparison;
-      "v1m"  the same kernel with the conversion-free unpack (the same values);
-      "v3"   dots of K = 16-128 over side-by-side nibble tiles (H and I multiples of 128, a group dividing 128);
-      "auto" v3 where it fits, else v1m (on the H200, 2026-11-30 T5: v3 1.93x v1m at 4K tokens, 1.36x at 16K).
-    Each impl times its own launch configs once per shape. Needs CUDA, or CPU tensors under
-    TRITON_INTERPRET=1.
+    experts contribute nothing (the combine skips them). The dims must pass `supports` (dots of
+    K = 16-128 over side-by-side nibble tiles of 128-column blocks). The launch configs are timed
+    once per shape. Needs CUDA, or CPU tensors under TRITON_INTERPRET=1.
     """
     if not HAS_TRITON:
         raise RuntimeError("int4_moe needs triton (pip install triton); use moe_reference on this machine")
     _check(x, weights, ids, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale)
-    args = (x, weights, ids, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale, expert_start, out_dtype)
-    E, I, H = gate_packed.shape[0], gate_packed.shape[1], x.shape[1]
-    group = H // gate_scale.shape[2]
-    v3_fits = H % 128 == 0 and I % 128 == 0 and group % 8 == 0 and 128 % group == 0 and I // down_scale.shape[2] == group
-    if impl == "auto":
-        impl = "v3" if v3_fits else "v1m"
-    if impl not in ("v1", "v1m", "v3"):
-        raise ValueError(f"int4_moe: impl = {impl!r}, expected 'auto', 'v1', 'v1m' or 'v3'")
-    if impl == "v3" and not v3_fits:
-        raise ValueError(f"int4_moe: v3 needs hidden {H} and intermediate {I} to be multiples of 128 and a scale "
-                         f"group of 8-128 dividing 128 (got {group}); impl='v1m' takes multiples of its BLOCK_K (32-128)")
-    return _int4_moe_with(impl, *args, add=add)
-
-
-def _int4_moe_with(impl, x, weights, ids, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale,
-                   expert_start, out_dtype, add=None) -> torch.Tensor:
-    """int4_moe with one impl (checked by the caller)."""
+    I, H = gate_packed.shape[1], x.shape[1]
+    group, down_group = H // gate_scale.shape[2], I // down_scale.shape[2]
+    if not supports(H, I, group, down_group):
+        raise ValueError(f"int4_moe: needs hidden {H} and intermediate {I} to be multiples of 128 and one scale "
+                         f"group of 8-128 dividing 128 (got {group} / {down_group}); moe_reference or "
+                         f"int4_moe_grouped_mm take any dims")
     N, k = ids.shape
-    E, I, H = gate_packed.shape[0], gate_packed.shape[1], x.shape[1]
-    group = H // gate_scale.shape[2]
-    for dim, what in ((H, "hidden size"), (I, "intermediate size")):
-        if dim % 64 and not INTERPRET:
-            raise ValueError(f"int4_moe: {what} {dim} is not a multiple of 64 (every launch config needs it)")
-    x = permute_k128(x) if impl == "v3" else x.contiguous()  # [N, H]: v3 meets the columns in nibble order
+    E = gate_packed.shape[0]
+    x = permute_k128(x)  # [N, H]: the kernels meet the columns in nibble order
     rows = N * k
     order, counts = sort_by_expert(ids, E, expert_start)
     tokens = (order // k).to(torch.int32)  # [N*k]: the token of each sorted row
@@ -698,12 +559,12 @@ def _int4_moe_with(impl, x, weights, ids, gate_packed, gate_scale, up_packed, up
     sorted_weight = weights.reshape(-1).float()[order].contiguous()  # [N*k]: the router weight of each sorted row
     tables: dict = {}
 
-    def table_for(block_m):
-        if block_m not in tables:
-            tables[block_m] = tile_table(counts, E, block_m, rows)
-        return tables[block_m]
+    def table_for(block_t):
+        if block_t not in tables:
+            tables[block_t] = tile_table(counts, E, block_t, rows)
+        return tables[block_t]
 
-    h = torch.empty(rows, I, dtype=torch.bfloat16, device=x.device)  # sorted order (v3: columns permuted)
+    h = torch.empty(rows, I, dtype=torch.bfloat16, device=x.device)  # sorted order, columns permuted
     # sorted order too, weighted; rows of other ranks' experts (the tail) are never written, and
     # the combine skips them: no zeroing, no reading of [N*k, H] beyond the local rows
     y = torch.empty(rows, H, dtype=torch.bfloat16, device=x.device)
@@ -714,22 +575,12 @@ def _int4_moe_with(impl, x, weights, ids, gate_packed, gate_scale, up_packed, up
     def down(config):
         _launch(config, h, None, down_packed, down_scale, None, None, y, rows_out, sorted_weight, table_for(config[1]), False, False, True)
 
-    if impl != "v3":
-        block_m = choose_block_m(rows, E)
-        down_group = I // down_scale.shape[2]  # its own group; v3 takes only gate's (checked by int4_moe)
-        gu_configs = _v1_configs(impl, V1_GATE_UP_CONFIGS, block_m, H, group)
-        dn_configs = _v1_configs(impl, V1_DOWN_CONFIGS, block_m, I, down_group)
-        if not gu_configs or not dn_configs:
-            raise ValueError(f"int4_moe: hidden {H} / intermediate {I} with scale groups {group} / {down_group}: no {impl} "
-                             f"BLOCK_K (32, 64 or 128) divides the dims and is a multiple of the group")
-        key = block_m
-    else:
-        key = size_bucket(rows, E)
-        gu_configs, dn_configs = V3_CONFIGS[key], V3_DOWN_CONFIGS[key]
-        if INTERPRET:  # small tiles: the interpreter runs every program in numpy
-            gu_configs = dn_configs = INTERPRET_CONFIGS
-    gate_up(_pick_config(f"{impl}_gate_up", gu_configs, (I, H, group, key), gate_up))
-    down(_pick_config(f"{impl}_down", dn_configs, (H, I, I // down_scale.shape[2], key), down))
+    key = size_bucket(rows, E)
+    gu_configs, dn_configs = V3_CONFIGS[key], V3_DOWN_CONFIGS[key]
+    if INTERPRET:  # small tiles: the interpreter runs every program in numpy
+        gu_configs = dn_configs = INTERPRET_CONFIGS
+    gate_up(_pick_config("v3_gate_up", gu_configs, (I, H, group, key), gate_up))
+    down(_pick_config("v3_down", dn_configs, (H, I, down_group, key), down))
     return combine_slots(y, inverse_local_order(order, counts, E), k, add, out_dtype)  # [N, H]
 
 
@@ -743,7 +594,7 @@ def _grouped_offsets(counts: torch.Tensor, num_local: int) -> torch.Tensor:
 def bf16_grouped_mm_moe(x, weights, ids, gate_up_t, down_t, expert_start: int = 0) -> torch.Tensor:
     """Sort by expert + torch._grouped_mm with bf16 weights: gate_up_t [E, H, 2I], down_t [E, I, H] -> [N, H] bf16.
 
-    The anchor's speed-of-light reference (../shared/anchors/anchor_moe.py), same math.
+    The speed-of-light reference of the same math with bf16 weights.
     """
     N, k = ids.shape
     E = gate_up_t.shape[0]

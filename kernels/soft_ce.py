@@ -464,7 +464,7 @@ def _scale_(grads, upstream: torch.Tensor, backend: str) -> None:
     stall the launch queue at the start of every backward, so the pass is always made: on the
     Triton backend one kernel per gradient reading the upstream on the device (one read and one
     write: ~0.6 ms for the 7 TTT steps' gradients at T = 8192; the chunked fp32 torch version,
-    three kernels per 2^24 elements, took 5.2 ms, 2026-11-30 U1); on the torch backend in chunks
+    three kernels per 2^24 elements, took 5.2 ms on an H200); on the torch backend in chunks
     of bounded fp32 temporaries.
     In place: a second backward through the same graph (retain_graph) is refused by autograd's
     own version check on the saved tensors ("modified by an inplace operation"), not scaled twice."""
@@ -556,7 +556,7 @@ def _ttt_outputs(draft_hiddens, draft_head, n_rows: int, need_grad_h, need_grad_
     """(loss_rows [K, N] fp32 zeros, argmax [K, N], grads_h, grad_head) of the TTT forwards. The
     gradients are left EMPTY: every row with a teacher is written by its chunk, `_ttt_tails`
     zeroes the rest, and the first grad-head addmm has beta 0 (zero-filling them cost ~0.9 ms a
-    call at T = 8192, 2026-11-30 U1)."""
+    call at T = 8192 on an H200)."""
     k_steps, dev = len(draft_hiddens), draft_head.device
     loss_rows = torch.zeros(k_steps, n_rows, dtype=torch.float32, device=dev)
     argmax = torch.empty(k_steps, n_rows, dtype=torch.int64, device=dev)
@@ -632,7 +632,7 @@ def _packed_index(spans, n_rows: int, shift: int, dev) -> tuple[torch.Tensor, to
 
 def _scatter_grads(grads_h, packed: torch.Tensor, spans, s0: int, shift: int) -> None:
     """Packed hidden-state gradients [P, H] to their steps, one contiguous copy per step (an index
-    copy of all rows at once was slower: 95 us against ~70 us for the seven copies, 2026-11-30 U4)."""
+    copy of all rows at once was slower: 95 us against ~70 us for the seven copies on an H200)."""
     off = 0
     for j, t0, t1 in spans:
         n = t1 - t0

@@ -306,7 +306,7 @@ def test_stdlib_prompts_do_not_depend_on_the_process():
             f"extra = {extra!r}; "
             "print(json.dumps([[i.name, i.doc, i.signature, i.examples] for i in stdlib_items(extra)])); "
             "print(hashlib.sha256('\\0'.join(p.text for p in build_prompts(len(stdlib_items(extra)) * 5, 7, 0.6, extra)).encode()).hexdigest())")
-    # another hash seed and another process: default values' reprs held addresses (2026-11-30)
+    # another hash seed and another process: default values' reprs once held addresses
     env = dict(os.environ, PYTHONHASHSEED=str(random.randrange(1, 1 << 30)))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO, env=env).stdout.splitlines()
     fresh_items, here_items = [tuple(i) for i in json.loads(out[-2])], [(i.name, i.doc, i.signature, i.examples) for i in stdlib_items(extra)]

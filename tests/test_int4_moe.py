@@ -8,10 +8,9 @@ input dims of 3 and 2 scale groups (96 = 3 x 32, 64 = 2 x 32) so group boundarie
 and across BLOCK_K.
 
 The Triton kernels run on the CPU under TRITON_INTERPRET=1 in a subprocess (the variable must be
-set before triton is imported), and directly on CUDA where there is a GPU: the first kernel as
-measured ("v1"), the same with v3's conversion-free unpack ("v1m"), and v3 with its unpack in
-Triton ops ("s") and in inline PTX ("sa", CUDA only), each on every routing case (v3's with dims
-that are multiples of 128). v3's unpacks alone are checked against compressed-tensors' own
+set before triton is imported), and directly on CUDA where there is a GPU: the kernels with their
+unpack in Triton ops ("s") and in inline PTX ("sa", CUDA only), each on every routing case (dims
+that are multiples of 128). The unpacks alone are checked against compressed-tensors' own
 unpack_from_int32.
 """
 
@@ -29,6 +28,8 @@ import torch.nn.functional as F
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 
 from eagleforge.kernels import int4_moe
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # kimi_shaped: the benchmarks' Kimi-shaped model
 
 INNER = os.environ.get("EAGLEFORGE_TRITON_INNER") == "1"
 HAS_CUDA = torch.cuda.is_available()
@@ -136,17 +137,9 @@ def test_rejects_bad_shapes():
 # ---------------------------------------------------------------------------- Triton
 
 
-def _triton_cases(impl: str):
-    # (N, k, E, I, H, empty experts, EP range, scale group, v3's K per dot)
-    if impl in ("v1", "v1m"):
-        return [
-            (13, 3, 7, 64, 96, (2,), (0, 7), 32, None),  # 3 groups along H; expert 2 has no token
-            (29, 4, 9, 96, 64, (0, 8), (0, 9), 32, None),  # down's K = 96: groups straddle BLOCK_K 64
-            (17, 2, 8, 64, 128, (5,), (3, 8), 32, None),  # EP: this rank owns experts 3..7 of 8
-            (1, 1, 3, 32, 32, (), (0, 3), 32, None),  # one token, one group
-            (11, 2, 5, 128, 128, (1,), (0, 5), 64, None),  # groups of 64
-        ]
-    return [  # v3 works in blocks of 128 columns; each case another K per dot (NIB 4, 2, 1, 8)
+def _triton_cases():
+    # (N, k, E, I, H, empty experts, EP range, scale group, K per dot)
+    return [  # the kernels work in blocks of 128 columns; each case another K per dot (NIB 4, 2, 1, 8)
         (13, 3, 7, 128, 256, (2,), (0, 7), 32, 64),  # two 128-blocks along H; expert 2 has no token
         (29, 4, 9, 256, 128, (0, 8), (0, 9), 16, 32),  # two blocks along I (the permuted h spans both); groups of 16
         (17, 2, 8, 128, 384, (5,), (3, 8), 64, 16),  # EP: this rank owns experts 3..7 of 8; groups of 64
@@ -154,8 +147,8 @@ def _triton_cases(impl: str):
     ]
 
 
-TRITON_IMPLS = ["v1", "v1m", "s", "sa"]  # v1m: v1 with the conversion-free unpack; s, sa: v3 (sa: inline-PTX unpack)
-TRITON_CASES = [(impl, case) for impl in TRITON_IMPLS for case in _triton_cases(impl)] + [("auto", _triton_cases("s")[0])]
+TRITON_IMPLS = ["s", "sa"]  # the unpack in Triton ops / in inline PTX
+TRITON_CASES = [(impl, case) for impl in TRITON_IMPLS for case in _triton_cases()]
 
 
 @pytest.mark.skipif(not (INNER or HAS_CUDA), reason="runs in the TRITON_INTERPRET=1 subprocess (test_triton_interpreted) or on CUDA")
@@ -165,21 +158,18 @@ def test_triton_matches_formula(impl, case, monkeypatch):
     device = "cuda" if HAS_CUDA and not INNER else "cpu"
     if impl == "sa" and INNER:
         pytest.skip("inline PTX (v3's 'sa' unpack) does not run under the Triton interpreter; it runs on CUDA")
-    if impl in ("s", "sa", "auto"):  # one unpack and one K per dot of v3 (auto: v3 on these shapes)
-        config = ("s" if impl == "auto" else impl, 16 if INNER else 64, 32 if INNER else 64, dot_k, 4, 1 if INNER else 2)
-        down = config + ((168,) if impl == "sa" else ())  # down's register cap (three CTAs per SM), as launched
-        monkeypatch.setattr(int4_moe, "INTERPRET_CONFIGS", [config])
-        monkeypatch.setattr(int4_moe, "V3_CONFIGS", {"large": [config], "small": [config]})
-        monkeypatch.setattr(int4_moe, "V3_DOWN_CONFIGS", {"large": [down], "small": [down]})
-        monkeypatch.setattr(int4_moe, "_CHOSEN", {})
-    if device == "cuda" and (H % 64 or I % 64):
-        pytest.skip("the CUDA configs need dims that are multiples of 64 (BLOCK_K; int4_moe refuses others); "
-                    "these shapes run under the Triton interpreter on machines without CUDA")
+    # one unpack and one K per dot
+    config = (impl, 16 if INNER else 64, 32 if INNER else 64, dot_k, 4, 1 if INNER else 2)
+    down = config + ((168,) if impl == "sa" else ())  # down's register cap (three CTAs per SM), as launched
+    monkeypatch.setattr(int4_moe, "INTERPRET_CONFIGS", [config])
+    monkeypatch.setattr(int4_moe, "V3_CONFIGS", {"large": [config], "small": [config]})
+    monkeypatch.setattr(int4_moe, "V3_DOWN_CONFIGS", {"large": [down], "small": [down]})
+    monkeypatch.setattr(int4_moe, "_CHOSEN", {})
     packs, dense = make_experts(E, I, H, seed=N, group=group)
     ids, weights = routing(N, k, E, empty, seed=N)
     x = torch.randn(N, H, generator=torch.Generator().manual_seed(N)).to(torch.bfloat16)
     got = int4_moe.int4_moe(x.to(device), weights.to(device), ids.to(device), *[t.to(device) for t in args_of(packs, lo, hi)],
-                            expert_start=lo, impl=impl if impl in ("v1", "v1m", "auto") else "v3")
+                            expert_start=lo)
     want = formula(x, weights, ids, dense, lo, hi)
     assert got.dtype == torch.float32 and got.shape == (N, H)
     assert rel_err(got, want) < 1.5e-2, rel_err(got, want)
@@ -189,9 +179,9 @@ def test_triton_matches_formula(impl, case, monkeypatch):
     assert rel_err(got, want) < 3 * rel_err(torch_bf16, want) + 1e-3
 
 
-def test_permute_k128_and_impl_choice():
-    """permute_k128 puts column 8j + n of each 128-block at 16n + j; "auto" takes v3 only where its
-    shapes fit, and an explicit v3 on other shapes is refused with the dims named."""
+def test_permute_k128_and_supported_dims():
+    """permute_k128 puts column 8j + n of each 128-block at 16n + j; dims the kernels do not take
+    are refused with the dims named (`supports` says which)."""
     a = torch.arange(2 * 256).view(2, 256)
     p = int4_moe.permute_k128(a)
     for block, n, j in ((0, 0, 1), (0, 3, 5), (1, 7, 15), (1, 2, 0)):
@@ -200,16 +190,15 @@ def test_permute_k128_and_impl_choice():
     packs, _ = make_experts(3, 64, 96, seed=0)
     x = torch.randn(4, 96, dtype=torch.bfloat16)
     ids, weights = routing(4, 2, 3, empty=(), seed=0)
+    assert not int4_moe.supports(96, 64, 32, 32)
+    assert int4_moe.supports(7168, 2048, 32, 32) and not int4_moe.supports(7168, 2048, 32, 64)
     with pytest.raises(ValueError, match="hidden 96 and intermediate 64"):
-        int4_moe.int4_moe(x, weights, ids, *args_of(packs), impl="v3")
-    with pytest.raises(ValueError, match="'v2'"):
-        int4_moe.int4_moe(x, weights, ids, *args_of(packs), impl="v2")
+        int4_moe.int4_moe(x, weights, ids, *args_of(packs))
 
 
 # pointer types of the kernels' arguments for build_sm90 (others default to *bf16)
 V3_PTRS = {**dict.fromkeys(("b_ptr", "b2_ptr", "a_rows_ptr", "c_rows_ptr", "tile_expert_ptr", "tile_begin_ptr", "tile_end_ptr",
                             "word_group_ptr"), "*i32"), "c_scale_ptr": "*fp32"}
-GLUON_PTRS = {**dict.fromkeys(("b_ptr", "c_rows_ptr", "tile_expert_ptr", "tile_begin_ptr", "tile_end_ptr"), "*i32"), "c_scale_ptr": "*fp32"}
 
 
 def _v3_consts(kernel: str, impl: str, block_t: int, block_n: int, dot_k: int) -> dict:
@@ -223,25 +212,16 @@ def _v3_consts(kernel: str, impl: str, block_t: int, block_n: int, dot_k: int) -
 
 @pytest.mark.skipif(INNER, reason="compiles, does not run: outside the interpreter subprocess")
 @pytest.mark.parametrize("kernel,impl,dot_k,warps,stages", [("gate_up", "sa", 64, 4, 3), ("gate_up", "s", 128, 4, 2),
-                                                          ("down", "sa", 32, 4, 2), ("down", "s", 16, 4, 3),
-                                                          ("gate_up", "v1m", 64, 8, 3), ("down", "v1", 128, 4, 3)])
+                                                          ("down", "sa", 32, 4, 2), ("down", "s", 16, 4, 3)])
 def test_moe_kernels_build_for_sm90(kernel, impl, dot_k, warps, stages):
-    """The v3 and v1 kernels compiled ahead of time for sm_90 (no GPU needed: Triton's own ptxas),
-    as the configs launch them (dot_k: v3's K per dot, v1's BLOCK_K). The interpreter runs a
+    """The kernels compiled ahead of time for sm_90 (no GPU needed: Triton's own ptxas), as the
+    configs launch them (dot_k: the K per dot). The interpreter runs a
     kernel as Python and does not see compile-time errors (a branch returning two shapes once
     passed every interpreted test and failed here)."""
     pytest.importorskip("triton")
-    import triton.language as tl
     from triton_build import build_sm90
 
-    gate_up = kernel == "gate_up"
-    if impl in ("v1", "v1m"):
-        kern = int4_moe._int4_grouped_gemm_kernel
-        consts = dict(GROUP=32, BLOCK_N=64, GATHER_A=gate_up, GATE_UP=gate_up, SCATTER_C=not gate_up, DOT_DTYPE=tl.bfloat16,
-                      BLOCK_M=128, BLOCK_K=dot_k, MAGIC=impl == "v1m")
-    else:
-        kern, consts = int4_moe._int4_moe_v3_kernel, _v3_consts(kernel, impl, 128, 64, dot_k)
-    compiled = build_sm90(kern, consts, V3_PTRS, num_warps=warps, num_stages=stages)
+    compiled = build_sm90(int4_moe._int4_moe_v3_kernel, _v3_consts(kernel, impl, 128, 64, dot_k), V3_PTRS, num_warps=warps, num_stages=stages)
     assert compiled.asm["cubin"] and "wgmma" in compiled.asm["ptx"]
 
 
@@ -260,67 +240,6 @@ def test_down_kernel_fits_three_ctas_per_sm_without_spills():
     # spill stack: 0 bytes in Triton 3.6's build (the device's, as measured), 32 in 3.9's
     assert usage["REG"] <= cap and usage.get("STACK", 0) <= 32, usage
     assert 3 * (compiled.metadata.shared + 1024) <= 227 * 1024, compiled.metadata.shared
-
-
-@pytest.mark.skipif(INNER, reason="compiles, does not run: outside the interpreter subprocess")
-@pytest.mark.parametrize("variant,wait", [("regs", "wgmma.wait_group.sync.aligned 0"), ("ws", "wgmma.wait_group.sync.aligned 1"),
-                                          ("wsp", "wgmma.wait_group.sync.aligned 1")])
-def test_gluon_down_kernel_builds_for_sm90_with_one_wait_per_block(variant, wait):
-    """The Gluon down kernels (kernels/int4_moe_gluon.py) for sm_90: eight async wgmmas per
-    128-column block and one wait for them in the loop (v3 in Triton waits after each dot); the
-    warp-specialized ones leave the block's wgmmas in flight and split the registers between
-    their warpgroups (setmaxnreg)."""
-    triton = pytest.importorskip("triton")
-    from eagleforge.kernels import int4_moe_gluon as g
-    from triton_build import build_sm90
-
-    if not g.HAS_GLUON:
-        pytest.skip(f"{g.WHY_NO_GLUON}; this Triton is {triton.__version__}")
-    kernel = {"regs": g._int4_down_g_kernel, "ws": g._int4_down_ws_kernel, "wsp": g._int4_down_wsp_kernel}[variant]
-    ws = dict(g.WS_VARIANTS[variant]) if variant in g.WS_VARIANTS else {"maxnreg": None}
-    cap = ws.pop("maxnreg")
-    compiled = build_sm90(kernel, dict(GROUP=32, BN=g.BLOCK_N, BT=g.BLOCK_T, **ws), GLUON_PTRS, num_warps=4, gluon=True, maxnreg=cap)
-    ptx = compiled.asm["ptx"]
-    assert ptx.count("wgmma.mma_async") == 8 and wait in ptx, (ptx.count("wgmma.mma_async"), ptx.count("wgmma.wait_group"))
-    assert ("setmaxnreg.dec" in ptx) == (variant in g.WS_VARIANTS)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["regs", "ws", "wsp"])
-def test_gluon_down_kernel_equals_v3(variant):
-    """The Gluon down kernel against v3's down launch on the same sorted rows (8 experts, uneven
-    tiles, one empty): the same output bit for bit (the same products, in the same order per
-    wgmma; the "ws" variants' pair order sums in another order: within 1e-2), and against float64."""
-    if not HAS_CUDA or torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("needs an sm_90 GPU (wgmma)")
-    from eagleforge.kernels import int4_moe_gluon as g
-
-    if not g.HAS_GLUON:
-        pytest.skip(g.WHY_NO_GLUON)
-    E, H, I, N, k = 8, 256, 384, 301, 2
-    packs, dense = make_experts(E, I, H, seed=5, device="cuda")
-    ids, weights = routing(N, k, E, empty=(3,), seed=6)
-    ids, weights = ids.cuda(), weights.cuda()
-    order, counts = int4_moe.sort_by_expert(ids, E, 0)
-    rows = N * k
-    table = int4_moe.tile_table(counts, E, g.BLOCK_T, rows)
-    h_true = torch.randn(rows, I, device="cuda").bfloat16()
-    h = int4_moe.permute_k128(h_true)
-    rows_out = torch.arange(rows, dtype=torch.int32, device="cuda")
-    sorted_weight = weights.reshape(-1).float()[order].contiguous()
-    y3, yg = (torch.zeros(rows, H, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-    int4_moe._launch(("sa", g.BLOCK_T, g.BLOCK_N, 64, 4, 2), h, None, packs["down_packed"], packs["down_scale"], None, None,
-                     y3, rows_out, sorted_weight, table, False, False, True)
-    h_variant = g.permute_pairs(h_true) if variant in g.WS_VARIANTS else h
-    g.down_gluon(h_variant, packs["down_packed"], packs["down_scale"], yg, rows_out, sorted_weight, table, variant=variant,
-                 max_programs=3)  # "wsp": three programs walk the 4 x 13 items, 28 not empty (the ring wraps across items)
-    if variant in g.WS_VARIANTS:  # its K = 16 steps group other columns: the same sums in another order
-        assert ((yg.float() - y3.float()).norm() / y3.float().norm()).item() < 1e-2
-    else:
-        assert torch.equal(yg, y3)
-    expert = ids.flatten()[order].cpu()
-    ref = torch.stack([dense["down"][expert[r]] @ h_true[r].double().cpu() for r in range(rows)]) * sorted_weight.double().cpu()[:, None]
-    assert ((yg.double().cpu() - ref).norm() / ref.norm()).item() < 1e-2
 
 
 @pytest.mark.skipif(INNER, reason="compiles, does not run: outside the interpreter subprocess")
@@ -420,7 +339,7 @@ def test_triton_combine_slots_matches_reference(with_add):
 
 @pytest.mark.skipif(INNER, reason="this is the outer launcher")
 @pytest.mark.skipif(HAS_CUDA, reason="CUDA is present: the compiled kernels run these cases directly (and Triton 3.6's "
-                    "interpreter failed under numpy 2.5 on the device image)")
+                    "interpreter failed under numpy 2.5)")
 def test_triton_interpreted():
     """This file's Triton tests again, in a subprocess under TRITON_INTERPRET=1 (CPU)."""
     pytest.importorskip("triton")
@@ -428,7 +347,7 @@ def test_triton_interpreted():
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(Path(__file__)),
                              "-k", "triton_"], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    n_cases = len(TRITON_CASES) - len(_triton_cases("sa")) + 2 + 2  # sa skipped; + the Triton-ops unpacks + the slot combines
+    n_cases = len(TRITON_CASES) - len(_triton_cases()) + 2 + 2  # sa skipped; + the Triton-ops unpacks + the slot combines
     assert f"{n_cases} passed" in result.stdout, result.stdout[-2000:]
 
 
@@ -491,7 +410,7 @@ def test_prefill_attention_cuda_backends_match_float64(backend, chunk):
 def test_routed_experts_backends_agree():
     """routed_experts_forward's loop and grouped_mm backends on a random Kimi-shaped toy layer (bf16)."""
     from eagleforge.extract.native import model as M
-    from eagleforge.extract.native.bench_model import build_bench_model, tiny_args
+    from kimi_shaped import build_bench_model, tiny_args
 
     model = build_bench_model(tiny_args(), device="cpu", seed=1)
     moe = model.model.layers[1].mlp
@@ -515,7 +434,7 @@ def test_router_bf16_gemm_with_fp32_output_matches_the_fp32_gemm():
     """The router's CUDA path (bf16 x bf16 GEMM, fp32 output) against the fp32 GEMM it replaces,
     at the real width (7168 x 384) and an odd token count: scores to fp32 rounding, the same
     experts chosen wherever the choice is not a near tie."""
-    from eagleforge.extract.native.bench_model import kimi_args
+    from kimi_shaped import kimi_args
     from eagleforge.extract.native.model import _MM_OUT_DTYPE, Router
 
     assert _MM_OUT_DTYPE, "torch.mm(out_dtype=) missing: the router falls back to the fp32 GEMM"
@@ -543,7 +462,7 @@ def test_router_with_groups_on_zero_tokens_and_add_needs_out_dtype():
     """A rank with no rows of a split router (few tokens, many ranks) routes nothing without
     failing, group-limited routing included; routed_experts_forward refuses an `add` it would drop."""
     from eagleforge.extract.native import model as M
-    from eagleforge.extract.native.bench_model import build_bench_model, tiny_args
+    from kimi_shaped import build_bench_model, tiny_args
 
     args = dataclasses.replace(tiny_args(), n_group=2, topk_group=1)
     router = M.Router(args, torch.float32)

@@ -72,8 +72,8 @@ def check_argmax(argmax, ref_logits, dtype):
 
     bf16: our argmax runs over logits rounded to bf16 (half an ulp is up to 2^-8 relative, so two
     roundings alone reach 2 * 2^-8 * |best|) and computed by a bf16 GEMM whose own error
-    (cuBLAS may reduce split-K partial sums in bf16) comes on top: 4 * 2^-8 * |best|. The H200
-    run of 2026-11-29 saw 0.0824 at |best| ~ 10.5 (2 * 2^-8 would allow 0.082) at Vd = 4093,
+    (cuBLAS may reduce split-K partial sums in bf16) comes on top: 4 * 2^-8 * |best|. An H200
+    run saw 0.0824 at |best| ~ 10.5 (2 * 2^-8 would allow 0.082) at Vd = 4093,
     while the Triton row pass matched the torch row pass exactly on the same logits
     (test_triton_rows_match_torch_rows_cuda): a tolerance, not a kernel bug."""
     chosen = ref_logits.gather(1, argmax[:, None])[:, 0]

@@ -103,8 +103,8 @@ def run_world(path, world: int, input_ids: torch.Tensor, out_dir) -> dict:
 
 # float64 activations, but RoPE's frequencies and cos/sin are fp32 (as in transformers, the
 # reference, run on the CPU); fp32 transcendentals on CUDA may differ from the CPU's in the last
-# bit, the likely source of the up to 8.7e-7 difference in the aux states seen on the 2026-11-30
-# device run (greedy tokens equal). The CPU runs agree to 1e-10.
+# bit, the likely source of the up to 8.7e-7 difference in the aux states seen on an H200
+# (greedy tokens equal). The CPU runs agree to 1e-10.
 CUDA_TOL = 1e-5
 
 

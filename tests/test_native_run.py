@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +25,8 @@ from eagleforge.extract.native.loader import read_checkpoint_info
 from eagleforge.extract.native.model import ModelArgs
 from eagleforge.extract.native.plan import KIMI_K25_TEXT_CONFIG, check_fits, count_parameters, plan_memory
 from eagleforge.shards import ShardReader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # kimi_shaped: the benchmarks' Kimi-shaped model
 
 
 def free_port() -> int:
@@ -169,22 +173,22 @@ def test_planner_held_states_follow_the_aux_layer_ids():
     assert _held_states(kimi, [1, 29, 57], range(1, 61)) == 4 == _held_states(kimi, 3, range(1, 61))
 
 
-# Activations of the extraction loop measured on an H200 (benchmarks/check_plan.py, BENCHMARKS.md
-# "Eighth session", U1): the 4-layer Kimi-shaped bench model, aux layers [1, 2, 3], peak allocated
+# Activations of the extraction loop measured on H200s (benchmarks/check_plan.py, BENCHMARKS.md):
+# the 4-layer Kimi-shaped bench model, aux layers [1, 2, 3], peak allocated
 # minus weights, GiB, by (tp, layout, batch tokens).
 MEASURED_ACTIVATIONS_GIB = {(1, "ep", 16384): 3.79, (1, "ep", 32768): 7.58, (2, "ep", 16384): 3.82,
                             (2, "ep", 32768): 7.58, (2, "tp", 16384): 3.54, (2, "tp", 32768): 7.08}
 
 
-# Device memory in use after the loop (what nvidia-smi shows), U3, with expandable segments: tp 1.
+# Device memory in use after the loop (what nvidia-smi shows), with expandable segments: tp 1.
 MEASURED_IN_USE_GIB = {(1, "ep", 8192): 35.52, (1, "ep", 16384): 37.52, (1, "ep", 32768): 41.72}
 
 
 @pytest.mark.parametrize("key", sorted(MEASURED_IN_USE_GIB))
 def test_planner_total_matches_the_h200_memory_in_use(key):
-    """Issue 10's goal, at the size one GPU allows: weights + activations + the runtime reserve
+    """The planner's goal, at the size one GPU allows: weights + activations + the runtime reserve
     within 5% of the memory in use (measured +0.7% to +0.9%)."""
-    from eagleforge.extract.native.bench_model import kimi_args
+    from kimi_shaped import kimi_args
 
     tp, layout, tokens = key
     plan = plan_memory(kimi_args(4), tp, layout, batch_tokens=tokens, max_length=tokens, aux_layers=[1, 2, 3])
@@ -193,10 +197,10 @@ def test_planner_total_matches_the_h200_memory_in_use(key):
 
 @pytest.mark.parametrize("key", sorted(MEASURED_ACTIVATIONS_GIB))
 def test_planner_activations_match_the_h200_measurement(key):
-    """Issue 10's goal is the plan within 5% of the memory per GPU; the activation model (MoE
+    """The planner's goal is within 5% of the memory per GPU; the activation model (MoE
     phase: held states, 5 [T, H] tensors, the experts' [T*k, I] and [T*k, H] buffers) must stay
     within 3% of what the GPU measured, so a change to the forward's buffers shows here."""
-    from eagleforge.extract.native.bench_model import kimi_args
+    from kimi_shaped import kimi_args
 
     tp, layout, tokens = key
     plan = plan_memory(kimi_args(4), tp, layout, batch_tokens=tokens, max_length=tokens, aux_layers=[1, 2, 3])
@@ -207,7 +211,7 @@ def test_planner_activations_match_the_h200_measurement(key):
 @pytest.mark.parametrize("layers,experts,tp", [(61, 384, 8), (12, 384, 8), (4, 384, 2), (4, 100, 8), (5, 384, 16)])
 @pytest.mark.parametrize("layout", ["ep", "tp"])
 def test_planner_weights_equal_the_built_model_on_every_rank(layers, experts, tp, layout):
-    """Issue 10's memory check where no 8-GPU machine is lent: the planner's weight bytes per GPU
+    """The memory check at sizes no single machine here holds: the planner's weight bytes per GPU
     against the bytes of the parameters and buffers the native model builds on each rank (meta
     tensors, no memory): Kimi-K2.5 at tp 8 and 16, the Kimi-shaped 12- and 4-layer bench models,
     and 100 experts over 8 ranks (uneven: the planner must plan for the fullest rank)."""

@@ -11,13 +11,12 @@ import pytest
 
 
 def build_sm90(kernel, consts: dict, ptr_types: dict | None = None, int_types: dict | None = None,
-               num_warps: int = 4, num_stages: int = 1, gluon: bool = False, maxnreg: int | None = None):
+               num_warps: int = 4, num_stages: int = 1, maxnreg: int | None = None):
     """Compile `kernel` for sm_90: constexpr arguments from consts, pointer arguments (names ending
     in _ptr) typed by ptr_types (default *bf16), other runtime arguments by int_types (default i32).
     Pointers, strides and the dims N and K are marked divisible by 16, as a launch with aligned
     tensors and such dims specializes them (without it the build differs from the launched one:
-    v3's down took 255 registers and spilled, against 185 and none); a Gluon kernel (gluon=True)
-    gets it on every runtime argument (its cp.async needs the 16-byte alignment known).
+    v3's down took 255 registers and spilled, against 185 and none).
     maxnreg: the launch's register cap. Returns the compiled kernel (.asm: PTX and cubin)."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
@@ -27,13 +26,8 @@ def build_sm90(kernel, consts: dict, ptr_types: dict | None = None, int_types: d
     sig = {n: "constexpr" if n in consts else ptr_types.get(n, "*bf16") if n.endswith("_ptr") else int_types.get(n, "i32")
            for n in kernel.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if sig[n] != "constexpr"
-               and (gluon or n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K"))}
-    if gluon:
-        from triton.experimental.gluon._runtime import GluonASTSource
-
-        source = GluonASTSource(kernel, sig, consts, attrs=aligned)
-    else:
-        source = ASTSource(kernel, sig, consts, aligned)
+               and (n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K"))}
+    source = ASTSource(kernel, sig, consts, aligned)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages,
                                                                                    **({"maxnreg": maxnreg} if maxnreg else {})))
 

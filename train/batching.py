@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -131,9 +131,3 @@ def collate(samples: list[dict], device: torch.device | str = "cpu", dtype: torc
     lengths_t = torch.tensor(lengths, dtype=torch.int64)
     return Batch(to(input_ids), to(loss_mask), to(aux, dtype), to(last, dtype), to(argmax),
                  to(lengths_t.pin_memory() if pin else lengths_t), host_tokens=sum(lengths))
-
-
-def iterate_batches(batches: list[list[int]], get_sample: Callable[[int], dict], device, dtype=torch.float32, start: int = 0):
-    """Yield (batch index, Batch) from `start` on; `get_sample(i)` reads sample i from the shards."""
-    for index in range(start, len(batches)):
-        yield index, collate([get_sample(i) for i in batches[index]], device, dtype)

@@ -220,11 +220,6 @@ def _fully_shard(module: DraftWithLoss, env: DistEnv, bf16: bool) -> nn.Module:
     return module
 
 
-def inner_module(model: nn.Module) -> DraftWithLoss:
-    """The DraftWithLoss under a DDP wrapper (FSDP2 modifies the module in place)."""
-    return getattr(model, "module", model)
-
-
 @contextlib.contextmanager
 def gradient_sync(model: nn.Module, enabled: bool):
     """Gradient accumulation: reduce gradients across ranks only on the last micro-batch."""

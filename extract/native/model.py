@@ -258,7 +258,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
     Right padding only, so a causal mask is all a batch needs. backend: one of PREFILL_BACKENDS
     (default PREFILL_BACKEND, from $EAGLEFORGE_PREFILL_ATTENTION). On CUDA in bf16/fp16 the
-    whole prompt is one fused call unless chunk_tokens is given (on 2026-11-30 the 8192-row
+    whole prompt is one fused call unless chunk_tokens is given (on an H200 the 8192-row
     chunks' bottom-right mask sent SDPA to a kernel 1.7-1.9x slower than one causal call at
     16-32K); elsewhere queries go in chunks of chunk_tokens (default ATTENTION_CHUNK_TOKENS) so
     the math kernel's scores stay bounded.
@@ -365,7 +365,7 @@ class Router(nn.Module):
         bf16 x and weight on CUDA: one bf16 GEMM with fp32 output. Products of two bf16 numbers
         are exact in fp32 and the tensor cores accumulate in fp32, so this is the fp32 GEMM's
         result up to summation order, at tensor-core speed and without an fp32 copy of x (the
-        fp32 GEMM was 2.5 ms of a MoE layer at 16K tokens, 2026-11-30)."""
+        fp32 GEMM was 2.5 ms of a MoE layer at 16K tokens on an H200)."""
         if x.is_cuda and x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16 and _MM_OUT_DTYPE:
             return torch.mm(x, self.weight.t(), out_dtype=torch.float32)
         return F.linear(x.float(), self.weight.float())
@@ -427,7 +427,7 @@ MOE_BACKEND = os.environ.get("EAGLEFORGE_MOE_BACKEND", "auto")
 
 # At tp > 1 and at least this many tokens, the per-token work that every rank would otherwise
 # repeat is split over the ranks by tokens and its outputs all-gathered (TensorParallel.split_rows):
-# the router (2.55 ms of a ~48 ms tp 2 MoE layer at 16K, 2026-11-30) and attention's latent
+# the router (2.55 ms of a ~48 ms tp 2 MoE layer at 16K on H200s) and attention's latent
 # projections q_a / kv_a with their norms (the part of attention that did not shrink with tp: 86%
 # scaling at tp 2 where the experts had 99%). A GEMM's summation order may depend on its row
 # count, so the split matches the unsplit forward to rounding, not bit for bit; below the
@@ -465,8 +465,15 @@ def routed_experts_forward(x: torch.Tensor, weights: torch.Tensor, ids: torch.Te
 def _moe_backend(x: torch.Tensor, experts: RoutedExperts) -> str:
     if MOE_BACKEND != "auto":
         return MOE_BACKEND
-    fast = experts.quantized and x.is_cuda and x.dtype == torch.bfloat16 and int4_moe.HAS_TRITON
+    fast = experts.quantized and x.is_cuda and x.dtype == torch.bfloat16 and int4_moe.HAS_TRITON and _kernel_dims(experts)
     return "triton" if fast else "loop"
+
+
+def _kernel_dims(experts: RoutedExperts) -> bool:
+    """Whether the Triton kernel takes these experts' dims (Kimi-K2.5's do; small test models may not)."""
+    intermediate, hidden = experts.gate_proj_packed.shape[1], experts.gate_proj_packed.shape[2] * int4_moe.PACK_FACTOR
+    return int4_moe.supports(hidden, intermediate, hidden // experts.gate_proj_scale.shape[2],
+                             intermediate // experts.down_proj_scale.shape[2])
 
 
 def _triton_experts(x: torch.Tensor, experts: RoutedExperts) -> bool:

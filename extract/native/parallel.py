@@ -148,7 +148,7 @@ class ColumnParallelLinear(nn.Linear):
 
 # A row-parallel linear's all-reduce over at least this many rows (tokens) goes in two row halves,
 # the first half's all-reduce overlapping the second half's GEMM (at tp 2 and 16K tokens the
-# all-reduces, 0.86 ms each for 235 MB, were what kept scaling near 85%, 2026-11-30 T5-T8).
+# all-reduces, 0.86 ms each for 235 MB, were what kept scaling near 85% on two H200s).
 OVERLAP_MIN_ROWS = int(os.environ.get("EAGLEFORGE_OVERLAP_MIN_ROWS", "4096"))
 
 
@@ -227,7 +227,7 @@ class VocabParallelHead(_VocabRows):
         Chunked over tokens into ONE reused [chunk, V/tp] logits buffer in the model dtype, so
         [N, V/tp] logits never exist and the memory planner can count this as one chunk (an fp32
         copy per chunk, with the previous chunk's still referenced, held 1.56 GiB at tp 1 on
-        2026-11-30: the peak of an 8K-token forward). The argmax of the rounded logits is the
+        an H200: the peak of an 8K-token forward). The argmax of the rounded logits is the
         argmax of their exact fp32 copy. Ties go to the lowest token id, as torch.argmax over the
         full vocabulary would.
         """
@@ -278,7 +278,7 @@ def use_expandable_segments() -> bool:
     (any of ALLOC_CONF_VARS) or CUDA already runs in this process (the setting is read once).
     Each layer's forward allocates GiBs of transients of many sizes; with fixed segments the
     cache held up to 2.2x the activation peak besides it (8.9 GiB above a 7.6 GiB peak at 32K
-    tokens on the H200, 2026-11-30 U2), memory the planner could not count on. True if set here."""
+    tokens on an H200), memory the planner could not count on. True if set here."""
     # torch reads the first of these that is set (PYTORCH_ALLOC_CONF is the newer name)
     if any(name in os.environ for name in ALLOC_CONF_VARS) or torch.cuda.is_initialized():
         return False

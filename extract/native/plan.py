@@ -37,10 +37,11 @@ from eagleforge.extract.native.parallel import ARGMAX_CHUNK_TOKENS, split_range
 log = logging.getLogger(__name__)
 
 GIB = 1 << 30
-# Memory besides the weights and the activations' peak (measured on an H200, 2026-11-30 U3, with
+# Memory besides the weights and the activations' peak (measured on an H200 with
 # the expandable segments the native backend asks for): the CUDA context and libraries outside the
 # allocator, 0.75 GiB; the allocator's cache beyond the allocated peak, up to 8.6% of the
-# activations. NCCL's buffers at tp > 1 are an estimate (not measured: see issue 10).
+# activations. NCCL's buffers at tp > 1: 1.5-2.0 GiB outside the allocator measured at tp 2; more peers at tp 8 are
+# not measured.
 CONTEXT_RESERVE_BYTES = 1 * GIB
 NCCL_RESERVE_BYTES = 1 * GIB
 ALLOCATOR_SLACK = 0.10  # of the activations

@@ -8,16 +8,25 @@ expert, dense layer 0 with intermediate 18432; only the layer count is cut (defa
 embedding and head) builds in seconds on a GPU.
 
     model = build_bench_model(kimi_args(num_layers=4), device="cuda")
+
+Used by the benchmarks (bench_extract, bench_moe, check_plan, check_tp_capture) and by tests
+(which put benchmarks/ on sys.path); not part of the installed package.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import zlib
 
 import torch
 
-from eagleforge.extract.native.model import DeepseekV3ForExtraction, ModelArgs
-from eagleforge.extract.native.parallel import TensorParallel
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _bench_common import import_eagleforge  # noqa: E402
+
+import_eagleforge()
+from eagleforge.extract.native.model import DeepseekV3ForExtraction, ModelArgs  # noqa: E402
+from eagleforge.extract.native.parallel import TensorParallel  # noqa: E402
 
 KIMI_K25_TEXT = dict(
     vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
