@@ -46,7 +46,6 @@ from eagleforge.extract.capture import HiddenStateCapture  # noqa: E402
 from eagleforge.extract.native import model as native_model  # noqa: E402
 from kimi_shaped import build_bench_model, kimi_args, tiny_args  # noqa: E402
 from eagleforge.extract.native.plan import plan_memory  # noqa: E402
-from eagleforge.extract.native import parallel as native_parallel  # noqa: E402
 from eagleforge.extract.native.parallel import init_parallel, shutdown  # noqa: E402
 from eagleforge.extract.writer import OverlappedWriter, fp8_error  # noqa: E402
 
@@ -270,15 +269,16 @@ def project_full_model(r: dict, T: int, gpus: int, tp: int, efficiency_1_to_2: f
     return out
 
 
-# Switches the interleaved A/B (--ab-off) may turn off: module globals read at each call.
-AB_SWITCHES = {"split_rows": (native_model, "SPLIT_ROWS_MIN_TOKENS"), "overlap_halves": (native_parallel, "OVERLAP_MIN_ROWS")}
+# Switches the interleaved A/B (--ab-off) may turn off: the TensorParallel thresholds every layer
+# reads at each call (target.split_rows_min_tokens, target.overlap_min_rows).
+AB_SWITCHES = {"split_rows": "split_rows_min_tokens", "overlap_halves": "overlap_min_rows"}
 
 
 def ab_forward(model, state, T: int, switch: str, rounds: int, reps: int) -> dict:
     """Forward-only ms with `switch` on (its default) and off, INTERLEAVED: `rounds` rounds of
     (on, off), each `reps` pipelined forwards, so the machine's drift over the run (about 3% between
     runs of the tp 2 forward on an H200 pair) falls on both alike. Off = its threshold set past any batch."""
-    module, name = AB_SWITCHES[switch]
+    module, name = state.tp, AB_SWITCHES[switch]
     default = getattr(module, name)
     ids = torch.randint(0, model.args.vocab_size, (1, T), generator=torch.Generator().manual_seed(T)).to(state.device)
     times = {"on": [], "off": []}
@@ -349,7 +349,7 @@ def main(argv=None) -> dict:
         model = build_bench_model(args, state.device, tp=state.tp)
         res = {"device": torch.cuda.get_device_name() if state.device.type == "cuda" else "cpu", "tp": state.tp.size,
                "layers": args.num_hidden_layers, "aux_layers": aux_layers, "build_s": round(time.perf_counter() - t0, 1),
-               "matmul_TFLOPs": round(matmul_tflops(state.device), 1), "moe_backend": native_model.MOE_BACKEND,
+               "matmul_TFLOPs": round(matmul_tflops(state.device), 1), "moe_backend": model.args.moe_backend,
                "torch": torch.__version__}
         # the memory planner beside the measurement (benchmarks/check_plan.py compares them per GPU)
         res["planner_weights_GiB"] = round(plan_memory(args, state.tp.size, "ep").weights_bytes / 2**30, 2)

@@ -34,7 +34,6 @@ skipped.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import logging
 import statistics
@@ -47,22 +46,13 @@ import torch
 log = logging.getLogger("bench_loss")
 
 
-def load_soft_ce():
-    """eagleforge.kernels.soft_ce, or the file beside this script when the package is not installed
-    (a bare checkout; soft_ce.py imports nothing from eagleforge)."""
-    try:
-        from eagleforge.kernels import soft_ce
-        return soft_ce
-    except ImportError:
-        path = Path(__file__).resolve().parents[1] / "kernels" / "soft_ce.py"
-        spec = importlib.util.spec_from_file_location("eagleforge_soft_ce", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        return module
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_common import import_eagleforge  # noqa: E402
 
+import_eagleforge()  # a bare checkout runs without `pip install -e .`
 
-soft_ce = load_soft_ce()
+from eagleforge.kernels import soft_ce, soft_ce_ttt  # noqa: E402
+from eagleforge.train import loss as reference_loss  # noqa: E402
 
 
 class Timer:
@@ -228,7 +218,7 @@ def run_cases(tokens, hidden, vocab, steps, chunks, device, dtype, timer, with_l
             def ours_ttt(chunk=chunk, packed=variant == "packed"):
                 # as the trainer calls it: its weights are zero past the teacher by construction,
                 # so no check (the check reads a device value back: a host sync per call)
-                loss, _, _ = soft_ce.fused_soft_cross_entropy_ttt(hds, wd, ht, wt, ttt_w, chunk_tokens=chunk, packed=packed,
+                loss, _, _ = soft_ce_ttt.fused_soft_cross_entropy_ttt(hds, wd, ht, wt, ttt_w, chunk_tokens=chunk, packed=packed,
                                                                   check_weight=False)
                 loss.backward()
                 return loss.detach()
@@ -248,11 +238,11 @@ def check_ours(hds, wd, ht, wt, ttt_w, lse, hd, mean_w, chunk) -> dict:
     the first 1024 rows (the reference materializes [rows, Vd] in fp32)."""
     rows = min(1024, hd.shape[0])
     with torch.no_grad():
-        ref, _ = soft_ce.reference_soft_cross_entropy(hd[:rows], wd, ht[:rows], wt, lse[:rows], mean_w[:rows])
+        ref, _ = reference_loss.soft_cross_entropy(hd[:rows], wd, ht[:rows], wt, lse[:rows], mean_w[:rows])
         ours, _ = soft_ce.fused_soft_cross_entropy(hd[:rows], wd, ht[:rows], wt, lse[:rows], mean_w[:rows], chunk_tokens=chunk)
-        ref_ttt = soft_ce.reference_soft_cross_entropy_ttt([h[:rows] for h in hds], wd, ht[:rows], wt, ttt_fix(ttt_w, rows))[0]
-        ours_ttt = soft_ce.fused_soft_cross_entropy_ttt([h[:rows] for h in hds], wd, ht[:rows], wt, ttt_fix(ttt_w, rows), chunk_tokens=chunk)[0]
-        packed = soft_ce.fused_soft_cross_entropy_ttt([h[:rows] for h in hds], wd, ht[:rows], wt, ttt_fix(ttt_w, rows),
+        ref_ttt = reference_loss.soft_cross_entropy_ttt([h[:rows] for h in hds], wd, ht[:rows], wt, ttt_fix(ttt_w, rows))[0]
+        ours_ttt = soft_ce_ttt.fused_soft_cross_entropy_ttt([h[:rows] for h in hds], wd, ht[:rows], wt, ttt_fix(ttt_w, rows), chunk_tokens=chunk)[0]
+        packed = soft_ce_ttt.fused_soft_cross_entropy_ttt([h[:rows] for h in hds], wd, ht[:rows], wt, ttt_fix(ttt_w, rows),
                                                       chunk_tokens=chunk, packed=True)[0]
     return {"single_step_rel": float(f"{ours.item() / ref.item() - 1:.2e}"), "ttt_rel": float(f"{ours_ttt.item() / ref_ttt.item() - 1:.2e}"),
             "ttt_packed_rel": float(f"{packed.item() / ref_ttt.item() - 1:.2e}"), **check_packed_grads(hds, wd, ht, wt, ttt_w, chunk)}
@@ -264,7 +254,7 @@ def check_packed_grads(hds, wd, ht, wt, ttt_w, chunk) -> dict:
     for packed in (False, True):
         for p in [wd, *hds]:
             p.grad = None
-        loss, _, _ = soft_ce.fused_soft_cross_entropy_ttt(hds, wd, ht, wt, ttt_w, chunk_tokens=chunk, packed=packed)
+        loss, _, _ = soft_ce_ttt.fused_soft_cross_entropy_ttt(hds, wd, ht, wt, ttt_w, chunk_tokens=chunk, packed=packed)
         loss.backward()
         grads[packed] = [wd.grad.clone()] + [h.grad.clone() for h in hds]
     for p in [wd, *hds]:
@@ -296,7 +286,7 @@ def profile_ttt(tokens, hidden, vocab, steps, chunk, device, dtype, timer) -> di
     def call():
         for x in [wd, *hds]:
             x.grad = None  # as the table's timing and a training step: no accumulation into .grad
-        loss, _, _ = soft_ce.fused_soft_cross_entropy_ttt(hds, wd, ht, wt, ttt_w, chunk_tokens=chunk, packed=True,
+        loss, _, _ = soft_ce_ttt.fused_soft_cross_entropy_ttt(hds, wd, ht, wt, ttt_w, chunk_tokens=chunk, packed=True,
                                                           check_weight=False)
         loss.backward()
 

@@ -3,7 +3,7 @@
 One rank's heads at tp 1 (64 heads, q/k head dim 192 = 128 nope + 64 rope, v head dim 128), one
 causal sequence of T tokens, forward only, bf16, through extract.native.model.prefill_attention:
 
-    flash, chunks of 8192    FlashAttention-2 through SDPA (EAGLEFORGE_PREFILL_ATTENTION=flash), v
+    flash, chunks of 8192    FlashAttention-2 through SDPA (target.prefill_attention=flash), v
                              padded to 192, query chunks of 8192 (bottom-right causal masks)
     flash, one call          the same kernel over the whole prompt at once
     cudnn, v padded          SDPA with cuDNN's fused attention alone, v padded to 192

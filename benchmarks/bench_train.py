@@ -68,7 +68,6 @@ import functools
 import gc
 import json
 import logging
-import math
 import sys
 import time
 import dataclasses
@@ -85,7 +84,8 @@ import_eagleforge()  # a bare checkout runs without `pip install -e .`
 
 from eagleforge.draft import Eagle3Config, Eagle3Draft  # noqa: E402
 from eagleforge.draft.attention import ttt_attention  # noqa: E402
-from eagleforge.kernels import soft_ce  # noqa: E402
+from eagleforge.kernels import soft_ce_ttt  # noqa: E402
+from eagleforge.train import loss as reference_loss  # noqa: E402
 
 log = logging.getLogger("bench_train")
 
@@ -362,7 +362,7 @@ class OurStep:
             normed.append(out_j[0])  # [T, H]
         del keys, values, hidden
         weight = ttt_weights(batch["loss_mask"], batch["target_argmax"], draft.t2d, k_steps)
-        return soft_ce.fused_soft_cross_entropy_ttt(
+        return soft_ce_ttt.fused_soft_cross_entropy_ttt(
             normed, draft.lm_head.weight, batch["last"][0], self.teacher_head, weight,
             teacher_shift=1, chunk_tokens=self.chunk, packed=self.packed,
             check_weight=self.sync)  # ttt_weights zeroes the rows without a teacher: no check, no host sync
@@ -442,14 +442,14 @@ def check_loss(ours: OurStep, batch: dict) -> dict:
                for _ in range(s.ttt)]
     head = draft.lm_head.weight.detach().clone().requires_grad_()
     weight = ttt_weights(batch["loss_mask"], batch["target_argmax"], draft.t2d, s.ttt)
-    ref, ref_steps, _ = soft_ce.reference_soft_cross_entropy_ttt(hiddens, head, batch["last"][0], ours.teacher_head, weight)
+    ref, ref_steps, _ = reference_loss.soft_cross_entropy_ttt(hiddens, head, batch["last"][0], ours.teacher_head, weight)
     ref.backward()
     ref_grads = [x.grad.clone() for x in hiddens + [head]]
     out = {"tokens": tokens, "reference_loss": ref.item()}
     for packed in (False, True):
         for x in hiddens + [head]:
             x.grad = None
-        loss, steps, _ = soft_ce.fused_soft_cross_entropy_ttt(hiddens, head, batch["last"][0], ours.teacher_head, weight,
+        loss, steps, _ = soft_ce_ttt.fused_soft_cross_entropy_ttt(hiddens, head, batch["last"][0], ours.teacher_head, weight,
                                                               chunk_tokens=ours.chunk, packed=packed)
         loss.backward()
         grad_errs = [rel_err(x.grad, g) for x, g in zip(hiddens + [head], ref_grads)]

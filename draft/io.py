@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from eagleforge.atomic import atomic_dir
 
 from eagleforge.draft.config import Eagle3Config
 from eagleforge.draft.model import Eagle3Draft
@@ -67,36 +67,12 @@ def export_state_dict(draft: Eagle3Draft, dtype: torch.dtype = torch.bfloat16) -
     return out
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_draft(draft: Eagle3Draft, out_dir, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write config.json + model.safetensors to out_dir atomically (replacing what is there)."""
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    weights = tmp / WEIGHTS_FILE
-    save_file(export_state_dict(draft, dtype), str(weights), metadata={"format": "pt"})
-    config_path = tmp / CONFIG_FILE
-    config_path.write_text(json.dumps(draft.config.to_hf_dict(), indent=2) + "\n")
-    for path in (weights, config_path):
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())
-    _fsync_dir(tmp)
-    # Swap in: the old export (if any) is moved aside first, so out_dir is never half written.
-    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-    if out_dir.exists():
-        os.replace(out_dir, old)
-    os.replace(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
-    _fsync_dir(out_dir.parent)
+    with atomic_dir(out_dir) as tmp:  # the old export stays whole until the new one is complete
+        save_file(export_state_dict(draft, dtype), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / CONFIG_FILE).write_text(json.dumps(draft.config.to_hf_dict(), indent=2) + "\n")
     log.info("exported the draft to %s", out_dir)
     return out_dir
 

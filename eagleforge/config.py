@@ -46,6 +46,11 @@ class TargetConfig:
     expert_layout: str = "ep"
     # native backend: GPU memory the planner assumes; 0 = the device's real size.
     gpu_memory_gib: float = 0.0
+    # native backend, how the forward runs (same results to rounding; BENCHMARKS.md measures them):
+    prefill_attention: str = "auto"  # causal attention kernel on CUDA: auto (cuDNN) | cudnn | flash | flash_attn
+    moe_backend: str = "auto"  # routed experts: auto (Triton INT4 kernel on CUDA) | triton | grouped_mm | loop
+    split_rows_min_tokens: int = 1024  # tp > 1: from this many tokens, router and latents split over the ranks
+    overlap_min_rows: int = 4096  # tp > 1: from this many rows, all-reduces in two halves overlapping the GEMM
 
 
 @dataclass
@@ -263,6 +268,8 @@ _CHOICES = {
     "target.backend": modes.TARGET_BACKENDS,
     "target.dtype": modes.TARGET_DTYPES,
     "target.expert_layout": modes.EXPERT_LAYOUTS,
+    "target.prefill_attention": modes.PREFILL_ATTENTION_MODES,
+    "target.moe_backend": modes.MOE_BACKENDS,
     "data.overlong": modes.OVERLONG_MODES,
     "extract.storage_dtype": modes.STORAGE_DTYPES,
     "train.attention": modes.ATTENTION_MODES,

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from pathlib import Path
 
 import torch
 
+from eagleforge.atomic import atomic_dir
 from eagleforge.config import TargetConfig, UserInputError
 
 log = logging.getLogger(__name__)
@@ -65,12 +65,9 @@ def embedded_target_dir() -> Path:
     config._name_or_path = "SmolLM2-135M-Instruct"
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(gguf_model.state_dict())
-    tmp = cache.with_name(cache.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(cache, ignore_errors=True)
-    os.replace(tmp, cache)
+    with atomic_dir(cache) as tmp:  # two processes converting at once each swap in a whole copy
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
     return cache
 
 

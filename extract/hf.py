@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from eagleforge.config import Config, UserInputError, save_config
+from eagleforge.process_group import join_process_group, world_size_from_env
 from eagleforge.shards import ShardWriter, load_manifest, merge_manifests
 from eagleforge.target import (decoder_layers, default_aux_layers, final_norm, load_target, padding_id, resolve_device,
                       target_path, text_config)
@@ -41,16 +42,12 @@ ARGMAX_CHUNK_ELEMENTS = 1 << 24
 
 def init_distributed(device: torch.device) -> tuple[int, int, bool]:
     """(rank, world_size, initialized_here); joins the torchrun process group when WORLD_SIZE > 1."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
+    if world_size_from_env() <= 1:
         return 0, 1, False
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size(), False
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend=backend)
-    return dist.get_rank(), dist.get_world_size(), True
+    created = join_process_group(device)
+    return dist.get_rank(), dist.get_world_size(), created
 
 
 def _barrier() -> None:

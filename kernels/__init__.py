@@ -1,25 +1,14 @@
 """Fused kernels for draft training (installed as `eagleforge.kernels`).
 
-Each op lives in its own file beside its plain-torch reference and a CPU path:
-- `soft_ce`: the EAGLE-3 fused linear soft cross-entropy (docs/training.md).
+Each op lives in its own file with a CPU path; its plain-torch reference is beside it in the
+tests (the loss's is eagleforge.train.loss, which the trainer can also run):
+- `soft_ce`: the EAGLE-3 fused linear soft cross-entropy, one step (docs/training.md), and the
+  teacher's logsumexp; `soft_ce_ttt`: all TTT steps at once, the teacher shared.
 - `int4_moe`: the W4A16 routed experts of the native extraction (and its slot combine).
 - `rms_norm`: RMSNorm in one pass for the native extraction.
 """
 
-from eagleforge.kernels.soft_ce import (
-    fused_soft_cross_entropy,
-    fused_soft_cross_entropy_ttt,
-    reference_soft_cross_entropy,
-    reference_soft_cross_entropy_ttt,
-    reference_teacher_logsumexp,
-    teacher_logsumexp,
-)
+from eagleforge.kernels.soft_ce import fused_soft_cross_entropy, teacher_logsumexp
+from eagleforge.kernels.soft_ce_ttt import fused_soft_cross_entropy_ttt
 
-__all__ = [
-    "fused_soft_cross_entropy",
-    "fused_soft_cross_entropy_ttt",
-    "reference_soft_cross_entropy",
-    "reference_soft_cross_entropy_ttt",
-    "reference_teacher_logsumexp",
-    "teacher_logsumexp",
-]
+__all__ = ["fused_soft_cross_entropy", "fused_soft_cross_entropy_ttt", "teacher_logsumexp"]

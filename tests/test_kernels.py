@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from eagleforge.kernels import soft_ce
+from eagleforge.kernels import soft_ce, soft_ce_ttt
 
 INNER = os.environ.get("EAGLEFORGE_TRITON_INNER") == "1"  # set by test_triton_interpreter's subprocess
 BACKEND = "triton" if INNER else "torch"
@@ -149,7 +149,7 @@ def test_inexact_teacher_lse_follows_the_formula():
 
 def test_grad_to_one_input_only_and_no_grad():
     h, w_d, t, w_t, weight = make_inputs(29, 40, 501, torch.float32, seed=3)
-    lse = soft_ce.reference_teacher_logsumexp(t, w_t)
+    lse = torch.logsumexp(t.float() @ w_t.float().T, dim=-1)
     h_const = h.detach()
     loss, _ = soft_ce.fused_soft_cross_entropy(h_const, w_d, t, w_t, lse, weight, chunk_tokens=7, backend=BACKEND)
     loss.backward()
@@ -202,10 +202,10 @@ def test_ttt_shared_teacher(dtype, chunk, packed, poisoned_empty):
     for j in range(k_steps):
         weight[j, n - shift - j :] = 0  # no teacher past the end
     weight[1, 3:7] = 0
-    loss, step_losses, argmax = soft_ce.fused_soft_cross_entropy_ttt(
+    loss, step_losses, argmax = soft_ce_ttt.fused_soft_cross_entropy_ttt(
         hiddens, w_d, t, w_t, weight, teacher_shift=shift, chunk_tokens=chunk, backend=BACKEND, packed=packed)
     with torch.no_grad():  # the no-gradient path gives the same numbers
-        nograd = soft_ce.fused_soft_cross_entropy_ttt(
+        nograd = soft_ce_ttt.fused_soft_cross_entropy_ttt(
             hiddens, w_d, t, w_t, weight, teacher_shift=shift, chunk_tokens=chunk, backend=BACKEND, packed=packed)
     assert torch.equal(nograd[1], step_losses) and torch.equal(nograd[2], argmax)
     (loss * 1.5).backward()
@@ -236,7 +236,7 @@ def test_ttt_packed_all_masked_and_short(poisoned_empty):
         hiddens = [torch.randn(n, 8, generator=gen).requires_grad_() for _ in range(5)]
         w_d = torch.randn(19, 8, generator=gen).requires_grad_()
         t = torch.randn(n, 8, generator=gen)
-        loss, steps, argmax = soft_ce.fused_soft_cross_entropy_ttt(
+        loss, steps, argmax = soft_ce_ttt.fused_soft_cross_entropy_ttt(
             hiddens, w_d, t, torch.randn(19, 8, generator=gen), torch.zeros(5, n), chunk_tokens=7,
             backend=BACKEND, packed=True)
         loss.backward()
@@ -260,7 +260,7 @@ def test_ttt_gradient_to_some_steps_only(packed, poisoned_empty):
     grads = []
     for needs in ([True] * k_steps, [True, False, True]):
         hiddens = [b.clone().requires_grad_(need) for b, need in zip(base, needs)]
-        loss, _, _ = soft_ce.fused_soft_cross_entropy_ttt(hiddens, w_d, t, w_t, weight, chunk_tokens=7,
+        loss, _, _ = soft_ce_ttt.fused_soft_cross_entropy_ttt(hiddens, w_d, t, w_t, weight, chunk_tokens=7,
                                                           backend=BACKEND, packed=packed)
         loss.backward()
         grads.append([h.grad for h in hiddens])
@@ -283,7 +283,7 @@ def test_ttt_float64_gradients_scaled_in_float64():
         weight[j, n - 1 - j:] = 0
     grads = []
     for upstream in (1.0, 1 / 3):
-        loss, _, _ = soft_ce.fused_soft_cross_entropy_ttt(hiddens, w_d, t, w_t, weight, chunk_tokens=4, backend=BACKEND)
+        loss, _, _ = soft_ce_ttt.fused_soft_cross_entropy_ttt(hiddens, w_d, t, w_t, weight, chunk_tokens=4, backend=BACKEND)
         (loss * upstream).backward()
         grads.append([x.grad.clone() for x in hiddens + [w_d]])
         for x in hiddens + [w_d]:
@@ -298,12 +298,12 @@ def test_ttt_rejects_weight_without_teacher():
     w = torch.randn(50, 8)
     weight = torch.ones(2, 9)
     with pytest.raises(ValueError, match=r"weight\[0, 8:\] must be 0"):
-        soft_ce.fused_soft_cross_entropy_ttt(hiddens, w, torch.randn(9, 8), w, weight, backend=BACKEND)
+        soft_ce_ttt.fused_soft_cross_entropy_ttt(hiddens, w, torch.randn(9, 8), w, weight, backend=BACKEND)
     weight[0, 8] = 0  # step 0 now fine; step 1's row 7 has no teacher either (7 + 1 + 1 = 9)
     with pytest.raises(ValueError, match=r"weight\[1, 7:\] must be 0"):
-        soft_ce.fused_soft_cross_entropy_ttt(hiddens, w, torch.randn(9, 8), w, weight, backend=BACKEND)
+        soft_ce_ttt.fused_soft_cross_entropy_ttt(hiddens, w, torch.randn(9, 8), w, weight, backend=BACKEND)
     weight[1, 7:] = 0
-    soft_ce.fused_soft_cross_entropy_ttt(hiddens, w, torch.randn(9, 8), w, weight, backend=BACKEND)  # accepted
+    soft_ce_ttt.fused_soft_cross_entropy_ttt(hiddens, w, torch.randn(9, 8), w, weight, backend=BACKEND)  # accepted
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["perstep", "packed"])
@@ -320,7 +320,7 @@ def test_ttt_unchecked_weight_ignores_rows_without_teacher(packed):
         clean[j, n - 1 - j:] = 0
     runs = []
     for weight, check in ((dirty, False), (clean, True)):
-        loss, steps, argmax = soft_ce.fused_soft_cross_entropy_ttt(
+        loss, steps, argmax = soft_ce_ttt.fused_soft_cross_entropy_ttt(
             hiddens, w_d, t, w_t, weight, chunk_tokens=5, backend=BACKEND, packed=packed, check_weight=check)
         loss.backward()
         runs.append((steps, argmax, [h.grad.clone() for h in hiddens]))
@@ -342,7 +342,7 @@ def test_ttt_upstream_scaled_in_fp32_and_second_backward_refused():
     weight[0, n - 1:], weight[1, n - 2:] = 0, 0
     grads = []
     for upstream in (1.0, 1 / 3):
-        loss, _, _ = soft_ce.fused_soft_cross_entropy_ttt(hiddens, w_d, t, w_t, weight, chunk_tokens=4, backend=BACKEND)
+        loss, _, _ = soft_ce_ttt.fused_soft_cross_entropy_ttt(hiddens, w_d, t, w_t, weight, chunk_tokens=4, backend=BACKEND)
         (loss * upstream).backward(retain_graph=True)
         grads.append([x.grad.clone() for x in hiddens + [w_d]])
         for x in hiddens + [w_d]:
@@ -443,7 +443,7 @@ def test_triton_cuda_ttt_matches_single_steps():
     weight = torch.rand(k_steps, n, device="cuda", generator=gen)
     for j in range(k_steps):
         weight[j, n - 1 - j :] = 0
-    loss, _, _ = soft_ce.fused_soft_cross_entropy_ttt(hiddens, w_d, t, w_t, weight, chunk_tokens=384)
+    loss, _, _ = soft_ce_ttt.fused_soft_cross_entropy_ttt(hiddens, w_d, t, w_t, weight, chunk_tokens=384)
     loss.backward()
     ours = [h.grad.clone() for h in hiddens] + [w_d.grad.clone()]
     for x in hiddens + [w_d]:
@@ -471,15 +471,15 @@ def test_transposed_inputs_and_second_order_refused():
     weight = torch.rand(2, n, generator=gen)
     weight[0, n - 1:], weight[1, n - 2:] = 0, 0
     hiddens = [h_t.T, h_t.T * 0.5]
-    loss, _, _ = soft_ce.fused_soft_cross_entropy_ttt(hiddens, w_t.T, t, w_teacher, weight, chunk_tokens=4, backend=BACKEND)
+    loss, _, _ = soft_ce_ttt.fused_soft_cross_entropy_ttt(hiddens, w_t.T, t, w_teacher, weight, chunk_tokens=4, backend=BACKEND)
     (loss * 0.7).backward()
     got = (h_t.grad.clone(), w_t.grad.clone())
     h, w = h_t.detach().T.contiguous().requires_grad_(), w_t.detach().T.contiguous().requires_grad_()
-    ref, _, _ = soft_ce.fused_soft_cross_entropy_ttt([h, h * 0.5], w, t, w_teacher, weight, chunk_tokens=4, backend=BACKEND)
+    ref, _, _ = soft_ce_ttt.fused_soft_cross_entropy_ttt([h, h * 0.5], w, t, w_teacher, weight, chunk_tokens=4, backend=BACKEND)
     (ref * 0.7).backward()
     torch.testing.assert_close(got[0], h.grad.T)
     torch.testing.assert_close(got[1], w.grad.T)
-    loss2, _, _ = soft_ce.fused_soft_cross_entropy_ttt([h], w, t, w_teacher, weight[:1], chunk_tokens=4, backend=BACKEND)
+    loss2, _, _ = soft_ce_ttt.fused_soft_cross_entropy_ttt([h], w, t, w_teacher, weight[:1], chunk_tokens=4, backend=BACKEND)
     (grad,) = torch.autograd.grad(loss2, h, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable|does not require grad|second"):
         grad.sum().backward()

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from eagleforge.train import loss as loss_mod
-from eagleforge.train.loss import get_loss_fn, soft_cross_entropy, teacher_logsumexp
+from eagleforge.kernels.soft_ce import teacher_logsumexp
+from eagleforge.train.loss import get_loss_fn, soft_cross_entropy, soft_cross_entropy_ttt
 
 
 def _formula(draft_hidden, draft_head, teacher_hidden, teacher_head, weight):
@@ -27,10 +27,9 @@ def _inputs(n, h, vd, seed, scale=1.0):
 
 
 @pytest.mark.parametrize("n,h,vd,chunk", [(37, 24, 211, 1024), (53, 16, 97, 8), (1, 8, 3, 1024)])
-def test_loss_and_grads_match_formula(n, h, vd, chunk, monkeypatch):
-    monkeypatch.setattr(loss_mod, "CHUNK_ROWS", chunk)  # exercise several chunks and a ragged last one
+def test_loss_and_grads_match_formula(n, h, vd, chunk):
     dh, dw, th, tw, w = _inputs(n, h, vd, seed=n * 7 + vd)
-    lse = teacher_logsumexp(th, tw)
+    lse = teacher_logsumexp(th, tw, chunk_tokens=chunk)  # several chunks and a ragged last one
     assert lse.dtype == torch.float32 and lse.shape == (n,)
     torch.testing.assert_close(lse.double(), torch.logsumexp(th.double() @ tw.double().T, -1), rtol=1e-5, atol=1e-5)
 
@@ -95,12 +94,31 @@ def test_all_masked_and_no_grad_paths():
 def test_bf16_inputs_give_grads_in_their_dtype():
     dh, dw, th, tw, w = _inputs(19, 16, 31, seed=9)
     dh_bf = dh.detach().bfloat16().requires_grad_()
-    lse = teacher_logsumexp(th.bfloat16(), tw)
+    lse = teacher_logsumexp(th.bfloat16().float(), tw)
     loss, _ = soft_cross_entropy(dh_bf, dw, th.bfloat16(), tw, lse, w)
     loss.backward()
     assert dh_bf.grad.dtype == torch.bfloat16 and dw.grad.dtype == torch.float32
     ref, _ = _formula(dh_bf.detach().float(), dw.detach(), th.bfloat16().float(), tw, w)
     torch.testing.assert_close(loss.double(), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("n,k,shift", [(23, 3, 1), (9, 5, 2)])
+def test_ttt_form_is_each_step_against_the_shifted_teacher(n, k, shift):
+    """soft_cross_entropy_ttt (the TTT reference of the kernels' tests and benchmarks): step j's
+    row t against the teacher of row t + shift + j, rows past the end weighted 0."""
+    _, dw, th, tw, _ = _inputs(n, 12, 37, seed=n + k)
+    g = torch.Generator().manual_seed(k)
+    hiddens = [torch.randn(n, 12, generator=g).requires_grad_() for _ in range(k)]
+    weight = torch.rand(k, n, generator=g)
+    for j in range(k):
+        weight[j, max(0, n - shift - j):] = 0  # no teacher there
+    loss, step_losses, argmax = soft_cross_entropy_ttt(hiddens, dw, th, tw, weight, teacher_shift=shift)
+    for j in range(k):
+        idx = (torch.arange(n) + shift + j).clamp(max=n - 1)
+        ref, ref_arg = _formula(hiddens[j].detach(), dw.detach(), th[idx], tw, weight[j])
+        torch.testing.assert_close(step_losses[j].double(), ref, rtol=2e-5, atol=2e-5)
+        assert torch.equal(argmax[j], ref_arg)
+    torch.testing.assert_close(loss, step_losses.sum())
 
 
 def test_get_loss_fn_selection():

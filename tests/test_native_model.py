@@ -74,11 +74,13 @@ def run_native(path, layout: str, tp: TensorParallel, input_ids: torch.Tensor, d
             "bytes_read": torch.tensor(stats.bytes_read), "names": stats.names}
 
 
-def _worker(rank: int, world: int, port: int, path: str, input_ids: torch.Tensor, out_dir: str) -> None:
+def _worker(rank: int, world: int, port: int, path: str, input_ids: torch.Tensor, out_dir: str, tp_options: dict) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         state = _state_from_world(world, torch.device("cpu"), True)
+        for name, value in tp_options.items():
+            setattr(state.tp, name, value)
         for layout in ("ep", "tp"):
             result = run_native(path, layout, state.tp, input_ids)
             names = result.pop("names")
@@ -89,9 +91,10 @@ def _worker(rank: int, world: int, port: int, path: str, input_ids: torch.Tensor
         dist.destroy_process_group()
 
 
-def run_world(path, world: int, input_ids: torch.Tensor, out_dir) -> dict:
-    """{(layout, rank): (tensors, names read)} from `world` spawned gloo processes."""
-    mp.spawn(_worker, args=(world, free_port(), str(path), input_ids, str(out_dir)), nprocs=world, join=True)
+def run_world(path, world: int, input_ids: torch.Tensor, out_dir, **tp_options) -> dict:
+    """{(layout, rank): (tensors, names read)} from `world` spawned gloo processes; tp_options set
+    TensorParallel's thresholds (target.split_rows_min_tokens, target.overlap_min_rows)."""
+    mp.spawn(_worker, args=(world, free_port(), str(path), input_ids, str(out_dir), tp_options), nprocs=world, join=True)
     results = {}
     for layout in ("ep", "tp"):
         for rank in range(world):
@@ -235,10 +238,8 @@ def test_split_rows_match_transformers_to_fp32_rounding(checkpoints, tmp_path, m
     (forced down to 2 rows; normally from 4096), the first overlapping the second's GEMM. A GEMM
     may sum in an order that depends on its row count, so the match is to fp32 rounding, and the
     greedy tokens and the ranks' states are identical."""
-    monkeypatch.setenv("EAGLEFORGE_SPLIT_ROWS_MIN_TOKENS", "1")  # read by the spawned ranks
-    monkeypatch.setenv("EAGLEFORGE_OVERLAP_MIN_ROWS", "2")
     path, input_ids, aux, normed, greedy = checkpoints["k25_yarn"]
-    results = run_world(path, 2, input_ids, tmp_path)
+    results = run_world(path, 2, input_ids, tmp_path, split_rows_min_tokens=1, overlap_min_rows=2)
     for (layout, rank), (tensors, _) in results.items():
         assert_matches_reference(tensors, aux, normed, greedy, f"split rows {layout} rank {rank}/2", tol=1e-5)
         assert torch.equal(tensors["aux"], results[layout, 0][0]["aux"]), "ranks disagree"

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagleforge.atomic import replace_dir
 from eagleforge.config import Config, UserInputError, save_config
 from eagleforge.shards import disk_full_errno, disk_full_error
 
@@ -161,9 +162,7 @@ def save_checkpoint(cfg: Config, step: int, model: torch.nn.Module, optimizer, s
         raise UserInputError(failures[0])
     if env.is_main:
         write_checksums(tmp, {name: v for _, files in results for name, v in files.items()})
-        if final.exists():  # the same step saved again (e.g. the final save after a periodic one)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        replace_dir(tmp, final)  # the same step saved again (the final save after a periodic one) replaces it
         _prune(cfg.run, cfg.train.keep_last)
         log.info("checkpoint %s", final)
     barrier(env)

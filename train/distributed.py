@@ -23,7 +23,6 @@ lm_head (in the root's group) is gathered only there.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
 import os
 from dataclasses import dataclass
@@ -34,12 +33,11 @@ from torch import nn
 
 from eagleforge.config import UserInputError
 from eagleforge.modes import PARALLEL_MODES
+from eagleforge.process_group import join_process_group, world_size_from_env
 from eagleforge.target import resolve_device
 
 log = logging.getLogger(__name__)
 
-# Long enough for a checkpoint of a large draft on slow shared storage between two collectives.
-PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=30)
 
 
 @dataclass(frozen=True)
@@ -71,7 +69,7 @@ def init_distributed(device: str = "auto") -> DistEnv:
     created here unless the caller already made one (tests, notebooks), which is then reused."""
     import torch.distributed as dist
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size_from_env()
     if world <= 1 and not (dist.is_available() and dist.is_initialized()):
         return DistEnv(device=resolve_device(device))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -79,12 +77,7 @@ def init_distributed(device: str = "auto") -> DistEnv:
     if resolved.type == "cuda":
         resolved = torch.device("cuda", local_rank)
         torch.cuda.set_device(resolved)
-    owns = False
-    if not dist.is_initialized():
-        backend = "nccl" if resolved.type == "cuda" else "gloo"
-        kwargs = {"device_id": resolved} if resolved.type == "cuda" else {}
-        dist.init_process_group(backend=backend, timeout=PROCESS_GROUP_TIMEOUT, **kwargs)
-        owns = True
+    owns = join_process_group(resolved)
     env = DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, resolved, owns)
     if env.is_main:
         log.info("distributed: %d ranks, backend %s, device %s on rank 0", env.world_size, dist.get_backend(), resolved)

@@ -49,7 +49,8 @@ from eagleforge.train.distributed import (
     DistEnv, DraftWithLoss, all_reduce_sum, all_reduce_tensor, barrier, clip_grad_norm, gradient_sync, init_distributed, parallelize,
     resolve_parallel, shutdown,
 )
-from eagleforge.train.loss import get_loss_fn, teacher_logsumexp
+from eagleforge.kernels.soft_ce import teacher_logsumexp
+from eagleforge.train.loss import get_loss_fn
 
 log = logging.getLogger(__name__)
 
@@ -269,7 +270,7 @@ def batch_teacher_lse(last_hidden: torch.Tensor, loss_mask: torch.Tensor, teache
     flat = last_hidden.reshape(-1, h_target)
     teachers = ttt_step_rows(loss_mask, -1)  # shift 1: rows s with loss_mask[s+1]
     lse = torch.zeros(flat.shape[0], dtype=torch.float32, device=flat.device)
-    lse[teachers] = teacher_logsumexp(flat[teachers], teacher_head)
+    lse[teachers] = teacher_logsumexp(flat[teachers].float(), teacher_head.float())  # fp32 logits, as the loss's own
     return lse
 
 

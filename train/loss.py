@@ -13,44 +13,25 @@ Gradient (teacher side is a constant):
     dloss/dz_n = weight_n * (softmax(z_n) * sum_v p_nv - p_n)
     dloss/ddraft_hidden = G @ W_d,  dloss/dW_d = G.T @ draft_hidden   with G = dloss/dz  [N, Vd]
 
-The reference here is plain torch in fp32 with autograd: it holds the [N, Vd] logits. The
-chunked, gradient-in-forward versions live in `eagleforge.kernels` (torch path on the CPU,
-Triton on GPUs) with the same signature; `get_loss_fn` picks one (cfg.train.loss), and the
-trainer's default is the kernels' shared-teacher TTT form.
+This file is the one plain-torch form of the loss, in fp32 with autograd (it holds the [N, Vd]
+logits): the trainer runs it with train.loss=reference, and the kernels' tests and benchmarks
+take it as their reference (it is itself checked against the formula in float64). The chunked,
+gradient-in-forward versions live in `eagleforge.kernels` (torch path on the CPU, Triton on
+GPUs) with the same signature; `get_loss_fn` picks one (cfg.train.loss), and the trainer's
+default is the kernels' shared-teacher TTT form. The teacher's logsumexp has one
+implementation, `eagleforge.kernels.soft_ce.teacher_logsumexp`.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 log = logging.getLogger(__name__)
 
-# Rows per chunk of teacher_logsumexp: [CHUNK, Vd] fp32 is 128 MiB at Vd = 32000.
-CHUNK_ROWS = 1024
-
 LossFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-
-
-@torch.no_grad()
-def teacher_logsumexp(teacher_hidden: torch.Tensor, teacher_head: torch.Tensor, chunk_rows: int = CHUNK_ROWS) -> torch.Tensor:
-    """logsumexp of the target's restricted logits, [T, H] x [Vd, H] -> [T] fp32 (no gradient).
-
-    Computed once per batch: a position is the teacher of TTT step j for row t - 1 - j, for
-    every j, and its distribution does not change with j.
-    """
-    _check_2d(teacher_hidden, "teacher_hidden")
-    _check_2d(teacher_head, "teacher_head")
-    if teacher_hidden.shape[1] != teacher_head.shape[1]:
-        raise ValueError(f"teacher_hidden {tuple(teacher_hidden.shape)} and teacher_head {tuple(teacher_head.shape)} differ in H")
-    head = teacher_head.float()
-    out = torch.empty(teacher_hidden.shape[0], dtype=torch.float32, device=teacher_hidden.device)
-    for start in range(0, teacher_hidden.shape[0], chunk_rows):
-        rows = teacher_hidden[start : start + chunk_rows].float()
-        out[start : start + chunk_rows] = torch.logsumexp(rows @ head.T, dim=-1)  # [c, Vd] -> [c]
-    return out
 
 
 def soft_cross_entropy(
@@ -78,6 +59,30 @@ def soft_cross_entropy(
     if not bool(keep.all()):  # the accuracy still counts masked rows: their argmax from real inputs
         argmax[~keep] = (draft_hidden[~keep].detach().float() @ draft_head.detach().float().T).argmax(-1)
     return loss, argmax
+
+
+def soft_cross_entropy_ttt(
+    draft_hiddens: Sequence[torch.Tensor],
+    draft_head: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_head: torch.Tensor,
+    weight: torch.Tensor,
+    teacher_shift: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K steps of `soft_cross_entropy`, the teacher shared: step j's row n has the teacher row
+    n + shift + j (rows past the end have none and must carry weight 0); weight [K, N].
+    -> (loss, step_losses [K], argmax [K, N]), the signature of fused_soft_cross_entropy_ttt."""
+    n_rows = teacher_hidden.shape[0]
+    with torch.no_grad():
+        lse = torch.logsumexp(teacher_hidden.float() @ teacher_head.float().T, dim=-1)  # [N]
+    losses, argmaxes = [], []
+    for j, hidden in enumerate(draft_hiddens):
+        idx = (torch.arange(n_rows, device=hidden.device) + teacher_shift + j).clamp(max=n_rows - 1)
+        loss, argmax = soft_cross_entropy(hidden, draft_head, teacher_hidden[idx], teacher_head, lse[idx], weight[j])
+        losses.append(loss)
+        argmaxes.append(argmax)
+    step_losses = torch.stack(losses)
+    return step_losses.sum(), step_losses.detach(), torch.stack(argmaxes)
 
 
 def _check_2d(t: torch.Tensor, name: str) -> None:

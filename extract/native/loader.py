@@ -17,6 +17,7 @@ where it is replicated. `LoadStats.bytes_read` counts what was read, for tests a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -130,10 +131,12 @@ def read_checkpoint_info(path: str | Path) -> CheckpointInfo:
 
 
 def build_model(info: CheckpointInfo, tp: TensorParallel, layout: str, dtype: torch.dtype,
-                device: torch.device) -> DeepseekV3ForExtraction:
-    """This rank's model with uninitialized local weights, allocated on `device` directly."""
+                device: torch.device, prefill_attention: str = "auto", moe_backend: str = "auto") -> DeepseekV3ForExtraction:
+    """This rank's model with uninitialized local weights, allocated on `device` directly; the two
+    kernel choices are target.prefill_attention and target.moe_backend."""
+    args = dataclasses.replace(info.args, prefill_attention=prefill_attention, moe_backend=moe_backend)
     with torch.device(device):
-        model = DeepseekV3ForExtraction(info.args, tp, layout, dtype, info.quantized_experts)
+        model = DeepseekV3ForExtraction(args, tp, layout, dtype, info.quantized_experts)
     return model.eval().requires_grad_(False)
 
 

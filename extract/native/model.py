@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +32,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from eagleforge.kernels import int4_moe
 from eagleforge.kernels.rms_norm import rms_norm
+from eagleforge.modes import MOE_BACKENDS, PREFILL_ATTENTION_MODES
 from eagleforge.extract.native import int4
 from eagleforge.extract.native.parallel import (
     AllReduce,
@@ -77,6 +77,10 @@ class ModelArgs:
     rope_scaling: dict = field(default_factory=dict)
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
+    # How the model runs, not its shape (target.prefill_attention / target.moe_backend; never read
+    # from a checkpoint's config): see PREFILL_BACKENDS and MOE_BACKENDS.
+    prefill_attention: str = "auto"
+    moe_backend: str = "auto"
 
     @property
     def qk_head_dim(self) -> int:
@@ -93,7 +97,7 @@ class ModelArgs:
         if text_config.get("attention_bias", False):
             raise ValueError(f"{source}: attention_bias = true is not supported by the native backend")
         fields = {f.name: f for f in dataclasses.fields(cls)}
-        kwargs = {k: text_config[k] for k in fields if k in text_config and k not in ("rope_scaling", "latent_norm_eps")}
+        kwargs = {k: text_config[k] for k in fields if k in text_config and k not in ("rope_scaling", "latent_norm_eps", "prefill_attention", "moe_backend")}
         required = [k for k, f in fields.items() if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
         missing = [k for k in required if k not in kwargs]
         if missing:
@@ -195,8 +199,7 @@ ATTENTION_CHUNK_TOKENS = 8192
 #   flash       torch SDPA's own choice with v padded to d_qk (FlashAttention-2 for one causal
 #               call in bf16), one call, or query chunks when chunk_tokens is given
 #   flash_attn  the flash_attn package's kernel with v padded, one call or chunks as flash
-PREFILL_BACKENDS = ("auto", "cudnn", "flash", "flash_attn")
-PREFILL_BACKEND = os.environ.get("EAGLEFORGE_PREFILL_ATTENTION", "auto")
+PREFILL_BACKENDS = PREFILL_ATTENTION_MODES
 _cudnn_refused: set[tuple] = set()  # (dtype, shapes) cuDNN refused once: not asked again
 
 
@@ -257,16 +260,15 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     """Causal attention over a whole prompt: q, k [B, T, n, d_qk], v [B, T, n, d_v] -> [B, T, n, d_v].
 
     Right padding only, so a causal mask is all a batch needs. backend: one of PREFILL_BACKENDS
-    (default PREFILL_BACKEND, from $EAGLEFORGE_PREFILL_ATTENTION). On CUDA in bf16/fp16 the
+    (the model passes target.prefill_attention). On CUDA in bf16/fp16 the
     whole prompt is one fused call unless chunk_tokens is given (on an H200 the 8192-row
     chunks' bottom-right mask sent SDPA to a kernel 1.7-1.9x slower than one causal call at
     16-32K); elsewhere queries go in chunks of chunk_tokens (default ATTENTION_CHUNK_TOKENS) so
     the math kernel's scores stay bounded.
     """
-    backend = backend or PREFILL_BACKEND
+    backend = backend or "auto"
     if backend not in PREFILL_BACKENDS:
-        raise ValueError(f"prefill attention backend {backend!r} is not one of {PREFILL_BACKENDS} "
-                         "(set by EAGLEFORGE_PREFILL_ATTENTION or the backend argument)")
+        raise ValueError(f"prefill attention backend {backend!r} is not one of {PREFILL_BACKENDS} (target.prefill_attention)")
     fused = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
     if not fused:
         return _chunked_attention(q, k, v, scale, chunk_tokens or ATTENTION_CHUNK_TOKENS, None)
@@ -319,7 +321,7 @@ class MLA(nn.Module):
         B, T, H = x.shape
         flat = x.reshape(B * T, H)
         # each rank computes 1/tp of the tokens' latents, gathered (else every rank repeats them)
-        kv_latent, k_rope, *q_latent = self.tp.split_rows(self.latents, flat, min_rows=SPLIT_ROWS_MIN_TOKENS)
+        kv_latent, k_rope, *q_latent = self.tp.split_rows(self.latents, flat, min_rows=self.tp.split_rows_min_tokens)
         q = self.q_b_proj(q_latent[0]) if a.q_lora_rank else self.q_proj(flat)
         q_nope, q_rope = q.view(B, T, n, a.qk_head_dim).split([a.qk_nope_head_dim, a.qk_rope_head_dim], -1)
         # normed kv latent [B*T, kv_lora] + one shared rope key, here [B, T, 1, rope]
@@ -328,7 +330,7 @@ class MLA(nn.Module):
         k_nope, v = kv.split([a.qk_nope_head_dim, a.v_head_dim], -1)
         q = torch.cat([q_nope, apply_rope_interleaved(q_rope, cos, sin)], -1)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, n, -1)], -1)
-        out = prefill_attention(q, k, v, self.scale)  # [B, T, n, v_head]
+        out = prefill_attention(q, k, v, self.scale, backend=self.args.prefill_attention)  # [B, T, n, v_head]
         return self.o_proj(out.reshape(B, T, n * a.v_head_dim))
 
 
@@ -404,6 +406,7 @@ class RoutedExperts(nn.Module):
             args.n_routed_experts, args.moe_intermediate_size, tp, layout, int4.GROUP_SIZE if quantized else 1
         )
         self.quantized, self.dtype = quantized, dtype
+        self.backend = args.moe_backend  # one of MOE_BACKENDS
         E, H, I = self.end - self.start, args.hidden_size, self.i1 - self.i0
         shapes = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
         for proj, (rows, cols) in shapes.items():
@@ -421,18 +424,9 @@ class RoutedExperts(nn.Module):
         return getattr(self, f"{proj}_weight")[local_expert]
 
 
-# Routed-expert implementation: "auto" = the Triton W4A16 kernel for INT4 experts on CUDA in bf16,
-# else the loop below; "triton", "grouped_mm" (dequantize all, torch._grouped_mm) or "loop" force one.
-MOE_BACKEND = os.environ.get("EAGLEFORGE_MOE_BACKEND", "auto")
-
-# At tp > 1 and at least this many tokens, the per-token work that every rank would otherwise
-# repeat is split over the ranks by tokens and its outputs all-gathered (TensorParallel.split_rows):
-# the router (2.55 ms of a ~48 ms tp 2 MoE layer at 16K on H200s) and attention's latent
-# projections q_a / kv_a with their norms (the part of attention that did not shrink with tp: 86%
-# scaling at tp 2 where the experts had 99%). A GEMM's summation order may depend on its row
-# count, so the split matches the unsplit forward to rounding, not bit for bit; below the
-# threshold (short batches, the float64 tests) every rank computes every token.
-SPLIT_ROWS_MIN_TOKENS = int(os.environ.get("EAGLEFORGE_SPLIT_ROWS_MIN_TOKENS", "1024"))
+# Routed-expert implementation (target.moe_backend, MOE_BACKENDS): "auto" = the Triton W4A16 kernel for INT4
+# experts on CUDA in bf16, else the loop below; "triton", "grouped_mm" (dequantize all,
+# torch._grouped_mm) or "loop" force one.
 
 
 def routed_experts_forward(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: RoutedExperts,
@@ -459,12 +453,12 @@ def routed_experts_forward(x: torch.Tensor, weights: torch.Tensor, ids: torch.Te
         return _int4_triton(x, weights, ids, experts)
     if backend == "grouped_mm":
         return int4_moe.int4_moe_grouped_mm(x, weights, ids, *_packs(experts), expert_start=experts.start).float()
-    raise ValueError(f"EAGLEFORGE_MOE_BACKEND = {backend!r}: expected auto, triton, grouped_mm or loop")
+    raise ValueError(f"target.moe_backend = {backend!r}: expected one of {MOE_BACKENDS}")
 
 
 def _moe_backend(x: torch.Tensor, experts: RoutedExperts) -> str:
-    if MOE_BACKEND != "auto":
-        return MOE_BACKEND
+    if experts.backend != "auto":
+        return experts.backend
     fast = experts.quantized and x.is_cuda and x.dtype == torch.bfloat16 and int4_moe.HAS_TRITON and _kernel_dims(experts)
     return "triton" if fast else "loop"
 
@@ -525,7 +519,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [B*T, H]
-        weights, ids = self.tp.split_rows(self.gate, flat, min_rows=SPLIT_ROWS_MIN_TOKENS)  # each rank routes 1/tp of the tokens
+        weights, ids = self.tp.split_rows(self.gate, flat, min_rows=self.tp.split_rows_min_tokens)  # each rank routes 1/tp of the tokens
         # routed (fp32 sum over slots) + shared, rounded once to x's dtype; one pass on the GPU
         y = routed_experts_forward(flat, weights, ids, self.experts, add=self.shared_experts(flat), out_dtype=x.dtype)
         return self.reduce(y).view(shape)

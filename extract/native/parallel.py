@@ -23,7 +23,6 @@ Modules record which slice of the checkpoint tensor they hold in `shard_spec`
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 from dataclasses import dataclass, field
@@ -34,6 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from eagleforge.process_group import join_process_group, world_size_from_env
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,12 @@ class TensorParallel:
     size: int = 1
     rank: int = 0
     group: object = None  # torch.distributed ProcessGroup when size > 1
+    # From this many tokens, per-token work every rank would repeat (the router, attention's latent
+    # projections) is split over the ranks by rows and gathered (split_rows; target.split_rows_min_tokens).
+    split_rows_min_tokens: int = 1024
+    # From this many rows, a row-parallel linear's all-reduce goes in two row halves, the first
+    # overlapping the second half's GEMM (target.overlap_min_rows).
+    overlap_min_rows: int = 4096
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
@@ -146,12 +153,6 @@ class ColumnParallelLinear(nn.Linear):
         self.shard_spec = {"weight": (0, start * unit, end * unit, out_features)}
 
 
-# A row-parallel linear's all-reduce over at least this many rows (tokens) goes in two row halves,
-# the first half's all-reduce overlapping the second half's GEMM (at tp 2 and 16K tokens the
-# all-reduces, 0.86 ms each for 235 MB, were what kept scaling near 85% on two H200s).
-OVERLAP_MIN_ROWS = int(os.environ.get("EAGLEFORGE_OVERLAP_MIN_ROWS", "4096"))
-
-
 class RowParallelLinear(nn.Linear):
     """Input features [start, end) of the full weight [out, in]; optionally all-reduces its output."""
 
@@ -164,7 +165,7 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if not (self.reduce and self.tp.size > 1 and rows >= OVERLAP_MIN_ROWS):
+        if not (self.reduce and self.tp.size > 1 and rows >= self.tp.overlap_min_rows):
             y = super().forward(x)
             return self.tp.all_reduce(y) if self.reduce else y
         flat = x.reshape(rows, x.shape[-1])  # [N, in_local] -> out [N, out], reduced in two row halves
@@ -286,13 +287,14 @@ def use_expandable_segments() -> bool:
     return True
 
 
-def init_parallel(tp_size: int, device: str = "auto") -> ParallelState:
+def init_parallel(tp_size: int, device: str = "auto", split_rows_min_tokens: int = 1024,
+                  overlap_min_rows: int = 4096) -> ParallelState:
     """Join torchrun's world (or stay single-process) and build the tensor-parallel groups.
 
     NCCL on CUDA, gloo on CPU. Ranks [g*tp, (g+1)*tp) form group g. On CUDA the allocator gets
     expandable segments first (`use_expandable_segments`).
     """
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = world_size_from_env()
     if world_size % tp_size:
         raise ValueError(f"target.tp = {tp_size} does not divide the world size {world_size} (torchrun --nproc-per-node x --nnodes)")
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
@@ -305,10 +307,9 @@ def init_parallel(tp_size: int, device: str = "auto") -> ParallelState:
         dev = torch.device("cpu")
     if world_size == 1:
         return ParallelState(device=dev)
-    initialized_here = not dist.is_initialized()
-    if initialized_here:
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=60))
-    return _state_from_world(tp_size, dev, initialized_here)
+    state = _state_from_world(tp_size, dev, join_process_group(dev))
+    state.tp.split_rows_min_tokens, state.tp.overlap_min_rows = split_rows_min_tokens, overlap_min_rows
+    return state
 
 
 def _state_from_world(tp_size: int, device: torch.device, initialized_here: bool) -> ParallelState:

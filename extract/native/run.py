@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 def extract_native(cfg: Config) -> dict | None:
     """Extract every sample into RUN/hidden/ with the native backend; rank 0 returns the manifest."""
-    state = init_parallel(cfg.target.tp, cfg.target.device)
+    state = init_parallel(cfg.target.tp, cfg.target.device, cfg.target.split_rows_min_tokens, cfg.target.overlap_min_rows)
     if not state.is_main:
         logging.getLogger("eagleforge").setLevel(logging.WARNING)  # logs from rank 0 only
     try:
@@ -137,7 +137,8 @@ def _extract(cfg: Config, state: ParallelState) -> dict | None:
     samples = check_samples(load_samples_native(cfg), _samples_source(cfg), info.args.vocab_size,
                             cfg.data.max_length, cfg.data.overlong)
     aux_layers = _aux_layers(cfg, info.args.num_hidden_layers)
-    model = build_model(info, state.tp, cfg.target.expert_layout, torch_dtype(cfg.target.dtype), state.device)
+    model = build_model(info, state.tp, cfg.target.expert_layout, torch_dtype(cfg.target.dtype), state.device,
+                        cfg.target.prefill_attention, cfg.target.moe_backend)
     stats = load_weights(model, info, show_progress=state.is_main)
     log.info("rank 0 read %.2f GiB in %d tensors", stats.bytes_read / GIB, stats.tensors_read)
     size = cfg.extract.samples_per_shard
