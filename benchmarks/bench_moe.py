@@ -39,7 +39,6 @@ if "--cpu-check" in sys.argv:  # must precede the first triton import
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _bench_common import import_eagleforge, matmul_tflops, median_ms  # noqa: E402
@@ -92,6 +91,7 @@ def native_moe(moe, packs, H, I, E, K, device):
     its router (one bf16 GEMM with fp32 output; transformers' computes the logits in fp32), the
     Triton INT4 experts, and the shared expert added in the experts' combine pass."""
     from kimi_shaped import kimi_args
+
     from eagleforge.extract.native.model import MoE
     from eagleforge.extract.native.parallel import TensorParallel
 

@@ -111,7 +111,7 @@ def main(argv=None) -> list[dict]:
                 row["error"] = errors[name]
             else:
                 try:
-                    ms = median_ms(lambda fn=fn: fn(q, k, v, scale), device)
+                    ms = median_ms(lambda fn=fn: fn(q, k, v, scale), device)  # noqa: F821 (bound above; deleted only after the call)
                     row.update(ms=round(ms, 3), TFLOPs=round(flops / ms / 1e9, 1))
                 except Exception as err:  # noqa: BLE001
                     row["error"] = repr(err).splitlines()[0][:200]

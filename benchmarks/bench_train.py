@@ -64,13 +64,13 @@ skipped and no ratio is given.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import json
 import logging
 import sys
 import time
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -274,7 +274,8 @@ class Variant:
                 setattr(out, key, value == "1")
             else:
                 raise SystemExit(f"bench_train: bad variant item {item!r} in {spec!r} (ckpt={'|'.join(CHECKPOINT_MODES)}"
-                                 f"[:N for the first N steps, step after], attn=flex|merged|merged_cudnn|sdpa, compile=0|1, packed=0|1, fusegrad=0|1, sync=0|1)")
+                                 f"[:N for the first N steps, step after], attn=flex|merged|merged_cudnn|sdpa, "
+                                 f"compile=0|1, packed=0|1, fusegrad=0|1, sync=0|1)")
         return out
 
     @property
@@ -387,9 +388,9 @@ class OurStep:
 
 class SpecForgeStep:
     def __init__(self, s: Shape, device: torch.device, used_ids: torch.Tensor):
-        from transformers import LlamaConfig
         from specforge.algorithms.eagle3.model import OnlineEagle3Model
         from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
+        from transformers import LlamaConfig
 
         cfg = LlamaConfig(hidden_size=s.hidden, intermediate_size=s.intermediate, num_attention_heads=s.heads,
                           num_key_value_heads=s.kv_heads, head_dim=s.head_dim, vocab_size=s.vocab, num_hidden_layers=1,
@@ -518,7 +519,7 @@ def run_method(name, build, s, tokens_list, device, used_ids, warmup, iters, pea
         batch = make_batch(s, tokens, device, used_ids)
         try:
             big = tokens >= 32768  # a few seconds per step: fewer repetitions
-            seconds, peak = time_steps(lambda: method.step(batch), device, 1 if big else warmup, min(iters, 2) if big else iters)
+            seconds, peak = time_steps(lambda: method.step(batch), device, 1 if big else warmup, min(iters, 2) if big else iters)  # noqa: F821 (bound above; deleted only after the call)
             row = result_row(name, tokens, seconds, peak, flops_per_token(s, tokens, teacher_vocab), peak_tflops)
         except torch.OutOfMemoryError as err:
             row = {"method": name, "tokens": tokens, "error": "OOM: " + str(err).splitlines()[0][:200]}
@@ -655,10 +656,10 @@ def attention_bench(s: Shape, device: torch.device, tokens_list: list[int], mode
             def run(mode=mode):
                 name, _, compiled = mode.partition("+")
                 for j in range(s.ttt):
-                    out = ttt_attention(q, keys[: j + 1], values[: j + 1], s.head_dim**-0.5, mode=name,
+                    out = ttt_attention(q, keys[: j + 1], values[: j + 1], s.head_dim**-0.5, mode=name,  # noqa: F821 (bound above; deleted only after the call)
                                         compile=compiled == "compile")
-                    out.backward(upstream)
-                for x in [q, *keys, *values]:
+                    out.backward(upstream)  # noqa: F821 (bound above; deleted only after the call)
+                for x in [q, *keys, *values]:  # noqa: F821 (bound above; deleted only after the call)
                     x.grad = None
             try:
                 sync(device)

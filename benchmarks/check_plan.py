@@ -37,8 +37,9 @@ from _bench_common import import_eagleforge, memory_at_peak  # noqa: E402
 from bench_extract import NullSink  # noqa: E402  (the writer's sink that drops the host copies)
 
 import_eagleforge()
-from eagleforge.extract.capture import HiddenStateCapture  # noqa: E402
 from kimi_shaped import build_bench_model, kimi_args, tiny_args  # noqa: E402
+
+from eagleforge.extract.capture import HiddenStateCapture  # noqa: E402
 from eagleforge.extract.native.parallel import gather_objects, init_parallel, shutdown  # noqa: E402
 from eagleforge.extract.native.plan import GIB, plan_memory  # noqa: E402
 from eagleforge.extract.native.run import extract_chunk, forward_batch  # noqa: E402

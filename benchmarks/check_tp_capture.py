@@ -23,8 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _bench_common import import_eagleforge  # noqa: E402
 
 import_eagleforge()
-from eagleforge.extract.capture import HiddenStateCapture  # noqa: E402
 from kimi_shaped import build_bench_model, kimi_args, tiny_args  # noqa: E402
+
+from eagleforge.extract.capture import HiddenStateCapture  # noqa: E402
 from eagleforge.extract.native.parallel import init_parallel, shutdown  # noqa: E402
 
 

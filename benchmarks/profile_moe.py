@@ -114,7 +114,7 @@ def time_configs(T, x, w, ids, pk, gate_ups, downs) -> None:
 
     with torch.no_grad():
         gu_t, dn_t = dequantized_weights(dict(zip(("gate_packed", "gate_scale", "up_packed", "up_scale", "down_packed", "down_scale"), pk)))
-        ref = ms(lambda: int4_moe.bf16_grouped_mm_moe(x, w, ids, gu_t, dn_t))
+        ref = ms(lambda: int4_moe.bf16_grouped_mm_moe(x, w, ids, gu_t, dn_t))  # noqa: F821 (bound on the line above; deleted after the call)
         del gu_t, dn_t
         torch.cuda.empty_cache()
         print(f"T={T} grouped_mm bf16 experts: {ref:.3f} ms")

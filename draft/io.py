@@ -18,7 +18,6 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagleforge.atomic import atomic_dir
-
 from eagleforge.draft.config import Eagle3Config
 from eagleforge.draft.model import Eagle3Draft
 

@@ -15,9 +15,12 @@ Training-time test (forward_ttt), K steps over a sequence of T rows:
 Serving (KV cache, batch 1 is enough): new_cache, extend (verified rows), propose (k target
 ids by greedy chain from the last row; the chain's KV entries are discarded), rollback.
 
+Training-only machinery sits apart: the TTT attention variants in attention.py, activation
+checkpointing in checkpointing.py, fused weight gradients in grad_accum.py.
+
 Example:
-    from eagleforge import draft
-    model = draft.load_draft("RUN/draft", embed_tokens=target.get_input_embeddings().weight)
+    from eagleforge.draft import Eagle3Draft
+    model = Eagle3Draft.from_pretrained("RUN/draft", embed_tokens=target.get_input_embeddings().weight)
     cache = model.new_cache()
     model.extend(cache, aux_hidden_states, next_tokens)   # [1, n, k*Ht], [1, n]
     proposal = model.propose(cache, 5)                     # [1, 5] target token ids
@@ -32,50 +35,12 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from eagleforge.draft.attention import many_graphs, repeat_kv, ttt_attention
-from eagleforge.draft.grad_accum import accumulating_linear
+from eagleforge.draft.checkpointing import checkpointed
 from eagleforge.draft.config import Eagle3Config
-from eagleforge.modes import CHECKPOINT_MODES, COMPILE_MODES, checkpoint_modes
-
-
-# Activation checkpointing of forward_ttt, per TTT step: eagleforge/modes.py names the modes.
-# With compile=True the fused elementwise kernels run (and rerun) inside the checkpoint; the
-# policy only ever sees the eager matmuls and attention kernels.
-
-
-def _flash_ops() -> tuple:
-    names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_efficient_attention")
-    return tuple(getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n))
-
-
-def selective_policy(hidden_size: int, save_all_matmuls: bool):
-    """Policy for torch.utils.checkpoint.create_selective_checkpoint_contexts: MUST_SAVE the
-    outputs of aten.mm/addmm (those with inner dimension > hidden_size unless save_all_matmuls)
-    and of the flash attention ops; PREFER_RECOMPUTE everything else."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    matmuls = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
-    attention = _flash_ops()
-
-    def policy(ctx, func, *args, **kwargs):
-        if func in attention:
-            return CheckpointPolicy.MUST_SAVE
-        if func in matmuls:
-            inner = args[-1].shape[-2]  # mm(a [M, K], b [K, N]); addmm(bias, a, b); bmm(.., [K, N])
-            if save_all_matmuls or inner > hidden_size:
-                return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
-
-    return policy
-
-
-def _selective_context(hidden_size: int, save_all_matmuls: bool):
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-    return create_selective_checkpoint_contexts(selective_policy(hidden_size, save_all_matmuls))
+from eagleforge.draft.grad_accum import accumulating_linear
+from eagleforge.modes import COMPILE_MODES, checkpoint_modes
 
 
 class RMSNorm(nn.Module):
@@ -281,6 +246,21 @@ class Eagle3Draft(nn.Module):
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
 
+    @classmethod
+    def from_pretrained(cls, path, embed_tokens: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
+                        device: torch.device | str = "cpu") -> "Eagle3Draft":
+        """The draft of an export directory (config.json + model.safetensors, docs/export.md), as
+        Hugging Face models load; embed_tokens: the target's input embedding (see load_draft)."""
+        from eagleforge.draft.io import load_draft
+
+        return load_draft(path, embed_tokens=embed_tokens, dtype=dtype, device=device)
+
+    def save_pretrained(self, path, dtype: torch.dtype = torch.bfloat16):
+        """Write the export directory that vLLM and SGLang load unchanged (atomically)."""
+        from eagleforge.draft.io import save_draft
+
+        return save_draft(self, path, dtype=dtype)
+
     def set_embed_tokens(self, weight: torch.Tensor) -> None:
         """Copy the target's input embedding [V, H] into the frozen embed_tokens."""
         if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):
@@ -409,15 +389,8 @@ class Eagle3Draft(nn.Module):
     def ttt_step_fn(self, attention: str = "auto", checkpoint: str = "none", compile: bool | str = False):
         """fn(n_prev, hidden, embeds, cos, sin, *kv) -> ttt_step's outputs, checkpointed as asked
         (one of CHECKPOINT_MODES). forward_ttt runs it per step; trainers may call it directly."""
-        if checkpoint not in CHECKPOINT_MODES:
-            raise ValueError(f"checkpoint {checkpoint!r} is not one of {CHECKPOINT_MODES}")
         step = functools.partial(self.ttt_step, attention, compile=compile)
-        if checkpoint == "none":
-            return step
-        if checkpoint == "step":
-            return lambda *args: activation_checkpoint(step, *args, use_reentrant=False)
-        context = functools.partial(_selective_context, self.config.hidden_size, checkpoint == "selective_all")
-        return lambda *args: activation_checkpoint(step, *args, use_reentrant=False, context_fn=context)
+        return checkpointed(step, checkpoint, self.config.hidden_size)
 
     # ------------------------------------------------------------------ serving
 

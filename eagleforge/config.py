@@ -313,11 +313,28 @@ def save_config(cfg: Config, path: str | os.PathLike) -> None:
     write_text_atomic(path, yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 
 
-def parse_cli(argv: list[str] | None = None, description: str = "") -> Config:
-    """`--config FILE` plus `section.key=value` overrides; writes RUN/config.yaml."""
+def config_keys_help(sections: typing.Sequence[str] | None = None) -> str:
+    """`section.key = default` for every key of `sections` (all by default), for --help."""
+    defaults = Config()
+    lines = ["config keys (section.key=value on the command line, or in a --config YAML file):",
+             f"  run_dir = {defaults.run_dir}"]
+    for f in dataclasses.fields(Config):
+        if f.name == "run_dir" or (sections is not None and f.name not in sections):
+            continue
+        for leaf in dataclasses.fields(getattr(defaults, f.name)):
+            value = getattr(getattr(defaults, f.name), leaf.name)
+            choices = _CHOICES.get(f"{f.name}.{leaf.name}")
+            lines.append(f"  {f.name}.{leaf.name} = {value!r}" + (f"   (one of {', '.join(map(str, choices))})" if choices else ""))
+    return "\n".join(lines)
+
+
+def parse_cli(argv: list[str] | None = None, description: str = "",
+              sections: typing.Sequence[str] | None = None) -> Config:
+    """`--config FILE` plus `section.key=value` overrides; --help lists the keys of `sections`."""
     import argparse
 
-    parser = argparse.ArgumentParser(description=description)
+    parser = argparse.ArgumentParser(description=description, epilog=config_keys_help(sections),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=os.environ.get("CONFIG") or None, help="YAML file of overrides")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     args = parser.parse_args(argv)
@@ -325,13 +342,15 @@ def parse_cli(argv: list[str] | None = None, description: str = "") -> Config:
     return cfg
 
 
-def run_main(main: typing.Callable[[Config], Any], description: str, argv: list[str] | None = None) -> None:
-    """Entry-point wrapper: a user's mistake is one line on stderr and exit 2, no traceback."""
+def run_main(main: typing.Callable[[Config], Any], description: str, argv: list[str] | None = None,
+             sections: typing.Sequence[str] | None = None) -> None:
+    """Entry-point wrapper: a user's mistake is one line on stderr and exit 2, no traceback.
+    sections: the config sections the stage reads (its --help lists their keys)."""
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     try:
-        cfg = parse_cli(argv, description)
+        cfg = parse_cli(argv, description, sections)
         main(cfg)
     except (ConfigError, FileNotFoundError, UserInputError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -276,4 +276,4 @@ def main(cfg: Config) -> None:
 
 
 if __name__ == "__main__":
-    run_main(main, "Count tokens over the shards and choose the EAGLE-3 draft vocabulary.")
+    run_main(main, "Count tokens over the shards and choose the EAGLE-3 draft vocabulary.", sections=("target", "vocab", "train"))

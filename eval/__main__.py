@@ -10,4 +10,4 @@ from eagleforge.config import run_main
 from eagleforge.eval.evaluate import main
 
 if __name__ == "__main__":
-    run_main(main, "Evaluate an EAGLE-3 draft by real speculative decoding against its target")
+    run_main(main, "Evaluate an EAGLE-3 draft by real speculative decoding against its target", sections=("target", "eval"))

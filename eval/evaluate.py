@@ -361,8 +361,8 @@ def _ngram_key(cfg: Config, target, prompts: list[dict], eos_ids) -> str:
     import transformers
 
     from eagleforge import target as target_module
-    from eagleforge.target import target_path
     from eagleforge.eval import specdec
+    from eagleforge.target import target_path
 
     root = Path(target_path(cfg.target))
     files = sorted(root.iterdir()) if root.is_dir() else [root]

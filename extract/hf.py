@@ -25,12 +25,11 @@ import torch
 from tqdm import tqdm
 
 from eagleforge.config import Config, UserInputError, save_config
-from eagleforge.process_group import join_process_group, world_size_from_env
-from eagleforge.shards import ShardWriter, load_manifest, merge_manifests
-from eagleforge.target import (decoder_layers, default_aux_layers, final_norm, load_target, padding_id, resolve_device,
-                      target_path, text_config)
 from eagleforge.extract.capture import HiddenStateCapture
 from eagleforge.extract.writer import BatchRows, ShardSink, make_writer, writer_summary
+from eagleforge.process_group import join_process_group, world_size_from_env
+from eagleforge.shards import ShardWriter, load_manifest, merge_manifests
+from eagleforge.target import decoder_layers, default_aux_layers, final_norm, load_target, padding_id, resolve_device, target_path, text_config
 
 log = logging.getLogger(__name__)
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -386,7 +387,8 @@ def _soft_ce_forward(draft_hidden, draft_head, teacher_hidden, teacher_head, tea
     # contiguous whatever the inputs' layout: `scale_grads_` scales them in place through a flat view
     grad_h = torch.empty_like(draft_hidden, memory_format=torch.contiguous_format) if need_grad_h else None
     # empty: the first chunk's addmm has beta 0; zeros only when there is no chunk (N = 0)
-    grad_head = (torch.empty_like(draft_head, memory_format=torch.contiguous_format) if n_rows else torch.zeros_like(draft_head, memory_format=torch.contiguous_format)) \
+    make_grad_head = torch.empty_like if n_rows else torch.zeros_like
+    grad_head = make_grad_head(draft_head, memory_format=torch.contiguous_format) \
         if need_grad_head else None
     c_max = max(1, min(chunk, n_rows))
     zbuf = torch.empty(c_max, vocab, dtype=draft_head.dtype, device=dev)

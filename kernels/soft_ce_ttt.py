@@ -14,6 +14,7 @@ from torch.autograd.function import once_differentiable
 
 from eagleforge.kernels.soft_ce import check_chunk, check_pair, default_chunk_tokens, one_chunk, resolve_backend, row_fns, scale_grads_
 
+
 def _ttt_outputs(draft_hiddens, draft_head, n_rows: int, need_grad_h, need_grad_head):
     """(loss_rows [K, N] fp32 zeros, argmax [K, N], grads_h, grad_head) of the TTT forwards. The
     gradients are left EMPTY: every row with a teacher is written by its chunk, `_ttt_tails`
@@ -269,11 +270,3 @@ def matmul_flops_per_step(n_rows: int, hidden: int, vocab: int, shared_teacher_s
     matmul, shared over `shared_teacher_steps` steps. For the benchmark's floors."""
     one = 2.0 * n_rows * hidden * vocab
     return 3 * one + one / max(1, shared_teacher_steps)
-
-
-__all__ = [
-    "HAS_TRITON", "BACKENDS", "resolve_backend", "default_chunk_tokens",
-    "teacher_logsumexp", "fused_soft_cross_entropy", "fused_soft_cross_entropy_ttt",
-    "reference_teacher_logsumexp", "reference_soft_cross_entropy", "reference_soft_cross_entropy_ttt",
-    "matmul_flops_per_step",
-]

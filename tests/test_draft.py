@@ -327,10 +327,14 @@ def test_export_format_and_reload(tmp_path, draft_vocab_size):
     assert torch.equal(loaded.d2t, draft.d2t) and torch.equal(loaded.t2d, draft.t2d)
     assert loaded.config.aux_layer_ids == [0, 2, 5]
 
-    # Overwriting an existing export is atomic too, and an nn.Embedding is accepted.
-    save_draft(loaded, out)
-    again = load_draft(out, embed_tokens=draft.embed_tokens, dtype=torch.bfloat16)
+    # Overwriting an existing export is atomic too (here through the Hugging Face-style methods),
+    # and an nn.Embedding is accepted.
+    loaded.save_pretrained(out)
+    assert sorted(p.name for p in out.parent.iterdir() if p.name.startswith(".")) == []  # no temporary left
+    again = Eagle3Draft.from_pretrained(out, embed_tokens=draft.embed_tokens, dtype=torch.bfloat16)
     assert again.fc.weight.dtype == torch.bfloat16 and again.d2t.dtype == torch.int64
+    with torch.no_grad():
+        torch.testing.assert_close(again.fc.weight, loaded.fc.weight.bfloat16(), atol=0, rtol=0)
 
 
 def test_hidden_size_equal_to_target_omits_target_hidden_size():
@@ -367,8 +371,9 @@ def test_draft_imports_alone():
             "bad = [m for m in sys.modules if m.startswith(('eagleforge.extract', 'eagleforge.train', "
             "'eagleforge.config', 'eagleforge.target', 'eagleforge.kernels'))]; print(bad); assert not bad")
     subprocess.run([sys.executable, "-c", code], check=True)
-    import eagleforge.draft as draft_pkg
     from pathlib import Path
+
+    import eagleforge.draft as draft_pkg
 
     for path in Path(draft_pkg.__file__).parent.glob("*.py"):
         text = path.read_text()
@@ -572,7 +577,7 @@ def test_selective_policy_saves_the_wide_matmuls_only():
     heads*D > H, down from the intermediate) and recomputes gate/up (inner dim H)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from eagleforge.draft.model import selective_policy
+    from eagleforge.draft.checkpointing import selective_policy
 
     policy = selective_policy(40, save_all_matmuls=False)
     mm = torch.ops.aten.mm.default

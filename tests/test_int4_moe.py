@@ -409,8 +409,9 @@ def test_prefill_attention_cuda_backends_match_float64(backend, chunk):
 
 def test_routed_experts_backends_agree():
     """routed_experts_forward's loop and grouped_mm backends on a random Kimi-shaped toy layer (bf16)."""
-    from eagleforge.extract.native import model as M
     from kimi_shaped import build_bench_model, tiny_args
+
+    from eagleforge.extract.native import model as M
 
     model = build_bench_model(tiny_args(), device="cpu", seed=1)
     moe = model.model.layers[1].mlp
@@ -435,6 +436,7 @@ def test_router_bf16_gemm_with_fp32_output_matches_the_fp32_gemm():
     at the real width (7168 x 384) and an odd token count: scores to fp32 rounding, the same
     experts chosen wherever the choice is not a near tie."""
     from kimi_shaped import kimi_args
+
     from eagleforge.extract.native.model import _MM_OUT_DTYPE, Router
 
     assert _MM_OUT_DTYPE, "torch.mm(out_dtype=) missing: the router falls back to the fp32 GEMM"
@@ -461,8 +463,9 @@ def test_router_bf16_gemm_with_fp32_output_matches_the_fp32_gemm():
 def test_router_with_groups_on_zero_tokens_and_add_needs_out_dtype():
     """A rank with no rows of a split router (few tokens, many ranks) routes nothing without
     failing, group-limited routing included; routed_experts_forward refuses an `add` it would drop."""
-    from eagleforge.extract.native import model as M
     from kimi_shaped import build_bench_model, tiny_args
+
+    from eagleforge.extract.native import model as M
 
     args = dataclasses.replace(tiny_args(), n_group=2, topk_group=1)
     router = M.Router(args, torch.float32)

@@ -87,9 +87,9 @@ def test_triton_kernel_builds_for_sm90(hidden):
     """The one-pass kernel compiled for sm_90 as rms_norm launches it for Kimi's norms (hidden,
     q_lora, kv_lora); no GPU needed, and the interpreter does not see compile-time errors."""
     import triton
+    from triton_build import build_sm90
 
     from eagleforge.kernels import rms_norm as module
-    from triton_build import build_sm90
 
     block = triton.next_power_of_2(hidden)
     compiled = build_sm90(module._rms_norm_kernel, dict(BLOCK=block), int_types={"eps": "fp32"},

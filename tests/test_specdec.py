@@ -14,7 +14,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eagleforge.target import padding_id
 from eagleforge.eval.specdec import (
     Eagle3Drafter,
     NgramDrafter,
@@ -27,6 +26,7 @@ from eagleforge.eval.specdec import (
     ngram_match,
     speculative_generate,
 )
+from eagleforge.target import padding_id
 
 MAX_NEW = 24
 PROMPTS = [
@@ -323,7 +323,6 @@ def test_ngram_match_hand_made():
 
 def _ngram_reference(context, k, ngram_max, ngram_min):
     """Brute force over a string encoding: rfind of the suffix in the context minus its last token."""
-    enc = "".join(f"<{t}>" for t in context)
     for n in range(ngram_max, ngram_min - 1, -1):
         if n >= len(context):
             continue

@@ -7,11 +7,10 @@ import shutil
 
 import pytest
 import torch
+from test_vocab import build_tiny_run
 
 from eagleforge.train.batching import collate, make_batches
 from eagleforge.train.loop import lr_lambda, simulated_acceptance_length, target_argmax_from_hidden
-from test_vocab import build_tiny_run
-
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one thread is faster
 
@@ -184,7 +183,6 @@ def test_resume_gives_the_same_next_steps(trained_run, tmp_path):
 
 
 def test_train_errors_name_the_problem(tmp_path, tiny_llama_config):
-    from eagleforge.config import UserInputError
     from eagleforge.train.loop import train
 
     cfg, _, _ = build_tiny_run(tmp_path, tiny_llama_config, n_samples=5)

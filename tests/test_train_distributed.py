@@ -9,9 +9,9 @@ import time
 
 import pytest
 import torch
+from test_vocab import build_tiny_run
 
 from eagleforge.train.batching import make_batches, rank_micro_batches
-from test_vocab import build_tiny_run
 
 STOP_AT = 3  # the interrupted run stops (checkpoint, exit) after this step
 WORLD = 2

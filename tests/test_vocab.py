@@ -18,7 +18,6 @@ from eagleforge.vocab import (
     select_draft_vocab,
 )
 
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one thread is faster
 
 

@@ -37,7 +37,6 @@ and the data position is global.
 """
 
 from eagleforge.config import Config, run_main, save_config
-
 from eagleforge.train.distributed import env_rank
 from eagleforge.train.loop import train
 
@@ -56,4 +55,5 @@ def main(cfg: Config) -> None:
 
 
 if __name__ == "__main__":
-    run_main(main, "Train an EAGLE-3 draft with training-time test and export it.")
+    run_main(main, "Train an EAGLE-3 draft with training-time test and export it.",
+             sections=("target", "data", "extract", "vocab", "draft", "train", "eval"))

@@ -43,7 +43,6 @@ from safetensors.torch import load_file, save_file
 from eagleforge.atomic import replace_dir
 from eagleforge.config import Config, UserInputError, save_config
 from eagleforge.shards import disk_full_errno, disk_full_error
-
 from eagleforge.train.checkpoint_integrity import dcp_errors, describe_files, safe_reader, verify_checksums, write_checksums
 from eagleforge.train.distributed import DistEnv, all_gather_object, barrier, broadcast_object
 

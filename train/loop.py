@@ -38,19 +38,27 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from eagleforge.config import Config, UserInputError
-from eagleforge.target import target_path
-from eagleforge.vocab import coverage, load_target_head, load_vocab_map, read_target_head, training_sample_count
-
 from eagleforge.atomic import write_json_atomic
+from eagleforge.config import Config, UserInputError
+from eagleforge.kernels.soft_ce import teacher_logsumexp
+from eagleforge.target import target_path
 from eagleforge.train.batching import Batch, collate, make_batches, rank_micro_batches
 from eagleforge.train.checkpoint import checkpoint_dir, export_checkpoint, find_resume_checkpoint, load_checkpoint, save_checkpoint
 from eagleforge.train.distributed import (
-    DistEnv, DraftWithLoss, all_reduce_sum, all_reduce_tensor, barrier, clip_grad_norm, gradient_sync, init_distributed, parallelize,
-    resolve_parallel, shutdown,
+    DistEnv,
+    DraftWithLoss,
+    all_reduce_sum,
+    all_reduce_tensor,
+    barrier,
+    clip_grad_norm,
+    gradient_sync,
+    init_distributed,
+    parallelize,
+    resolve_parallel,
+    shutdown,
 )
-from eagleforge.kernels.soft_ce import teacher_logsumexp
 from eagleforge.train.loss import get_loss_fn
+from eagleforge.vocab import coverage, load_target_head, load_vocab_map, read_target_head, training_sample_count
 
 log = logging.getLogger(__name__)
 

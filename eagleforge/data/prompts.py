@@ -62,14 +62,16 @@ STDLIB_MODULES = (
 TEMPLATES = {
     "explain": "Explain what the Python {kind} `{name}` does and show a short example.\n\n{doc}",
     "example": "Write a short, complete Python program that uses `{name}`, with comments explaining each step.\n\nDocumentation of `{name}`:\n{doc}",
-    "function": "Write a Python function that solves a small practical problem using `{name}`. Include a docstring and a usage example.\n\nHere is its documentation:\n{doc}",
+    "function": ("Write a Python function that solves a small practical problem using `{name}`. "
+                 "Include a docstring and a usage example.\n\nHere is its documentation:\n{doc}"),
     "summarize": "Summarize the documentation of `{name}` in a few bullet points for a beginner, then give one example.\n\n{doc}",
     # Code completion in HumanEval's exact shape: the stub alone (imports, signature,
     # docstring), no instruction, built from the standard library's own signatures and
     # docstrings, so the target answers them the way it answers HumanEval (restating the
     # signature, then a body and examples). Earlier versions put an instruction line first.
     "implement": "{stub}",
-    "compare": "Compare `{name}` with `{other}` from the same module: when would you use each? Show a code example of both.\n\n`{name}`:\n{doc}\n\n`{other}`:\n{other_doc}",
+    "compare": ("Compare `{name}` with `{other}` from the same module: when would you use each? "
+                "Show a code example of both.\n\n`{name}`:\n{doc}\n\n`{other}`:\n{other_doc}"),
 }
 
 MIN_DOC_CHARS = 80  # shorter docstrings ("Return self==value.") say too little to ask about

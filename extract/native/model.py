@@ -30,9 +30,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
-from eagleforge.kernels import int4_moe
-from eagleforge.kernels.rms_norm import rms_norm
-from eagleforge.modes import MOE_BACKENDS, PREFILL_ATTENTION_MODES
 from eagleforge.extract.native import int4
 from eagleforge.extract.native.parallel import (
     AllReduce,
@@ -44,6 +41,9 @@ from eagleforge.extract.native.parallel import (
     VocabParallelHead,
     expert_partition,
 )
+from eagleforge.kernels import int4_moe
+from eagleforge.kernels.rms_norm import rms_norm
+from eagleforge.modes import MOE_BACKENDS, PREFILL_ATTENTION_MODES
 
 log = logging.getLogger(__name__)
 

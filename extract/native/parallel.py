@@ -24,10 +24,9 @@ Modules record which slice of the checkpoint tensor they hold in `shard_spec`
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass, field
-
-import math
 
 import torch
 import torch.distributed as dist

@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Sequence
 
 from eagleforge.config import Config, UserInputError, run_main
-from eagleforge.target import default_aux_layers
 from eagleforge.extract.native import int4
 from eagleforge.extract.native.model import ATTENTION_CHUNK_TOKENS, ModelArgs
 from eagleforge.extract.native.parallel import ARGMAX_CHUNK_TOKENS, split_range
+from eagleforge.target import default_aux_layers
 
 log = logging.getLogger(__name__)
 
@@ -280,4 +280,5 @@ def main(cfg: Config) -> None:
 
 
 if __name__ == "__main__":
-    run_main(main, "Memory per GPU of the native extraction backend for a config and parallel layout.")
+    run_main(main, "Memory per GPU of the native extraction backend for a config and parallel layout.",
+             sections=("target", "data", "extract", "train"))

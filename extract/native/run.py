@@ -28,15 +28,15 @@ import torch
 from tqdm import tqdm
 
 from eagleforge.config import Config, UserInputError, save_config
-from eagleforge.shards import ShardWriter, load_manifest, merge_manifests
-from eagleforge.target import default_aux_layers, target_path, torch_dtype
 from eagleforge.extract.capture import HiddenStateCapture
-from eagleforge.extract.hf import log_extraction_summary, batch_by_tokens, check_samples
-from eagleforge.extract.writer import BatchRows, ShardSink, make_writer, writer_summary
+from eagleforge.extract.hf import batch_by_tokens, check_samples, log_extraction_summary
 from eagleforge.extract.native.loader import build_model, load_weights, read_checkpoint_info
 from eagleforge.extract.native.model import DeepseekV3ForExtraction
 from eagleforge.extract.native.parallel import ParallelState, barrier, gather_objects, init_parallel, shutdown
 from eagleforge.extract.native.plan import GIB, check_fits, format_plan
+from eagleforge.extract.writer import BatchRows, ShardSink, make_writer, writer_summary
+from eagleforge.shards import ShardWriter, load_manifest, merge_manifests
+from eagleforge.target import default_aux_layers, target_path, torch_dtype
 
 log = logging.getLogger(__name__)
 
