@@ -296,6 +296,9 @@ def _validate(cfg: Config) -> None:
 
 def _validate_checkpoint(value: str, ttt_steps: int) -> None:
     """train.activation_checkpoint: a mode for every TTT step, or one per step ("selective*3+selective_all*4")."""
+    if "+" not in str(value) and "*" not in str(value) and value not in modes.CHECKPOINT_MODES:
+        raise ConfigError(f"config key 'train.activation_checkpoint' must be one of {list(modes.CHECKPOINT_MODES)} "
+                          f"or one mode per TTT step like 'selective*3+selective_all*4', got {value!r}")
     try:
         modes.checkpoint_modes(value, ttt_steps)
     except ValueError as err:

@@ -108,7 +108,7 @@ def _assert_png(path):
 
 
 def test_eval_stage_end_to_end(smollm2, tmp_path):
-    from eagleforge.eval import main
+    from eagleforge.eval.evaluate import main
 
     model, _ = smollm2
     run_dir = tmp_path / "run"
