@@ -162,6 +162,64 @@ def test_activation_checkpoint_per_step_is_checked_against_ttt_steps():
             load_config(None, ["train.ttt_steps=7", f"train.activation_checkpoint={bad}"])
 
 
+def _numeric_fields() -> list[tuple[str, type]]:
+    """("section.key", int or float) of every numeric field of every config section."""
+    import dataclasses
+
+    out = []
+    for section in dataclasses.fields(Config):
+        sub = getattr(Config(), section.name)
+        if dataclasses.is_dataclass(sub):
+            out += [(f"{section.name}.{f.name}", {"int": int, "float": float}[f.type])
+                    for f in dataclasses.fields(sub) if f.type in ("int", "float")]
+    return out
+
+
+def test_every_numeric_key_has_its_range_checked():
+    """Every int/float key of every section: its default passes, a value just outside its range
+    (and NaN/inf for floats) is a one-line ConfigError naming the key and the value. Regression:
+    train.log_every=0, train.batch_tokens=0, train.lr=-1, vocab.draft_vocab_size=0,
+    data.max_new_tokens=0, data.gen_batch_size=0 crashed later with a traceback;
+    train.min_lr_ratio=5 (lr climbing to 5x its peak), train.warmup_ratio=-1, train.grad_accum=0
+    and extract.batch_tokens=-1 were accepted."""
+    from eagleforge.config import RANGES
+
+    numeric = _numeric_fields()
+    assert len(numeric) >= 35, numeric  # the walk really saw the sections
+    assert sorted(k for k, _ in numeric) == sorted(RANGES), "a numeric key without a range, or a range without a key"
+    defaults = load_config(None, [])
+    for key, typ in numeric:
+        section, leaf = key.split(".")
+        assert load_config(None, [f"{key}={getattr(getattr(defaults, section), leaf)}"]) is not None  # default in range
+        low, high = RANGES[key]
+        step = 1 if typ is int else 0.25
+        bad = [v for v in (None if low is None else low - step, None if high is None else high + step) if v is not None]
+        if typ is float:
+            bad += [float("nan"), float("inf")]
+        assert bad, key
+        for value in bad:
+            with pytest.raises(ConfigError) as err:
+                load_config(None, [f"{key}={value!r}" if typ is int else f"{key}={value}"])
+            message = str(err.value)
+            assert repr(key) in message and "\n" not in message, message
+            assert (str(value) if typ is int else ("nan" if value != value else "inf" if value == float("inf") else str(value))) in message
+        # the bounds themselves are in range
+        for value in (low, high):
+            if value is not None and not (key == "train.step_weight_decay" and value == 0):
+                assert load_config(None, [f"{key}={value}"]) is not None
+
+
+@pytest.mark.parametrize("override", [
+    "train.log_every=0", "train.batch_tokens=0", "train.lr=-1e-3", "vocab.draft_vocab_size=0", "data.max_new_tokens=0",
+    "data.gen_batch_size=0", "train.min_lr_ratio=5", "train.warmup_ratio=-0.1", "train.grad_accum=0",
+    "extract.batch_tokens=-1", "eval.ngram_min=4",
+])
+def test_reported_bad_values_are_config_errors(override):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, [override])
+
+
 @FUZZ
 @example(overrides=[("0\n0", "1", True)])  # found on the device run: the key was printed raw, newline and all
 @given(overrides=st.lists(st.tuples(st.one_of(st.sampled_from(_known_keys()), st.text(max_size=12)), _value_text,
@@ -537,3 +595,37 @@ z = AutoModel.from_pretrained(p, trust_remote_code=cfg.trust_remote_code)
 '''
     assert [line for line, _ in _unsafe_uses(ast.parse(bad))] == [2, 3, 5, 6, 7, 8, 9]
     assert _unsafe_uses(ast.parse(good)) == []
+
+
+_NUMERIC_KEYS = [k for k, _ in _numeric_fields()]
+
+
+@FUZZ
+@given(key=st.sampled_from(_NUMERIC_KEYS), value=st.one_of(
+    st.integers(-(2**40), 2**40), st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0, 1, -1, 0.5, 1.5])))
+def test_fuzzed_numeric_keys_are_range_checked(key, value):
+    """Any number for any numeric key: a valid Config holding exactly that value when it is in
+    the key's range (and finite), else a one-line ConfigError naming the key."""
+    from eagleforge.config import RANGES
+
+    typ = dict(_numeric_fields())[key]
+    low, high = RANGES[key]
+    text = repr(value) if not isinstance(value, float) or value == value and abs(value) != float("inf") else \
+        {True: ".nan"}.get(value != value, ".inf" if value > 0 else "-.inf")
+    if typ is int and isinstance(value, float):
+        with pytest.raises(ConfigError, match=rf"'{key}' expects int"):
+            load_config(None, [f"{key}={text}"])
+        return
+    fits = value == value and abs(value) != float("inf") and (low is None or value >= low) and (high is None or value <= high)
+    fits = fits and not (key == "train.step_weight_decay" and value == 0)
+    fits = fits and not (key == "eval.ngram_min" and value > Config().eval.ngram_max)
+    fits = fits and not (key == "eval.ngram_max" and value < Config().eval.ngram_min)
+    try:
+        cfg = load_config(None, [f"{key}={text}"])
+    except ConfigError as err:
+        assert not fits, f"{key}={text} refused: {err}"
+        assert key in str(err) and "\n" not in str(err)
+    else:
+        assert fits, f"{key}={text} accepted"
+        section, leaf = key.split(".")
+        assert getattr(getattr(cfg, section), leaf) == value
