@@ -597,6 +597,139 @@ z = AutoModel.from_pretrained(p, trust_remote_code=cfg.trust_remote_code)
     assert _unsafe_uses(ast.parse(good)) == []
 
 
+# ----------------------------------------------------------------------------- (i) damaged vocabulary files
+
+
+def _flip_bit(path: Path, position: int, bit: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[position % len(data)] ^= 1 << bit
+    path.write_bytes(bytes(data))
+
+
+def _tensors_and_metadata(path: Path):
+    """A safetensors file's metadata and tensors as comparable values (the header's key order
+    may differ between two writes of the same content)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return f.metadata(), {k: (str(t.dtype), t.shape, t.reshape(-1).view(torch.uint8).tolist())
+                              for k in sorted(f.keys()) for t in [f.get_tensor(k)]}
+
+
+def test_damaged_vocab_files_are_rebuilt_by_the_stage_and_refused_by_the_trainer(vocab_run, caplog):
+    """Regression: a truncated or bit-flipped vocabulary file was called up to date by the vocab
+    stage (it read only the metadata) and gave a traceback in the trainer."""
+    from eagleforge.train.loop import train
+    from eagleforge.vocab import main as vocab_main
+
+    cfg, _ = vocab_run
+    vocab = cfg.run / "vocab"
+    originals = {p.name: _tensors_and_metadata(p) for p in vocab.iterdir()}
+    cases = [("vocab_map.safetensors", lambda p: p.write_bytes(p.read_bytes()[:-9]), "not a readable safetensors file"),
+             ("target_head.safetensors", lambda p: _flip_bit(p, -5, 6), "sha256 does not match"),
+             ("vocab_map.safetensors", lambda p: _flip_bit(p, -3, 0), "sha256 does not match")]  # in the tensor data
+    for name, damage, reason in cases:
+        damage(vocab / name)
+        with pytest.raises(UserInputError, match=rf"{vocab / name}: .*{reason}"):
+            train(cfg)
+        with caplog.at_level("WARNING"):
+            vocab_main(cfg)  # not up to date: written again, equal to the original
+        assert f"{vocab / name}" in caplog.text and "building the vocabulary files again" in caplog.text
+        assert {p.name: _tensors_and_metadata(p) for p in vocab.iterdir()} == originals
+        caplog.clear()
+
+
+_VOCAB_MUTATIONS = st.sampled_from(["truncate", "flip", "insert", "nan", "inf", "negative_count", "d2t_out", "t2d_extra",
+                                    "dtype", "shape", "drop_tensor", "identity"])
+
+
+@settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(which=st.sampled_from(["vocab_map.safetensors", "target_head.safetensors"]), mutation=_VOCAB_MUTATIONS,
+       position=st.integers(0, 10**6), bit=st.integers(0, 7), keep_sha=st.booleans())
+def test_fuzzed_vocab_files_give_tensors_or_one_line_errors(tiny_vocab_files, which, mutation, position, bit, keep_sha):
+    """Byte-level damage (cut, flipped bit, inserted bytes) and content damage (NaN/Inf in the
+    head, negative counts, d2t ids outside V, t2d not matching d2t, wrong dtype or shape, a
+    missing tensor), saved with or without the recorded sha256: the readers give the original
+    tensors or a one-line UserInputError naming the file; the vocab stage's up-to-date check never
+    raises, and calls a changed file up to date only when its tensors are the original ones."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from eagleforge.vocab import _up_to_date, check_vocab_files, load_target_head, load_vocab_map
+
+    run, originals, identity = tiny_vocab_files
+    with tempfile.TemporaryDirectory() as tmp:
+        vocab = Path(tmp) / "vocab"
+        vocab.mkdir()
+        for name, data in originals.items():
+            (vocab / name).write_bytes(data)
+        path = vocab / which
+        data = bytearray(path.read_bytes())
+        if mutation == "truncate":
+            path.write_bytes(bytes(data[: position % len(data)]))
+        elif mutation == "flip":
+            _flip_bit(path, position, bit)
+        elif mutation == "insert":
+            i = position % len(data)
+            path.write_bytes(bytes(data[:i] + bytes([bit * 31 % 256]) + data[i:]))
+        else:
+            with safe_open(str(path), framework="pt") as f:
+                meta, tensors = dict(f.metadata()), {k: f.get_tensor(k) for k in f.keys()}
+            if not keep_sha:
+                meta.pop("sha256")
+            first = next(iter(sorted(tensors)))
+            if mutation in ("nan", "inf") and "lm_head" in tensors:
+                tensors["lm_head" if bit % 2 else "embed_tokens"].view(-1)[position % 50] = float(mutation)
+            elif mutation == "negative_count" and "counts" in tensors:
+                tensors["counts"][position % tensors["counts"].numel()] = -1 - bit
+            elif mutation == "d2t_out" and "d2t" in tensors:
+                tensors["d2t"][-1] += tensors["t2d"].numel()
+            elif mutation == "t2d_extra" and "t2d" in tensors:
+                tensors["t2d"] = torch.ones_like(tensors["t2d"])
+            elif mutation == "dtype":
+                tensors[first] = tensors[first].to(torch.int32 if tensors[first].is_floating_point() else torch.float32)
+            elif mutation == "shape":
+                tensors[first] = tensors[first][:-1]
+            elif mutation == "drop_tensor":
+                del tensors[first]
+            elif mutation == "identity":
+                meta["identity"] = "0" * 64
+            save_file(tensors, str(path), metadata=meta)
+        files = [vocab / "vocab_map.safetensors", vocab / "target_head.safetensors"]
+        try:  # what the trainer reads: each file checked, then the two against each other
+            got = {**load_vocab_map(Path(tmp)), **load_target_head(Path(tmp))}
+            check_vocab_files(got, got, vocab)
+        except UserInputError as err:
+            assert str(path) in str(err) and "\n" not in str(err), str(err)
+            assert not _up_to_date(files, identity)
+        else:
+            want = {**load_vocab_map(run), **load_target_head(run)}
+            assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), mutation
+            with safe_open(str(path), framework="pt") as f:
+                same_inputs = (f.metadata() or {}).get("identity") == identity
+            assert _up_to_date(files, identity) == same_inputs
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_files(tmp_path_factory):
+    """A vocab stage's two files from a tiny run: (run dir, {name: bytes}, identity)."""
+    from transformers import LlamaConfig
+    from safetensors import safe_open
+    from test_vocab import build_tiny_run
+
+    from eagleforge.vocab import main as vocab_main
+
+    llama = LlamaConfig(vocab_size=211, hidden_size=48, intermediate_size=80, num_hidden_layers=7, num_attention_heads=3,
+                        num_key_value_heads=1, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False)
+    cfg, _, _ = build_tiny_run(tmp_path_factory.mktemp("vocabfuzz"), llama, n_samples=4, samples_per_shard=4)
+    cfg.vocab.draft_vocab_size, cfg.train.holdout_samples = 40, 1
+    vocab_main(cfg)
+    files = {p.name: p.read_bytes() for p in (cfg.run / "vocab").iterdir()}
+    with safe_open(str(cfg.run / "vocab" / "vocab_map.safetensors"), framework="pt") as f:
+        identity = f.metadata()["identity"]
+    return cfg.run, files, identity
+
+
 _NUMERIC_KEYS = [k for k, _ in _numeric_fields()]
 
 

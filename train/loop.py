@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from eagleforge.config import Config, UserInputError
 from eagleforge.target import target_path
-from eagleforge.vocab import coverage, load_target_head, load_vocab_map, read_target_head, training_sample_count
+from eagleforge.vocab import check_vocab_files, coverage, load_target_head, load_vocab_map, read_target_head, training_sample_count
 
 from ..atomic import write_json_atomic
 from .batching import Batch, collate, make_batches, rank_micro_batches
@@ -401,8 +401,9 @@ class Trainer:
         torch.manual_seed(tc.seed)  # the same initial draft on every rank
         self.reader = open_reader(cfg)
         manifest = self.reader.manifest
-        self.vocab = load_vocab_map(cfg.run)
+        self.vocab = load_vocab_map(cfg.run)  # both checked: readable, sha256, shapes, finite head
         head = load_target_head(cfg.run)
+        check_vocab_files(self.vocab, head, cfg.run / "vocab")
         self.draft = build_draft(cfg, manifest, self.vocab, head).to(self.device)
         self.teacher_head = head["lm_head"].to(self.device, torch.float32)  # [Vd, Ht]
         self.full_head = None
