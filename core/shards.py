@@ -555,7 +555,41 @@ class ShardReader:
         except Exception as err:  # a slice past a damaged header's bounds, a wrong dtype
             raise UserInputError(f"{self.hidden_dir / self.shards[shard]['file']}: cannot read sample {j} "
                                  f"({type(err).__name__}: {str(err)[:200]})") from None
+        self._check_token_ids(sample, shard, j)
         return sample
+
+    def _check_token_ids(self, sample: dict[str, torch.Tensor], shard: int, j: int) -> None:
+        """Token ids in [0, V): an id out of range would index another token's row (negative
+        ids wrap around) and train on a wrong teacher. [n] int32 each: cheap next to the states."""
+        vocab_size = self.manifest.get("target", {}).get("vocab_size")
+        if not isinstance(vocab_size, int):
+            return
+        for key in ("input_ids", "target_argmax"):
+            ids = sample.get(key)
+            if ids is None or not ids.numel():
+                continue
+            low, high = (int(v) for v in ids.aminmax())
+            if low < 0 or high >= vocab_size:
+                bad = low if low < 0 else high
+                entry = self.shards[shard]
+                raise UserInputError(f"{self.hidden_dir / entry['file']}: sample {entry['sample_ids'][j]}: {key} holds "
+                                     f"{bad}, outside the target's vocabulary [0, {vocab_size})")
+
+    def nonfinite(self, i: int) -> str | None:
+        """Why global sample i is unusable, naming its shard, when its hidden states hold NaN/Inf
+        (the extractor leaves such samples out, so only damage puts one there); else None. A
+        full pass over the sample: the trainer calls it only for steps whose loss or gradient
+        was not finite, never per read."""
+        sample = self[i]
+        shard, j = self.locate(i)
+        for key in ("aux_hidden_states", "last_hidden_state"):
+            values = sample[key]
+            if values.is_floating_point() and not bool(torch.isfinite(values).all()):
+                entry = self.shards[shard]
+                row = int((~torch.isfinite(values)).any(-1).nonzero()[0, 0]) if values.dim() > 1 else 0
+                return (f"{self.hidden_dir / entry['file']}: sample {entry['sample_ids'][j]} holds NaN/Inf in {key} "
+                        f"(token {row})")
+        return None
 
     def sample_lengths(self) -> list[int]:
         lengths: list[int] = []

@@ -597,6 +597,176 @@ z = AutoModel.from_pretrained(p, trust_remote_code=cfg.trust_remote_code)
     assert _unsafe_uses(ast.parse(good)) == []
 
 
+# ----------------------------------------------------------------------------- (g) NaN/Inf anywhere
+
+
+def _poison_batches(trainer, steps: set[int]):
+    """Make the loss NaN in the optimizer steps `steps` (1-based), as a NaN input or a diverging
+    update would; records the trainable weights after every step."""
+    original, after = trainer.batch_loss, {}
+
+    def batch_loss(batch, training=False):
+        loss, stats = original(batch, training)
+        return (loss * float("nan") if training and trainer.step + 1 in steps else loss), stats
+
+    def train_step():
+        out = step_fn()
+        after[trainer.step] = [p.detach().clone() for p in trainer.params]
+        return out
+
+    step_fn, trainer.batch_loss, trainer.train_step = trainer.train_step, batch_loss, train_step
+    after[0] = [p.detach().clone() for p in trainer.params]
+    return after
+
+
+def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(vocab_run):
+    """A step with a NaN loss leaves weights and optimizer state as they were (skipped on the
+    device), is counted, and more than train.max_nonfinite_steps stop the run with one line; no
+    draft is exported then. Regression: a NaN anywhere trained a NaN draft, exported with exit 0."""
+    from eagleforge.train.loop import Trainer
+
+    cfg, _ = vocab_run
+    cfg.train.max_steps, cfg.train.log_every, cfg.train.max_nonfinite_steps, cfg.train.save_every = 4, 2, 1, 0
+    trainer = Trainer(cfg)
+    after = _poison_batches(trainer, {2})
+    summary = trainer.run()
+    assert summary["steps"] == 4 and trainer.nonfinite_steps() == 1
+    changed = [any(not torch.equal(a, b) for a, b in zip(after[s - 1], after[s])) for s in (1, 2, 3, 4)]
+    assert changed == [True, False, True, True]  # step 2 changed nothing, the others did
+    assert all(int(s["step"]) == 3 for s in trainer.optimizer.state.values())  # Adam's step count too
+    assert all(bool(torch.isfinite(p).all()) for p in trainer.params)
+    assert (cfg.run / "draft" / "model.safetensors").is_file()
+
+    import shutil
+
+    shutil.rmtree(cfg.run / "checkpoints")
+    shutil.rmtree(cfg.run / "draft")
+    trainer = Trainer(cfg)
+    _poison_batches(trainer, {2, 3})
+    with pytest.raises(UserInputError, match=r"2 steps had a NaN/Inf loss .*max_nonfinite_steps=1") as err:
+        trainer.run()
+    assert "\n" not in str(err.value)
+    assert not (cfg.run / "draft").exists()
+
+
+def _write_extra_shard(cfg, mutate) -> Path:
+    """Shard 1: a copy of shard 0's samples under new ids, `mutate(samples)` applied first."""
+    from eagleforge.shards import ShardReader, ShardWriter
+
+    hidden = cfg.run / "hidden"
+    reader = ShardReader(hidden)
+    writer = ShardWriter(hidden, {k: v for k, v in reader.manifest.items() if k != "shards"}, reader.manifest["storage_dtype"])
+    samples = [reader[i] for i in range(reader.shards[0]["samples"])]
+    mutate(samples)
+    writer.write_shard(1, samples, [100 + i for i in range(len(samples))])
+    return hidden / "shard-00001.safetensors"
+
+
+def test_a_nan_in_a_shard_stops_training_naming_the_shard(vocab_run):
+    """One NaN in one sample's states (written past the extractor, which drops such samples):
+    the step is skipped and the error names the shard, the sample id and the tensor."""
+    from eagleforge.train.loop import train
+
+    cfg, _ = vocab_run
+    cfg.train.holdout_samples, cfg.train.max_steps, cfg.train.log_every = 0, 3, 3
+
+    def nan_in_second(samples):
+        samples[1]["aux_hidden_states"][2, 5] = float("nan")
+
+    path = _write_extra_shard(cfg, nan_in_second)
+    with pytest.raises(UserInputError, match=rf"{path.name}: sample 101 holds NaN/Inf in aux_hidden_states \(token 2\)"):
+        train(cfg)
+    assert not (cfg.run / "draft").exists()
+
+
+def test_target_argmax_out_of_range_is_named(vocab_run):
+    """A shard whose target_argmax holds an id >= V (or < 0, which would wrap around and pick
+    another token's teacher) is an error naming the shard and sample, at its first read."""
+    from eagleforge.shards import ShardReader
+
+    cfg, llama = vocab_run
+    for bad in (llama.vocab_size, -3):
+        def mutate(samples, bad=bad):
+            samples[0]["target_argmax"][4] = bad
+
+        path = _write_extra_shard(cfg, mutate)
+        reader = ShardReader(cfg.run / "hidden")
+        with pytest.raises(UserInputError, match=rf"{path.name}: sample 100: target_argmax holds {bad}, outside"):
+            reader[reader.shards[0]["samples"]]
+        assert reader[0] is not None  # shard 0 reads as before
+
+
+def _resave(path: Path, change) -> None:
+    """Rewrite a safetensors file with `change(tensors)` applied, keeping its metadata (and so
+    its recorded sha256, which no longer matches)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    change(tensors)
+    save_file(tensors, str(path), metadata=meta)
+
+
+def test_a_nan_in_the_target_head_is_refused(vocab_run):
+    from eagleforge.train.loop import train
+
+    cfg, _ = vocab_run
+    head = cfg.run / "vocab" / "target_head.safetensors"
+
+    def nan(t):
+        t["lm_head"][3, 1] = float("nan")
+
+    _resave(head, nan)  # the recorded sha256 no longer matches
+    with pytest.raises(UserInputError, match=rf"{head}: its tensors' sha256 does not match"):
+        train(cfg)
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(head), framework="pt") as f:  # the same NaN with a matching (absent) sha256
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    save_file(tensors, str(head), metadata={"format": "pt"})
+    with pytest.raises(UserInputError, match=rf"{head}: lm_head holds NaN/Inf"):
+        train(cfg)
+
+
+def test_a_nan_checkpoint_is_refused_on_resume_and_never_exported(vocab_run, tmp_path):
+    from eagleforge.train.loop import Trainer, export_finite, train
+
+    cfg, _ = vocab_run
+    cfg.train.holdout_samples, cfg.train.max_steps = 0, 2
+    trainer = Trainer(cfg)
+    with torch.no_grad():
+        trainer.draft.fc.weight[0, 0] = float("inf")
+    ckpt = trainer.save()  # step 0: a checkpoint with an Inf weight
+    with pytest.raises(UserInputError, match=rf"{ckpt}: the checkpoint holds NaN/Inf"):
+        train(cfg)
+    with pytest.raises(UserInputError, match=rf"{ckpt}: NaN/Inf in the draft's fc.weight; not exported"):
+        export_finite(ckpt, tmp_path / "draft")
+    assert not (tmp_path / "draft").exists()
+
+
+def test_eval_refuses_a_nan_draft(vocab_run):
+    from transformers import AutoModelForCausalLM
+
+    from eagleforge.train.evaluate import load_eval_draft
+    from eagleforge.train.loop import train
+
+    cfg, _ = vocab_run
+    cfg.train.holdout_samples = 0
+    train(cfg)
+    weights = cfg.run / "draft" / "model.safetensors"
+    target = AutoModelForCausalLM.from_pretrained(cfg.target.path)
+    assert load_eval_draft(cfg.run / "draft", target) is not None
+
+    def nan(t):
+        t["norm.weight"][0] = float("nan")
+
+    _resave(weights, nan)
+    with pytest.raises(UserInputError, match=rf"{weights}: NaN/Inf in the draft's norm.weight"):
+        load_eval_draft(cfg.run / "draft", target)
+
+
 # ----------------------------------------------------------------------------- (i) damaged vocabulary files
 
 
