@@ -767,6 +767,31 @@ def test_eval_refuses_a_nan_draft(vocab_run):
         load_eval_draft(cfg.run / "draft", target)
 
 
+# ----------------------------------------------------------------------------- (h) resume with a changed config
+
+
+def test_resume_with_a_changed_config_is_refused_or_applied(vocab_run):
+    """Regression: resuming with another train.holdout_samples trained on held-out samples and a
+    new train.lr was silently replaced by the checkpoint's. Now every changed key outside the
+    allow-list is refused in one line with both values; allowed keys (max_steps...) apply."""
+    from eagleforge.train.loop import train
+
+    cfg, _ = vocab_run
+    cfg.train.holdout_samples, cfg.train.max_steps = 2, 1
+    assert train(cfg)["steps"] == 1
+    cfg.train.max_steps, cfg.train.lr, cfg.train.holdout_samples = 3, 2e-3, 1
+    with pytest.raises(UserInputError) as err:
+        train(cfg)
+    message = str(err.value)
+    assert "\n" not in message and "step-000001" in message
+    assert "train.holdout_samples: 2 in the checkpoint, 1 now" in message
+    assert "train.lr: 0.001 in the checkpoint, 0.002 now" in message
+    assert "train.max_steps" not in message.split("(a resume")[0]
+    cfg.train.lr, cfg.train.holdout_samples, cfg.train.log_every, cfg.train.keep_last = 1e-3, 2, 1, 1
+    assert train(cfg)["steps"] == 3  # max_steps, log_every and keep_last changed: resumed and applied
+    assert [p.name for p in (cfg.run / "checkpoints").iterdir() if p.name.startswith("step-")] == ["step-000003"]
+
+
 # ----------------------------------------------------------------------------- (i) damaged vocabulary files
 
 

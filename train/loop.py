@@ -599,6 +599,7 @@ class Trainer:
         path = find_resume_checkpoint(self.cfg, self.env)
         if path is None:
             return
+        check_resume_config(self.cfg, path, self.env.world_size)
         state = load_checkpoint(path, self.model, self.optimizer, self.scheduler, self.env)
         self._check_finite_state(path)
         self.step, self.epoch, self.batch_index = int(state["step"]), int(state["epoch"]), int(state["batch_index"])
@@ -740,6 +741,68 @@ def reduce_stats(stats: TTTStats, env: DistEnv, global_tokens: int | None = None
     flat = all_reduce_sum(stats.ce_sum + stats.n_loss + stats.n_correct + stats.n_valid + [stats.tokens], env)
     whole = [round(x) for x in flat[k:]]
     return TTTStats(k, list(flat[:k]), whole[:k], whole[k : 2 * k], whole[2 * k : 3 * k], whole[3 * k])
+
+
+# Keys a resume may change (and that then apply): how long to train and how often to log and
+# save, where the run and the devices are, performance choices that compute the same loss, and
+# the other stages' keys that leave the shards and the training as they are. Any other
+# difference (lr, holdout, schedule, model, data, vocabulary, seed...) refuses the resume: the
+# checkpoint's state (param groups' lr, data position, held-out split) belongs to its config.
+# A changed train.max_steps / train.epochs recomputes the cosine schedule over the new length.
+RESUME_MAY_CHANGE = (
+    "run_dir", "train.max_steps", "train.epochs", "train.log_every", "train.save_every", "train.keep_last",
+    "train.resume", "train.device", "train.parallel", "train.verify_checksums", "train.max_nonfinite_steps",
+    "train.attention", "train.loss", "train.loss_chunk_tokens", "train.loss_packed", "train.activation_checkpoint",
+    "train.compile", "target.device", "target.tp", "target.gpu_memory_gib", "data.gen_batch_size",
+    "extract.batch_tokens", "extract.overlap_writes", "eval.",
+)
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def check_resume_config(cfg: Config, checkpoint: Path, world_size: int = 1) -> None:
+    """Refuse to resume from `checkpoint` when its config.yaml differs from `cfg` outside
+    RESUME_MAY_CHANGE: one line with every differing key and both values. train.grad_accum may
+    change with the number of ranks when world size x grad_accum (the batches of one optimizer
+    step) stays the same: the checkpoint reshards, the steps are the same."""
+    import yaml
+
+    from eagleforge.config import config_to_dict
+
+    from .checkpoint import read_state
+
+    file = checkpoint / "config.yaml"
+    if not file.is_file():
+        log.warning("%s: missing; cannot check that the resumed run has the same config", file)
+        return
+    try:
+        saved = yaml.safe_load(file.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise UserInputError(f"{file}: not a readable config ({str(err).splitlines()[0][:200]}); delete {checkpoint} to start over") from None
+    if not isinstance(saved, dict):
+        raise UserInputError(f"{file}: not a config mapping; delete {checkpoint} to start over")
+    saved, now = _flat(saved), _flat(config_to_dict(cfg))
+    # A key only one side knows (written by another version) is not a difference.
+    changed = [k for k in sorted(saved.keys() & now.keys()) if saved[k] != now[k]
+               and not any(k == a or (a.endswith(".") and k.startswith(a)) for a in RESUME_MAY_CHANGE)]
+    if "train.grad_accum" in changed:
+        saved_world = read_state(checkpoint).get("world_size", 1)
+        if isinstance(saved_world, int) and isinstance(saved["train.grad_accum"], int) and \
+                saved_world * saved["train.grad_accum"] == world_size * now["train.grad_accum"]:
+            changed.remove("train.grad_accum")
+    if changed:
+        diff = "; ".join(f"{k}: {saved[k]!r} in the checkpoint, {now[k]!r} now" for k in changed)
+        raise UserInputError(f"{checkpoint}: cannot resume with a changed config ({diff}); set the checkpoint's values, "
+                             "or train.resume=false / a new run_dir to start over (a resume may change only the run's length, "
+                             "logging, saving, devices and performance keys: RESUME_MAY_CHANGE in eagleforge.train.loop)")
 
 
 class MetricLogger:
