@@ -311,6 +311,7 @@ def build_vocab(cfg: Config) -> dict:
     manifest_file = hidden_dir / "manifest.json"
     if not manifest_file.is_file():
         raise FileNotFoundError(f"{manifest_file} not found: run `python -m eagleforge.extract` first")
+    check_shards_match_samples(cfg.run)
     out_dir = cfg.run / "vocab"
     map_file, head_file = out_dir / VOCAB_MAP, out_dir / TARGET_HEAD
     identity = _identity(manifest_file, cfg)
@@ -340,6 +341,33 @@ def build_vocab(cfg: Config) -> dict:
         d2t.shape[0], vocab_size, seen, int(counts.sum()), n_train, cov, out_dir,
     )
     return {"draft_vocab_size": int(d2t.shape[0]), "coverage": cov, "reused": False}
+
+
+def check_shards_match_samples(run_dir: Path) -> None:
+    """The shards were made from the samples RUN/data/samples.jsonl holds now: each shard's
+    recorded content_sha256 (rows_sha256 of its chunk, cut to the manifest's max_length as the
+    extractor cuts them) against the same rows read from samples.jsonl. A changed data source
+    keeps the ids, so without this the vocabulary (and the training) would silently use the old
+    shards. Skipped when there is no samples.jsonl or the shards record no content hash."""
+    from .data import load_samples
+    from .shards import load_manifest, rows_sha256
+
+    manifest = load_manifest(run_dir / "hidden")
+    entries = [e for e in manifest["shards"] if "content_sha256" in e]
+    samples_file = run_dir / "data" / "samples.jsonl"
+    if not entries or not samples_file.is_file():
+        return
+    by_id = {row["id"]: row for row in load_samples(run_dir)}
+    max_length = manifest.get("max_length")
+    for entry in entries:
+        ids = sorted(entry["sample_ids"] + entry.get("skipped_ids", []))
+        missing = [i for i in ids if i not in by_id]
+        rows = [{"id": i, "input_ids": by_id[i]["input_ids"][:max_length], "loss_mask": by_id[i]["loss_mask"][:max_length]}
+                for i in ids if i in by_id] if isinstance(max_length, int) else [by_id[i] for i in ids if i in by_id]
+        if missing or rows_sha256(rows) != entry["content_sha256"]:
+            what = f"sample ids {missing[:5]} are not in {samples_file}" if missing else f"its samples differ from {samples_file}'s"
+            raise UserInputError(f"{run_dir / 'hidden' / entry['file']}: {what} (the data changed since extraction); "
+                                 f"extract again into a new run directory")
 
 
 def _training_tokens(reader, n_train: int):
