@@ -957,3 +957,18 @@ def test_fuzzed_numeric_keys_are_range_checked(key, value):
         assert fits, f"{key}={text} accepted"
         section, leaf = key.split(".")
         assert getattr(getattr(cfg, section), leaf) == value
+
+
+def test_a_diverging_run_exits_2_with_one_line_and_exports_nothing(vocab_run, tmp_path):
+    """End to end through the CLI, no test hook: an lr of 1e30 blows the weights up after the
+    first update, so every later step's loss is NaN. Those steps are skipped and counted, the run
+    stops past train.max_nonfinite_steps with exit 2 and one line, and no draft is exported
+    (was: exit 0 with a NaN draft in RUN/draft)."""
+    cfg, _ = vocab_run
+    proc = _cli("eagleforge.train", f"run_dir={cfg.run}", f"target.path={cfg.target.path}", "target.device=cpu",
+                "train.device=cpu", "vocab.draft_vocab_size=40", "train.holdout_samples=1", "train.max_steps=8",
+                "train.log_every=4", "train.lr=1e30", "train.max_nonfinite_steps=2", cwd=tmp_path)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(lines) == 1 and "steps had a NaN/Inf loss" in lines[0] and "train.max_nonfinite_steps=2" in lines[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and not (cfg.run / "draft").exists()
