@@ -293,47 +293,47 @@ def _validate(cfg: Config) -> None:
 # The range of every numeric key: (low, high), None = unbounded on that side, both ends allowed;
 # floats must also be finite. Kept in one table (not on the fields) so that a new numeric field
 # without a range fails tests/test_reliability.py::test_every_numeric_key_has_its_range_checked.
-INF = None
+UNBOUNDED = None
 RANGES: dict[str, tuple] = {
-    "target.tp": (1, INF),
-    "target.gpu_memory_gib": (0.0, INF),  # 0 = the device's real size
-    "data.num_prompts": (1, INF),
-    "data.max_new_tokens": (1, INF),
-    "data.gen_batch_size": (1, INF),
-    "data.max_length": (1, INF),
+    "target.tp": (1, UNBOUNDED),
+    "target.gpu_memory_gib": (0.0, UNBOUNDED),  # 0 = the device's real size
+    "data.num_prompts": (1, UNBOUNDED),
+    "data.max_new_tokens": (1, UNBOUNDED),
+    "data.gen_batch_size": (1, UNBOUNDED),
+    "data.max_length": (1, UNBOUNDED),
     "data.code_share": (0.0, 1.0),  # a share of the prompts
     "data.seed": (0, 2**32 - 1),  # numpy's and torch's seed range
-    "extract.samples_per_shard": (1, INF),
-    "extract.batch_tokens": (1, INF),
-    "vocab.draft_vocab_size": (1, INF),
-    "draft.hidden_size": (0, INF),  # 0 = from the target's config
-    "draft.num_attention_heads": (0, INF),
-    "draft.num_key_value_heads": (0, INF),
-    "draft.head_dim": (0, INF),
-    "draft.intermediate_size": (0, INF),
-    "train.epochs": (0, INF),  # 0 only with max_steps > 0 (checked by the trainer)
-    "train.max_steps": (0, INF),  # 0 = as many as the epochs take
-    "train.batch_tokens": (1, INF),
-    "train.grad_accum": (1, INF),
-    "train.lr": (0.0, INF),
+    "extract.samples_per_shard": (1, UNBOUNDED),
+    "extract.batch_tokens": (1, UNBOUNDED),
+    "vocab.draft_vocab_size": (1, UNBOUNDED),
+    "draft.hidden_size": (0, UNBOUNDED),  # 0 = from the target's config
+    "draft.num_attention_heads": (0, UNBOUNDED),
+    "draft.num_key_value_heads": (0, UNBOUNDED),
+    "draft.head_dim": (0, UNBOUNDED),
+    "draft.intermediate_size": (0, UNBOUNDED),
+    "train.epochs": (0, UNBOUNDED),  # 0 only with max_steps > 0 (checked by the trainer)
+    "train.max_steps": (0, UNBOUNDED),  # 0 = as many as the epochs take
+    "train.batch_tokens": (1, UNBOUNDED),
+    "train.grad_accum": (1, UNBOUNDED),
+    "train.lr": (0.0, UNBOUNDED),
     "train.min_lr_ratio": (0.0, 1.0),  # the cosine ends at lr * ratio: above 1 the lr would climb past its peak
     "train.warmup_ratio": (0.0, 1.0),
-    "train.weight_decay": (0.0, INF),
-    "train.grad_clip": (0.0, INF),  # 0 = no clipping
-    "train.ttt_steps": (1, INF),
-    "train.step_weight_decay": (0.0, INF),  # and > 0 (_validate): the per-step losses are divided by decay^j
-    "train.loss_chunk_tokens": (0, INF),  # 0 = automatic
-    "train.holdout_samples": (0, INF),
-    "train.log_every": (1, INF),
-    "train.save_every": (0, INF),  # 0 = only the final checkpoint
-    "train.keep_last": (0, INF),  # 0 = keep every checkpoint
-    "train.max_nonfinite_steps": (0, INF),
+    "train.weight_decay": (0.0, UNBOUNDED),
+    "train.grad_clip": (0.0, UNBOUNDED),  # 0 = no clipping
+    "train.ttt_steps": (1, UNBOUNDED),
+    "train.step_weight_decay": (0.0, UNBOUNDED),  # and > 0 (_validate): the per-step losses are divided by decay^j
+    "train.loss_chunk_tokens": (0, UNBOUNDED),  # 0 = automatic
+    "train.holdout_samples": (0, UNBOUNDED),
+    "train.log_every": (1, UNBOUNDED),
+    "train.save_every": (0, UNBOUNDED),  # 0 = only the final checkpoint
+    "train.keep_last": (0, UNBOUNDED),  # 0 = keep every checkpoint
+    "train.max_nonfinite_steps": (0, UNBOUNDED),
     "train.seed": (0, 2**32 - 1),
-    "eval.n_prompts": (1, INF),
-    "eval.max_new_tokens": (1, INF),
-    "eval.k": (1, INF),
-    "eval.ngram_max": (1, INF),
-    "eval.ngram_min": (1, INF),
+    "eval.n_prompts": (1, UNBOUNDED),
+    "eval.max_new_tokens": (1, UNBOUNDED),
+    "eval.k": (1, UNBOUNDED),
+    "eval.ngram_max": (1, UNBOUNDED),
+    "eval.ngram_min": (1, UNBOUNDED),
 }
 
 

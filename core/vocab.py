@@ -198,7 +198,8 @@ def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
     for name in sorted(tensors):
         t = tensors[name].detach().to("cpu").contiguous()
         digest.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
-        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        if t.numel():
+            digest.update(t.reshape(-1).view(torch.uint8).numpy())  # the buffer itself, no copy
     return digest.hexdigest()
 
 
