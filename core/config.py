@@ -290,9 +290,9 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'eval.ngram_min' = {cfg.eval.ngram_min} must be <= eval.ngram_max = {cfg.eval.ngram_max}")
 
 
-# The range of every numeric key: (low, high), None = unbounded on that side, both ends allowed;
-# floats must also be finite. Kept in one table (not on the fields) so that a new numeric field
-# without a range fails tests/test_reliability.py::test_every_numeric_key_has_its_range_checked.
+# The range of every numeric key: (low, high), UNBOUNDED on that side, both ends allowed; floats
+# must also be finite. One table beside _CHOICES, so the limits read in one place; a numeric
+# field missing here makes load_config fail (and test_every_numeric_key_has_its_range_checked).
 UNBOUNDED = None
 RANGES: dict[str, tuple] = {
     "target.tp": (1, UNBOUNDED),
