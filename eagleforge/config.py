@@ -15,6 +15,7 @@ resolved config is written to RUN/config.yaml before a stage does any work.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 import typing
@@ -146,6 +147,9 @@ class TrainConfig:
     log_every: int = 10
     save_every: int = 200
     keep_last: int = 2
+    # Steps whose loss or gradient norm is NaN/Inf are skipped (no update) and counted; more
+    # than this many stop the run with an error (a poisoned shard, head or checkpoint).
+    max_nonfinite_steps: int = 3
     resume: bool = True
     seed: int = 0
     verify_checksums: bool = True
@@ -288,10 +292,82 @@ def _validate(cfg: Config) -> None:
     _validate_checkpoint(cfg.train.activation_checkpoint, cfg.train.ttt_steps)
     if not cfg.train.step_weight_decay > 0:  # the per-step losses are divided by decay^j for the stats
         raise ConfigError(f"config key 'train.step_weight_decay' must be > 0, got {cfg.train.step_weight_decay!r}")
-    for key in ("data.num_prompts", "data.max_length", "extract.samples_per_shard", "train.ttt_steps", "eval.k"):
-        section, leaf = key.split(".")
-        if getattr(getattr(cfg, section), leaf) < 1:
-            raise ConfigError(f"config key {key!r} must be >= 1, got {getattr(getattr(cfg, section), leaf)}")
+    for key, value in _numeric_values(cfg):
+        _check_range(key, value)
+    if cfg.eval.ngram_min > cfg.eval.ngram_max:
+        raise ConfigError(f"config key 'eval.ngram_min' = {cfg.eval.ngram_min} must be <= eval.ngram_max = {cfg.eval.ngram_max}")
+
+
+# The range of every numeric key: (low, high), UNBOUNDED on that side, both ends allowed; floats
+# must also be finite. One table beside _CHOICES, so the limits read in one place; a numeric
+# field missing here makes load_config fail (and test_every_numeric_key_has_its_range_checked).
+UNBOUNDED = None
+RANGES: dict[str, tuple] = {
+    "target.tp": (1, UNBOUNDED),
+    "target.gpu_memory_gib": (0.0, UNBOUNDED),  # 0 = the device's real size
+    "data.num_prompts": (1, UNBOUNDED),
+    "data.max_new_tokens": (1, UNBOUNDED),
+    "data.gen_batch_size": (1, UNBOUNDED),
+    "data.max_length": (1, UNBOUNDED),
+    "data.code_share": (0.0, 1.0),  # a share of the prompts
+    "data.seed": (0, 2**32 - 1),  # numpy's and torch's seed range
+    "extract.samples_per_shard": (1, UNBOUNDED),
+    "extract.batch_tokens": (1, UNBOUNDED),
+    "vocab.draft_vocab_size": (1, UNBOUNDED),
+    "draft.hidden_size": (0, UNBOUNDED),  # 0 = from the target's config
+    "draft.num_attention_heads": (0, UNBOUNDED),
+    "draft.num_key_value_heads": (0, UNBOUNDED),
+    "draft.head_dim": (0, UNBOUNDED),
+    "draft.intermediate_size": (0, UNBOUNDED),
+    "train.epochs": (0, UNBOUNDED),  # 0 only with max_steps > 0 (checked by the trainer)
+    "train.max_steps": (0, UNBOUNDED),  # 0 = as many as the epochs take
+    "train.batch_tokens": (1, UNBOUNDED),
+    "train.grad_accum": (1, UNBOUNDED),
+    "train.lr": (0.0, UNBOUNDED),
+    "train.min_lr_ratio": (0.0, 1.0),  # the cosine ends at lr * ratio: above 1 the lr would climb past its peak
+    "train.warmup_ratio": (0.0, 1.0),
+    "train.weight_decay": (0.0, UNBOUNDED),
+    "train.grad_clip": (0.0, UNBOUNDED),  # 0 = no clipping
+    "train.ttt_steps": (1, UNBOUNDED),
+    "train.step_weight_decay": (0.0, UNBOUNDED),  # and > 0 (_validate): the per-step losses are divided by decay^j
+    "train.loss_chunk_tokens": (0, UNBOUNDED),  # 0 = automatic
+    "train.holdout_samples": (0, UNBOUNDED),
+    "train.log_every": (1, UNBOUNDED),
+    "train.save_every": (0, UNBOUNDED),  # 0 = only the final checkpoint
+    "train.keep_last": (0, UNBOUNDED),  # 0 = keep every checkpoint
+    "train.max_nonfinite_steps": (0, UNBOUNDED),
+    "train.seed": (0, 2**32 - 1),
+    "eval.n_prompts": (1, UNBOUNDED),
+    "eval.max_new_tokens": (1, UNBOUNDED),
+    "eval.k": (1, UNBOUNDED),
+    "eval.ngram_max": (1, UNBOUNDED),
+    "eval.ngram_min": (1, UNBOUNDED),
+}
+
+
+def _numeric_values(cfg: Config) -> list[tuple[str, Any]]:
+    """("section.key", value) of every int/float field of every section."""
+    out = []
+    for section in dataclasses.fields(cfg):
+        sub = getattr(cfg, section.name)
+        if not dataclasses.is_dataclass(sub):
+            continue
+        for f in dataclasses.fields(sub):
+            typ = _TYPES.get(f.type, f.type) if isinstance(f.type, str) else f.type
+            if typ in (int, float):
+                out.append((f"{section.name}.{f.name}", getattr(sub, f.name)))
+    return out
+
+
+def _check_range(key: str, value: Any) -> None:
+    if key not in RANGES:
+        raise ConfigError(f"config key {key!r} has no range in eagleforge.config.RANGES")
+    low, high = RANGES[key]
+    shown = f"[{low if low is not None else '-inf'}, {high if high is not None else 'inf'}]"
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"config key {key!r} must be a finite number in {shown}, got {value!r}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise ConfigError(f"config key {key!r} must be in {shown}, got {value!r}")
 
 
 def _validate_checkpoint(value: str, ttt_steps: int) -> None:

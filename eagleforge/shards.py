@@ -109,6 +109,18 @@ def shard_name(index: int, group: int | None = None) -> str:
     return f"shard-{index:05d}.safetensors" if group is None else f"shard-g{group}-{index:05d}.safetensors"
 
 
+def rows_sha256(rows: Iterable[dict]) -> str:
+    """sha256 of the samples a chunk is made from (id, input_ids, loss_mask of each row, in
+    order): recorded with the shard as `content_sha256`, so a resume keys on the samples' tokens,
+    not only on their ids (a changed data source keeps the ids 0..n-1)."""
+    digest = hashlib.sha256()
+    for row in rows:
+        digest.update(json.dumps([int(row["id"]), [int(t) for t in row["input_ids"]], [int(m) for m in row["loss_mask"]]],
+                                 separators=(",", ":")).encode())
+        digest.update(b"\n")
+    return digest.hexdigest()
+
+
 def file_sha256(path: Path, block_bytes: int = 1 << 24) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -356,8 +368,10 @@ class ShardWriter:
         path = self.hidden_dir / entry["file"]
         return path.is_file() and path.stat().st_size == entry["bytes"]
 
-    def is_complete(self, index: int, sample_ids: Iterable[int]) -> bool:
-        """True when chunk `index` is already on disk holding exactly `sample_ids` (resume)."""
+    def is_complete(self, index: int, sample_ids: Iterable[int], rows: list[dict] | None = None) -> bool:
+        """True when chunk `index` is already on disk holding exactly `sample_ids` (resume) and,
+        given the chunk's `rows` ({"id", "input_ids", "loss_mask"}), made from those very samples
+        (rows_sha256 against the entry's content_sha256, when the shard records one)."""
         entry = self.known.get(index)
         if entry is None:
             return False
@@ -367,11 +381,18 @@ class ShardWriter:
                 f"{self.hidden_dir / entry['file']}: holds sample ids {on_disk[:8]}... but chunk {index} of this "
                 f"run's data is {sorted(sample_ids)[:8]}...; the data changed since extraction (use a new run directory)"
             )
+        if rows is not None and entry.get("content_sha256") not in (None, rows_sha256(rows)):
+            raise UserInputError(
+                f"{self.hidden_dir / entry['file']}: made from other samples than chunk {index} of this run's data "
+                f"(same sample ids, other tokens: content sha256 differs); the data changed since extraction "
+                f"(use a new run directory or delete {self.hidden_dir})"
+            )
         return True
 
     def write_shard(self, index: int, samples: list[dict[str, torch.Tensor]], sample_ids: list[int],
-                    skipped_ids: Iterable[int] = ()) -> dict:
-        """Pack `samples` (dicts of [n] / [n, D] tensors) into shard `index`; returns its entry."""
+                    skipped_ids: Iterable[int] = (), content_sha256: str | None = None) -> dict:
+        """Pack `samples` (dicts of [n] / [n, D] tensors) into shard `index`; returns its entry.
+        `content_sha256`: rows_sha256 of the chunk's rows (written and skipped), for resume."""
         if len(samples) != len(sample_ids):
             raise ValueError(f"shard {index}: {len(samples)} samples but {len(sample_ids)} sample ids")
         tensors = self._pack(samples)
@@ -386,6 +407,8 @@ class ShardWriter:
             "bytes": final.stat().st_size, "sha256": file_sha256(final),
             "sample_ids": [int(i) for i in sample_ids], "skipped_ids": [int(i) for i in skipped_ids],
         }
+        if content_sha256 is not None:
+            entry["content_sha256"] = content_sha256
         self.entries = [e for e in self.entries if e["index"] != index] + [entry]
         self.entries.sort(key=lambda e: e["index"])
         self.known[index] = entry
@@ -568,7 +591,41 @@ class ShardReader:
         except Exception as err:  # a slice past a damaged header's bounds, a wrong dtype
             raise UserInputError(f"{self.hidden_dir / self.shards[shard]['file']}: cannot read sample {j} "
                                  f"({type(err).__name__}: {str(err)[:200]})") from None
+        self._check_token_ids(sample, shard, j)
         return sample
+
+    def _check_token_ids(self, sample: dict[str, torch.Tensor], shard: int, j: int) -> None:
+        """Token ids in [0, V): an id out of range would index another token's row (negative
+        ids wrap around) and train on a wrong teacher. [n] int32 each: cheap next to the states."""
+        vocab_size = self.manifest.get("target", {}).get("vocab_size")
+        if not isinstance(vocab_size, int):
+            return
+        for key in ("input_ids", "target_argmax"):
+            ids = sample.get(key)
+            if ids is None or not ids.numel():
+                continue
+            low, high = (int(v) for v in ids.aminmax())
+            if low < 0 or high >= vocab_size:
+                bad = low if low < 0 else high
+                entry = self.shards[shard]
+                raise UserInputError(f"{self.hidden_dir / entry['file']}: sample {entry['sample_ids'][j]}: {key} holds "
+                                     f"{bad}, outside the target's vocabulary [0, {vocab_size})")
+
+    def nonfinite(self, i: int) -> str | None:
+        """Why global sample i is unusable, naming its shard, when its hidden states hold NaN/Inf
+        (the extractor leaves such samples out, so only damage puts one there); else None. A
+        full pass over the sample: the trainer calls it only for steps whose loss or gradient
+        was not finite, never per read."""
+        sample = self[i]
+        shard, j = self.locate(i)
+        for key in ("aux_hidden_states", "last_hidden_state"):
+            values = sample[key]
+            if values.is_floating_point() and not bool(torch.isfinite(values).all()):
+                entry = self.shards[shard]
+                row = int((~torch.isfinite(values)).any(-1).nonzero()[0, 0]) if values.dim() > 1 else 0
+                return (f"{self.hidden_dir / entry['file']}: sample {entry['sample_ids'][j]} holds NaN/Inf in {key} "
+                        f"(token {row})")
+        return None
 
     def sample_lengths(self) -> list[int]:
         lengths: list[int] = []

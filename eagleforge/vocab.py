@@ -174,18 +174,104 @@ def _identity(manifest_file: Path, cfg: Config) -> str:
 
 
 def _up_to_date(files: list[Path], identity: str) -> bool:
-    for file in files:
-        if not file.is_file():
-            return False
-        with safe_open(file, framework="pt") as f:
-            if (f.metadata() or {}).get("identity") != identity:
-                return False
-    return True
+    """Both files present, whole (readable, their tensors' sha256 and contents check out) and
+    made from these inputs. A damaged file is not up to date: the stage writes it again."""
+    if not all(file.is_file() for file in files):
+        return False
+    map_file, head_file = files
+    try:
+        vocab, map_meta = _read_checked(map_file, _NAMES[VOCAB_MAP])
+        head, head_meta = _read_checked(head_file, _NAMES[TARGET_HEAD])
+        check_vocab_map(vocab, map_file)
+        check_target_head(head, head_file)
+        check_vocab_files(vocab, head, map_file.parent)
+    except UserInputError as err:
+        log.warning("%s; building the vocabulary files again", err)
+        return False
+    return map_meta.get("identity") == identity and head_meta.get("identity") == identity
+
+
+def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over the tensors' names, dtypes, shapes and bytes (sorted by name): stored in the
+    file's metadata and checked on every read, so a flipped bit in the data is seen."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu").contiguous()
+        digest.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
+        if t.numel():
+            digest.update(t.reshape(-1).view(torch.uint8).numpy())  # the buffer itself, no copy
+    return digest.hexdigest()
 
 
 def _save_atomic(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
     with atomic_path(path) as tmp:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+        save_file(tensors, str(tmp), metadata={**metadata, "sha256": tensors_sha256(tensors)})
+
+
+# The tensors each vocabulary file holds.
+_NAMES = {VOCAB_MAP: ("d2t", "t2d", "counts"), TARGET_HEAD: ("lm_head", "embed_tokens")}
+
+
+def _read_checked(path: Path, names: tuple[str, ...]) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, metadata) of a vocabulary file, or a UserInputError naming it: not readable as
+    safetensors, a tensor missing, or its tensors' sha256 not the one recorded at writing."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+            missing = [n for n in names if n not in f.keys()]
+            if missing:
+                raise UserInputError(f"{path}: no tensor {', '.join(missing)} (damaged; rerun the vocab stage)")
+            tensors = {name: f.get_tensor(name) for name in names}
+    except UserInputError:
+        raise
+    except Exception as err:  # SafetensorError from a damaged header, an OSError
+        raise UserInputError(f"{path}: not a readable safetensors file ({str(err)[:200]}); rerun the vocab stage") from None
+    recorded = metadata.get("sha256")
+    if recorded is not None and recorded != tensors_sha256(tensors):
+        raise UserInputError(f"{path}: its tensors' sha256 does not match the one recorded when it was written "
+                             f"(damaged); rerun the vocab stage")
+    return tensors, metadata
+
+
+def check_vocab_map(vocab: dict[str, torch.Tensor], path: Path) -> None:
+    """d2t int64 [Vd], t2d bool [V], counts int64 [V] >= 0, and d2t's target ids (i + d2t[i])
+    strictly ascending in [0, V) and exactly the ids t2d marks."""
+    d2t, t2d, counts = vocab["d2t"], vocab["t2d"], vocab["counts"]
+    if d2t.dtype != torch.int64 or d2t.dim() != 1 or d2t.numel() < 1:
+        raise UserInputError(f"{path}: d2t must be int64 [Vd >= 1], got {d2t.dtype} {tuple(d2t.shape)}")
+    if t2d.dtype != torch.bool or t2d.dim() != 1 or counts.dtype != torch.int64 or tuple(counts.shape) != tuple(t2d.shape):
+        raise UserInputError(f"{path}: t2d must be bool [V] and counts int64 [V], got {t2d.dtype} {tuple(t2d.shape)} "
+                             f"and {counts.dtype} {tuple(counts.shape)}")
+    if counts.numel() and int(counts.min()) < 0:
+        raise UserInputError(f"{path}: counts holds a negative count {int(counts.min())}")
+    ids = draft_to_target_ids(d2t)
+    if int(ids.min()) < 0 or int(ids.max()) >= t2d.numel() or (ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all())):
+        raise UserInputError(f"{path}: d2t gives target ids outside [0, {t2d.numel()}) or not ascending")
+    if int(t2d.sum()) != d2t.numel() or not bool(t2d[ids].all()):
+        raise UserInputError(f"{path}: t2d marks {int(t2d.sum())} ids, not the {d2t.numel()} target ids of d2t")
+
+
+def check_target_head(head: dict[str, torch.Tensor], path: Path) -> None:
+    """lm_head [Vd, H] and embed_tokens [V, H], floating point and finite (a NaN in the teacher's
+    head makes every loss NaN)."""
+    lm_head, embed = head["lm_head"], head["embed_tokens"]
+    for name, t in (("lm_head", lm_head), ("embed_tokens", embed)):
+        if not t.is_floating_point() or t.dim() != 2 or t.numel() == 0:
+            raise UserInputError(f"{path}: {name} must be a non-empty 2-D float tensor, got {t.dtype} {tuple(t.shape)}")
+        if not bool(torch.isfinite(t).all()):
+            raise UserInputError(f"{path}: {name} holds NaN/Inf; rerun the vocab stage (or check the target's weights)")
+    if lm_head.shape[1] != embed.shape[1]:
+        raise UserInputError(f"{path}: lm_head {tuple(lm_head.shape)} and embed_tokens {tuple(embed.shape)} differ in width")
+
+
+def check_vocab_files(vocab: dict[str, torch.Tensor], head: dict[str, torch.Tensor], vocab_dir: Path) -> None:
+    """The two files agree: one head row per draft token, one embedding row per target token."""
+    if head["lm_head"].shape[0] != vocab["d2t"].shape[0] or head["embed_tokens"].shape[0] != vocab["t2d"].shape[0]:
+        raise UserInputError(
+            f"{vocab_dir / TARGET_HEAD}: lm_head {tuple(head['lm_head'].shape)} / embed_tokens "
+            f"{tuple(head['embed_tokens'].shape)} do not fit {vocab_dir / VOCAB_MAP} (Vd {vocab['d2t'].shape[0]}, "
+            f"V {vocab['t2d'].shape[0]}); rerun the vocab stage")
 
 
 def training_sample_count(num_samples: int, holdout_samples: int, source: str) -> int:
@@ -202,8 +288,9 @@ def load_vocab_map(run_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     path = Path(run_dir) / "vocab" / VOCAB_MAP
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: run `python -m eagleforge.vocab` first")
-    with safe_open(path, framework="pt") as f:
-        return {name: f.get_tensor(name) for name in ("d2t", "t2d", "counts")}
+    vocab, _ = _read_checked(path, _NAMES[VOCAB_MAP])
+    check_vocab_map(vocab, path)
+    return vocab
 
 
 def load_target_head(run_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -211,8 +298,9 @@ def load_target_head(run_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     path = Path(run_dir) / "vocab" / TARGET_HEAD
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: run `python -m eagleforge.vocab` first")
-    with safe_open(path, framework="pt") as f:
-        return {name: f.get_tensor(name) for name in ("lm_head", "embed_tokens")}
+    head, _ = _read_checked(path, _NAMES[TARGET_HEAD])
+    check_target_head(head, path)
+    return head
 
 
 def build_vocab(cfg: Config) -> dict:
@@ -224,6 +312,7 @@ def build_vocab(cfg: Config) -> dict:
     manifest_file = hidden_dir / "manifest.json"
     if not manifest_file.is_file():
         raise FileNotFoundError(f"{manifest_file} not found: run `python -m eagleforge.extract` first")
+    check_shards_match_samples(cfg.run)
     out_dir = cfg.run / "vocab"
     map_file, head_file = out_dir / VOCAB_MAP, out_dir / TARGET_HEAD
     identity = _identity(manifest_file, cfg)
@@ -253,6 +342,33 @@ def build_vocab(cfg: Config) -> dict:
         d2t.shape[0], vocab_size, seen, int(counts.sum()), n_train, cov, out_dir,
     )
     return {"draft_vocab_size": int(d2t.shape[0]), "coverage": cov, "reused": False}
+
+
+def check_shards_match_samples(run_dir: Path) -> None:
+    """The shards were made from the samples RUN/data/samples.jsonl holds now: each shard's
+    recorded content_sha256 (rows_sha256 of its chunk, cut to the manifest's max_length as the
+    extractor cuts them) against the same rows read from samples.jsonl. A changed data source
+    keeps the ids, so without this the vocabulary (and the training) would silently use the old
+    shards. Skipped when there is no samples.jsonl or the shards record no content hash."""
+    from eagleforge.data.stage import load_samples
+    from eagleforge.shards import load_manifest, rows_sha256
+
+    manifest = load_manifest(run_dir / "hidden")
+    entries = [e for e in manifest["shards"] if "content_sha256" in e]
+    samples_file = run_dir / "data" / "samples.jsonl"
+    if not entries or not samples_file.is_file():
+        return
+    by_id = {row["id"]: row for row in load_samples(run_dir)}
+    max_length = manifest.get("max_length")
+    for entry in entries:
+        ids = sorted(entry["sample_ids"] + entry.get("skipped_ids", []))
+        missing = [i for i in ids if i not in by_id]
+        rows = [{"id": i, "input_ids": by_id[i]["input_ids"][:max_length], "loss_mask": by_id[i]["loss_mask"][:max_length]}
+                for i in ids if i in by_id] if isinstance(max_length, int) else [by_id[i] for i in ids if i in by_id]
+        if missing or rows_sha256(rows) != entry["content_sha256"]:
+            what = f"sample ids {missing[:5]} are not in {samples_file}" if missing else f"its samples differ from {samples_file}'s"
+            raise UserInputError(f"{run_dir / 'hidden' / entry['file']}: {what} (the data changed since extraction); "
+                                 f"extract again into a new run directory")
 
 
 def _training_tokens(reader, n_train: int):

@@ -240,7 +240,8 @@ def _extract(cfg: Config, device: torch.device, rank: int, world: int, start_s: 
     chunks = [samples[i : i + size] for i in range(0, len(samples), size)]
     # Chunk c belongs to group c % world; resume skips chunks that some manifest already lists.
     mine = [(c, chunk) for c, chunk in enumerate(chunks) if c % world == rank]
-    todo = [(c, chunk) for c, chunk in mine if not shard_writer.is_complete(c, [row["id"] for row in chunk])]
+    # Keyed on content: a chunk whose samples' tokens changed under the same ids is refused.
+    todo = [(c, chunk) for c, chunk in mine if not shard_writer.is_complete(c, [row["id"] for row in chunk], chunk)]
     if rank == 0:
         log.info("%d samples in %d chunks; group %d/%d has %d chunks, %d already done; aux layers %s",
                  len(samples), len(chunks), rank, world, len(mine), len(mine) - len(todo), aux_layers)

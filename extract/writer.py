@@ -38,7 +38,7 @@ import torch
 from eagleforge.config import ConfigError, UserInputError
 
 # The fp8 format lives with the shard format (eagleforge/shards.py); re-exported here for writers.
-from eagleforge.shards import FP8_DTYPE, FP8_MAX, dequantize_fp8, quantize_fp8  # noqa: F401
+from eagleforge.shards import FP8_DTYPE, FP8_MAX, dequantize_fp8, quantize_fp8, rows_sha256  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -281,7 +281,7 @@ class ShardSink:
         if skipped:
             log.warning("chunk %d: skipped %d samples with NaN/Inf hidden states: %s", chunk, len(skipped), skipped)
         self.skipped += len(skipped)
-        entry = self.shard_writer.write_shard(chunk, written, ids, skipped)
+        entry = self.shard_writer.write_shard(chunk, written, ids, skipped, content_sha256=rows_sha256(rows))
         self.shards_written += 1
         return entry
 

@@ -444,3 +444,29 @@ def test_padding_id_falls_back_when_the_tokenizer_has_none():
     assert padding_id(SimpleNamespace(pad_token_id=None, eos_token_id=2)) == 2
     assert padding_id(SimpleNamespace(pad_token_id=None, eos_token_id=None)) == 0
     assert padding_id(SimpleNamespace()) == 0
+
+
+def test_changed_data_under_the_same_ids_is_refused_not_reused(tiny_run):
+    """A new data source keeps the sample ids 0..n-1 (or, here, the same sparse ids) with other
+    tokens. Regression: extract called every chunk done and the vocab stage its outputs up to
+    date, so training used shards of the old data. Now both key on the samples' content."""
+    import shutil
+
+    from eagleforge.config import UserInputError
+    from eagleforge.vocab import check_shards_match_samples
+
+    run_dir = tiny_run["root"] / "changed_data"
+    shutil.copytree(tiny_run["ref"], run_dir)
+    manifest = load_manifest(run_dir / "hidden")
+    assert all("content_sha256" in e for e in manifest["shards"])
+    check_shards_match_samples(run_dir)  # unchanged data: accepted
+    rows = [dict(r) for r in tiny_run["rows"]]
+    changed = sorted(rows, key=lambda r: r["id"])[5]  # one sample of the second chunk (4 per shard)
+    changed["input_ids"] = [3 + (t - 2) % 208 for t in changed["input_ids"]]  # same length, other tokens
+    (run_dir / "data" / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    second = manifest["shards"][1]["file"]
+    with pytest.raises(UserInputError, match=rf"{second}: made from other samples than chunk 1"):
+        _run_in_process(run_dir, tiny_run["overrides"])
+    with pytest.raises(UserInputError, match=rf"{second}: its samples differ from .*samples.jsonl"):
+        check_shards_match_samples(run_dir)
+    assert load_manifest(run_dir / "hidden") == manifest  # nothing rewritten

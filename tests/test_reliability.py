@@ -163,6 +163,64 @@ def test_activation_checkpoint_per_step_is_checked_against_ttt_steps():
             load_config(None, ["train.ttt_steps=7", f"train.activation_checkpoint={bad}"])
 
 
+def _numeric_fields() -> list[tuple[str, type]]:
+    """("section.key", int or float) of every numeric field of every config section."""
+    import dataclasses
+
+    out = []
+    for section in dataclasses.fields(Config):
+        sub = getattr(Config(), section.name)
+        if dataclasses.is_dataclass(sub):
+            out += [(f"{section.name}.{f.name}", {"int": int, "float": float}[f.type])
+                    for f in dataclasses.fields(sub) if f.type in ("int", "float")]
+    return out
+
+
+def test_every_numeric_key_has_its_range_checked():
+    """Every int/float key of every section: its default passes, a value just outside its range
+    (and NaN/inf for floats) is a one-line ConfigError naming the key and the value. Regression:
+    train.log_every=0, train.batch_tokens=0, train.lr=-1, vocab.draft_vocab_size=0,
+    data.max_new_tokens=0, data.gen_batch_size=0 crashed later with a traceback;
+    train.min_lr_ratio=5 (lr climbing to 5x its peak), train.warmup_ratio=-1, train.grad_accum=0
+    and extract.batch_tokens=-1 were accepted."""
+    from eagleforge.config import RANGES
+
+    numeric = _numeric_fields()
+    assert len(numeric) >= 35, numeric  # the walk really saw the sections
+    assert sorted(k for k, _ in numeric) == sorted(RANGES), "a numeric key without a range, or a range without a key"
+    defaults = load_config(None, [])
+    for key, typ in numeric:
+        section, leaf = key.split(".")
+        assert load_config(None, [f"{key}={getattr(getattr(defaults, section), leaf)}"]) is not None  # default in range
+        low, high = RANGES[key]
+        step = 1 if typ is int else 0.25
+        bad = [v for v in (None if low is None else low - step, None if high is None else high + step) if v is not None]
+        if typ is float:
+            bad += [float("nan"), float("inf")]
+        assert bad, key
+        for value in bad:
+            with pytest.raises(ConfigError) as err:
+                load_config(None, [f"{key}={value!r}" if typ is int else f"{key}={value}"])
+            message = str(err.value)
+            assert repr(key) in message and "\n" not in message, message
+            assert (str(value) if typ is int else ("nan" if value != value else "inf" if value == float("inf") else str(value))) in message
+        # the bounds themselves are in range
+        for value in (low, high):
+            if value is not None and not (key == "train.step_weight_decay" and value == 0):
+                assert load_config(None, [f"{key}={value}"]) is not None
+
+
+@pytest.mark.parametrize("override", [
+    "train.log_every=0", "train.batch_tokens=0", "train.lr=-1e-3", "vocab.draft_vocab_size=0", "data.max_new_tokens=0",
+    "data.gen_batch_size=0", "train.min_lr_ratio=5", "train.warmup_ratio=-0.1", "train.grad_accum=0",
+    "extract.batch_tokens=-1", "eval.ngram_min=4",
+])
+def test_reported_bad_values_are_config_errors(override):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, [override])
+
+
 @FUZZ
 @example(overrides=[("0\n0", "1", True)])  # found on the device run: the key was printed raw, newline and all
 @given(overrides=st.lists(st.tuples(st.one_of(st.sampled_from(_known_keys()), st.text(max_size=12)), _value_text,
@@ -701,3 +759,380 @@ z = AutoModel.from_pretrained(p, trust_remote_code=cfg.trust_remote_code)
 '''
     assert [line for line, _ in _unsafe_uses(ast.parse(bad))] == [2, 3, 5, 6, 7, 8, 9]
     assert _unsafe_uses(ast.parse(good)) == []
+
+
+# ----------------------------------------------------------------------------- (g) NaN/Inf anywhere
+
+
+def _poison_batches(trainer, steps: set[int]):
+    """Make the loss NaN in the optimizer steps `steps` (1-based), as a NaN input or a diverging
+    update would; records the trainable weights after every step."""
+    original, after = trainer.batch_loss, {}
+
+    def batch_loss(batch, training=False):
+        loss, stats = original(batch, training)
+        return (loss * float("nan") if training and trainer.step + 1 in steps else loss), stats
+
+    def train_step():
+        out = step_fn()
+        after[trainer.step] = [p.detach().clone() for p in trainer.params]
+        return out
+
+    step_fn, trainer.batch_loss, trainer.train_step = trainer.train_step, batch_loss, train_step
+    after[0] = [p.detach().clone() for p in trainer.params]
+    return after
+
+
+def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(vocab_run):
+    """A step with a NaN loss leaves weights and optimizer state as they were (skipped on the
+    device), is counted, and more than train.max_nonfinite_steps stop the run with one line; no
+    draft is exported then. Regression: a NaN anywhere trained a NaN draft, exported with exit 0."""
+    from eagleforge.train.loop import Trainer
+
+    cfg, _ = vocab_run
+    cfg.train.max_steps, cfg.train.log_every, cfg.train.max_nonfinite_steps, cfg.train.save_every = 4, 2, 1, 0
+    trainer = Trainer(cfg)
+    after = _poison_batches(trainer, {2})
+    summary = trainer.run()
+    assert summary["steps"] == 4 and trainer.nonfinite_steps() == 1
+    changed = [any(not torch.equal(a, b) for a, b in zip(after[s - 1], after[s])) for s in (1, 2, 3, 4)]
+    assert changed == [True, False, True, True]  # step 2 changed nothing, the others did
+    assert all(int(s["step"]) == 3 for s in trainer.optimizer.state.values())  # Adam's step count too
+    assert all(bool(torch.isfinite(p).all()) for p in trainer.params)
+    assert (cfg.run / "draft" / "model.safetensors").is_file()
+
+    import shutil
+
+    shutil.rmtree(cfg.run / "checkpoints")
+    shutil.rmtree(cfg.run / "draft")
+    trainer = Trainer(cfg)
+    _poison_batches(trainer, {2, 3})
+    with pytest.raises(UserInputError, match=r"2 steps had a NaN/Inf loss .*max_nonfinite_steps=1") as err:
+        trainer.run()
+    assert "\n" not in str(err.value)
+    assert not (cfg.run / "draft").exists()
+
+
+def _write_extra_shard(cfg, mutate) -> Path:
+    """Shard 1: a copy of shard 0's samples under new ids, `mutate(samples)` applied first."""
+    from eagleforge.shards import ShardReader, ShardWriter
+
+    hidden = cfg.run / "hidden"
+    reader = ShardReader(hidden)
+    writer = ShardWriter(hidden, {k: v for k, v in reader.manifest.items() if k != "shards"}, reader.manifest["storage_dtype"])
+    samples = [reader[i] for i in range(reader.shards[0]["samples"])]
+    mutate(samples)
+    writer.write_shard(1, samples, [100 + i for i in range(len(samples))])
+    return hidden / "shard-00001.safetensors"
+
+
+def test_a_nan_in_a_shard_stops_training_naming_the_shard(vocab_run):
+    """One NaN in one sample's states (written past the extractor, which drops such samples):
+    the step is skipped and the error names the shard, the sample id and the tensor."""
+    from eagleforge.train.loop import train
+
+    cfg, _ = vocab_run
+    cfg.train.holdout_samples, cfg.train.max_steps, cfg.train.log_every = 0, 3, 3
+
+    def nan_in_second(samples):
+        samples[1]["aux_hidden_states"][2, 5] = float("nan")
+
+    path = _write_extra_shard(cfg, nan_in_second)
+    with pytest.raises(UserInputError, match=rf"{path.name}: sample 101 holds NaN/Inf in aux_hidden_states \(token 2\)"):
+        train(cfg)
+    assert not (cfg.run / "draft").exists()
+
+
+def test_target_argmax_out_of_range_is_named(vocab_run):
+    """A shard whose target_argmax holds an id >= V (or < 0, which would wrap around and pick
+    another token's teacher) is an error naming the shard and sample, at its first read."""
+    from eagleforge.shards import ShardReader
+
+    cfg, llama = vocab_run
+    for bad in (llama.vocab_size, -3):
+        def mutate(samples, bad=bad):
+            samples[0]["target_argmax"][4] = bad
+
+        path = _write_extra_shard(cfg, mutate)
+        reader = ShardReader(cfg.run / "hidden")
+        with pytest.raises(UserInputError, match=rf"{path.name}: sample 100: target_argmax holds {bad}, outside"):
+            reader[reader.shards[0]["samples"]]
+        assert reader[0] is not None  # shard 0 reads as before
+
+
+def _resave(path: Path, change) -> None:
+    """Rewrite a safetensors file with `change(tensors)` applied, keeping its metadata (and so
+    its recorded sha256, which no longer matches)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    change(tensors)
+    save_file(tensors, str(path), metadata=meta)
+
+
+def test_a_nan_in_the_target_head_is_refused(vocab_run):
+    from eagleforge.train.loop import train
+
+    cfg, _ = vocab_run
+    head = cfg.run / "vocab" / "target_head.safetensors"
+
+    def nan(t):
+        t["lm_head"][3, 1] = float("nan")
+
+    _resave(head, nan)  # the recorded sha256 no longer matches
+    with pytest.raises(UserInputError, match=rf"{head}: its tensors' sha256 does not match"):
+        train(cfg)
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(head), framework="pt") as f:  # the same NaN with a matching (absent) sha256
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    save_file(tensors, str(head), metadata={"format": "pt"})
+    with pytest.raises(UserInputError, match=rf"{head}: lm_head holds NaN/Inf"):
+        train(cfg)
+
+
+def test_a_nan_checkpoint_is_refused_on_resume_and_never_exported(vocab_run, tmp_path):
+    from eagleforge.train.loop import Trainer, export_finite, train
+
+    cfg, _ = vocab_run
+    cfg.train.holdout_samples, cfg.train.max_steps = 0, 2
+    trainer = Trainer(cfg)
+    with torch.no_grad():
+        trainer.draft.fc.weight[0, 0] = float("inf")
+    ckpt = trainer.save()  # step 0: a checkpoint with an Inf weight
+    with pytest.raises(UserInputError, match=rf"{ckpt}: the checkpoint holds NaN/Inf"):
+        train(cfg)
+    with pytest.raises(UserInputError, match=rf"{ckpt}: NaN/Inf in the draft's fc.weight; not exported"):
+        export_finite(ckpt, tmp_path / "draft")
+    assert not (tmp_path / "draft").exists()
+
+
+def test_eval_refuses_a_nan_draft(vocab_run):
+    from transformers import AutoModelForCausalLM
+
+    from eagleforge.train.evaluate import load_eval_draft
+    from eagleforge.train.loop import train
+
+    cfg, _ = vocab_run
+    cfg.train.holdout_samples = 0
+    train(cfg)
+    weights = cfg.run / "draft" / "model.safetensors"
+    target = AutoModelForCausalLM.from_pretrained(cfg.target.path)
+    assert load_eval_draft(cfg.run / "draft", target) is not None
+
+    def nan(t):
+        t["norm.weight"][0] = float("nan")
+
+    _resave(weights, nan)
+    with pytest.raises(UserInputError, match=rf"{weights}: NaN/Inf in the draft's norm.weight"):
+        load_eval_draft(cfg.run / "draft", target)
+
+
+# ----------------------------------------------------------------------------- (h) resume with a changed config
+
+
+def test_resume_with_a_changed_config_is_refused_or_applied(vocab_run):
+    """Regression: resuming with another train.holdout_samples trained on held-out samples and a
+    new train.lr was silently replaced by the checkpoint's. Now every changed key outside the
+    allow-list is refused in one line with both values; allowed keys (max_steps...) apply."""
+    from eagleforge.train.loop import train
+
+    cfg, _ = vocab_run
+    cfg.train.holdout_samples, cfg.train.max_steps = 2, 1
+    assert train(cfg)["steps"] == 1
+    cfg.train.max_steps, cfg.train.lr, cfg.train.holdout_samples = 3, 2e-3, 1
+    with pytest.raises(UserInputError) as err:
+        train(cfg)
+    message = str(err.value)
+    assert "\n" not in message and "step-000001" in message
+    assert "train.holdout_samples: 2 in the checkpoint, 1 now" in message
+    assert "train.lr: 0.001 in the checkpoint, 0.002 now" in message
+    assert "train.max_steps" not in message.split("(a resume")[0]
+    cfg.train.lr, cfg.train.holdout_samples, cfg.train.log_every, cfg.train.keep_last = 1e-3, 2, 1, 1
+    assert train(cfg)["steps"] == 3  # max_steps, log_every and keep_last changed: resumed and applied
+    assert [p.name for p in (cfg.run / "checkpoints").iterdir() if p.name.startswith("step-")] == ["step-000003"]
+
+
+# ----------------------------------------------------------------------------- (i) damaged vocabulary files
+
+
+def _flip_bit(path: Path, position: int, bit: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[position % len(data)] ^= 1 << bit
+    path.write_bytes(bytes(data))
+
+
+def _tensors_and_metadata(path: Path):
+    """A safetensors file's metadata and tensors as comparable values (the header's key order
+    may differ between two writes of the same content)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return f.metadata(), {k: (str(t.dtype), t.shape, t.reshape(-1).view(torch.uint8).tolist())
+                              for k in sorted(f.keys()) for t in [f.get_tensor(k)]}
+
+
+def test_damaged_vocab_files_are_rebuilt_by_the_stage_and_refused_by_the_trainer(vocab_run, caplog):
+    """Regression: a truncated or bit-flipped vocabulary file was called up to date by the vocab
+    stage (it read only the metadata) and gave a traceback in the trainer."""
+    from eagleforge.train.loop import train
+    from eagleforge.vocab import main as vocab_main
+
+    cfg, _ = vocab_run
+    vocab = cfg.run / "vocab"
+    originals = {p.name: _tensors_and_metadata(p) for p in vocab.iterdir()}
+    cases = [("vocab_map.safetensors", lambda p: p.write_bytes(p.read_bytes()[:-9]), "not a readable safetensors file"),
+             ("target_head.safetensors", lambda p: _flip_bit(p, -5, 6), "sha256 does not match"),
+             ("vocab_map.safetensors", lambda p: _flip_bit(p, -3, 0), "sha256 does not match")]  # in the tensor data
+    for name, damage, reason in cases:
+        damage(vocab / name)
+        with pytest.raises(UserInputError, match=rf"{vocab / name}: .*{reason}"):
+            train(cfg)
+        with caplog.at_level("WARNING"):
+            vocab_main(cfg)  # not up to date: written again, equal to the original
+        assert f"{vocab / name}" in caplog.text and "building the vocabulary files again" in caplog.text
+        assert {p.name: _tensors_and_metadata(p) for p in vocab.iterdir()} == originals
+        caplog.clear()
+
+
+_VOCAB_MUTATIONS = st.sampled_from(["truncate", "flip", "insert", "nan", "inf", "negative_count", "d2t_out", "t2d_extra",
+                                    "dtype", "shape", "drop_tensor", "identity"])
+
+
+@settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(which=st.sampled_from(["vocab_map.safetensors", "target_head.safetensors"]), mutation=_VOCAB_MUTATIONS,
+       position=st.integers(0, 10**6), bit=st.integers(0, 7), keep_sha=st.booleans())
+def test_fuzzed_vocab_files_give_tensors_or_one_line_errors(tiny_vocab_files, which, mutation, position, bit, keep_sha):
+    """Byte-level damage (cut, flipped bit, inserted bytes) and content damage (NaN/Inf in the
+    head, negative counts, d2t ids outside V, t2d not matching d2t, wrong dtype or shape, a
+    missing tensor), saved with or without the recorded sha256: the readers give the original
+    tensors or a one-line UserInputError naming the file; the vocab stage's up-to-date check never
+    raises, and calls a changed file up to date only when its tensors are the original ones."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from eagleforge.vocab import _up_to_date, check_vocab_files, load_target_head, load_vocab_map
+
+    run, originals, identity = tiny_vocab_files
+    with tempfile.TemporaryDirectory() as tmp:
+        vocab = Path(tmp) / "vocab"
+        vocab.mkdir()
+        for name, data in originals.items():
+            (vocab / name).write_bytes(data)
+        path = vocab / which
+        data = bytearray(path.read_bytes())
+        if mutation == "truncate":
+            path.write_bytes(bytes(data[: position % len(data)]))
+        elif mutation == "flip":
+            _flip_bit(path, position, bit)
+        elif mutation == "insert":
+            i = position % len(data)
+            path.write_bytes(bytes(data[:i] + bytes([bit * 31 % 256]) + data[i:]))
+        else:
+            with safe_open(str(path), framework="pt") as f:
+                meta, tensors = dict(f.metadata()), {k: f.get_tensor(k) for k in f.keys()}
+            if not keep_sha:
+                meta.pop("sha256")
+            first = next(iter(sorted(tensors)))
+            if mutation in ("nan", "inf") and "lm_head" in tensors:
+                tensors["lm_head" if bit % 2 else "embed_tokens"].view(-1)[position % 50] = float(mutation)
+            elif mutation == "negative_count" and "counts" in tensors:
+                tensors["counts"][position % tensors["counts"].numel()] = -1 - bit
+            elif mutation == "d2t_out" and "d2t" in tensors:
+                tensors["d2t"][-1] += tensors["t2d"].numel()
+            elif mutation == "t2d_extra" and "t2d" in tensors:
+                tensors["t2d"] = torch.ones_like(tensors["t2d"])
+            elif mutation == "dtype":
+                tensors[first] = tensors[first].to(torch.int32 if tensors[first].is_floating_point() else torch.float32)
+            elif mutation == "shape":
+                tensors[first] = tensors[first][:-1]
+            elif mutation == "drop_tensor":
+                del tensors[first]
+            elif mutation == "identity":
+                meta["identity"] = "0" * 64
+            save_file(tensors, str(path), metadata=meta)
+        files = [vocab / "vocab_map.safetensors", vocab / "target_head.safetensors"]
+        try:  # what the trainer reads: each file checked, then the two against each other
+            got = {**load_vocab_map(Path(tmp)), **load_target_head(Path(tmp))}
+            check_vocab_files(got, got, vocab)
+        except UserInputError as err:
+            assert str(path) in str(err) and "\n" not in str(err), str(err)
+            assert not _up_to_date(files, identity)
+        else:
+            want = {**load_vocab_map(run), **load_target_head(run)}
+            assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), mutation
+            with safe_open(str(path), framework="pt") as f:
+                same_inputs = (f.metadata() or {}).get("identity") == identity
+            assert _up_to_date(files, identity) == same_inputs
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_files(tmp_path_factory):
+    """A vocab stage's two files from a tiny run: (run dir, {name: bytes}, identity)."""
+    from safetensors import safe_open
+    from test_vocab import build_tiny_run
+    from transformers import LlamaConfig
+
+    from eagleforge.vocab import main as vocab_main
+
+    llama = LlamaConfig(vocab_size=211, hidden_size=48, intermediate_size=80, num_hidden_layers=7, num_attention_heads=3,
+                        num_key_value_heads=1, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False)
+    cfg, _, _ = build_tiny_run(tmp_path_factory.mktemp("vocabfuzz"), llama, n_samples=4, samples_per_shard=4)
+    cfg.vocab.draft_vocab_size, cfg.train.holdout_samples = 40, 1
+    vocab_main(cfg)
+    files = {p.name: p.read_bytes() for p in (cfg.run / "vocab").iterdir()}
+    with safe_open(str(cfg.run / "vocab" / "vocab_map.safetensors"), framework="pt") as f:
+        identity = f.metadata()["identity"]
+    return cfg.run, files, identity
+
+
+_NUMERIC_KEYS = [k for k, _ in _numeric_fields()]
+
+
+@FUZZ
+@given(key=st.sampled_from(_NUMERIC_KEYS), value=st.one_of(
+    st.integers(-(2**40), 2**40), st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0, 1, -1, 0.5, 1.5])))
+def test_fuzzed_numeric_keys_are_range_checked(key, value):
+    """Any number for any numeric key: a valid Config holding exactly that value when it is in
+    the key's range (and finite), else a one-line ConfigError naming the key."""
+    from eagleforge.config import RANGES
+
+    typ = dict(_numeric_fields())[key]
+    low, high = RANGES[key]
+    text = repr(value) if not isinstance(value, float) or value == value and abs(value) != float("inf") else \
+        {True: ".nan"}.get(value != value, ".inf" if value > 0 else "-.inf")
+    if typ is int and isinstance(value, float):
+        with pytest.raises(ConfigError, match=rf"'{key}' expects int"):
+            load_config(None, [f"{key}={text}"])
+        return
+    fits = value == value and abs(value) != float("inf") and (low is None or value >= low) and (high is None or value <= high)
+    fits = fits and not (key == "train.step_weight_decay" and value == 0)
+    fits = fits and not (key == "eval.ngram_min" and value > Config().eval.ngram_max)
+    fits = fits and not (key == "eval.ngram_max" and value < Config().eval.ngram_min)
+    try:
+        cfg = load_config(None, [f"{key}={text}"])
+    except ConfigError as err:
+        assert not fits, f"{key}={text} refused: {err}"
+        assert key in str(err) and "\n" not in str(err)
+    else:
+        assert fits, f"{key}={text} accepted"
+        section, leaf = key.split(".")
+        assert getattr(getattr(cfg, section), leaf) == value
+
+
+def test_a_diverging_run_exits_2_with_one_line_and_exports_nothing(vocab_run, tmp_path):
+    """End to end through the CLI, no test hook: an lr of 1e30 blows the weights up after the
+    first update, so every later step's loss is NaN. Those steps are skipped and counted, the run
+    stops past train.max_nonfinite_steps with exit 2 and one line, and no draft is exported
+    (was: exit 0 with a NaN draft in RUN/draft)."""
+    cfg, _ = vocab_run
+    proc = _cli("eagleforge.train", f"run_dir={cfg.run}", f"target.path={cfg.target.path}", "target.device=cpu",
+                "train.device=cpu", "vocab.draft_vocab_size=40", "train.holdout_samples=1", "train.max_steps=8",
+                "train.log_every=4", "train.lr=1e30", "train.max_nonfinite_steps=2", cwd=tmp_path)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(lines) == 1 and "steps had a NaN/Inf loss" in lines[0] and "train.max_nonfinite_steps=2" in lines[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and not (cfg.run / "draft").exists()

@@ -43,7 +43,13 @@ from eagleforge.config import Config, UserInputError
 from eagleforge.kernels.soft_ce import teacher_logsumexp
 from eagleforge.target import target_path
 from eagleforge.train.batching import Batch, collate, make_batches, rank_micro_batches
-from eagleforge.train.checkpoint import checkpoint_dir, export_checkpoint, find_resume_checkpoint, load_checkpoint, save_checkpoint
+from eagleforge.train.checkpoint import (
+    checkpoint_dir,
+    find_resume_checkpoint,
+    load_checkpoint,
+    load_draft_from_checkpoint,
+    save_checkpoint,
+)
 from eagleforge.train.distributed import (
     DistEnv,
     DraftWithLoss,
@@ -58,7 +64,7 @@ from eagleforge.train.distributed import (
     shutdown,
 )
 from eagleforge.train.loss import get_loss_fn
-from eagleforge.vocab import coverage, load_target_head, load_vocab_map, read_target_head, training_sample_count
+from eagleforge.vocab import check_vocab_files, coverage, load_target_head, load_vocab_map, read_target_head, training_sample_count
 
 log = logging.getLogger(__name__)
 
@@ -410,8 +416,9 @@ class Trainer:
         torch.manual_seed(tc.seed)  # the same initial draft on every rank
         self.reader = open_reader(cfg)
         manifest = self.reader.manifest
-        self.vocab = load_vocab_map(cfg.run)
+        self.vocab = load_vocab_map(cfg.run)  # both checked: readable, sha256, shapes, finite head
         head = load_target_head(cfg.run)
+        check_vocab_files(self.vocab, head, cfg.run / "vocab")
         self.draft = build_draft(cfg, manifest, self.vocab, head).to(self.device)
         self.teacher_head = head["lm_head"].to(self.device, torch.float32)  # [Vd, Ht]
         self.full_head = None
@@ -430,10 +437,17 @@ class Trainer:
         self.parallel = resolve_parallel(tc.parallel, self.env)
         self.model = parallelize(DraftWithLoss(self.draft, loss), self.env, self.parallel, tc.bf16)
         self.params = [p for p in self.model.parameters() if p.requires_grad]  # sharded under FSDP
-        self.optimizer = torch.optim.AdamW(self.params, lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
+        # fused: its step reads `found_inf` (a device flag) and then leaves weights, moments and
+        # step counts as they were, so a step with a NaN/Inf loss or gradient is skipped on the
+        # device, without a host sync (train_step).
+        self.optimizer = torch.optim.AdamW(self.params, lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95), fused=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.total_steps, tc.warmup_ratio, tc.min_lr_ratio))
         self.step, self.epoch, self.batch_index = 0, 0, 0
         self.train_tokens = 0
+        # Skipped (non-finite) steps: counted before this process (state.json) and, per step of
+        # the current log window, device flags with the step's global batches (read at log time).
+        self.nonfinite_before = 0
+        self._window_flags: list[tuple[int, torch.Tensor, list[list[int]]]] = []
         self.train_seconds, self.session_tokens = 0.0, 0  # this process only (not restored on resume)
         if self.env.is_main:
             log.info(
@@ -499,17 +513,27 @@ class Trainer:
         step_batches = self._next_batches(self.batches_per_step)
         micro = rank_micro_batches(step_batches, self.env.rank, self.env.world_size)
         share = len(step_batches) / self.env.world_size
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         for i, ids in enumerate(micro):
             with gradient_sync(self.model, enabled=i == len(micro) - 1):
                 loss, batch_stats = self.batch_loss(self._load(ids if ids is not None else step_batches[0]), training=True)
                 (loss / share if ids is not None else loss * 0.0).backward()
             if ids is not None:
                 stats.merge(batch_stats)
+                loss_sum = loss_sum + loss.detach().float()
         # the step's tokens over all ranks, from the host's own lengths (every rank knows the global batches)
         global_tokens = sum(self.lengths[i] for ids in step_batches for i in ids)
         stats = reduce_stats(stats, self.env, global_tokens)
         grad_norm = clip_grad_norm(self.params, tc.grad_clip)
+        # A NaN/Inf loss or gradient norm (a poisoned input, or divergence): skip the update on
+        # the device. The norm is global; the loss is this rank's, so under torchrun the flag is
+        # summed over the ranks and every rank skips the same steps.
+        nonfinite = (~(torch.isfinite(loss_sum) & torch.isfinite(grad_norm.float()))).float()
+        if self.env.distributed:
+            nonfinite = (all_reduce_tensor(nonfinite.to(self.env.device), self.env) > 0).float()
+        self.optimizer.found_inf = nonfinite.to(self.params[0].device)
         self.optimizer.step()
+        self._window_flags.append((self.step + 1, nonfinite, step_batches))
         self.scheduler.step()
         self.step += 1
         self.train_tokens += stats.tokens
@@ -538,10 +562,48 @@ class Trainer:
                 stats.merge(batch_stats)
         return reduce_stats(stats, self.env)
 
+    # -- non-finite steps
+
+    def nonfinite_steps(self) -> int:
+        """Steps skipped for a NaN/Inf loss or gradient norm so far in the run (reads the
+        current window's device flags: call it where the host waits anyway)."""
+        return self.nonfinite_before + sum(1 for _, flag, _ in self._window_flags if float(flag) > 0)
+
+    def _check_nonfinite(self) -> None:
+        """At a log step: name the cause of the window's skipped steps and stop past
+        train.max_nonfinite_steps. A non-finite hidden state in the skipped steps' samples is a
+        damaged shard: an error naming it at once (the extractor never writes one)."""
+        flags, self._window_flags = self._window_flags, []
+        if not flags:
+            return
+        skipped = [(step, batches) for (step, _, batches), bad in
+                   zip(flags, torch.stack([f for _, f, _ in flags]).tolist()) if bad > 0]
+        if not skipped:
+            return
+        for step, batches in skipped:
+            for ids in batches:
+                for i in ids:
+                    problem = self.reader.nonfinite(i)
+                    if problem is not None:
+                        raise UserInputError(f"{problem} (step {step}); the extractor never writes one: re-extract it "
+                                             f"or set train.skip_corrupt_shards=true after deleting it from the manifest")
+        self.nonfinite_before += len(skipped)
+        limit = self.cfg.train.max_nonfinite_steps
+        steps = ", ".join(str(step) for step, _ in skipped)
+        if self.nonfinite_before > limit:
+            raise UserInputError(
+                f"training diverged: {self.nonfinite_before} steps had a NaN/Inf loss or gradient norm (skipped; the last: "
+                f"{steps}), more than train.max_nonfinite_steps={limit}; the inputs of those steps are finite: lower "
+                f"train.lr (now {self.cfg.train.lr}) or train.grad_clip")
+        if self.env.is_main:
+            log.warning("step(s) %s: NaN/Inf loss or gradient norm, update skipped (%d so far, train.max_nonfinite_steps=%d)",
+                        steps, self.nonfinite_before, limit)
+
     # -- state
 
     def data_state(self) -> dict:
-        return {"epoch": self.epoch, "batch_index": self.batch_index, "train_tokens": self.train_tokens}
+        return {"epoch": self.epoch, "batch_index": self.batch_index, "train_tokens": self.train_tokens,
+                "nonfinite_steps": self.nonfinite_steps()}
 
     def save(self) -> Path:
         return save_checkpoint(self.cfg, self.step, self.model, self.optimizer, self.scheduler, self.data_state(), self.env)
@@ -552,12 +614,30 @@ class Trainer:
         path = find_resume_checkpoint(self.cfg, self.env)
         if path is None:
             return
+        check_resume_config(self.cfg, path, self.env.world_size)
         state = load_checkpoint(path, self.model, self.optimizer, self.scheduler, self.env)
+        self._check_finite_state(path)
         self.step, self.epoch, self.batch_index = int(state["step"]), int(state["epoch"]), int(state["batch_index"])
         self.train_tokens = int(state.get("train_tokens", 0))
+        self.nonfinite_before = int(state.get("nonfinite_steps", 0))
         if self.env.is_main:
             log.info("resumed from %s: step %d, epoch %d, batch %d (written by %s rank(s))", path, self.step,
                      self.epoch, self.batch_index, state.get("world_size", 1))
+
+    def _check_finite_state(self, path: Path) -> None:
+        """A checkpoint whose weights or optimizer moments hold NaN/Inf would train (and export)
+        a NaN draft: refuse it. One reduction per tensor and one host read, at resume only."""
+        tensors = [p for p in self.params] + [v for state in self.optimizer.state.values() for v in state.values()
+                                              if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        bad = torch.zeros((), dtype=torch.float32, device=self.device)
+        for t in tensors:
+            local = t.to_local() if hasattr(t, "to_local") else t  # FSDP2: this rank's shard
+            bad = bad + (~torch.isfinite(local.detach())).any().float().to(self.device)
+        if self.env.distributed:
+            bad = all_reduce_tensor(bad, self.env)
+        if float(bad) > 0:
+            raise UserInputError(f"{path}: the checkpoint holds NaN/Inf weights or optimizer state; delete it to resume "
+                                 f"from an earlier one, or delete {path.parent} to start over")
 
     # -- the run
 
@@ -580,6 +660,7 @@ class Trainer:
             if self.step % tc.log_every == 0 or self.step == self.total_steps:
                 norm = float(grad_norm)  # waits for the GPU: the window's time below includes its work
                 window.ce_sum  # noqa: B018 - reads the window's device sums back (the same wait)
+                self._check_nonfinite()  # the window's skipped-step flags (the same wait)
                 elapsed = time.perf_counter() - window_start
                 self.train_seconds += elapsed
                 if logger is not None:
@@ -637,9 +718,21 @@ class Trainer:
             summary["simulated_acceptance_length"] = None
         if self.env.is_main:
             write_json_atomic(self.cfg.run / SUMMARY_NAME, summary, indent=1)
-            export_checkpoint(checkpoint_dir(self.cfg.run) / f"step-{self.step:06d}", self.cfg.run / "draft")
+            export_finite(checkpoint_dir(self.cfg.run) / f"step-{self.step:06d}", self.cfg.run / "draft")
         barrier(self.env)
         return summary
+
+
+def export_finite(checkpoint: Path, out_dir: Path) -> Path:
+    """RUN/draft from `checkpoint`, refused (nothing written) when a weight is NaN/Inf: such a
+    draft proposes garbage that eval would not flag by itself."""
+    from eagleforge.draft import save_draft
+
+    draft = load_draft_from_checkpoint(checkpoint)
+    bad = [name for name, t in draft.state_dict().items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise UserInputError(f"{checkpoint}: NaN/Inf in the draft's {', '.join(bad[:4])}; not exported to {out_dir}")
+    return save_draft(draft, out_dir)
 
 
 def reduce_stats(stats: TTTStats, env: DistEnv, global_tokens: int | None = None) -> TTTStats:
@@ -663,6 +756,67 @@ def reduce_stats(stats: TTTStats, env: DistEnv, global_tokens: int | None = None
     flat = all_reduce_sum(stats.ce_sum + stats.n_loss + stats.n_correct + stats.n_valid + [stats.tokens], env)
     whole = [round(x) for x in flat[k:]]
     return TTTStats(k, list(flat[:k]), whole[:k], whole[k : 2 * k], whole[2 * k : 3 * k], whole[3 * k])
+
+
+# Keys a resume may change (and that then apply): how long to train and how often to log and
+# save, where the run and the devices are, performance choices that compute the same loss, and
+# the other stages' keys that leave the shards and the training as they are. Any other
+# difference (lr, holdout, schedule, model, data, vocabulary, seed...) refuses the resume: the
+# checkpoint's state (param groups' lr, data position, held-out split) belongs to its config.
+# A changed train.max_steps / train.epochs recomputes the cosine schedule over the new length.
+RESUME_MAY_CHANGE = (
+    "run_dir", "train.max_steps", "train.epochs", "train.log_every", "train.save_every", "train.keep_last",
+    "train.resume", "train.device", "train.parallel", "train.verify_checksums", "train.max_nonfinite_steps",
+    "train.attention", "train.loss", "train.loss_chunk_tokens", "train.loss_packed", "train.activation_checkpoint",
+    "train.compile", "target.device", "target.tp", "target.gpu_memory_gib", "data.gen_batch_size",
+    "extract.batch_tokens", "extract.overlap_writes", "eval.",
+)
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def check_resume_config(cfg: Config, checkpoint: Path, world_size: int = 1) -> None:
+    """Refuse to resume from `checkpoint` when its config.yaml differs from `cfg` outside
+    RESUME_MAY_CHANGE: one line with every differing key and both values. train.grad_accum may
+    change with the number of ranks when world size x grad_accum (the batches of one optimizer
+    step) stays the same: the checkpoint reshards, the steps are the same."""
+    import yaml
+
+    from eagleforge.config import config_to_dict
+    from eagleforge.train.checkpoint import read_state
+
+    file = checkpoint / "config.yaml"
+    if not file.is_file():
+        log.warning("%s: missing; cannot check that the resumed run has the same config", file)
+        return
+    try:
+        saved = yaml.safe_load(file.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise UserInputError(f"{file}: not a readable config ({str(err).splitlines()[0][:200]}); delete {checkpoint} to start over") from None
+    if not isinstance(saved, dict):
+        raise UserInputError(f"{file}: not a config mapping; delete {checkpoint} to start over")
+    saved, now = _flat(saved), _flat(config_to_dict(cfg))
+    # A key only one side knows (written by another version) is not a difference.
+    changed = [k for k in sorted(saved.keys() & now.keys()) if saved[k] != now[k]
+               and not any(k == a or (a.endswith(".") and k.startswith(a)) for a in RESUME_MAY_CHANGE)]
+    if "train.grad_accum" in changed:
+        saved_world = read_state(checkpoint).get("world_size", 1)
+        if isinstance(saved_world, int) and isinstance(saved["train.grad_accum"], int) and \
+                saved_world * saved["train.grad_accum"] == world_size * now["train.grad_accum"]:
+            changed.remove("train.grad_accum")
+    if changed:
+        diff = "; ".join(f"{k}: {saved[k]!r} in the checkpoint, {now[k]!r} now" for k in changed)
+        raise UserInputError(f"{checkpoint}: cannot resume with a changed config ({diff}); set the checkpoint's values, "
+                             "or train.resume=false / a new run_dir to start over (a resume may change only the run's length, "
+                             "logging, saving, devices and performance keys: RESUME_MAY_CHANGE in eagleforge.train.loop)")
 
 
 class MetricLogger:
