@@ -305,6 +305,8 @@ UNBOUNDED = None
 RANGES: dict[str, tuple] = {
     "target.tp": (1, UNBOUNDED),
     "target.gpu_memory_gib": (0.0, UNBOUNDED),  # 0 = the device's real size
+    "target.split_rows_min_tokens": (1, UNBOUNDED),  # a huge value turns the split off
+    "target.overlap_min_rows": (2, UNBOUNDED),  # two row halves need two rows
     "data.num_prompts": (1, UNBOUNDED),
     "data.max_new_tokens": (1, UNBOUNDED),
     "data.gen_batch_size": (1, UNBOUNDED),

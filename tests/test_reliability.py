@@ -913,7 +913,7 @@ def test_a_nan_checkpoint_is_refused_on_resume_and_never_exported(vocab_run, tmp
 def test_eval_refuses_a_nan_draft(vocab_run):
     from transformers import AutoModelForCausalLM
 
-    from eagleforge.train.evaluate import load_eval_draft
+    from eagleforge.eval.evaluate import load_eval_draft
     from eagleforge.train.loop import train
 
     cfg, _ = vocab_run
