@@ -147,6 +147,10 @@ class TrainConfig:
     # Under torchrun: auto = FSDP2 when WORLD_SIZE > 1, else none | fsdp | ddp.
     parallel: str = "auto"
     device: str = "auto"
+    # Where the target's states come from: shards (RUN/hidden, written by extract) | online (the
+    # target runs inside the train stage on RUN/data/samples.jsonl; train/online.py).
+    source: str = "shards"
+    prefetch: int = 2  # online: target forwards queued ahead of the training thread (0 = in line)
 
 
 @dataclass

@@ -50,6 +50,7 @@ from .distributed import (
     resolve_parallel, shutdown,
 )
 from .loss import get_loss_fn, teacher_logsumexp
+from .online import check_source
 
 log = logging.getLogger(__name__)
 
@@ -399,7 +400,12 @@ class Trainer:
         self.env = env or init_distributed(tc.device)
         self.device = self.env.device
         torch.manual_seed(tc.seed)  # the same initial draft on every rank
-        self.reader = open_reader(cfg)
+        if check_source(cfg) == "online":  # the target runs here; its states stand in for the shards
+            from .online import OnlineSource
+
+            self.reader = OnlineSource(cfg, self.env)
+        else:
+            self.reader = open_reader(cfg)
         manifest = self.reader.manifest
         self.vocab = load_vocab_map(cfg.run)
         head = load_target_head(cfg.run)
@@ -459,6 +465,15 @@ class Trainer:
     def _load(self, ids: list[int]) -> Batch:
         return collate([self.reader[i] for i in ids], self.device)
 
+    def _rank_batches(self, step_batches: list[list[int]], training: bool = False):
+        """This rank's (ids or None, Batch) of the step's global batches, in slot order; None: past
+        the epoch's tail, the step's first batch stands in (weight 0). Online: train/online.py."""
+        if hasattr(self.reader, "rank_batches"):
+            yield from self.reader.rank_batches(self, step_batches, training)
+            return
+        for ids in rank_micro_batches(step_batches, self.env.rank, self.env.world_size):
+            yield ids, self._load(ids if ids is not None else step_batches[0])
+
     # -- one batch
 
     def batch_loss(self, batch: Batch, training: bool = False) -> tuple[torch.Tensor, TTTStats]:
@@ -490,9 +505,9 @@ class Trainer:
         step_batches = self._next_batches(self.batches_per_step)
         micro = rank_micro_batches(step_batches, self.env.rank, self.env.world_size)
         share = len(step_batches) / self.env.world_size
-        for i, ids in enumerate(micro):
+        for i, (ids, batch) in enumerate(self._rank_batches(step_batches, training=True)):
             with gradient_sync(self.model, enabled=i == len(micro) - 1):
-                loss, batch_stats = self.batch_loss(self._load(ids if ids is not None else step_batches[0]), training=True)
+                loss, batch_stats = self.batch_loss(batch, training=True)
                 (loss / share if ids is not None else loss * 0.0).backward()
             if ids is not None:
                 stats.merge(batch_stats)
@@ -523,8 +538,8 @@ class Trainer:
         self.model.eval()
         stats = TTTStats(self.cfg.train.ttt_steps)
         batches = make_batches(self.lengths, ids, self.cfg.train.batch_tokens, self.cfg.train.seed, 0)
-        for batch_ids in rank_micro_batches(batches, self.env.rank, self.env.world_size):
-            batch_stats = self.batch_loss(self._load(batch_ids if batch_ids is not None else batches[0]))[1]
+        for batch_ids, batch in self._rank_batches(batches):
+            batch_stats = self.batch_loss(batch)[1]
             if batch_ids is not None:
                 stats.merge(batch_stats)
         return reduce_stats(stats, self.env)
@@ -560,6 +575,7 @@ class Trainer:
         tc = self.cfg.train
         main = self.env.is_main
         self.maybe_resume()
+        self.last_step = min(self.total_steps, stop_after_step or self.total_steps)  # online prefetch stops there
         logger = MetricLogger(self.cfg.run, tc.ttt_steps, resumed_step=self.step) if main else None
         window = TTTStats(tc.ttt_steps)
         window_start, grad_norm = time.perf_counter(), 0.0
@@ -708,7 +724,11 @@ def train(cfg: Config, stop_after_step: int | None = None) -> dict | None:
     Under torchrun every rank calls it; the process group is created and ended here unless the
     caller made it."""
     env = init_distributed(cfg.train.device)
+    trainer = None
     try:
-        return Trainer(cfg, env).run(stop_after_step)
+        trainer = Trainer(cfg, env)
+        return trainer.run(stop_after_step)
     finally:
+        if trainer is not None and hasattr(trainer.reader, "close"):  # online: the producer thread
+            trainer.reader.close()
         shutdown(env)

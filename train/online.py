@@ -1,0 +1,421 @@
+"""Online training (`train.source=online`): the target runs inside the train stage and its captured
+hidden states train the draft in memory; nothing but checkpoints and logs is written.
+
+    python -m eagleforge.train run_dir=runs/x train.source=online          # hf backend, one process
+    torchrun --nproc-per-node 8 -m eagleforge.train --config configs/kimi_k25_pilot.yaml train.source=online
+
+What stays as offline training (train/loop.py): the samples (RUN/data/samples.jsonl, or the
+pre-tokenized data.source for the native backend, checked and cut to data.max_length as extract
+does), their order (sample index = position in id order, the last train.holdout_samples held
+out), the batches (batching.make_batches), the rank split (batching.rank_micro_batches), the
+loss, FSDP2/DDP, checkpoints and the held-out metrics. Only where a batch's states come from
+changes: `OnlineSource` stands where the ShardReader stood and runs the target on the batch's
+samples with extract's own forward and capture hooks (extract/hf.py `forward_batch`,
+extract/native/run.py `forward_batch`, extract/capture.py `HiddenStateCapture`), so an online
+run trains on the same numbers as extract -> vocab -> train on the same samples.
+
+Vocabulary: the token counts are taken from the samples' loss-masked input ids (the training
+samples only), which is exactly what the vocab stage counts from the shards; no first pass of the
+target is needed. RUN/vocab is written the same way (vocab_map + target head rows).
+
+Parallelism: the world is cut into groups of target.tp ranks (native backend; the hf backend is
+tp 1, every rank its own group). For micro-batch slot i of an optimizer step, rank r trains
+global batch i * world + r, as offline. A group runs ONE target forward (chunked by
+extract.batch_tokens) over the union of its ranks' batches; every rank of the group then holds
+the same states (after the tensor-parallel all-reduces) and keeps the rows of its own batch. A
+rank past the epoch's tail (no batch) takes the step's first batch with weight 0, as offline.
+
+Overlap (`train.prefetch` = N > 0): a producer thread runs the target forwards of the next N
+micro-batches ahead of the training thread (on CUDA on a side stream), through a bounded queue;
+0 runs them in line. The target's tensor-parallel collectives then run on the group's own
+process group from the producer thread while FSDP's run on the world group from the trainer's.
+
+Resume: the data position saved in a checkpoint is the number of global batches consumed by
+finished optimizer steps (as offline); the producer is restarted from it, so a killed run
+neither repeats nor skips a sample. Forwards the producer ran past the kill are simply redone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import queue
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from eagleforge.config import Config, UserInputError
+
+from .batching import Batch, make_batches, rank_micro_batches
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("shards", "online")
+
+
+def check_source(cfg: Config) -> str:
+    source = cfg.train.source
+    if source not in SOURCES:
+        raise UserInputError(f"config key 'train.source' must be one of {list(SOURCES)}, got {source!r}")
+    if cfg.train.prefetch < 0:
+        raise UserInputError(f"config key 'train.prefetch' must be >= 0, got {cfg.train.prefetch}")
+    return source
+
+
+# ----------------------------------------------------------------------------- targets
+
+
+class HFTarget:
+    """A transformers causal LM with the capture hooks attached for the source's lifetime."""
+
+    def __init__(self, cfg: Config, device: torch.device):
+        from eagleforge.extract.capture import HiddenStateCapture
+        from eagleforge.extract.hf import _aux_layers, _header, _load_samples, check_samples
+        from eagleforge.target import decoder_layers, final_norm, load_target, padding_id, text_config
+
+        self.cfg, self.device = cfg, device
+        self.model, tokenizer = load_target(cfg.target, device=device)
+        config = text_config(self.model.config)
+        self.aux_layers = _aux_layers(cfg, int(config.num_hidden_layers))
+        self.pad = padding_id(tokenizer) if tokenizer is not None else 0
+        self.header = _header(cfg, self.model, tokenizer, self.aux_layers)
+        self.header["has_target_argmax"] = True
+        self.header["target"]["config"] = self.model.config.to_dict()  # build_draft reads it (no second load)
+        self.samples = check_samples(_load_samples(cfg.run), cfg.run / "data" / "samples.jsonl", int(config.vocab_size),
+                                     cfg.data.max_length, cfg.data.overlong)
+        self.capture = HiddenStateCapture(decoder_layers(self.model), self.aux_layers, final_norm(self.model)).__enter__()
+
+    def forward(self, input_ids: list[list[int]]) -> dict[str, torch.Tensor]:
+        """Packed rows of the samples end to end (extract/hf.py forward_batch): aux [sum n, k*H],
+        last [sum n, H], target_argmax [sum n] int32, on the device."""
+        from eagleforge.extract.hf import forward_batch
+
+        return forward_batch(self.model, self.capture, input_ids, self.pad, self.device, write_target_argmax=True)
+
+    def close(self) -> None:
+        self.capture.__exit__(None, None, None)
+
+
+class NativeTarget:
+    """The native DeepSeek-V3 / Kimi-K2.5 backend, one tensor-parallel group of target.tp ranks."""
+
+    def __init__(self, cfg: Config, device: torch.device, tp):
+        from eagleforge.extract.capture import HiddenStateCapture
+        from eagleforge.extract.native.loader import build_model, load_weights, read_checkpoint_info
+        from eagleforge.extract.native.run import _aux_layers, _header, _samples_source, load_samples_native
+        from eagleforge.extract.hf import check_samples
+        from eagleforge.target import target_path, torch_dtype
+
+        self.cfg, self.device = cfg, device
+        info = read_checkpoint_info(target_path(cfg.target))
+        self.aux_layers = _aux_layers(cfg, info.args.num_hidden_layers)
+        self.header = _header(cfg, info, self.aux_layers)
+        self.header["has_target_argmax"] = True
+        # the raw config.json (text_config inside for Kimi): build_draft sizes the draft from it
+        self.header["target"]["config"] = json.loads((info.path / "config.json").read_text(encoding="utf-8"))
+        self.samples = check_samples(load_samples_native(cfg), _samples_source(cfg), info.args.vocab_size,
+                                     cfg.data.max_length, cfg.data.overlong)
+        if device.type == "cuda":  # refuse before loading: target + draft must fit (train/online_plan.py)
+            from .online_plan import check_online_fits
+
+            gpu_bytes = int(cfg.target.gpu_memory_gib * 2**30) or torch.cuda.get_device_properties(device).total_memory
+            world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+            plan = check_online_fits(cfg, gpu_bytes, world)
+            log.info("online memory plan: %.1f GiB of %.1f GiB per GPU", plan.total_bytes() / 2**30, gpu_bytes / 2**30)
+        self.model = build_model(info, tp, cfg.target.expert_layout, torch_dtype(cfg.target.dtype), device)
+        load_weights(self.model, info, show_progress=tp.rank == 0 and _is_main())
+        self.capture = HiddenStateCapture(self.model.model.layers, self.aux_layers, self.model.model.norm).__enter__()
+
+    def forward(self, input_ids: list[list[int]]) -> dict[str, torch.Tensor]:
+        """As HFTarget.forward; every rank of the group calls it with the same ids (collectives)."""
+        from eagleforge.extract.native.run import forward_batch
+
+        return forward_batch(self.model, self.capture, input_ids, self.device, write_target_argmax=True, keep=True)
+
+    def close(self) -> None:
+        self.capture.__exit__(None, None, None)
+
+
+def _is_main() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def target_group(cfg: Config, env) -> tuple[list[int], object]:
+    """(the world ranks of this rank's target group, the native TensorParallel view or None)."""
+    if cfg.target.backend != "native":
+        return [env.rank], None
+    from eagleforge.extract.native.parallel import TensorParallel, _state_from_world
+
+    tp = int(cfg.target.tp)
+    if tp < 1 or env.world_size % tp:
+        raise UserInputError(f"target.tp = {tp} does not divide the world size {env.world_size} (torchrun --nproc-per-node x --nnodes)")
+    if env.world_size == 1:
+        return [0], TensorParallel()
+    state = _state_from_world(tp, env.device, initialized_here=False)  # every rank creates every group
+    first = state.group_index * tp
+    return list(range(first, first + tp)), state.tp
+
+
+# ----------------------------------------------------------------------------- vocabulary
+
+
+def build_vocab_from_samples(cfg: Config, samples: list[dict], header: dict) -> None:
+    """RUN/vocab from the samples' loss-masked ids of the training samples (the vocab stage counts
+    the same tokens from the shards); reused when the samples, holdout, Vd and target are unchanged."""
+    from eagleforge.target import target_path
+    from eagleforge.vocab import (TARGET_HEAD, VOCAB_MAP, _save_atomic, _up_to_date, count_tokens, coverage,
+                                  draft_to_target_ids, read_target_head, select_draft_vocab, training_sample_count)
+
+    out = cfg.run / "vocab"
+    files = [out / VOCAB_MAP, out / TARGET_HEAD]
+    key = {"samples": hashlib.sha256(json.dumps([(s["id"], s["input_ids"], s["loss_mask"]) for s in samples]).encode()).hexdigest(),
+           "holdout_samples": cfg.train.holdout_samples, "draft_vocab_size": cfg.vocab.draft_vocab_size,
+           "target_path": cfg.target.path, "source": "online"}
+    identity = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    if _up_to_date(files, identity):
+        log.info("%s is up to date with the samples", out)
+        return
+    vocab_size = int(header["target"]["vocab_size"])
+    n_train = training_sample_count(len(samples), cfg.train.holdout_samples, str(cfg.run / "data" / "samples.jsonl"))
+    counts = count_tokens(((torch.tensor(s["input_ids"]), torch.tensor(s["loss_mask"])) for s in samples[:n_train]), vocab_size)
+    d2t, t2d = select_draft_vocab(counts, cfg.vocab.draft_vocab_size)
+    head, embed = read_target_head(target_path(cfg.target), cfg.target)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"identity": identity, "format": "pt"}
+    _save_atomic({"d2t": d2t, "t2d": t2d, "counts": counts}, files[0], meta)
+    _save_atomic({"lm_head": head[draft_to_target_ids(d2t)], "embed_tokens": embed[:vocab_size]}, files[1], meta)
+    log.info("draft vocabulary from the samples: Vd=%d of V=%d, coverage %.4f -> %s", d2t.shape[0], vocab_size,
+             coverage(counts, t2d), out)
+
+
+# ----------------------------------------------------------------------------- batches on the device
+
+
+def collate_rows(rows: list[dict], device: torch.device, dtype: torch.dtype = torch.float32) -> Batch:
+    """batching.collate for rows already on the device: padded on the device (no host round
+    trip). Each row: input_ids [n], loss_mask [n], aux_hidden_states [n, k*H],
+    last_hidden_state [n, H], target_argmax [n]."""
+    lengths = [int(r["input_ids"].shape[0]) for r in rows]
+    b, t = len(rows), max(lengths)
+
+    def padded(key: str, out_dtype: torch.dtype) -> torch.Tensor:
+        first = rows[0][key]
+        out = torch.zeros((b, t) + tuple(first.shape[1:]), dtype=out_dtype, device=device)
+        for i, (r, n) in enumerate(zip(rows, lengths)):
+            out[i, :n] = r[key]
+        return out
+
+    return Batch(padded("input_ids", torch.int64), padded("loss_mask", torch.bool), padded("aux_hidden_states", dtype),
+                 padded("last_hidden_state", dtype), padded("target_argmax", torch.int64),
+                 torch.tensor(lengths, dtype=torch.int64, device=device), host_tokens=sum(lengths))
+
+
+# ----------------------------------------------------------------------------- the source
+
+
+class OnlineSource:
+    """Stands where the trainer's ShardReader stood (`manifest`, `len`, `sample_lengths`,
+    `skipped_samples`) and gives each rank its micro-batches with the target's states
+    (`rank_batches`). Rank 0 writes RUN/vocab from the samples before the trainer reads it."""
+
+    def __init__(self, cfg: Config, env):
+        from .distributed import barrier
+
+        self.cfg, self.env = cfg, env
+        self.group, tp = target_group(cfg, env)
+        # Building the target draws from the global RNG (module inits before the weights load);
+        # the trainer seeded it for the draft's init, so the target is built on a forked RNG.
+        with torch.random.fork_rng(devices=[env.device] if env.device.type == "cuda" else []):
+            self.target = NativeTarget(cfg, env.device, tp) if cfg.target.backend == "native" else HFTarget(cfg, env.device)
+        self.samples = self.target.samples  # id order: sample index i = samples[i]
+        self.manifest = self.target.header
+        self.skipped_shards: list[str] = []
+        self.skipped_samples = 0
+        if env.is_main:
+            build_vocab_from_samples(cfg, self.samples, self.manifest)
+        barrier(env)
+        self._ids = [torch.tensor(s["input_ids"], dtype=torch.int64) for s in self.samples]
+        self._masks = [torch.tensor(s["loss_mask"], dtype=torch.bool) for s in self.samples]
+        self._producer: Prefetcher | None = None
+        self.target_seconds, self.target_tokens = 0.0, 0  # this process's target forwards (overlap report)
+        if env.is_main:
+            log.info("online: %d samples from %s, target group of %d rank(s), %s backend, prefetch %d", len(self.samples),
+                     cfg.run / "data" / "samples.jsonl", len(self.group), cfg.target.backend, cfg.train.prefetch)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def sample_lengths(self) -> list[int]:
+        return [len(s["input_ids"]) for s in self.samples]
+
+    # -- the forwards
+
+    def _group_slot(self, step_batches: list[list[int]], slot: int) -> tuple[list[int] | None, Batch]:
+        """This rank's (ids or None, Batch) of micro-batch `slot`: one target forward of the union
+        of the group's batches of that slot, this rank's rows kept."""
+        from eagleforge.extract.hf import batch_by_tokens
+
+        world = self.env.world_size
+        mine = None
+        union: list[int] = []
+        for r in self.group:
+            share = rank_micro_batches(step_batches, r, world)[slot]
+            if r == self.env.rank:
+                mine = share
+            union += [i for i in (share if share is not None else step_batches[0]) if i not in union]
+        start = time.perf_counter()
+        states: dict[int, dict] = {}
+        lengths = [len(self.samples[i]["input_ids"]) for i in union]
+        for positions in batch_by_tokens(lengths, self.cfg.extract.batch_tokens):
+            chunk = [union[p] for p in positions]
+            packed = self.target.forward([self.samples[i]["input_ids"] for i in chunk])
+            row = 0
+            for i in chunk:
+                n = len(self.samples[i]["input_ids"])
+                states[i] = {key: value[row : row + n] for key, value in packed.items()}
+                row += n
+        ids = mine if mine is not None else step_batches[0]
+        rows = [{"input_ids": self._ids[i].to(self.env.device), "loss_mask": self._masks[i].to(self.env.device), **states[i]}
+                for i in ids]
+        batch = collate_rows(rows, self.env.device)
+        self.target_seconds += time.perf_counter() - start
+        self.target_tokens += sum(lengths)
+        return mine, batch
+
+    def rank_batches(self, trainer, step_batches: list[list[int]], training: bool = False):
+        """Yield this rank's (ids or None, Batch) for the step's global batches, in slot order
+        (the trainer's `_rank_batches`). Training steps come from the producer when prefetching."""
+        slots = -(-len(step_batches) // self.env.world_size)
+        if not training or self.cfg.train.prefetch == 0:
+            for slot in range(slots):
+                yield self._group_slot(step_batches, slot)
+            return
+        if self._producer is None:  # from the trainer's position on, to the last step it will take
+            world = self.env.world_size
+            items = [(sb, slot) for sb in upcoming_steps(trainer, step_batches) for slot in range(-(-len(sb) // world))]
+            self._producer = Prefetcher(lambda item: self._group_slot(*item), items, self.cfg.train.prefetch, self.env.device)
+        for slot in range(slots):
+            expected = rank_micro_batches(step_batches, self.env.rank, self.env.world_size)[slot]
+            ids, batch = self._producer.get()
+            if ids != expected:  # the producer follows the trainer's schedule; a mismatch is a bug
+                raise RuntimeError(f"online prefetch out of order: got batch {ids}, the trainer expects {expected}")
+            yield ids, batch
+
+    def close(self) -> None:
+        if self._producer is not None:
+            self._producer.close()
+            self._producer = None
+        self.target.close()
+
+
+def upcoming_steps(trainer, first_step_batches: list[list[int]]):
+    """The step_batches of every optimizer step from the current one (whose batches the trainer
+    just took: `first_step_batches`) to trainer.last_step, as Trainer._next_batches gives them.
+    The epochs' batch lists are rebuilt here (make_batches is a pure function) so the producer
+    thread never shares the trainer's cache."""
+    tc = trainer.cfg.train
+    cache: dict[int, list[list[int]]] = {}
+
+    def batches(epoch: int) -> list[list[int]]:
+        if epoch not in cache:
+            cache.clear()
+            cache[epoch] = make_batches(trainer.lengths, trainer.train_ids, tc.batch_tokens, tc.seed, epoch)
+        return cache[epoch]
+
+    epoch, index = trainer.epoch, trainer.batch_index - len(first_step_batches)
+    step, last = trainer.step, getattr(trainer, "last_step", trainer.total_steps)
+    while step < last:
+        if index >= len(batches(epoch)):
+            epoch, index = epoch + 1, 0
+        step_batches = batches(epoch)[index : index + trainer.batches_per_step]
+        index += len(step_batches)
+        step += 1
+        yield step_batches
+
+
+class Prefetcher:
+    """A thread running `produce(item)` for each of `items` ahead of the consumer, through a
+    bounded queue of `depth` results (the target's forwards of the coming micro-batches, while
+    the training thread trains on the current one). On CUDA it works on its own stream; each
+    result carries an event the consumer's stream waits on before reading it, and its tensors
+    are recorded on that stream (their memory is not reused before the consumer is done)."""
+
+    _DONE = object()
+
+    def __init__(self, produce, items: list, depth: int, device: torch.device):
+        self.produce, self.items = produce, items
+        self.queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self.stop = threading.Event()
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.thread = threading.Thread(target=self._run, name="online-target", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            with torch.cuda.stream(self.stream) if self.stream is not None else _null():
+                for item in self.items:
+                    if self.stop.is_set():
+                        return
+                    ids, batch = self.produce(item)
+                    event = None
+                    if self.stream is not None:
+                        event = torch.cuda.Event()
+                        event.record(self.stream)
+                    self._put((ids, batch, event))
+        except BaseException as err:  # noqa: BLE001 - handed to the consumer, which raises it
+            self._put(err)
+        else:
+            self._put(self._DONE)
+
+    def _put(self, item) -> None:
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def get(self) -> tuple[list[int] | None, Batch]:
+        item = self.queue.get()
+        if isinstance(item, BaseException):
+            raise RuntimeError("the online target forward failed") from item
+        if item is self._DONE:
+            raise RuntimeError("online prefetch ran out of batches before the trainer did")
+        ids, batch, event = item
+        if event is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(event)
+            for t in (batch.input_ids, batch.loss_mask, batch.aux_hidden_states, batch.last_hidden_state,
+                      batch.target_argmax, batch.lengths):
+                t.record_stream(current)
+        return ids, batch
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=60)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def overlap_report(target_tokens: int, target_seconds: float, train_tokens: int, train_seconds: float,
+                   online_tokens: int, online_seconds: float) -> dict:
+    """Rates in tokens/s and the online rate over the serial ideal 1 / (1/extract + 1/train):
+    above 1 when the target's forwards overlap the draft's training."""
+    extract = target_tokens / target_seconds if target_seconds else float("nan")
+    train = train_tokens / train_seconds if train_seconds else float("nan")
+    online = online_tokens / online_seconds if online_seconds else float("nan")
+    serial = 1.0 / (1.0 / extract + 1.0 / train)
+    return {"extract_tokens_per_s": extract, "train_tokens_per_s": train, "online_tokens_per_s": online,
+            "serial_ideal_tokens_per_s": serial, "ratio_to_serial": online / serial}
