@@ -151,6 +151,7 @@ class TrainConfig:
     # target runs inside the train stage on RUN/data/samples.jsonl; train/online.py).
     source: str = "shards"
     prefetch: int = 2  # online: target forwards queued ahead of the training thread (0 = in line)
+    cache_gb: float = 0.0  # online: keep up to this many GB of the first epoch's states as shards in RUN/hidden
 
 
 @dataclass

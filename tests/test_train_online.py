@@ -175,13 +175,61 @@ def test_online_equals_offline_hf_one_process(hf):
 
 def test_online_two_ranks_data_parallel_equal_offline(hf):
     """hf backend, 2 gloo ranks (each its own target group, FSDP2 over both): the offline curve
-    of 1 process x grad_accum 2 (the same global batches), with and without prefetching."""
+    of 1 process x grad_accum 2 (the same global batches), with and without prefetching, and
+    with the cache (each rank writes its batches' shards; the second epoch reads them whichever
+    rank wrote them)."""
     runs = {p: _new_run(hf["root"], f"online_2r_p{p}", hf["rows"]) for p in (0, 2)}
-    _spawn(2, [_train_overrides(run, hf["target"], "train.source=online", f"train.prefetch={p}") for p, run in runs.items()])
+    cached = _new_run(hf["root"], "online_2r_cached", hf["rows"])
+    _spawn(2, [_train_overrides(run, hf["target"], "train.source=online", f"train.prefetch={p}") for p, run in runs.items()]
+           + [_train_overrides(cached, hf["target"], "train.source=online", "train.cache_gb=0.0002")])
     for run in runs.values():
         _assert_same_losses(run, hf["offline"])
         _assert_no_hidden(run)
         assert json.loads((run / "train_summary.json").read_text())["world_size"] == 2
+    # with the cache: each rank wrote its own batches (manifest parts), the other rank read them
+    _assert_same_losses(cached, hf["offline"])
+    _assert_cache(cached)
+    assert sorted(p.name for p in (cached / "hidden").glob("manifest-g*.json")) == ["manifest-g0.json", "manifest-g1.json"]
+
+
+def _assert_cache(run: Path) -> dict:
+    """The cache's shards: checksummed, in the existing format, each training sample at most
+    once, none held out; the summary says the later epochs read them back."""
+    from eagleforge.shards import ShardReader
+
+    reader = ShardReader(run / "hidden", verify_checksums=True)
+    ids = reader.sample_ids()
+    assert 0 < len(ids) == len(set(ids)) and max(ids) < 22 - 4, ids
+    summary = json.loads((run / "train_summary.json").read_text())
+    assert summary["source"] == "online" and summary["cache_read_tokens"] > 0
+    return {"ids": ids, "summary": summary, "reader": reader}
+
+
+def test_online_cache_keeps_part_of_the_first_epoch(hf):
+    """train.cache_gb holding about half of the first epoch: the same losses as offline, the
+    cached samples' states written once as checksummed shards equal to the offline shards, and
+    the second epoch forwards only the other samples."""
+    from eagleforge.shards import ShardReader
+    from eagleforge.train.loop import train
+
+    run = _new_run(hf["root"], "cached", hf["rows"])
+    # 768 bytes of fp32 states + 9 of ids, mask and argmax per token: ~0.2 MB is about half of epoch 0
+    train(load_config(None, _train_overrides(run, hf["target"], "train.grad_accum=2", "train.source=online",
+                                             "train.cache_gb=0.0002")))
+    _assert_same_losses(run, hf["offline"])
+    cache = _assert_cache(run)
+    offline = ShardReader(hf["offline"] / "hidden")
+    position = {sid: i for i, sid in enumerate(offline.sample_ids())}
+    for k, sample_id in enumerate(cache["ids"]):
+        got, want = cache["reader"][k], offline[position[sample_id]]
+        assert torch.equal(got["input_ids"], want["input_ids"]) and torch.equal(got["target_argmax"], want["target_argmax"])
+        torch.testing.assert_close(got["last_hidden_state"], want["last_hidden_state"], rtol=1e-5, atol=1e-5)
+    rows = {r["id"]: len(r["input_ids"]) for r in hf["rows"]}
+    train_tokens, cached_tokens = sum(rows[i] for i in range(18)), sum(rows[i] for i in cache["ids"])
+    assert 0 < cached_tokens < train_tokens
+    summary = cache["summary"]
+    assert summary["cache_read_tokens"] == cached_tokens  # epoch 2 read every cached sample once
+    assert summary["target_tokens"] == 2 * train_tokens - cached_tokens  # two epochs' forwards, less the cached
 
 
 def test_online_resumes_after_sigkill_at_the_same_data_position(hf):

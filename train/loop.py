@@ -621,6 +621,7 @@ class Trainer:
             "world_size": self.env.world_size, "parallel": self.parallel,
             "skipped_samples": self.reader.skipped_samples,
         }
+        summary.update(getattr(self.reader, "summary", dict)())  # online: the target's share
         k = min(self.cfg.eval.k, tc.ttt_steps)
         if self.heldout_ids:
             stats = self.evaluate(self.heldout_ids)

@@ -62,6 +62,9 @@ def check_source(cfg: Config) -> str:
         raise UserInputError(f"config key 'train.source' must be one of {list(SOURCES)}, got {source!r}")
     if cfg.train.prefetch < 0:
         raise UserInputError(f"config key 'train.prefetch' must be >= 0, got {cfg.train.prefetch}")
+    if cfg.train.cache_gb < 0 or (cfg.train.cache_gb > 0 and source != "online"):
+        raise UserInputError(f"config key 'train.cache_gb' = {cfg.train.cache_gb}: must be >= 0, and only "
+                             f"train.source=online has a cache (got train.source={source})")
     return source
 
 
@@ -215,6 +218,87 @@ def collate_rows(rows: list[dict], device: torch.device, dtype: torch.dtype = to
                  torch.tensor(lengths, dtype=torch.int64, device=device), host_tokens=sum(lengths))
 
 
+# ----------------------------------------------------------------------------- the bounded cache
+
+
+class StateCache:
+    """`train.cache_gb` = N > 0: the first epoch's states of up to N GB (1e9 bytes, in
+    extract.storage_dtype, counted as the shards store them) kept as checksummed shards in the
+    existing format (core/shards.py) under RUN/hidden; later epochs read those samples back and
+    run the target only for the rest.
+
+    Which samples are cached is a pure function of the schedule: the batches of epoch 0 in order,
+    while their running total of bytes stays within N GB. So every rank of a target group agrees
+    on which rows it must forward without talking, and a resumed run caches the same ones. Each
+    rank writes its own batches' rows (one shard per epoch-0 batch, index = its position in the
+    epoch, group = the rank under torchrun); a shard already complete on disk is not rewritten."""
+
+    def __init__(self, cfg: Config, env, header: dict, samples: list[dict], lengths: list[int], train_ids: list[int]):
+        from eagleforge.shards import STORAGE_DTYPES, ShardWriter
+
+        self.cfg, self.env, self.samples = cfg, env, samples
+        hidden = int(header["target"]["hidden_size"])
+        k = len(header["aux_layer_ids"])
+        storage = cfg.extract.storage_dtype
+        width = STORAGE_DTYPES[storage].itemsize
+        scales = 4 * (k + 1) if storage.startswith("float8") else 0
+        self.bytes_per_token = (k + 1) * hidden * width + scales + 4 + 1 + 4  # states, ids int32, mask uint8, argmax int32
+        budget = cfg.train.cache_gb * 1e9
+        self.batch_index: dict[tuple, int] = {}  # epoch-0 batch (its sample positions) -> shard index
+        self.cached: set[int] = set()  # sample positions whose states are cached
+        used = 0
+        for index, batch in enumerate(make_batches(lengths, train_ids, cfg.train.batch_tokens, cfg.train.seed, 0)):
+            size = sum(lengths[i] for i in batch) * self.bytes_per_token
+            if used + size > budget:
+                break
+            used += size
+            self.batch_index[tuple(batch)] = index
+            self.cached.update(batch)
+        self.planned_bytes = used
+        header = {key: value for key, value in header.items()}
+        header["target"] = {key: value for key, value in header["target"].items() if key != "config"}
+        self.writer = ShardWriter(cfg.run / "hidden", header, storage, group=env.rank if env.world_size > 1 else None)
+        self._reader, self._reader_index = None, {}
+        self.read_tokens = 0
+        log.info("train.cache_gb=%g: %d of %d training samples (%.3f GB) cached in %s during the first epoch",
+                 cfg.train.cache_gb, len(self.cached), len(train_ids), used / 1e9, cfg.run / "hidden")
+
+    def write(self, batch: list[int], rows: list[dict]) -> None:
+        """Write this rank's epoch-0 batch `batch` (sample positions) with its rows, if it is one
+        the cache keeps and not already on disk."""
+        index = self.batch_index.get(tuple(batch))
+        if index is None:
+            return
+        ids = [self.samples[i]["id"] for i in batch]
+        if self.writer.is_complete(index, ids):
+            return
+        host = [{"input_ids": r["input_ids"].to("cpu", torch.int32), "loss_mask": r["loss_mask"].to("cpu", torch.uint8),
+                 "aux_hidden_states": r["aux_hidden_states"].cpu(), "last_hidden_state": r["last_hidden_state"].cpu(),
+                 "target_argmax": r["target_argmax"].to("cpu", torch.int32)} for r in rows]
+        self.writer.write_shard(index, host, ids)
+
+    def read(self, position: int, device: torch.device, wait_s: float = 600.0) -> dict:
+        """The cached states of sample `position` (on `device`). Another rank may still be writing
+        the shard (the producer runs ahead): the manifests are read again until it is listed."""
+        from eagleforge.shards import ShardReader
+
+        sample_id = self.samples[position]["id"]
+        deadline = time.monotonic() + wait_s
+        while sample_id not in self._reader_index:
+            if (self.cfg.run / "hidden").is_dir() and any((self.cfg.run / "hidden").glob("manifest*.json")):
+                self._reader = ShardReader(self.cfg.run / "hidden", verify_checksums=self.cfg.train.verify_checksums)
+                self._reader_index = {sid: i for i, sid in enumerate(self._reader.sample_ids())}
+            if sample_id in self._reader_index:
+                break
+            if time.monotonic() > deadline:
+                raise UserInputError(f"{self.cfg.run / 'hidden'}: cached sample {sample_id} was never written "
+                                     f"(a rank of the first epoch failed?); rerun with train.cache_gb=0")
+            time.sleep(0.5)
+        row = self._reader[self._reader_index[sample_id]]
+        self.read_tokens += int(row["input_ids"].shape[0])
+        return {key: row[key].to(device) for key in ("aux_hidden_states", "last_hidden_state", "target_argmax")}
+
+
 # ----------------------------------------------------------------------------- the source
 
 
@@ -242,6 +326,12 @@ class OnlineSource:
         self._ids = [torch.tensor(s["input_ids"], dtype=torch.int64) for s in self.samples]
         self._masks = [torch.tensor(s["loss_mask"], dtype=torch.bool) for s in self.samples]
         self._producer: Prefetcher | None = None
+        self.cache = None
+        if cfg.train.cache_gb > 0:
+            from eagleforge.vocab import training_sample_count
+
+            n_train = training_sample_count(len(self.samples), cfg.train.holdout_samples, str(cfg.run / "data" / "samples.jsonl"))
+            self.cache = StateCache(cfg, env, self.manifest, self.samples, self.sample_lengths(), list(range(n_train)))
         self.target_seconds, self.target_tokens = 0.0, 0  # this process's target forwards (overlap report)
         if env.is_main:
             log.info("online: %d samples from %s, target group of %d rank(s), %s backend, prefetch %d", len(self.samples),
@@ -255,9 +345,11 @@ class OnlineSource:
 
     # -- the forwards
 
-    def _group_slot(self, step_batches: list[list[int]], slot: int) -> tuple[list[int] | None, Batch]:
+    def _group_slot(self, step_batches: list[list[int]], slot: int, epoch: int | None = None) -> tuple[list[int] | None, Batch]:
         """This rank's (ids or None, Batch) of micro-batch `slot`: one target forward of the union
-        of the group's batches of that slot, this rank's rows kept."""
+        of the group's batches of that slot, this rank's rows kept. `epoch` (training batches):
+        from the second epoch on, samples the cache holds are read instead of forwarded; in the
+        first, this rank's batch is written to the cache when it is one the cache keeps."""
         from eagleforge.extract.hf import batch_by_tokens
 
         world = self.env.world_size
@@ -270,6 +362,11 @@ class OnlineSource:
             union += [i for i in (share if share is not None else step_batches[0]) if i not in union]
         start = time.perf_counter()
         states: dict[int, dict] = {}
+        if self.cache is not None and epoch is not None and epoch > 0:
+            for i in union:  # the same decision on every rank of the group: a function of the schedule
+                if i in self.cache.cached:
+                    states[i] = self.cache.read(i, self.env.device)
+            union = [i for i in union if i not in states]
         lengths = [len(self.samples[i]["input_ids"]) for i in union]
         for positions in batch_by_tokens(lengths, self.cfg.extract.batch_tokens):
             chunk = [union[p] for p in positions]
@@ -282,9 +379,11 @@ class OnlineSource:
         ids = mine if mine is not None else step_batches[0]
         rows = [{"input_ids": self._ids[i].to(self.env.device), "loss_mask": self._masks[i].to(self.env.device), **states[i]}
                 for i in ids]
+        if self.cache is not None and epoch == 0 and mine is not None:
+            self.cache.write(mine, rows)
         batch = collate_rows(rows, self.env.device)
         self.target_seconds += time.perf_counter() - start
-        self.target_tokens += sum(lengths)
+        self.target_tokens += sum(lengths)  # forwarded by the target (cached rows not counted)
         return mine, batch
 
     def rank_batches(self, trainer, step_batches: list[list[int]], training: bool = False):
@@ -293,11 +392,12 @@ class OnlineSource:
         slots = -(-len(step_batches) // self.env.world_size)
         if not training or self.cfg.train.prefetch == 0:
             for slot in range(slots):
-                yield self._group_slot(step_batches, slot)
+                yield self._group_slot(step_batches, slot, trainer.epoch if training else None)
             return
         if self._producer is None:  # from the trainer's position on, to the last step it will take
             world = self.env.world_size
-            items = [(sb, slot) for sb in upcoming_steps(trainer, step_batches) for slot in range(-(-len(sb) // world))]
+            items = [(sb, slot, epoch) for epoch, sb in upcoming_steps(trainer, step_batches)
+                     for slot in range(-(-len(sb) // world))]
             self._producer = Prefetcher(lambda item: self._group_slot(*item), items, self.cfg.train.prefetch, self.env.device)
         for slot in range(slots):
             expected = rank_micro_batches(step_batches, self.env.rank, self.env.world_size)[slot]
@@ -305,6 +405,14 @@ class OnlineSource:
             if ids != expected:  # the producer follows the trainer's schedule; a mismatch is a bug
                 raise RuntimeError(f"online prefetch out of order: got batch {ids}, the trainer expects {expected}")
             yield ids, batch
+
+    def summary(self) -> dict:
+        """What train_summary.json records of the online source: this process's tokens forwarded
+        by the target and read from the cache during training (the held-out forwards follow)."""
+        out = {"source": "online", "target_tokens": self.target_tokens, "target_seconds": self.target_seconds}
+        if self.cache is not None:
+            out.update(cache_planned_bytes=self.cache.planned_bytes, cache_read_tokens=self.cache.read_tokens)
+        return out
 
     def close(self) -> None:
         if self._producer is not None:
@@ -314,7 +422,7 @@ class OnlineSource:
 
 
 def upcoming_steps(trainer, first_step_batches: list[list[int]]):
-    """The step_batches of every optimizer step from the current one (whose batches the trainer
+    """(epoch, step_batches) of every optimizer step from the current one (whose batches the trainer
     just took: `first_step_batches`) to trainer.last_step, as Trainer._next_batches gives them.
     The epochs' batch lists are rebuilt here (make_batches is a pure function) so the producer
     thread never shares the trainer's cache."""
@@ -335,7 +443,7 @@ def upcoming_steps(trainer, first_step_batches: list[list[int]]):
         step_batches = batches(epoch)[index : index + trainer.batches_per_step]
         index += len(step_batches)
         step += 1
-        yield step_batches
+        yield epoch, step_batches
 
 
 class Prefetcher:
