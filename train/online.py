@@ -30,6 +30,9 @@ micro-batches ahead of the training thread (on CUDA on a side stream), through a
 0 runs them in line. The target's tensor-parallel collectives then run on the group's own
 process group from the producer thread while FSDP's run on the world group from the trainer's.
 
+Cache (`train.cache_gb`, StateCache): part of the first epoch's states kept as shards in
+RUN/hidden, read back by later epochs instead of forwarded.
+
 Resume: the data position saved in a checkpoint is the number of global batches consumed by
 finished optimizer steps (as offline); the producer is restarted from it, so a killed run
 neither repeats nor skips a sample. Forwards the producer ran past the kill are simply redone.
@@ -37,13 +40,13 @@ neither repeats nor skips a sample. Forwards the producer ran past the kill are 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import queue
 import threading
 import time
-from pathlib import Path
 
 import torch
 
@@ -466,7 +469,7 @@ class Prefetcher:
 
     def _run(self) -> None:
         try:
-            with torch.cuda.stream(self.stream) if self.stream is not None else _null():
+            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
                 for item in self.items:
                     if self.stop.is_set():
                         return
@@ -507,14 +510,6 @@ class Prefetcher:
     def close(self) -> None:
         self.stop.set()
         self.thread.join(timeout=60)
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def overlap_report(target_tokens: int, target_seconds: float, train_tokens: int, train_seconds: float,
