@@ -44,3 +44,42 @@ def test_largest_batch_is_the_edge_of_the_refusal():
     check_online_fits(_cfg("kimi_k25_pilot", f"train.batch_tokens={best}"), int(141e9), 8)
     with pytest.raises(UserInputError, match=f"train.batch_tokens <= {best} fits"):
         check_online_fits(_cfg("kimi_k25_pilot", f"train.batch_tokens={best + 1024}"), int(141e9), 8)
+
+
+def test_prefetcher_keeps_order_and_hands_errors_to_the_consumer():
+    """The producer thread's results come in item order through the bounded queue, and an error
+    in a forward reaches the training thread as an exception (never a hang)."""
+    import torch
+
+    from eagleforge.train.online import Prefetcher
+
+    seen = []
+    prefetcher = Prefetcher(lambda i: (seen.append(i) or [i], i * 10), list(range(5)), 2, torch.device("cpu"))
+    assert [prefetcher.get() for _ in range(5)] == [([i], i * 10) for i in range(5)]
+    prefetcher.close()
+    assert seen == list(range(5))
+
+    def failing(i):
+        if i == 1:
+            raise ValueError("target forward broke")
+        return [i], i
+
+    prefetcher = Prefetcher(failing, [0, 1, 2], 1, torch.device("cpu"))
+    assert prefetcher.get() == ([0], 0)
+    with pytest.raises(RuntimeError, match="online target forward failed") as err:
+        prefetcher.get()
+    assert isinstance(err.value.__cause__, ValueError)
+    prefetcher.close()
+
+
+def test_bench_online_runs_on_tiny_shapes():
+    """benchmarks/bench_online.py --tiny (CPU) runs all three modes and reports the ratio and the plan."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_online.py"
+    spec = importlib.util.spec_from_file_location("bench_online", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.main(["--tiny", "--steps", "2", "--warmup", "1"])
+    assert result["online_tokens_per_s"] > 0 and result["ratio_to_serial"] > 0 and result["plan_gib"] > 0
