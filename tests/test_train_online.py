@@ -192,14 +192,14 @@ def test_online_two_ranks_data_parallel_equal_offline(hf):
     assert sorted(p.name for p in (cached / "hidden").glob("manifest-g*.json")) == ["manifest-g0.json", "manifest-g1.json"]
 
 
-def _assert_cache(run: Path) -> dict:
+def _assert_cache(run: Path, n_train: int = 18) -> dict:
     """The cache's shards: checksummed, in the existing format, each training sample at most
     once, none held out; the summary says the later epochs read them back."""
     from eagleforge.shards import ShardReader
 
     reader = ShardReader(run / "hidden", verify_checksums=True)
     ids = reader.sample_ids()
-    assert 0 < len(ids) == len(set(ids)) and max(ids) < 22 - 4, ids
+    assert 0 < len(ids) == len(set(ids)) and max(ids) < n_train, ids
     summary = json.loads((run / "train_summary.json").read_text())
     assert summary["source"] == "online" and summary["cache_read_tokens"] > 0
     return {"ids": ids, "summary": summary, "reader": reader}
@@ -303,8 +303,14 @@ def test_online_equals_offline_native_one_process(native):
 
 def test_online_equals_offline_native_tp2_group(native):
     """2 gloo ranks as ONE tensor-parallel group of 2 (experts split 5 + 4): each forward runs on
-    the union of both ranks' batches and each rank trains its own rows; FSDP2 over both."""
+    the union of both ranks' batches and each rank trains its own rows; FSDP2 over both. Again
+    with train.cache_gb holding part of the first epoch."""
     run = _new_run(native["root"], "online_tp2", native["rows"])
-    _spawn(2, [_native_overrides(run, native["ckpt"], "target.tp=2", "train.source=online")])
+    cached = _new_run(native["root"], "online_tp2_cached", native["rows"])
+    _spawn(2, [_native_overrides(run, native["ckpt"], "target.tp=2", "train.source=online"),
+               _native_overrides(cached, native["ckpt"], "target.tp=2", "train.source=online", "train.cache_gb=0.0001")])
     _assert_same_losses(run, native["offline"])
     _assert_no_hidden(run)
+    # with the cache both ranks of the group agree (from the schedule alone) on the rows to forward
+    _assert_same_losses(cached, native["offline"])
+    _assert_cache(cached, n_train=14)
