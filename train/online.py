@@ -363,13 +363,14 @@ class OnlineSource:
             if r == self.env.rank:
                 mine = share
             union += [i for i in (share if share is not None else step_batches[0]) if i not in union]
+        ids = mine if mine is not None else step_batches[0]
         start = time.perf_counter()
         states: dict[int, dict] = {}
         if self.cache is not None and epoch is not None and epoch > 0:
-            for i in union:  # the same decision on every rank of the group: a function of the schedule
-                if i in self.cache.cached:
-                    states[i] = self.cache.read(i, self.env.device)
-            union = [i for i in union if i not in states]
+            # Which samples skip the target is a function of the schedule, the same on every rank
+            # of the group (their collectives stay paired); each rank reads only its own rows.
+            states = {i: self.cache.read(i, self.env.device) for i in ids if i in self.cache.cached}
+            union = [i for i in union if i not in self.cache.cached]
         lengths = [len(self.samples[i]["input_ids"]) for i in union]
         for positions in batch_by_tokens(lengths, self.cfg.extract.batch_tokens):
             chunk = [union[p] for p in positions]
@@ -379,7 +380,6 @@ class OnlineSource:
                 n = len(self.samples[i]["input_ids"])
                 states[i] = {key: value[row : row + n] for key, value in packed.items()}
                 row += n
-        ids = mine if mine is not None else step_batches[0]
         rows = [{"input_ids": self._ids[i].to(self.env.device), "loss_mask": self._masks[i].to(self.env.device), **states[i]}
                 for i in ids]
         if self.cache is not None and epoch == 0 and mine is not None:
