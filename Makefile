@@ -6,6 +6,7 @@
 #   make bench-gpu                  every GPU benchmark on the GPUs present (BENCHMARKS.md)
 #   make extract train CONFIG=configs/kimi_k25_pilot.yaml RUN=runs/kimi
 #   make train OVERRIDES="train.lr=1e-4 train.epochs=2"
+#   make train-online               data, then training with the target in the loop (no shards on disk)
 #
 # Each target first installs what it needs into .venv (a stamp file makes the second call instant).
 
@@ -23,7 +24,7 @@ PY := $(VENV)/bin/python
 ARGS := $(if $(CONFIG),--config $(CONFIG)) run_dir=$(RUN) $(OVERRIDES)
 STAMP := $(VENV)/.installed
 
-.PHONY: install data extract vocab train eval plan test lint bench-extract-cpu bench-extract bench-moe bench-loss bench-train bench-prefill-attention bench-teacher-forced bench-gpu clean
+.PHONY: install data extract vocab train train-online eval plan test lint bench-extract-cpu bench-extract bench-moe bench-loss bench-train bench-prefill-attention bench-teacher-forced bench-online bench-gpu clean
 
 install: $(STAMP)
 
@@ -46,6 +47,11 @@ vocab: $(STAMP)
 
 train: vocab
 	$(PY) -m eagleforge.train $(ARGS)
+
+# Online: the target runs inside the train stage (train/online.py); RUN/vocab is counted from the
+# samples, nothing is written under RUN/hidden.
+train-online: data
+	$(PY) -m eagleforge.train $(ARGS) train.source=online
 
 eval: $(STAMP)
 	$(PY) -m eagleforge.eval $(ARGS)
@@ -73,6 +79,10 @@ bench-loss: $(STAMP)
 
 bench-train: $(STAMP)
 	$(PY) benchmarks/bench_train.py
+
+# The Kimi-shaped extraction model feeding the Kimi-shaped draft on one GPU (--tiny: CPU shapes).
+bench-online: $(STAMP)
+	$(PY) benchmarks/bench_online.py $(BENCH_ARGS)
 
 bench-prefill-attention: $(STAMP)
 	$(PY) benchmarks/bench_prefill_attention.py

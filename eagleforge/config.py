@@ -157,6 +157,11 @@ class TrainConfig:
     # Under torchrun: auto = FSDP2 when WORLD_SIZE > 1, else none | fsdp | ddp.
     parallel: str = "auto"
     device: str = "auto"
+    # Where the target's states come from: shards (RUN/hidden, written by extract) | online (the
+    # target runs inside the train stage on RUN/data/samples.jsonl; train/online.py).
+    source: str = "shards"
+    prefetch: int = 2  # online: target forwards queued ahead of the training thread (0 = in line)
+    cache_gb: float = 0.0  # online: keep up to this many GB of the first epoch's states as shards in RUN/hidden
 
 
 @dataclass
@@ -280,6 +285,7 @@ _CHOICES = {
     "train.loss": modes.LOSS_MODES,
     "train.parallel": modes.PARALLEL_MODES,
     "train.loss_positions": modes.LOSS_POSITIONS,
+    "train.source": modes.TRAIN_SOURCES,
 }
 
 
@@ -338,6 +344,8 @@ RANGES: dict[str, tuple] = {
     "train.save_every": (0, UNBOUNDED),  # 0 = only the final checkpoint
     "train.keep_last": (0, UNBOUNDED),  # 0 = keep every checkpoint
     "train.max_nonfinite_steps": (0, UNBOUNDED),
+    "train.prefetch": (0, UNBOUNDED),  # 0 = the target's forwards in line
+    "train.cache_gb": (0.0, UNBOUNDED),  # 0 = no cache
     "train.seed": (0, 2**32 - 1),
     "eval.n_prompts": (1, UNBOUNDED),
     "eval.max_new_tokens": (1, UNBOUNDED),

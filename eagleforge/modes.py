@@ -22,6 +22,7 @@ COMPILE_MODES = (False, True, "dynamic")  # train.compile: off, static shapes (a
 PARALLEL_MODES = ("auto", "none", "fsdp", "ddp")  # train.parallel (train/distributed.py)
 LOSS_MODES = ("auto", "reference", "fused")  # train.loss: plain torch or the fused Triton kernel
 LOSS_POSITIONS = ("assistant", "all")  # train.loss_positions
+TRAIN_SOURCES = ("shards", "online")  # train.source: RUN/hidden, or the target run inside the train stage
 TARGET_BACKENDS = ("hf", "native")  # target.backend
 EXPERT_LAYOUTS = ("ep", "tp")  # target.expert_layout: whole experts per rank, or each expert split
 PREFILL_ATTENTION_MODES = ("auto", "cudnn", "flash", "flash_attn")  # target.prefill_attention (native)

@@ -199,3 +199,14 @@ def use_cpu_attention(model) -> None:
     AttentionInterface.register(CPU_ATTENTION, gqa_attention)
     AttentionMaskInterface.register(CPU_ATTENTION, eager_mask)
     model.set_attn_implementation(CPU_ATTENTION)
+
+
+def resolve_aux_layers(aux_layers: list, num_layers: int) -> list[int]:
+    """extract.aux_layers, or the default of docs/aux-layers.md when it is empty: distinct,
+    ascending ids in [0, num_layers), else a UserInputError naming the key and the ids."""
+    aux = sorted(int(i) for i in aux_layers) if aux_layers else default_aux_layers(num_layers)
+    if len(set(aux)) != len(aux) or not all(0 <= i < num_layers for i in aux):
+        given = f"= {list(aux_layers)}" if aux_layers else f"is empty, and the default for {num_layers} layers is {aux}"
+        raise UserInputError(f"config key 'extract.aux_layers' {given}: ids must be distinct, in [0, {num_layers}); "
+                             "set extract.aux_layers explicitly")
+    return aux

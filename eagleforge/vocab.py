@@ -173,7 +173,7 @@ def _identity(manifest_file: Path, cfg: Config) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _up_to_date(files: list[Path], identity: str) -> bool:
+def vocab_up_to_date(files: list[Path], identity: str) -> bool:
     """Both files present, whole (readable, their tensors' sha256 and contents check out) and
     made from these inputs. A damaged file is not up to date: the stage writes it again."""
     if not all(file.is_file() for file in files):
@@ -203,7 +203,7 @@ def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def _save_atomic(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+def save_vocab_file(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata={**metadata, "sha256": tensors_sha256(tensors)})
@@ -316,7 +316,7 @@ def build_vocab(cfg: Config) -> dict:
     out_dir = cfg.run / "vocab"
     map_file, head_file = out_dir / VOCAB_MAP, out_dir / TARGET_HEAD
     identity = _identity(manifest_file, cfg)
-    if _up_to_date([map_file, head_file], identity):
+    if vocab_up_to_date([map_file, head_file], identity):
         vocab = load_vocab_map(cfg.run)
         cov = coverage(vocab["counts"], vocab["t2d"])
         log.info("%s is up to date with the shards (Vd=%d, coverage %.4f)", map_file, vocab["d2t"].shape[0], cov)
@@ -334,8 +334,8 @@ def build_vocab(cfg: Config) -> dict:
         raise UserInputError(f"target head {tuple(head.shape)} / embedding {tuple(embed.shape)} smaller than the manifest's vocab_size {vocab_size}")
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"identity": identity, "format": "pt"}
-    _save_atomic({"d2t": d2t, "t2d": t2d, "counts": counts}, map_file, meta)
-    _save_atomic({"lm_head": head[draft_to_target_ids(d2t)], "embed_tokens": embed[:vocab_size]}, head_file, meta)
+    save_vocab_file({"d2t": d2t, "t2d": t2d, "counts": counts}, map_file, meta)
+    save_vocab_file({"lm_head": head[draft_to_target_ids(d2t)], "embed_tokens": embed[:vocab_size]}, head_file, meta)
     seen = int((counts > 0).sum())
     log.info(
         "draft vocabulary: Vd=%d of V=%d (%d ids seen in %d loss-masked tokens of %d samples), coverage %.4f -> %s",

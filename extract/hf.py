@@ -29,7 +29,7 @@ from eagleforge.extract.capture import HiddenStateCapture
 from eagleforge.extract.writer import BatchRows, ShardSink, make_writer, writer_summary
 from eagleforge.process_group import join_process_group, world_size_from_env
 from eagleforge.shards import ShardWriter, load_manifest, merge_manifests
-from eagleforge.target import decoder_layers, default_aux_layers, final_norm, load_target, padding_id, resolve_device, target_path, text_config
+from eagleforge.target import decoder_layers, final_norm, load_target, padding_id, resolve_aux_layers, resolve_device, target_path, text_config
 
 log = logging.getLogger(__name__)
 
@@ -54,13 +54,6 @@ def _barrier() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-
-
-def _load_samples(run_dir: Path) -> list[dict]:
-    """RUN/data/samples.jsonl rows {"id", "input_ids", "loss_mask"} (checked by check_samples)."""
-    from eagleforge.data.stage import load_samples
-
-    return load_samples(run_dir)
 
 
 def check_samples(rows: list[dict], source: Path | str, vocab_size: int, max_length: int,
@@ -164,7 +157,7 @@ def _target_argmax(model, last_hidden: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts).to(torch.int32)
 
 
-def _header(cfg: Config, model, tokenizer, aux_layers: list[int]) -> dict:
+def manifest_header(cfg: Config, model, tokenizer, aux_layers: list[int]) -> dict:
     config = text_config(model.config)
     architectures = getattr(model.config, "architectures", None) or [type(model).__name__]
     return {
@@ -181,16 +174,6 @@ def _header(cfg: Config, model, tokenizer, aux_layers: list[int]) -> dict:
         "max_length": cfg.data.max_length,
         "has_target_argmax": bool(cfg.extract.write_target_argmax),
     }
-
-
-def _aux_layers(cfg: Config, num_layers: int) -> list[int]:
-    aux = [int(i) for i in cfg.extract.aux_layers] or default_aux_layers(num_layers)
-    bad = [i for i in aux if not 0 <= i < num_layers]
-    if bad or len(set(aux)) != len(aux):
-        raise UserInputError(
-            f"config key 'extract.aux_layers' = {cfg.extract.aux_layers}: ids must be distinct, in [0, {num_layers})"
-        )
-    return sorted(aux)
 
 
 def extract_chunk(model, capture, index: int, chunk: list[dict], cfg: Config, pad_id: int, device: torch.device,
@@ -227,14 +210,16 @@ def _extract(cfg: Config, device: torch.device, rank: int, world: int, start_s: 
     run_dir, hidden_dir = cfg.run, cfg.run / "hidden"
     if rank == 0:
         save_config(cfg, run_dir / "config.yaml")
-    samples = _load_samples(run_dir)
+    from eagleforge.data.stage import load_samples
+
+    samples = load_samples(run_dir)
     model, tokenizer = load_target(cfg.target, device=device)
     samples = check_samples(samples, run_dir / "data" / "samples.jsonl", int(text_config(model.config).vocab_size),
                             cfg.data.max_length, cfg.data.overlong)
     num_layers = int(text_config(model.config).num_hidden_layers)
-    aux_layers = _aux_layers(cfg, num_layers)
+    aux_layers = resolve_aux_layers(cfg.extract.aux_layers, num_layers)
     pad = padding_id(tokenizer) if tokenizer is not None else 0
-    shard_writer = ShardWriter(hidden_dir, _header(cfg, model, tokenizer, aux_layers), cfg.extract.storage_dtype,
+    shard_writer = ShardWriter(hidden_dir, manifest_header(cfg, model, tokenizer, aux_layers), cfg.extract.storage_dtype,
                          group=rank if world > 1 else None)
     size = cfg.extract.samples_per_shard
     chunks = [samples[i : i + size] for i in range(0, len(samples), size)]

@@ -1014,7 +1014,7 @@ def test_fuzzed_vocab_files_give_tensors_or_one_line_errors(tiny_vocab_files, wh
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from eagleforge.vocab import _up_to_date, check_vocab_files, load_target_head, load_vocab_map
+    from eagleforge.vocab import check_vocab_files, load_target_head, load_vocab_map, vocab_up_to_date
 
     run, originals, identity = tiny_vocab_files
     with tempfile.TemporaryDirectory() as tmp:
@@ -1060,13 +1060,13 @@ def test_fuzzed_vocab_files_give_tensors_or_one_line_errors(tiny_vocab_files, wh
             check_vocab_files(got, got, vocab)
         except UserInputError as err:
             assert str(path) in str(err) and "\n" not in str(err), str(err)
-            assert not _up_to_date(files, identity)
+            assert not vocab_up_to_date(files, identity)
         else:
             want = {**load_vocab_map(run), **load_target_head(run)}
             assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), mutation
             with safe_open(str(path), framework="pt") as f:
                 same_inputs = (f.metadata() or {}).get("identity") == identity
-            assert _up_to_date(files, identity) == same_inputs
+            assert vocab_up_to_date(files, identity) == same_inputs
 
 
 @pytest.fixture(scope="module")

@@ -64,6 +64,7 @@ from eagleforge.train.distributed import (
     shutdown,
 )
 from eagleforge.train.loss import get_loss_fn
+from eagleforge.train.online import check_source
 from eagleforge.vocab import check_vocab_files, coverage, load_target_head, load_vocab_map, read_target_head, training_sample_count
 
 log = logging.getLogger(__name__)
@@ -414,7 +415,12 @@ class Trainer:
         self.env = env or init_distributed(tc.device)
         self.device = self.env.device
         torch.manual_seed(tc.seed)  # the same initial draft on every rank
-        self.reader = open_reader(cfg)
+        if check_source(cfg) == "online":  # the target runs here; its states stand in for the shards
+            from eagleforge.train.online import OnlineSource
+
+            self.reader = OnlineSource(cfg, self.env)
+        else:
+            self.reader = open_reader(cfg)
         manifest = self.reader.manifest
         self.vocab = load_vocab_map(cfg.run)  # both checked: readable, sha256, shapes, finite head
         head = load_target_head(cfg.run)
@@ -482,6 +488,15 @@ class Trainer:
     def _load(self, ids: list[int]) -> Batch:
         return collate([self.reader[i] for i in ids], self.device)
 
+    def _rank_batches(self, step_batches: list[list[int]], training: bool = False):
+        """This rank's (ids or None, Batch) of the step's global batches, in slot order; None: past
+        the epoch's tail, the step's first batch stands in (weight 0). Online: train/online.py."""
+        if hasattr(self.reader, "rank_batches"):
+            yield from self.reader.rank_batches(self, step_batches, training)
+            return
+        for ids in rank_micro_batches(step_batches, self.env.rank, self.env.world_size):
+            yield ids, self._load(ids if ids is not None else step_batches[0])
+
     # -- one batch
 
     def batch_loss(self, batch: Batch, training: bool = False) -> tuple[torch.Tensor, TTTStats]:
@@ -514,9 +529,9 @@ class Trainer:
         micro = rank_micro_batches(step_batches, self.env.rank, self.env.world_size)
         share = len(step_batches) / self.env.world_size
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        for i, ids in enumerate(micro):
+        for i, (ids, batch) in enumerate(self._rank_batches(step_batches, training=True)):
             with gradient_sync(self.model, enabled=i == len(micro) - 1):
-                loss, batch_stats = self.batch_loss(self._load(ids if ids is not None else step_batches[0]), training=True)
+                loss, batch_stats = self.batch_loss(batch, training=True)
                 (loss / share if ids is not None else loss * 0.0).backward()
             if ids is not None:
                 stats.merge(batch_stats)
@@ -556,8 +571,8 @@ class Trainer:
         self.model.eval()
         stats = TTTStats(self.cfg.train.ttt_steps)
         batches = make_batches(self.lengths, ids, self.cfg.train.batch_tokens, self.cfg.train.seed, 0)
-        for batch_ids in rank_micro_batches(batches, self.env.rank, self.env.world_size):
-            batch_stats = self.batch_loss(self._load(batch_ids if batch_ids is not None else batches[0]))[1]
+        for batch_ids, batch in self._rank_batches(batches):
+            batch_stats = self.batch_loss(batch)[1]
             if batch_ids is not None:
                 stats.merge(batch_stats)
         return reduce_stats(stats, self.env)
@@ -649,6 +664,7 @@ class Trainer:
         tc = self.cfg.train
         main = self.env.is_main
         self.maybe_resume()
+        self.last_step = min(self.total_steps, stop_after_step or self.total_steps)  # online prefetch stops there
         logger = MetricLogger(self.cfg.run, tc.ttt_steps, resumed_step=self.step) if main else None
         window = TTTStats(tc.ttt_steps)
         window_start, grad_norm = time.perf_counter(), 0.0
@@ -695,6 +711,7 @@ class Trainer:
             "world_size": self.env.world_size, "parallel": self.parallel,
             "skipped_samples": self.reader.skipped_samples,
         }
+        summary.update(getattr(self.reader, "summary", dict)())  # online: the target's share
         k = min(self.cfg.eval.k, tc.ttt_steps)
         if self.heldout_ids:
             stats = self.evaluate(self.heldout_ids)
@@ -769,7 +786,8 @@ RESUME_MAY_CHANGE = (
     "train.resume", "train.device", "train.parallel", "train.verify_checksums", "train.max_nonfinite_steps",
     "train.attention", "train.loss", "train.loss_chunk_tokens", "train.loss_packed", "train.activation_checkpoint",
     "train.compile", "target.device", "target.tp", "target.gpu_memory_gib", "data.gen_batch_size",
-    "extract.batch_tokens", "extract.overlap_writes", "eval.",
+    "extract.batch_tokens", "extract.overlap_writes", "train.prefetch", "target.prefill_attention",
+    "target.moe_backend", "target.split_rows_min_tokens", "target.overlap_min_rows", "eval.",
 )
 
 
@@ -871,7 +889,11 @@ def train(cfg: Config, stop_after_step: int | None = None) -> dict | None:
     Under torchrun every rank calls it; the process group is created and ended here unless the
     caller made it."""
     env = init_distributed(cfg.train.device)
+    trainer = None
     try:
-        return Trainer(cfg, env).run(stop_after_step)
+        trainer = Trainer(cfg, env)
+        return trainer.run(stop_after_step)
     finally:
+        if trainer is not None and hasattr(trainer.reader, "close"):  # online: the producer thread
+            trainer.reader.close()
         shutdown(env)

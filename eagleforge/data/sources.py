@@ -295,7 +295,7 @@ def load_records(cfg: Config, data_dir: Path, vocab_size: int | None, stats: Sta
     return records
 
 
-def _with_system_prompt(messages: list[dict], system_prompt: str) -> list[dict]:
+def with_system_prompt(messages: list[dict], system_prompt: str) -> list[dict]:
     """Prepend data.system_prompt unless the conversation brings its own system message."""
     if not system_prompt or (messages and messages[0]["role"] == "system"):
         return messages

@@ -43,7 +43,7 @@ from eagleforge.atomic import write_json_atomic, write_jsonl_atomic
 from eagleforge.config import Config, UserInputError, save_config
 from eagleforge.data.chat import TemplateMismatch, fit_length, tokenize_messages
 from eagleforge.data.regenerate import regenerate
-from eagleforge.data.sources import Record, Stats, _with_system_prompt, load_records
+from eagleforge.data.sources import Record, Stats, load_records, with_system_prompt
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def main(cfg: Config) -> None:
     stats.prompts = len(records)
     for record in records:
         if record.messages is not None:
-            record.messages = _with_system_prompt(record.messages, cfg.data.system_prompt)
+            record.messages = with_system_prompt(record.messages, cfg.data.system_prompt)
     answered = None
     if cfg.data.regenerate:
         if any(r.input_ids is not None for r in records):

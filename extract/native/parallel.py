@@ -306,12 +306,12 @@ def init_parallel(tp_size: int, device: str = "auto", split_rows_min_tokens: int
         dev = torch.device("cpu")
     if world_size == 1:
         return ParallelState(device=dev)
-    state = _state_from_world(tp_size, dev, join_process_group(dev))
+    state = state_from_world(tp_size, dev, join_process_group(dev))
     state.tp.split_rows_min_tokens, state.tp.overlap_min_rows = split_rows_min_tokens, overlap_min_rows
     return state
 
 
-def _state_from_world(tp_size: int, device: torch.device, initialized_here: bool) -> ParallelState:
+def state_from_world(tp_size: int, device: torch.device, initialized_here: bool) -> ParallelState:
     world_size, rank = dist.get_world_size(), dist.get_rank()
     num_groups = world_size // tp_size
     my_group = None

@@ -277,6 +277,10 @@ def main(cfg: Config) -> None:
     print(format_plan(plan, gpu_bytes))
     print("\nall layouts (total incl. activations and reserve; +spare / -short in GiB):")
     print(format_grid(a, quantized, _dtype_bytes(cfg), cfg.extract.batch_tokens, cfg.data.max_length, _aux_ids(cfg, a)))
+    if cfg.train.source == "online":  # the draft trains beside the resident target: its memory too
+        from eagleforge.train.online_plan import print_online_plan
+
+        print_online_plan(cfg, gpu_bytes)
 
 
 if __name__ == "__main__":

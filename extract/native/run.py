@@ -36,7 +36,7 @@ from eagleforge.extract.native.parallel import ParallelState, barrier, gather_ob
 from eagleforge.extract.native.plan import GIB, check_fits, format_plan
 from eagleforge.extract.writer import BatchRows, ShardSink, make_writer, writer_summary
 from eagleforge.shards import ShardWriter, load_manifest, merge_manifests
-from eagleforge.target import default_aux_layers, target_path, torch_dtype
+from eagleforge.target import resolve_aux_layers, target_path, torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -85,19 +85,12 @@ def load_samples_native(cfg: Config) -> list[dict]:
     return rows
 
 
-def _samples_source(cfg: Config) -> Path:
+def samples_source(cfg: Config) -> Path:
     path = cfg.run / "data" / "samples.jsonl"
     return path if path.is_file() else Path(cfg.data.source)
 
 
-def _aux_layers(cfg: Config, num_layers: int) -> list[int]:
-    aux = sorted(int(i) for i in cfg.extract.aux_layers) or default_aux_layers(num_layers)
-    if len(set(aux)) != len(aux) or not all(0 <= i < num_layers for i in aux):
-        raise UserInputError(f"config key 'extract.aux_layers' = {cfg.extract.aux_layers}: ids must be distinct, in [0, {num_layers})")
-    return aux
-
-
-def _header(cfg: Config, info, aux_layers: list[int]) -> dict:
+def manifest_header(cfg: Config, info, aux_layers: list[int]) -> dict:
     a = info.args
     tokenizer_config = info.path / "tokenizer_config.json"
     chat_template = None
@@ -134,9 +127,9 @@ def _extract(cfg: Config, state: ParallelState) -> dict | None:
     _check_memory(cfg, info, state)
     if state.is_main:
         save_config(cfg, cfg.run / "config.yaml")
-    samples = check_samples(load_samples_native(cfg), _samples_source(cfg), info.args.vocab_size,
+    samples = check_samples(load_samples_native(cfg), samples_source(cfg), info.args.vocab_size,
                             cfg.data.max_length, cfg.data.overlong)
-    aux_layers = _aux_layers(cfg, info.args.num_hidden_layers)
+    aux_layers = resolve_aux_layers(cfg.extract.aux_layers, info.args.num_hidden_layers)
     model = build_model(info, state.tp, cfg.target.expert_layout, torch_dtype(cfg.target.dtype), state.device,
                         cfg.target.prefill_attention, cfg.target.moe_backend)
     stats = load_weights(model, info, show_progress=state.is_main)
@@ -147,7 +140,7 @@ def _extract(cfg: Config, state: ParallelState) -> dict | None:
     writer = None
     todo = None
     if state.is_group_leader:
-        writer = ShardWriter(cfg.run / "hidden", _header(cfg, info, aux_layers), cfg.extract.storage_dtype,
+        writer = ShardWriter(cfg.run / "hidden", manifest_header(cfg, info, aux_layers), cfg.extract.storage_dtype,
                              group=state.group_index if state.num_groups > 1 else None)
         todo = [c for c in mine if not writer.is_complete(c, [row["id"] for row in chunks[c]])]
     # the group's other ranks follow their leader's list (collectives need the same forwards)

@@ -1,0 +1,316 @@
+"""Online training (train.source=online) against its independent reference: offline
+extract -> vocab -> train on the same samples in the same order must give the same per-step
+losses (fp32 everywhere), with no file under RUN/hidden; and a run killed with SIGKILL resumes
+from its last checkpoint at the same data position (the same losses as an uninterrupted run)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagleforge.config import load_config
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one thread is faster
+
+SPAWN_TIMEOUT_S = 300
+# fp32 on both sides; the target's forwards batch the samples differently online (by train
+# batch) and offline (by shard chunk), so the states agree to fp32 rounding, not bit for bit.
+LOSS_REL = 1e-4
+
+
+def _train_overrides(run: Path, target: Path, *extra: str) -> list[str]:
+    return [f"run_dir={run}", f"target.path={target}", "target.device=cpu", "target.dtype=float32",
+            "extract.samples_per_shard=5", "extract.batch_tokens=96", "extract.storage_dtype=float32",
+            "data.max_length=64", "vocab.draft_vocab_size=60", "train.ttt_steps=3", "train.batch_tokens=120",
+            "train.lr=3e-3", "train.warmup_ratio=0.1", "train.holdout_samples=4", "train.log_every=1",
+            "train.epochs=2", "train.save_every=0", "train.bf16=false", "train.device=cpu", "eval.k=2", *extra]
+
+
+def _samples(n: int, seed: int, vocab: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        length = int(torch.randint(8, 41, (1,), generator=g))
+        ids = torch.randint(3, vocab, (length,), generator=g).tolist()
+        mask = [0] * (length // 3) + [1] * (length - length // 3)
+        rows.append({"id": i, "input_ids": ids, "loss_mask": mask})
+    return rows
+
+
+def _new_run(root: Path, name: str, rows: list[dict]) -> Path:
+    run = root / name
+    shutil.rmtree(run, ignore_errors=True)
+    (run / "data").mkdir(parents=True)
+    (run / "data" / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+def _losses(run: Path) -> list[tuple[int, float]]:
+    with open(run / "train_log.csv", newline="") as f:
+        return [(int(r["step"]), float(r["loss"])) for r in csv.DictReader(f)]
+
+
+def _assert_same_losses(got_run: Path, want_run: Path, rel: float = LOSS_REL) -> None:
+    got, want = _losses(got_run), _losses(want_run)
+    assert [s for s, _ in got] == [s for s, _ in want] and len(want) > 3
+    for (step, a), (_, b) in zip(got, want):
+        assert a == pytest.approx(b, rel=rel), (step, a, b)
+    sa = json.loads((got_run / "train_summary.json").read_text())
+    sb = json.loads((want_run / "train_summary.json").read_text())
+    assert sa["train_tokens"] == sb["train_tokens"]
+    assert sa["heldout"]["tokens"] == sb["heldout"]["tokens"]
+    assert sa["heldout"]["loss"] == pytest.approx(sb["heldout"]["loss"], rel=rel)
+
+
+def _assert_no_hidden(run: Path) -> None:
+    hidden = run / "hidden"
+    assert not hidden.exists() or not any(hidden.rglob("*")), sorted(hidden.rglob("*"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, jobs: list) -> None:
+    """One rank as torchrun starts it (env:// variables), running train(...) for each job in
+    one gloo process group."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from eagleforge.train.loop import train
+
+    dist.init_process_group("gloo")  # one group for all jobs (a second store on the same port would hang)
+    try:
+        for args in jobs:
+            train(load_config(None, args))
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(world: int, jobs: list) -> None:
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(_rank_main, args=(world, _free_port(), jobs), nprocs=world, join=False,
+                                 start_method="spawn")
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    try:
+        while not context.join(timeout=2):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"online training did not finish in {SPAWN_TIMEOUT_S} s (a hang?)")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+
+
+def _offline(args: list[str], backend_extract) -> None:
+    from eagleforge.train.loop import train
+    from eagleforge.vocab import main as vocab_main
+
+    cfg = load_config(None, args)
+    backend_extract(cfg)
+    vocab_main(cfg)
+    train(cfg)
+
+
+# ----------------------------------------------------------------------------- hf backend
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    """A tiny random Llama target (HF dir with a tokenizer), 22 samples, the offline reference
+    (extract -> vocab -> train, one process, grad_accum 2) and the online run at one process."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from eagleforge.extract.hf import extract_hf
+    from eagleforge.target import embedded_target_dir
+    from eagleforge.train.loop import train
+
+    root = tmp_path_factory.mktemp("online_hf")
+    config = LlamaConfig(vocab_size=211, hidden_size=48, intermediate_size=80, num_hidden_layers=7,
+                         num_attention_heads=3, num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
+                         tie_word_embeddings=False, pad_token_id=0, eos_token_id=2, bos_token_id=1)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # a peaked next-token distribution, like a trained model's
+        model.lm_head.weight.mul_(40.0)
+    target = root / "target"
+    model.save_pretrained(target)
+    AutoTokenizer.from_pretrained(embedded_target_dir()).save_pretrained(target)
+    rows = _samples(22, seed=1, vocab=211)
+    offline = _new_run(root, "offline", rows)
+    _offline(_train_overrides(offline, target, "train.grad_accum=2"), extract_hf)
+    online = _new_run(root, "online", rows)
+    train(load_config(None, _train_overrides(online, target, "train.grad_accum=2", "train.source=online")))
+    return {"root": root, "target": target, "rows": rows, "offline": offline, "online": online}
+
+
+def test_online_equals_offline_hf_one_process(hf):
+    """Same per-step losses, same held-out metrics, same draft vocabulary, nothing in RUN/hidden."""
+    _assert_same_losses(hf["online"], hf["offline"])
+    _assert_no_hidden(hf["online"])
+    from eagleforge.vocab import load_target_head, load_vocab_map
+
+    a, b = load_vocab_map(hf["online"]), load_vocab_map(hf["offline"])
+    for key in ("d2t", "t2d", "counts"):
+        assert torch.equal(a[key], b[key]), key
+    assert torch.equal(load_target_head(hf["online"])["lm_head"], load_target_head(hf["offline"])["lm_head"])
+    assert (hf["online"] / "draft" / "model.safetensors").is_file()
+
+
+def test_online_two_ranks_data_parallel_equal_offline(hf):
+    """hf backend, 2 gloo ranks (each its own target group, FSDP2 over both): the offline curve
+    of 1 process x grad_accum 2 (the same global batches), with and without prefetching, and
+    with the cache (each rank writes its batches' shards; the second epoch reads them whichever
+    rank wrote them)."""
+    runs = {p: _new_run(hf["root"], f"online_2r_p{p}", hf["rows"]) for p in (0, 2)}
+    cached = _new_run(hf["root"], "online_2r_cached", hf["rows"])
+    _spawn(2, [_train_overrides(run, hf["target"], "train.source=online", f"train.prefetch={p}") for p, run in runs.items()]
+           + [_train_overrides(cached, hf["target"], "train.source=online", "train.cache_gb=0.0002")])
+    for run in runs.values():
+        _assert_same_losses(run, hf["offline"])
+        _assert_no_hidden(run)
+        assert json.loads((run / "train_summary.json").read_text())["world_size"] == 2
+    # with the cache: each rank wrote its own batches (manifest parts), the other rank read them
+    _assert_same_losses(cached, hf["offline"])
+    _assert_cache(cached)
+    assert sorted(p.name for p in (cached / "hidden").glob("manifest-g*.json")) == ["manifest-g0.json", "manifest-g1.json"]
+
+
+def _assert_cache(run: Path, n_train: int = 18) -> dict:
+    """The cache's shards: checksummed, in the existing format, each training sample at most
+    once, none held out; the summary says the later epochs read them back."""
+    from eagleforge.shards import ShardReader
+
+    reader = ShardReader(run / "hidden", verify_checksums=True)
+    ids = reader.sample_ids()
+    assert 0 < len(ids) == len(set(ids)) and max(ids) < n_train, ids
+    summary = json.loads((run / "train_summary.json").read_text())
+    assert summary["source"] == "online" and summary["cache_read_tokens"] > 0
+    return {"ids": ids, "summary": summary, "reader": reader}
+
+
+def test_online_cache_keeps_part_of_the_first_epoch(hf):
+    """train.cache_gb holding about half of the first epoch: the same losses as offline, the
+    cached samples' states written once as checksummed shards equal to the offline shards, and
+    the second epoch forwards only the other samples."""
+    from eagleforge.shards import ShardReader
+    from eagleforge.train.loop import train
+
+    run = _new_run(hf["root"], "cached", hf["rows"])
+    # 768 bytes of fp32 states + 9 of ids, mask and argmax per token: ~0.2 MB is about half of epoch 0
+    train(load_config(None, _train_overrides(run, hf["target"], "train.grad_accum=2", "train.source=online",
+                                             "train.cache_gb=0.0002")))
+    _assert_same_losses(run, hf["offline"])
+    cache = _assert_cache(run)
+    offline = ShardReader(hf["offline"] / "hidden")
+    position = {sid: i for i, sid in enumerate(offline.sample_ids())}
+    for k, sample_id in enumerate(cache["ids"]):
+        got, want = cache["reader"][k], offline[position[sample_id]]
+        assert torch.equal(got["input_ids"], want["input_ids"]) and torch.equal(got["target_argmax"], want["target_argmax"])
+        torch.testing.assert_close(got["last_hidden_state"], want["last_hidden_state"], rtol=1e-5, atol=1e-5)
+    rows = {r["id"]: len(r["input_ids"]) for r in hf["rows"]}
+    train_tokens, cached_tokens = sum(rows[i] for i in range(18)), sum(rows[i] for i in cache["ids"])
+    assert 0 < cached_tokens < train_tokens
+    summary = cache["summary"]
+    assert summary["cache_read_tokens"] == cached_tokens  # epoch 2 read every cached sample once
+    assert summary["target_tokens"] == 2 * train_tokens - cached_tokens  # two epochs' forwards, less the cached
+
+
+def test_online_resumes_after_sigkill_at_the_same_data_position(hf):
+    """A run killed with SIGKILL right after its first checkpoint (wherever it then is: a step,
+    the producer's forwards, the next checkpoint's write) and started again continues from its
+    last checkpoint: every step's loss equals an uninterrupted run's and the trained token count
+    is the same (no batch trained twice or skipped)."""
+    from eagleforge.train.loop import train
+
+    common = ("train.grad_accum=2", "train.source=online", "train.epochs=6", "train.keep_last=3")
+    whole = _new_run(hf["root"], "uninterrupted", hf["rows"])
+    train(load_config(None, _train_overrides(whole, hf["target"], *common)))
+    run = _new_run(hf["root"], "killed", hf["rows"])
+    command = [sys.executable, "-m", "eagleforge.train", *_train_overrides(run, hf["target"], *common, "train.save_every=2")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    try:
+        while not (run / "checkpoints" / "step-000002" / "state.json").is_file():
+            assert process.poll() is None, process.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline, "no checkpoint written"
+            time.sleep(0.005)
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == -signal.SIGKILL
+    assert len(_losses(run)) < len(_losses(whole)), "the run finished before the kill: nothing was tested"
+    done = subprocess.run(command, env=env, capture_output=True, timeout=SPAWN_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    assert b"resumed from" in done.stderr, done.stderr.decode()[-3000:]
+    _assert_same_losses(run, whole, rel=1e-5)
+    _assert_no_hidden(run)
+
+
+# ----------------------------------------------------------------------------- native backend
+
+
+def _native_overrides(run: Path, ckpt: Path, *extra: str) -> list[str]:
+    return _train_overrides(run, ckpt, "target.backend=native", "target.expert_layout=ep", "extract.aux_layers=[0,2]",
+                            *extra)
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory):
+    """A tiny Kimi-K2.5-layout checkpoint (INT4 routed experts), 18 samples, the offline
+    reference (native extract at tp 1 -> vocab -> train, one process, grad_accum 2)."""
+    from test_native_fixtures import write_tiny_kimi
+
+    from eagleforge.extract.native import extract_native
+
+    root = tmp_path_factory.mktemp("online_native")
+    ckpt = root / "kimi"
+    write_tiny_kimi(ckpt, seed=3, n_routed_experts=9)  # 9 experts over 2 ranks: 5 + 4
+    rows = _samples(18, seed=2, vocab=250)
+    offline = _new_run(root, "offline", rows)
+    _offline(_native_overrides(offline, ckpt, "target.tp=1", "train.grad_accum=2"), extract_native)
+    return {"root": root, "ckpt": ckpt, "rows": rows, "offline": offline}
+
+
+def test_online_equals_offline_native_one_process(native):
+    from eagleforge.train.loop import train
+
+    run = _new_run(native["root"], "online_1", native["rows"])
+    train(load_config(None, _native_overrides(run, native["ckpt"], "target.tp=1", "train.grad_accum=2",
+                                              "train.source=online")))
+    _assert_same_losses(run, native["offline"])
+    _assert_no_hidden(run)
+
+
+def test_online_equals_offline_native_tp2_group(native):
+    """2 gloo ranks as ONE tensor-parallel group of 2 (experts split 5 + 4): each forward runs on
+    the union of both ranks' batches and each rank trains its own rows; FSDP2 over both. Again
+    with train.cache_gb holding part of the first epoch."""
+    run = _new_run(native["root"], "online_tp2", native["rows"])
+    cached = _new_run(native["root"], "online_tp2_cached", native["rows"])
+    _spawn(2, [_native_overrides(run, native["ckpt"], "target.tp=2", "train.source=online"),
+               _native_overrides(cached, native["ckpt"], "target.tp=2", "train.source=online", "train.cache_gb=0.0001")])
+    _assert_same_losses(run, native["offline"])
+    _assert_no_hidden(run)
+    # with the cache both ranks of the group agree (from the schedule alone) on the rows to forward
+    _assert_same_losses(cached, native["offline"])
+    _assert_cache(cached, n_train=14)
