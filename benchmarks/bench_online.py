@@ -42,10 +42,10 @@ from eagleforge.draft import Eagle3Config, Eagle3Draft  # noqa: E402
 from eagleforge.extract.capture import HiddenStateCapture  # noqa: E402
 from eagleforge.extract.native.run import forward_batch  # noqa: E402
 from eagleforge.train.distributed import DraftWithLoss, clip_grad_norm  # noqa: E402
-from eagleforge.train.loop import TTTLoss  # noqa: E402
 from eagleforge.train.loss import get_loss_fn  # noqa: E402
 from eagleforge.train.online import Prefetcher, collate_rows, overlap_report  # noqa: E402
 from eagleforge.train.online_plan import GIB, plan_online  # noqa: E402
+from eagleforge.train.ttt_loss import TTTLoss  # noqa: E402
 
 
 def sync(device: torch.device) -> None:

@@ -292,8 +292,8 @@ class Variant:
 
 def ttt_weights(loss_mask: torch.Tensor, target_argmax: torch.Tensor, t2d: torch.Tensor, steps: int) -> torch.Tensor:
     """weight [K, T] fp32 for fused_soft_cross_entropy_ttt (batch 1): the trainer's own
-    (train.loop.ttt_loss_weights: loss row x teacher token in the draft vocabulary x 0.8^j / rows)."""
-    from eagleforge.train.loop import ttt_loss_weights
+    (train.ttt_loss.ttt_loss_weights: loss row x teacher token in the draft vocabulary x 0.8^j / rows)."""
+    from eagleforge.train.ttt_loss import ttt_loss_weights
 
     return ttt_loss_weights(loss_mask, target_argmax, t2d, steps, STEP_WEIGHT_DECAY)[0]
 

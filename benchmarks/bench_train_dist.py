@@ -51,8 +51,8 @@ def build(args, env):
     from eagleforge.config import TrainConfig
     from eagleforge.draft import Eagle3Draft
     from eagleforge.train.distributed import DraftWithLoss, parallelize, resolve_parallel
-    from eagleforge.train.loop import TTTLoss
     from eagleforge.train.loss import get_loss_fn
+    from eagleforge.train.ttt_loss import TTTLoss
 
     shape = Shape.tiny() if args.tiny else Shape()
     if env.device.type == "cuda":

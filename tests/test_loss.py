@@ -139,7 +139,7 @@ def test_ttt_alignment_hand_made():
     identity, only the correctly aligned comparison gives ~zero loss and full accuracy; any
     off-by-one gives a loss of ~log(Vd) per row.
     """
-    from eagleforge.train.loop import ttt_loss, ttt_step_rows
+    from eagleforge.train.ttt_loss import ttt_loss, ttt_step_rows
 
     torch.manual_seed(0)
     b, t_len, vd, steps = 2, 9, 16, 3
@@ -184,7 +184,7 @@ def test_shared_teacher_ttt_loss_equals_per_step_reference():
     """The trainer's TTT form (teacher logits once for all steps, eagleforge.kernels) gives the
     same loss, gradients and per-step stats as the per-step reference loop, in fp32, on random
     inputs with a ragged loss mask and some target tokens outside the draft vocabulary."""
-    from eagleforge.train.loop import batch_teacher_lse, ttt_loss, ttt_loss_shared
+    from eagleforge.train.ttt_loss import batch_teacher_lse, ttt_loss, ttt_loss_shared
 
     gen = torch.Generator().manual_seed(5)
     batch, length, hidden, vocab, draft_vocab, steps = 2, 13, 24, 97, 41, 4
@@ -224,7 +224,7 @@ def test_shared_teacher_ttt_loss_equals_per_step_reference():
 
 
 def test_ttt_stats_device_sums_merge_and_read_back_once():
-    from eagleforge.train.loop import TTTStats
+    from eagleforge.train.metrics import TTTStats
 
     a = TTTStats(2, [1.0, 2.0], [3, 4], [1, 1], [5, 6], tokens=10)
     b = TTTStats(2, tokens=7)

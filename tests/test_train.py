@@ -10,7 +10,9 @@ import torch
 from test_vocab import build_tiny_run
 
 from eagleforge.train.batching import collate, make_batches
-from eagleforge.train.loop import lr_lambda, simulated_acceptance_length, target_argmax_from_hidden
+from eagleforge.train.loop import lr_lambda
+from eagleforge.train.metrics import simulated_acceptance_length
+from eagleforge.train.ttt_loss import target_argmax_from_hidden
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one thread is faster
 

@@ -321,3 +321,62 @@ def export_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
     from eagleforge.draft import save_draft
 
     return save_draft(load_draft_from_checkpoint(path), out_dir)
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+RESUME_MAY_CHANGE = (
+    "run_dir", "train.max_steps", "train.epochs", "train.log_every", "train.save_every", "train.keep_last",
+    "train.resume", "train.device", "train.parallel", "train.verify_checksums", "train.max_nonfinite_steps",
+    "train.attention", "train.loss", "train.loss_chunk_tokens", "train.loss_packed", "train.activation_checkpoint",
+    "train.compile", "target.device", "target.tp", "target.gpu_memory_gib", "data.gen_batch_size",
+    "extract.batch_tokens", "extract.overlap_writes", "train.prefetch", "target.prefill_attention",
+    "target.moe_backend", "target.split_rows_min_tokens", "target.overlap_min_rows", "eval.",
+)
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def check_resume_config(cfg: Config, checkpoint: Path, world_size: int = 1) -> None:
+    """Refuse to resume from `checkpoint` when its config.yaml differs from `cfg` outside
+    RESUME_MAY_CHANGE: one line with every differing key and both values. train.grad_accum may
+    change with the number of ranks when world size x grad_accum (the batches of one optimizer
+    step) stays the same: the checkpoint reshards, the steps are the same."""
+    import yaml
+
+    from eagleforge.config import config_to_dict
+    from eagleforge.train.checkpoint import read_state
+
+    file = checkpoint / "config.yaml"
+    if not file.is_file():
+        log.warning("%s: missing; cannot check that the resumed run has the same config", file)
+        return
+    try:
+        saved = yaml.safe_load(file.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise UserInputError(f"{file}: not a readable config ({str(err).splitlines()[0][:200]}); delete {checkpoint} to start over") from None
+    if not isinstance(saved, dict):
+        raise UserInputError(f"{file}: not a config mapping; delete {checkpoint} to start over")
+    saved, now = _flat(saved), _flat(config_to_dict(cfg))
+    # A key only one side knows (written by another version) is not a difference.
+    changed = [k for k in sorted(saved.keys() & now.keys()) if saved[k] != now[k]
+               and not any(k == a or (a.endswith(".") and k.startswith(a)) for a in RESUME_MAY_CHANGE)]
+    if "train.grad_accum" in changed:
+        saved_world = read_state(checkpoint).get("world_size", 1)
+        if isinstance(saved_world, int) and isinstance(saved["train.grad_accum"], int) and \
+                saved_world * saved["train.grad_accum"] == world_size * now["train.grad_accum"]:
+            changed.remove("train.grad_accum")
+    if changed:
+        diff = "; ".join(f"{k}: {saved[k]!r} in the checkpoint, {now[k]!r} now" for k in changed)
+        raise UserInputError(f"{checkpoint}: cannot resume with a changed config ({diff}); set the checkpoint's values, "
+                             "or train.resume=false / a new run_dir to start over (a resume may change only the run's length, "
+                             "logging, saving, devices and performance keys: RESUME_MAY_CHANGE in eagleforge.train.loop)")

@@ -2,32 +2,20 @@
 
 Per optimizer step: `grad_accum` batches of whole samples (train/batching.py); per batch the
 draft runs `ttt_steps` chained steps (Eagle3Draft.forward_ttt) and each step's normed hidden
-states are scored against the target with the soft cross-entropy (train/loss.py).
-
-Alignment (ARCHITECTURE.md, forward_ttt): at TTT step j, row t of a sample predicts token
-t+2+j. Its teacher is the target's last hidden state at position t+1+j (whose next token is
-t+2+j), the target's greedy choice is target_argmax[t+1+j], and the loss mask is
-loss_mask[t+2+j] (0 past the end of the sample). The teacher's logsumexp over the draft
-vocabulary is computed once per batch for every position and indexed by each step.
-
-Normalization (the choice): step j's loss is the MEAN soft cross-entropy over its positions
-with loss_mask[t+2+j] = 1 whose target argmax lies in the draft vocabulary; the batch loss is
-sum_j step_weight_decay^j * loss_j. Each step has equal say whatever its number of positions
-(later steps have fewer), and the gradient scale does not depend on the batch size.
-Accuracy at step j counts every position with loss_mask[t+2+j] = 1, including those whose
-target token is outside the draft vocabulary (the draft can never propose those, so the
-simulated acceptance length stays honest).
+states are scored against the target with the soft cross-entropy (train/ttt_loss.py, which
+also says how the steps align with the target and how the loss is normalized). The batches come
+from RUN/hidden's shards, or from the target itself with train.source=online (train/online.py).
 
 An optimizer step averages the batch losses of its n global batches (world x grad_accum, fewer
 at an epoch's end), wherever they ran: 1 process with grad_accum 2 and 2 ranks with grad_accum
-1 take the same gradient (Trainer.train_step). Logged metrics are sums over all ranks.
-Under torchrun the model is DraftWithLoss (forward_ttt + this loss in one forward) wrapped by
-train/distributed.py (FSDP2 or DDP); checkpoints are torch.distributed.checkpoint (checkpoint.py).
+1 take the same gradient (Trainer.train_step). Logged metrics are sums over all ranks
+(train/metrics.py). Under torchrun the model is DraftWithLoss (forward_ttt + this loss in one
+forward) wrapped by train/distributed.py (FSDP2 or DDP); checkpoints are
+torch.distributed.checkpoint (checkpoint.py).
 """
 
 from __future__ import annotations
 
-import csv
 import logging
 import math
 import time
@@ -36,14 +24,13 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from eagleforge.atomic import write_json_atomic
 from eagleforge.config import Config, UserInputError
-from eagleforge.kernels.soft_ce import teacher_logsumexp
 from eagleforge.target import target_path
 from eagleforge.train.batching import Batch, collate, make_batches, rank_micro_batches
 from eagleforge.train.checkpoint import (
+    check_resume_config,
     checkpoint_dir,
     find_resume_checkpoint,
     load_checkpoint,
@@ -53,7 +40,6 @@ from eagleforge.train.checkpoint import (
 from eagleforge.train.distributed import (
     DistEnv,
     DraftWithLoss,
-    all_reduce_sum,
     all_reduce_tensor,
     barrier,
     clip_grad_norm,
@@ -64,241 +50,14 @@ from eagleforge.train.distributed import (
     shutdown,
 )
 from eagleforge.train.loss import get_loss_fn
+from eagleforge.train.metrics import MetricLogger, TTTStats, reduce_stats
 from eagleforge.train.online import check_source
+from eagleforge.train.ttt_loss import TTTLoss, target_argmax_from_hidden
 from eagleforge.vocab import check_vocab_files, coverage, load_target_head, load_vocab_map, read_target_head, training_sample_count
 
 log = logging.getLogger(__name__)
 
-CSV_NAME = "train_log.csv"
 SUMMARY_NAME = "train_summary.json"
-
-
-# ----------------------------------------------------------------------------- TTT targets and loss
-
-
-def ttt_step_rows(loss_mask: torch.Tensor, step: int) -> torch.Tensor:
-    """Flat indices (b * T + t) [M] of the rows that carry a loss at TTT step `step`: those
-    with loss_mask[b, t + 2 + step] set. Their teacher rows are the returned indices + 1 + step
-    (same sample row, since t + 1 + step < T). step = -1 gives the teacher positions s (those
-    with loss_mask[s + 1] set)."""
-    batch, length = loss_mask.shape
-    shift = 2 + step
-    valid = torch.zeros_like(loss_mask, dtype=torch.bool)
-    if shift < length:
-        valid[:, : length - shift] = loss_mask[:, shift:].to(torch.bool)
-    return valid.reshape(-1).nonzero().squeeze(1)
-
-
-class TTTStats:
-    """Sums per TTT step, merged over batches: soft-CE sum and count (in-vocabulary rows),
-    correct and valid counts (all loss-masked rows).
-
-    The sums may also sit on the device (`add_device_sums`, [4, steps]: what ttt_loss_shared
-    gives, so a batch costs no host sync); reading any of the four lists reads them back first
-    (one sync), so a reader never sees a partial sum."""
-
-    _NAMES = ("ce_sum", "n_loss", "n_correct", "n_valid")
-
-    def __init__(self, steps: int, ce_sum=None, n_loss=None, n_correct=None, n_valid=None, tokens: int = 0):
-        self.steps, self.tokens = steps, tokens
-        self._lists = {"ce_sum": list(ce_sum) if ce_sum else [0.0] * steps}
-        for name, values in (("n_loss", n_loss), ("n_correct", n_correct), ("n_valid", n_valid)):
-            self._lists[name] = list(values) if values else [0] * steps
-        self._device_sums: torch.Tensor | None = None
-
-    def add_device_sums(self, sums: torch.Tensor) -> None:
-        """sums [4, steps] (ce_sum, n_loss, n_correct, n_valid), float64 on any device: added lazily."""
-        self._device_sums = sums if self._device_sums is None else self._device_sums + sums.to(self._device_sums.device)
-
-    def pending_device_sums(self) -> torch.Tensor | None:
-        return self._device_sums
-
-    def host_lists(self) -> list[list]:
-        """The four host-side lists as they are (pending device sums not added)."""
-        return [self._lists[name] for name in self._NAMES]
-
-    def _read_back(self) -> None:
-        if self._device_sums is not None:
-            rows, self._device_sums = self._device_sums.tolist(), None
-            for name, row in zip(self._NAMES, rows):
-                cast = float if name == "ce_sum" else round
-                self._lists[name] = [a + cast(b) for a, b in zip(self._lists[name], row)]
-
-    def _get(self, name: str) -> list:
-        self._read_back()
-        return self._lists[name]
-
-    ce_sum = property(lambda self: self._get("ce_sum"))
-    n_loss = property(lambda self: self._get("n_loss"))
-    n_correct = property(lambda self: self._get("n_correct"))
-    n_valid = property(lambda self: self._get("n_valid"))
-
-    def merge(self, other: "TTTStats") -> None:
-        for name in self._NAMES:
-            self._lists[name] = [a + b for a, b in zip(self._lists[name], other._lists[name])]
-        if other._device_sums is not None:
-            self.add_device_sums(other._device_sums)
-        self.tokens += other.tokens
-
-    def loss_per_step(self) -> list[float]:
-        return [c / n if n else 0.0 for c, n in zip(self.ce_sum, self.n_loss)]
-
-    def accuracy_per_step(self) -> list[float]:
-        return [c / n if n else 0.0 for c, n in zip(self.n_correct, self.n_valid)]
-
-    def loss(self, step_weight_decay: float) -> float:
-        return sum(step_weight_decay**j * l for j, l in enumerate(self.loss_per_step()))
-
-    def acceptance_length(self, k: int | None = None) -> float:
-        return simulated_acceptance_length(self.accuracy_per_step(), k or self.steps)
-
-
-def simulated_acceptance_length(accuracy_per_step: list[float], k: int) -> float:
-    """1 + sum_{j<k} prod_{i<=j} acc_i (docs/training.md; same definition as measured in eval)."""
-    total, prod = 1.0, 1.0
-    for acc in accuracy_per_step[:k]:
-        prod *= acc
-        total += prod
-    return total
-
-
-def ttt_loss(
-    normed_hiddens: list[torch.Tensor],
-    draft_head: torch.Tensor,
-    last_hidden: torch.Tensor,
-    teacher_head: torch.Tensor,
-    teacher_lse: torch.Tensor,
-    loss_mask: torch.Tensor,
-    target_argmax: torch.Tensor,
-    t2d: torch.Tensor,
-    d2t: torch.Tensor,
-    step_weight_decay: float,
-    loss_fn: Callable,
-) -> tuple[torch.Tensor, TTTStats]:
-    """(sum_j decay^j * mean soft-CE of step j, per-step stats) for one batch.
-
-    normed_hiddens: ttt_steps x [B, T, H] (forward_ttt); draft_head [Vd, H]; last_hidden
-    [B, T, Ht]; teacher_head [Vd, Ht]; teacher_lse [B*T]; loss_mask [B, T]; target_argmax
-    [B, T] target ids; t2d [V] bool; d2t [Vd] int64.
-    """
-    batch, length, h_target = last_hidden.shape
-    teacher_flat = last_hidden.reshape(-1, h_target)  # [B*T, Ht]
-    argmax_flat = target_argmax.reshape(-1)
-    stats = TTTStats(len(normed_hiddens))
-    total = torch.zeros((), dtype=torch.float32, device=last_hidden.device)
-    for j, hidden in enumerate(normed_hiddens):
-        rows = ttt_step_rows(loss_mask, j)  # [M] flat rows predicting token t+2+j
-        if rows.numel() == 0:
-            continue
-        teacher_rows = rows + 1 + j
-        target_ids = argmax_flat[teacher_rows]  # target's greedy token t+2+j
-        in_vocab = t2d[target_ids]
-        n_in = int(in_vocab.sum())
-        weight = in_vocab.float() / max(n_in, 1)
-        draft_hidden = hidden.reshape(-1, hidden.shape[-1])[rows]  # [M, H]
-        ce_mean, draft_argmax = loss_fn(draft_hidden, draft_head, teacher_flat[teacher_rows], teacher_head, teacher_lse[teacher_rows], weight)
-        total = total + step_weight_decay**j * ce_mean
-        correct = (draft_argmax + d2t[draft_argmax]) == target_ids
-        stats.ce_sum[j] += float(ce_mean.detach()) * n_in
-        stats.n_loss[j] += n_in
-        stats.n_correct[j] += int(correct.sum())
-        stats.n_valid[j] += int(rows.numel())
-    return total, stats
-
-
-def ttt_loss_weights(loss_mask: torch.Tensor, target_argmax: torch.Tensor, t2d: torch.Tensor, steps: int,
-                     step_weight_decay: float) -> tuple[torch.Tensor, ...]:
-    """The TTT loss weights of a batch as masks on the device (no host sync), for
-    fused_soft_cross_entropy_ttt with teacher_shift 1. loss_mask, target_argmax [B, T]; t2d [V].
-
-    Step j, row t of sample b is a loss row when loss_mask[b, t + 2 + j]; its teacher is row
-    t + 1 + j, whose target argmax is the token it predicts. Returns, over the flat rows N = B*T:
-    weight [K, N] fp32 = loss row x (that token in the draft vocabulary) x decay^j / (such rows
-    of step j), zero on rows without a teacher; valid [K, N] bool (the loss rows); teacher_ids
-    [K, N] int64; n_in [K] (in-vocabulary rows per step); decay [K] fp32."""
-    batch, length = loss_mask.shape
-    dev = loss_mask.device
-    mask = loss_mask.to(torch.bool)
-    argmax = F.pad(target_argmax.reshape(batch, length).long(), (0, steps + 1))  # [B, T + K + 1]: no read past a row
-    valid = torch.zeros(steps, batch, length, dtype=torch.bool, device=dev)
-    teacher_ids = torch.zeros(steps, batch, length, dtype=torch.long, device=dev)
-    for j in range(steps):
-        if 2 + j < length:
-            valid[j, :, : length - 2 - j] = mask[:, 2 + j:]
-        teacher_ids[j] = argmax[:, 1 + j: 1 + j + length]  # the target's greedy token t + 2 + j
-    valid, teacher_ids = valid.reshape(steps, -1), teacher_ids.reshape(steps, -1)
-    in_vocab = valid & t2d[teacher_ids]  # [K, N]
-    n_in = in_vocab.sum(1)  # [K], on the device
-    decay = step_weight_decay ** torch.arange(steps, device=dev, dtype=torch.float32)
-    weight = in_vocab.float() * (decay / n_in.clamp_min(1))[:, None]
-    return weight, valid, teacher_ids, n_in, decay
-
-
-def ttt_loss_shared(
-    normed_hiddens: list[torch.Tensor],
-    draft_head: torch.Tensor,
-    last_hidden: torch.Tensor,
-    teacher_head: torch.Tensor,
-    loss_mask: torch.Tensor,
-    target_argmax: torch.Tensor,
-    t2d: torch.Tensor,
-    d2t: torch.Tensor,
-    step_weight_decay: float,
-    compute_dtype: torch.dtype,
-    chunk_tokens: int | None = None,
-    packed: bool = False,
-) -> tuple[torch.Tensor, TTTStats]:
-    """The same loss and stats as `ttt_loss`, through the TTT form of the fused kernel: the
-    teacher logits are computed once per position for all steps (3 + 1/K matmuls per step
-    instead of 4) and the matmuls run in `compute_dtype` (bf16 on GPUs and on CPUs with
-    bf16 units). Shapes as in `ttt_loss`.
-
-    No host sync: the rows of each step are masks, not index lists (no nonzero), the per-step
-    counts stay on the device (the weights divide by them there), and the stats are device sums
-    (TTTStats.add_device_sums) read back once when the step's numbers are logged. (bench-train,
-    2026-11-30: nine syncs per step cost ~9 ms of a ~175 ms step at 2K tokens.)"""
-    from eagleforge.kernels import fused_soft_cross_entropy_ttt
-
-    steps = len(normed_hiddens)
-    batch, length, h_target = last_hidden.shape
-    n_rows = batch * length
-    weight, valid, teacher_ids, n_in, decay = ttt_loss_weights(loss_mask, target_argmax, t2d, steps, step_weight_decay)
-    hiddens = [h.reshape(n_rows, -1).to(compute_dtype) for h in normed_hiddens]
-    loss, step_losses, draft_argmax = fused_soft_cross_entropy_ttt(
-        hiddens, draft_head.to(compute_dtype), last_hidden.reshape(n_rows, h_target).to(compute_dtype),
-        teacher_head.to(compute_dtype), weight, teacher_shift=1, chunk_tokens=chunk_tokens, packed=packed,
-        check_weight=False,  # zero there by construction (valid above); the check would sync
-    )
-    correct = valid & ((draft_argmax + d2t[draft_argmax]) == teacher_ids)  # [K, N]
-    stats = TTTStats(steps)
-    sums = torch.stack([step_losses.detach().double() / decay.double() * n_in.double(), n_in.double(),
-                        correct.sum(1).double(), valid.sum(1).double()])  # [4, K]
-    stats.add_device_sums(sums)
-    return loss, stats
-
-
-def batch_teacher_lse(last_hidden: torch.Tensor, loss_mask: torch.Tensor, teacher_head: torch.Tensor) -> torch.Tensor:
-    """teacher_lse [B*T] for one batch, computed once for all TTT steps. Position s is a teacher
-    (of step j for row s-1-j) only when loss_mask[s+1] is set, so only those rows are computed;
-    the others stay 0 and are never read."""
-    h_target = last_hidden.shape[-1]
-    flat = last_hidden.reshape(-1, h_target)
-    teachers = ttt_step_rows(loss_mask, -1)  # shift 1: rows s with loss_mask[s+1]
-    lse = torch.zeros(flat.shape[0], dtype=torch.float32, device=flat.device)
-    lse[teachers] = teacher_logsumexp(flat[teachers].float(), teacher_head.float())  # fp32 logits, as the loss's own
-    return lse
-
-
-@torch.no_grad()
-def target_argmax_from_hidden(last_hidden: torch.Tensor, full_head: torch.Tensor, chunk_rows: int = 1024) -> torch.Tensor:
-    """The target's full-vocabulary greedy token [B, T] from last_hidden [B, T, Ht] and its
-    whole head [V, Ht]: the fallback when the shards carry no target_argmax."""
-    flat = last_hidden.reshape(-1, last_hidden.shape[-1])
-    head = full_head.to(flat.device, torch.float32)
-    out = torch.empty(flat.shape[0], dtype=torch.int64, device=flat.device)
-    for start in range(0, flat.shape[0], chunk_rows):
-        out[start : start + chunk_rows] = (flat[start : start + chunk_rows].float() @ head.T).argmax(-1)
-    return out.reshape(last_hidden.shape[:-1])
 
 
 # ----------------------------------------------------------------------------- schedule and model
@@ -366,30 +125,6 @@ def build_draft(cfg: Config, manifest: dict, vocab: dict, head: dict) -> torch.n
 
 
 # ----------------------------------------------------------------------------- the trainer
-
-
-class TTTLoss:
-    """forward_ttt and the TTT loss of one batch: what DraftWithLoss runs inside its forward, so
-    FSDP has lm_head gathered when the loss reads it. Returns (loss, TTTStats) as ttt_loss."""
-
-    def __init__(self, tc, teacher_head: torch.Tensor, loss_fn: Callable, device: torch.device):
-        self.tc, self.teacher_head, self.loss_fn, self.device_type = tc, teacher_head, loss_fn, device.type
-
-    def __call__(self, draft, aux_hidden_states, input_ids, last_hidden, loss_mask, target_argmax):
-        tc = self.tc
-        with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=tc.bf16):
-            hiddens = draft.forward_ttt(aux_hidden_states, input_ids, tc.ttt_steps, attention=tc.attention,
-                                        checkpoint=tc.activation_checkpoint,
-                                        compile="dynamic" if tc.compile else False)  # batches vary in length
-        if tc.loss != "reference":  # the TTT form: teacher shared over steps
-            return ttt_loss_shared(
-                hiddens, draft.lm_head.weight, last_hidden, self.teacher_head, loss_mask, target_argmax, draft.t2d,
-                draft.d2t, tc.step_weight_decay, torch.bfloat16 if tc.bf16 else torch.float32, tc.loss_chunk_tokens or None,
-                packed=tc.loss_packed,
-            )
-        lse = batch_teacher_lse(last_hidden, loss_mask, self.teacher_head)
-        return ttt_loss(hiddens, draft.lm_head.weight, last_hidden, self.teacher_head, lse, loss_mask, target_argmax,
-                        draft.t2d, draft.d2t, tc.step_weight_decay, self.loss_fn)
 
 
 def open_reader(cfg: Config):
@@ -750,138 +485,6 @@ def export_finite(checkpoint: Path, out_dir: Path) -> Path:
     if bad:
         raise UserInputError(f"{checkpoint}: NaN/Inf in the draft's {', '.join(bad[:4])}; not exported to {out_dir}")
     return save_draft(draft, out_dir)
-
-
-def reduce_stats(stats: TTTStats, env: DistEnv, global_tokens: int | None = None) -> TTTStats:
-    """The per-step sums of all ranks (one small all-reduce). One process: the stats as they
-    are, their device sums not read back (the logger reads them once per window).
-
-    Under torchrun with `global_tokens` (the step's token count over all ranks, which every rank
-    knows on the host): one all-reduce of the [4, steps] sums on the device, no host sync. Every
-    rank must take the same branch (a rank that ran only a zero-weight batch sends zeros)."""
-    if not env.distributed:
-        return stats
-    k = stats.steps
-    if global_tokens is not None:
-        sums = stats.pending_device_sums()
-        sums = torch.zeros(4, k, dtype=torch.float64, device=env.device) if sums is None else sums.to(env.device)
-        if any(any(v) for v in stats.host_lists()):  # the reference loss keeps its sums on the host (a copy)
-            sums = sums + torch.tensor(stats.host_lists(), dtype=torch.float64).to(env.device)
-        summed = TTTStats(k, tokens=global_tokens)
-        summed.add_device_sums(all_reduce_tensor(sums, env))
-        return summed
-    flat = all_reduce_sum(stats.ce_sum + stats.n_loss + stats.n_correct + stats.n_valid + [stats.tokens], env)
-    whole = [round(x) for x in flat[k:]]
-    return TTTStats(k, list(flat[:k]), whole[:k], whole[k : 2 * k], whole[2 * k : 3 * k], whole[3 * k])
-
-
-# Keys a resume may change (and that then apply): how long to train and how often to log and
-# save, where the run and the devices are, performance choices that compute the same loss, and
-# the other stages' keys that leave the shards and the training as they are. Any other
-# difference (lr, holdout, schedule, model, data, vocabulary, seed...) refuses the resume: the
-# checkpoint's state (param groups' lr, data position, held-out split) belongs to its config.
-# A changed train.max_steps / train.epochs recomputes the cosine schedule over the new length.
-RESUME_MAY_CHANGE = (
-    "run_dir", "train.max_steps", "train.epochs", "train.log_every", "train.save_every", "train.keep_last",
-    "train.resume", "train.device", "train.parallel", "train.verify_checksums", "train.max_nonfinite_steps",
-    "train.attention", "train.loss", "train.loss_chunk_tokens", "train.loss_packed", "train.activation_checkpoint",
-    "train.compile", "target.device", "target.tp", "target.gpu_memory_gib", "data.gen_batch_size",
-    "extract.batch_tokens", "extract.overlap_writes", "train.prefetch", "target.prefill_attention",
-    "target.moe_backend", "target.split_rows_min_tokens", "target.overlap_min_rows", "eval.",
-)
-
-
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def check_resume_config(cfg: Config, checkpoint: Path, world_size: int = 1) -> None:
-    """Refuse to resume from `checkpoint` when its config.yaml differs from `cfg` outside
-    RESUME_MAY_CHANGE: one line with every differing key and both values. train.grad_accum may
-    change with the number of ranks when world size x grad_accum (the batches of one optimizer
-    step) stays the same: the checkpoint reshards, the steps are the same."""
-    import yaml
-
-    from eagleforge.config import config_to_dict
-    from eagleforge.train.checkpoint import read_state
-
-    file = checkpoint / "config.yaml"
-    if not file.is_file():
-        log.warning("%s: missing; cannot check that the resumed run has the same config", file)
-        return
-    try:
-        saved = yaml.safe_load(file.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise UserInputError(f"{file}: not a readable config ({str(err).splitlines()[0][:200]}); delete {checkpoint} to start over") from None
-    if not isinstance(saved, dict):
-        raise UserInputError(f"{file}: not a config mapping; delete {checkpoint} to start over")
-    saved, now = _flat(saved), _flat(config_to_dict(cfg))
-    # A key only one side knows (written by another version) is not a difference.
-    changed = [k for k in sorted(saved.keys() & now.keys()) if saved[k] != now[k]
-               and not any(k == a or (a.endswith(".") and k.startswith(a)) for a in RESUME_MAY_CHANGE)]
-    if "train.grad_accum" in changed:
-        saved_world = read_state(checkpoint).get("world_size", 1)
-        if isinstance(saved_world, int) and isinstance(saved["train.grad_accum"], int) and \
-                saved_world * saved["train.grad_accum"] == world_size * now["train.grad_accum"]:
-            changed.remove("train.grad_accum")
-    if changed:
-        diff = "; ".join(f"{k}: {saved[k]!r} in the checkpoint, {now[k]!r} now" for k in changed)
-        raise UserInputError(f"{checkpoint}: cannot resume with a changed config ({diff}); set the checkpoint's values, "
-                             "or train.resume=false / a new run_dir to start over (a resume may change only the run's length, "
-                             "logging, saving, devices and performance keys: RESUME_MAY_CHANGE in eagleforge.train.loop)")
-
-
-class MetricLogger:
-    """One log line per window, the same numbers as rows of RUN/train_log.csv (and tensorboard
-    when installed). On resume, rows past the resumed step are dropped (they will be redone)."""
-
-    def __init__(self, run_dir: Path, ttt_steps: int, resumed_step: int = 0):
-        self.path = Path(run_dir) / CSV_NAME
-        self.columns = ["step", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "simulated_acceptance_length"]
-        self.columns += [f"acc_{j}" for j in range(ttt_steps)] + [f"loss_{j}" for j in range(ttt_steps)]
-        rows = []
-        if resumed_step and self.path.is_file():
-            with open(self.path, newline="", encoding="utf-8") as f:
-                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= resumed_step]
-        with open(self.path, "w", newline="", encoding="utf-8") as f:
-            writer = csv.DictWriter(f, fieldnames=self.columns)
-            writer.writeheader()
-            writer.writerows(rows)
-        self.tensorboard = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tensorboard = SummaryWriter(str(Path(run_dir) / "tensorboard"))
-        except ImportError:
-            pass
-
-    def log(self, step: int, epoch: int, stats: TTTStats, decay: float, lr: float, grad_norm: float, tokens_per_s: float) -> None:
-        acc = stats.accuracy_per_step()
-        row = {
-            "step": step, "epoch": epoch, "loss": stats.loss(decay), "lr": lr, "grad_norm": grad_norm,
-            "tokens_per_s": tokens_per_s, "simulated_acceptance_length": stats.acceptance_length(),
-            **{f"acc_{j}": a for j, a in enumerate(acc)}, **{f"loss_{j}": l for j, l in enumerate(stats.loss_per_step())},
-        }
-        log.info(
-            "step %d | loss %.4f | acc %s | accept %.3f | lr %.2e | grad %.3f | %.0f tok/s",
-            step, row["loss"], " ".join(f"{a:.3f}" for a in acc), row["simulated_acceptance_length"], lr, grad_norm, tokens_per_s,
-        )
-        with open(self.path, "a", newline="", encoding="utf-8") as f:
-            csv.DictWriter(f, fieldnames=self.columns).writerow(row)
-        if self.tensorboard is not None:
-            for key, value in row.items():
-                if key != "step":
-                    self.tensorboard.add_scalar(f"train/{key}", value, step)
-
-    def close(self) -> None:
-        if self.tensorboard is not None:
-            self.tensorboard.close()
 
 
 def train(cfg: Config, stop_after_step: int | None = None) -> dict | None:

@@ -1,0 +1,206 @@
+"""The TTT loss assembled from a batch: which rows each training-time-test step scores, their
+weights, the teacher's logsumexp, and the loss (eagleforge.train.loss or the fused kernels).
+
+Alignment (ARCHITECTURE.md, forward_ttt): at TTT step j, row t of a sample predicts token
+t+2+j. Its teacher is the target's last hidden state at position t+1+j (whose next token is
+t+2+j), the target's greedy choice is target_argmax[t+1+j], and the loss mask is
+loss_mask[t+2+j] (0 past the end of the sample). The teacher's logsumexp over the draft
+vocabulary is computed once per batch for every position and indexed by each step.
+
+Normalization (the choice): step j's loss is the MEAN soft cross-entropy over its positions
+with loss_mask[t+2+j] = 1 whose target argmax lies in the draft vocabulary; the batch loss is
+sum_j step_weight_decay^j * loss_j. Each step has equal say whatever its number of positions
+(later steps have fewer), and the gradient scale does not depend on the batch size.
+Accuracy at step j counts every position with loss_mask[t+2+j] = 1, including those whose
+target token is outside the draft vocabulary (the draft can never propose those, so the
+simulated acceptance length stays honest).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from eagleforge.kernels.soft_ce import teacher_logsumexp
+from eagleforge.train.metrics import TTTStats
+
+log = logging.getLogger(__name__)
+
+
+def ttt_step_rows(loss_mask: torch.Tensor, step: int) -> torch.Tensor:
+    """Flat indices (b * T + t) [M] of the rows that carry a loss at TTT step `step`: those
+    with loss_mask[b, t + 2 + step] set. Their teacher rows are the returned indices + 1 + step
+    (same sample row, since t + 1 + step < T). step = -1 gives the teacher positions s (those
+    with loss_mask[s + 1] set)."""
+    batch, length = loss_mask.shape
+    shift = 2 + step
+    valid = torch.zeros_like(loss_mask, dtype=torch.bool)
+    if shift < length:
+        valid[:, : length - shift] = loss_mask[:, shift:].to(torch.bool)
+    return valid.reshape(-1).nonzero().squeeze(1)
+
+
+def ttt_loss(
+    normed_hiddens: list[torch.Tensor],
+    draft_head: torch.Tensor,
+    last_hidden: torch.Tensor,
+    teacher_head: torch.Tensor,
+    teacher_lse: torch.Tensor,
+    loss_mask: torch.Tensor,
+    target_argmax: torch.Tensor,
+    t2d: torch.Tensor,
+    d2t: torch.Tensor,
+    step_weight_decay: float,
+    loss_fn: Callable,
+) -> tuple[torch.Tensor, TTTStats]:
+    """(sum_j decay^j * mean soft-CE of step j, per-step stats) for one batch.
+
+    normed_hiddens: ttt_steps x [B, T, H] (forward_ttt); draft_head [Vd, H]; last_hidden
+    [B, T, Ht]; teacher_head [Vd, Ht]; teacher_lse [B*T]; loss_mask [B, T]; target_argmax
+    [B, T] target ids; t2d [V] bool; d2t [Vd] int64.
+    """
+    batch, length, h_target = last_hidden.shape
+    teacher_flat = last_hidden.reshape(-1, h_target)  # [B*T, Ht]
+    argmax_flat = target_argmax.reshape(-1)
+    stats = TTTStats(len(normed_hiddens))
+    total = torch.zeros((), dtype=torch.float32, device=last_hidden.device)
+    for j, hidden in enumerate(normed_hiddens):
+        rows = ttt_step_rows(loss_mask, j)  # [M] flat rows predicting token t+2+j
+        if rows.numel() == 0:
+            continue
+        teacher_rows = rows + 1 + j
+        target_ids = argmax_flat[teacher_rows]  # target's greedy token t+2+j
+        in_vocab = t2d[target_ids]
+        n_in = int(in_vocab.sum())
+        weight = in_vocab.float() / max(n_in, 1)
+        draft_hidden = hidden.reshape(-1, hidden.shape[-1])[rows]  # [M, H]
+        ce_mean, draft_argmax = loss_fn(draft_hidden, draft_head, teacher_flat[teacher_rows], teacher_head, teacher_lse[teacher_rows], weight)
+        total = total + step_weight_decay**j * ce_mean
+        correct = (draft_argmax + d2t[draft_argmax]) == target_ids
+        stats.ce_sum[j] += float(ce_mean.detach()) * n_in
+        stats.n_loss[j] += n_in
+        stats.n_correct[j] += int(correct.sum())
+        stats.n_valid[j] += int(rows.numel())
+    return total, stats
+
+
+def ttt_loss_weights(loss_mask: torch.Tensor, target_argmax: torch.Tensor, t2d: torch.Tensor, steps: int,
+                     step_weight_decay: float) -> tuple[torch.Tensor, ...]:
+    """The TTT loss weights of a batch as masks on the device (no host sync), for
+    fused_soft_cross_entropy_ttt with teacher_shift 1. loss_mask, target_argmax [B, T]; t2d [V].
+
+    Step j, row t of sample b is a loss row when loss_mask[b, t + 2 + j]; its teacher is row
+    t + 1 + j, whose target argmax is the token it predicts. Returns, over the flat rows N = B*T:
+    weight [K, N] fp32 = loss row x (that token in the draft vocabulary) x decay^j / (such rows
+    of step j), zero on rows without a teacher; valid [K, N] bool (the loss rows); teacher_ids
+    [K, N] int64; n_in [K] (in-vocabulary rows per step); decay [K] fp32."""
+    batch, length = loss_mask.shape
+    dev = loss_mask.device
+    mask = loss_mask.to(torch.bool)
+    argmax = F.pad(target_argmax.reshape(batch, length).long(), (0, steps + 1))  # [B, T + K + 1]: no read past a row
+    valid = torch.zeros(steps, batch, length, dtype=torch.bool, device=dev)
+    teacher_ids = torch.zeros(steps, batch, length, dtype=torch.long, device=dev)
+    for j in range(steps):
+        if 2 + j < length:
+            valid[j, :, : length - 2 - j] = mask[:, 2 + j:]
+        teacher_ids[j] = argmax[:, 1 + j: 1 + j + length]  # the target's greedy token t + 2 + j
+    valid, teacher_ids = valid.reshape(steps, -1), teacher_ids.reshape(steps, -1)
+    in_vocab = valid & t2d[teacher_ids]  # [K, N]
+    n_in = in_vocab.sum(1)  # [K], on the device
+    decay = step_weight_decay ** torch.arange(steps, device=dev, dtype=torch.float32)
+    weight = in_vocab.float() * (decay / n_in.clamp_min(1))[:, None]
+    return weight, valid, teacher_ids, n_in, decay
+
+
+def ttt_loss_shared(
+    normed_hiddens: list[torch.Tensor],
+    draft_head: torch.Tensor,
+    last_hidden: torch.Tensor,
+    teacher_head: torch.Tensor,
+    loss_mask: torch.Tensor,
+    target_argmax: torch.Tensor,
+    t2d: torch.Tensor,
+    d2t: torch.Tensor,
+    step_weight_decay: float,
+    compute_dtype: torch.dtype,
+    chunk_tokens: int | None = None,
+    packed: bool = False,
+) -> tuple[torch.Tensor, TTTStats]:
+    """The same loss and stats as `ttt_loss`, through the TTT form of the fused kernel: the
+    teacher logits are computed once per position for all steps (3 + 1/K matmuls per step
+    instead of 4) and the matmuls run in `compute_dtype` (bf16 on GPUs and on CPUs with
+    bf16 units). Shapes as in `ttt_loss`.
+
+    No host sync: the rows of each step are masks, not index lists (no nonzero), the per-step
+    counts stay on the device (the weights divide by them there), and the stats are device sums
+    (TTTStats.add_device_sums) read back once when the step's numbers are logged. (bench-train,
+    2026-11-30: nine syncs per step cost ~9 ms of a ~175 ms step at 2K tokens.)"""
+    from eagleforge.kernels import fused_soft_cross_entropy_ttt
+
+    steps = len(normed_hiddens)
+    batch, length, h_target = last_hidden.shape
+    n_rows = batch * length
+    weight, valid, teacher_ids, n_in, decay = ttt_loss_weights(loss_mask, target_argmax, t2d, steps, step_weight_decay)
+    hiddens = [h.reshape(n_rows, -1).to(compute_dtype) for h in normed_hiddens]
+    loss, step_losses, draft_argmax = fused_soft_cross_entropy_ttt(
+        hiddens, draft_head.to(compute_dtype), last_hidden.reshape(n_rows, h_target).to(compute_dtype),
+        teacher_head.to(compute_dtype), weight, teacher_shift=1, chunk_tokens=chunk_tokens, packed=packed,
+        check_weight=False,  # zero there by construction (valid above); the check would sync
+    )
+    correct = valid & ((draft_argmax + d2t[draft_argmax]) == teacher_ids)  # [K, N]
+    stats = TTTStats(steps)
+    sums = torch.stack([step_losses.detach().double() / decay.double() * n_in.double(), n_in.double(),
+                        correct.sum(1).double(), valid.sum(1).double()])  # [4, K]
+    stats.add_device_sums(sums)
+    return loss, stats
+
+
+def batch_teacher_lse(last_hidden: torch.Tensor, loss_mask: torch.Tensor, teacher_head: torch.Tensor) -> torch.Tensor:
+    """teacher_lse [B*T] for one batch, computed once for all TTT steps. Position s is a teacher
+    (of step j for row s-1-j) only when loss_mask[s+1] is set, so only those rows are computed;
+    the others stay 0 and are never read."""
+    h_target = last_hidden.shape[-1]
+    flat = last_hidden.reshape(-1, h_target)
+    teachers = ttt_step_rows(loss_mask, -1)  # shift 1: rows s with loss_mask[s+1]
+    lse = torch.zeros(flat.shape[0], dtype=torch.float32, device=flat.device)
+    lse[teachers] = teacher_logsumexp(flat[teachers].float(), teacher_head.float())  # fp32 logits, as the loss's own
+    return lse
+
+
+@torch.no_grad()
+def target_argmax_from_hidden(last_hidden: torch.Tensor, full_head: torch.Tensor, chunk_rows: int = 1024) -> torch.Tensor:
+    """The target's full-vocabulary greedy token [B, T] from last_hidden [B, T, Ht] and its
+    whole head [V, Ht]: the fallback when the shards carry no target_argmax."""
+    flat = last_hidden.reshape(-1, last_hidden.shape[-1])
+    head = full_head.to(flat.device, torch.float32)
+    out = torch.empty(flat.shape[0], dtype=torch.int64, device=flat.device)
+    for start in range(0, flat.shape[0], chunk_rows):
+        out[start : start + chunk_rows] = (flat[start : start + chunk_rows].float() @ head.T).argmax(-1)
+    return out.reshape(last_hidden.shape[:-1])
+
+
+class TTTLoss:
+    """forward_ttt and the TTT loss of one batch: what DraftWithLoss runs inside its forward, so
+    FSDP has lm_head gathered when the loss reads it. Returns (loss, TTTStats) as ttt_loss."""
+
+    def __init__(self, tc, teacher_head: torch.Tensor, loss_fn: Callable, device: torch.device):
+        self.tc, self.teacher_head, self.loss_fn, self.device_type = tc, teacher_head, loss_fn, device.type
+
+    def __call__(self, draft, aux_hidden_states, input_ids, last_hidden, loss_mask, target_argmax):
+        tc = self.tc
+        with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=tc.bf16):
+            hiddens = draft.forward_ttt(aux_hidden_states, input_ids, tc.ttt_steps, attention=tc.attention,
+                                        checkpoint=tc.activation_checkpoint,
+                                        compile="dynamic" if tc.compile else False)  # batches vary in length
+        if tc.loss != "reference":  # the TTT form: teacher shared over steps
+            return ttt_loss_shared(
+                hiddens, draft.lm_head.weight, last_hidden, self.teacher_head, loss_mask, target_argmax, draft.t2d,
+                draft.d2t, tc.step_weight_decay, torch.bfloat16 if tc.bf16 else torch.float32, tc.loss_chunk_tokens or None,
+                packed=tc.loss_packed,
+            )
+        lse = batch_teacher_lse(last_hidden, loss_mask, self.teacher_head)
+        return ttt_loss(hiddens, draft.lm_head.weight, last_hidden, self.teacher_head, lse, loss_mask, target_argmax,
+                        draft.t2d, draft.d2t, tc.step_weight_decay, self.loss_fn)
