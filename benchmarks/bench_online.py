@@ -60,7 +60,7 @@ def main(argv=None) -> dict:
     p.add_argument("--layers", type=int, default=4, help="target layers (1 dense + the rest MoE)")
     p.add_argument("--steps", type=int, default=8, help="timed batches per mode")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--prefetch", type=int, default=2, help="train.prefetch: forwards queued ahead")
+    p.add_argument("--prefetch", type=int, default=Config().train.prefetch, help="train.prefetch: forwards queued ahead (default: the trainer's)")
     p.add_argument("--tiny", "--cpu", dest="tiny", action="store_true", help="toy shapes on the CPU")
     p.add_argument("--json", default=None)
     opt = p.parse_args(argv)

@@ -6,7 +6,7 @@
 #
 #   make bench-gpu                                   # = bash benchmarks/run_all.sh
 #   bash benchmarks/run_all.sh moe loss              # a subset, by name:
-#        moe loss train attention prefill extract plan train-dist tp-capture quality
+#        moe loss train attention prefill extract plan train-dist tp-capture online quality
 #   OUT=runs/bench PYTHON=python3 bash benchmarks/run_all.sh
 #
 # Single-GPU benchmarks run on GPU 0; with two or more GPUs, extract, plan, train-dist and
@@ -47,7 +47,7 @@ run() {  # run NAME COMMAND...: prints and logs the output, remembers a failure
   [ "${PIPESTATUS[0]}" -eq 0 ] || failed+=("$name")
 }
 
-for bench in ${*:-moe loss train attention prefill extract plan train-dist tp-capture quality}; do
+for bench in ${*:-moe loss train attention prefill extract plan train-dist tp-capture online quality}; do
   case $bench in
     moe)  # one Kimi-K2.5 MoE layer: INT4 kernels vs bf16 grouped_mm
       run moe "${ONE[@]}" benchmarks/bench_moe.py --tokens 4096 16384 --json "$OUT/moe.json" ;;
@@ -86,10 +86,14 @@ for bench in ${*:-moe loss train attention prefill extract plan train-dist tp-ca
       else
         echo "=== tp-capture: skipped (needs 2 GPUs)"
       fi ;;
+    online)  # online training: the Kimi-shaped target feeding the Kimi-shaped draft on one GPU
+      for t in 8192 16384; do
+        run "online-$t" "${ONE[@]}" benchmarks/bench_online.py --tokens "$t" --steps 8 --warmup 3 --json "$OUT/online_$t.json"
+      done ;;
     quality)  # the SmolLM2 GPU config end to end: data, extract, vocab, train, eval on 40 HumanEval prompts
       run quality env CUDA_VISIBLE_DEVICES=0 PYTHON="$PY" EVAL_PROMPTS=40 bash benchmarks/smollm2_gpu.sh "$OUT/smollm2_gpu" ;;
     *)
-      echo "unknown benchmark '$bench' (moe loss train attention prefill extract plan train-dist tp-capture quality)" >&2
+      echo "unknown benchmark '$bench' (moe loss train attention prefill extract plan train-dist tp-capture online quality)" >&2
       failed+=("$bench") ;;
   esac
 done

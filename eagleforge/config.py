@@ -160,7 +160,9 @@ class TrainConfig:
     # Where the target's states come from: shards (RUN/hidden, written by extract) | online (the
     # target runs inside the train stage on RUN/data/samples.jsonl; train/online.py).
     source: str = "shards"
-    prefetch: int = 2  # online: target forwards queued ahead of the training thread (0 = in line)
+    # online: target forwards queued ahead of the training thread on a producer thread (0 = in
+    # line; on one H200 queueing gained nothing: BENCHMARKS.md, bench-online)
+    prefetch: int = 0
     cache_gb: float = 0.0  # online: keep up to this many GB of the first epoch's states as shards in RUN/hidden
 
 
