@@ -301,6 +301,23 @@ def test_pretokenized_source_rows_checked_and_cut_to_max_length(tiny_ckpt, tmp_p
         extract_native(load_config(None, overrides(tiny_ckpt, tmp_path / "latin", tp=1, source=str(latin))))
 
 
+def test_native_resume_refuses_changed_data_under_the_same_ids(tiny_ckpt, tmp_path):
+    """The native backend's resume keys on the samples' content, as the hf backend's: a data
+    source with the same ids and other tokens is refused naming the shard, never reused."""
+    rows = make_samples(n=4, seed=7)
+    run = tmp_path / "run"
+    (run / "data").mkdir(parents=True)
+    samples = run / "data" / "samples.jsonl"
+    samples.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = overrides(tiny_ckpt, run, tp=1)
+    first = extract_native(load_config(None, args))
+    assert extract_native(load_config(None, args))["shards"] == first["shards"]  # unchanged: resumed, nothing redone
+    rows[3]["input_ids"] = [(t + 1) % 250 for t in rows[3]["input_ids"]]  # chunk 1 (2 per shard), same id and length
+    samples.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(UserInputError, match=rf"{first['shards'][1]['file']}: made from other samples than chunk 1"):
+        extract_native(load_config(None, args))
+
+
 @pytest.mark.parametrize("user_var", [None, "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
 def test_expandable_segments_only_where_the_user_set_no_allocator_config(monkeypatch, user_var):
     """The native backend asks for expandable segments, but never over a configuration the user

@@ -843,6 +843,23 @@ def test_a_nan_in_a_shard_stops_training_naming_the_shard(vocab_run):
     assert not (cfg.run / "draft").exists()
 
 
+def test_a_nan_where_the_loss_never_looks_still_stops_training(vocab_run):
+    """A NaN in the last token's final state (never a teacher: nothing follows it) leaves the loss
+    and the gradients finite; the states' own device check skips the step and names the shard."""
+    from eagleforge.train.loop import train
+
+    cfg, _ = vocab_run
+    cfg.train.holdout_samples, cfg.train.max_steps, cfg.train.log_every = 0, 3, 3
+
+    def nan_in_last_token(samples):
+        samples[0]["last_hidden_state"][-1, 3] = float("inf")
+
+    path = _write_extra_shard(cfg, nan_in_last_token)
+    with pytest.raises(UserInputError, match=rf"{path.name}: sample 100 holds NaN/Inf in last_hidden_state"):
+        train(cfg)
+    assert not (cfg.run / "draft").exists()
+
+
 def test_target_argmax_out_of_range_is_named(vocab_run):
     """A shard whose target_argmax holds an id >= V (or < 0, which would wrap around and pick
     another token's teacher) is an error naming the shard and sample, at its first read."""

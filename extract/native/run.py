@@ -142,7 +142,7 @@ def _extract(cfg: Config, state: ParallelState) -> dict | None:
     if state.is_group_leader:
         writer = ShardWriter(cfg.run / "hidden", manifest_header(cfg, info, aux_layers), cfg.extract.storage_dtype,
                              group=state.group_index if state.num_groups > 1 else None)
-        todo = [c for c in mine if not writer.is_complete(c, [row["id"] for row in chunks[c]])]
+        todo = [c for c in mine if not writer.is_complete(c, [row["id"] for row in chunks[c]], chunks[c])]
     # the group's other ranks follow their leader's list (collectives need the same forwards)
     todo = gather_objects(state, todo)[state.group_index * state.tp.size]
     log.info("%d samples in %d chunks, %d groups of tp %d (%s experts); group 0 has %d chunks to do; aux layers %s",
