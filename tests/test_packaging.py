@@ -1,8 +1,9 @@
 """pyproject.toml installs every package folder under the eagleforge namespace (a package left out
 of `packages` is missing from a wheel while an editable install still finds it)."""
 
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 
