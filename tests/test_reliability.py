@@ -470,6 +470,51 @@ def _resume_and_export_refuse(cfg, ckpt: Path, marker: Path, why: str) -> None:
         assert not marker.exists(), "code from the checkpoint ran"
 
 
+def _dotted_global_payload(module: str, dotted: str, argument) -> bytes:
+    """A protocol-4 pickle calling the global `module`:`dotted` (a dotted name, which pickle's
+    STACK_GLOBAL resolves attribute by attribute) with one argument: (module, name) pass any check
+    on the module alone."""
+    import pickle
+
+    def text(value: str) -> bytes:
+        data = value.encode()
+        return pickle.SHORT_BINUNICODE + bytes([len(data)]) + data
+
+    return (pickle.PROTO + bytes([4]) + text(module) + text(dotted) + pickle.STACK_GLOBAL
+            + pickle.dumps((argument,), protocol=4)[2:-1] + pickle.REDUCE + pickle.STOP)
+
+
+def _reachable(module: str, dotted: str):
+    import importlib
+
+    obj = importlib.import_module(module)
+    for part in dotted.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def test_checkpoint_metadata_naming_code_through_an_allowed_module_never_runs(vocab_run):
+    """pickle resolves a dotted name from an allowed module through whatever that module imports:
+    `torch.distributed.checkpoint.metadata` + `torch._strobelight....subprocess.Popen` is Popen.
+    The unpickler looks a name up only as the module's own attribute: refused, nothing runs."""
+    import pickle
+
+    dotted = "torch._strobelight.cli_function_profiler.subprocess.Popen"
+    module = "torch.distributed.checkpoint.metadata"
+    if _reachable(module, dotted) is None:
+        dotted = "torch.ctypes.CDLL"  # another class the module reaches (loading a library runs its code)
+    cfg, _ = vocab_run
+    ckpt = _trained_checkpoint(cfg)
+    probe, marker = cfg.run.parent / "probe_ran", cfg.run.parent / "code_ran"
+    if dotted.endswith("Popen"):  # the payload is live: plain pickle runs it
+        pickle.loads(_dotted_global_payload(module, dotted, ["touch", str(probe)])).wait()
+        assert probe.exists()
+    (ckpt / ".metadata").write_bytes(_dotted_global_payload(module, dotted, ["touch", str(marker)]))
+    _restamp(ckpt)
+    _resume_and_export_refuse(cfg, ckpt, marker, "is not part of a checkpoint's metadata")
+    assert not marker.exists()
+
+
 def _craft_bytes_entry(ckpt: Path, metadata, fqn: str, marker: Path) -> None:
     """Mark `fqn` as bytes stored in `__7_0.distcp`, which holds a payload that creates `marker`."""
     import pickle

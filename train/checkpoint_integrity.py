@@ -34,10 +34,14 @@ from eagleforge.shards import file_sha256
 CHECKSUMS_FILE = "checksums.json"
 _DCP_DATA_FILE = re.compile(r"__\d+_\d+\.distcp")
 
-# The globals a DCP .metadata pickle names (torch 2.11-2.13): module -> allowed names (None = any
-# class of that module: DCP's metadata dataclasses).
+# The globals a DCP .metadata pickle names (torch 2.11-2.13), module -> names, listed one by one.
+# A name is looked up as that module's own attribute only: pickle's protocol 4 would follow a
+# dotted name ("torch.os.system") from an allowed module to anything it imports.
 _METADATA_GLOBALS = {
-    "torch.distributed.checkpoint.metadata": None,
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "StorageMeta", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING",  # bytes entries are refused by check_metadata
+    },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
     "torch": {"Size"},
@@ -48,13 +52,13 @@ _METADATA_GLOBALS = {
 
 class MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if module in _METADATA_GLOBALS:
-            allowed = _METADATA_GLOBALS[module]
-            found = super().find_class(module, name) if allowed is None or name in allowed else None
-            if found is not None and (allowed is not None or isinstance(found, type)):
-                return found
+        if "." not in name:
+            if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+                return getattr(torch, name)
+            if name in _METADATA_GLOBALS.get(module, ()):
+                found = super().find_class(module, name)
+                if getattr(found, "__module__", None) == module:  # defined there, not imported into it
+                    return found
         raise pickle.UnpicklingError(f"global {module}.{name} is not part of a checkpoint's metadata")
 
 
