@@ -260,3 +260,66 @@ def test_two_rank_checkpoint_resumes_on_one_process(runs, tmp_path):
     assert [s for s, _, _ in b] == [s for s, _, _ in a[STOP_AT:]]  # a fresh log from the resumed step on
     for (step, la, _), (_, lb, _) in zip(a[STOP_AT:], b):
         assert lb == pytest.approx(la, rel=1e-5), (step, la, lb)
+
+
+def _disk_full_on_one_rank(rank: int, world: int, port: int, run_dir: str, out_dir: str) -> None:
+    """Rank 1's own file of a checkpoint hits ENOSPC; every rank must raise the same one line."""
+    import dataclasses
+    import datetime
+    import errno
+    import os
+
+    import torch.distributed as dist
+
+    from eagleforge.config import Config, UserInputError
+    from eagleforge.train import checkpoint
+    from eagleforge.train.distributed import DistEnv
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))  # a hang shows as a timeout, not as a pass
+
+    @dataclasses.dataclass
+    class Sizes:
+        width: int = 4
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.draft = torch.nn.Linear(4, 3)
+            self.draft.config = Sizes()
+
+    if rank == 1:
+        def no_room(path, env):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+        checkpoint._save_rng = no_room
+    model = Model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    cfg = Config(run_dir=run_dir)
+    try:
+        checkpoint.save_checkpoint(cfg, 3, model, optimizer, scheduler, {}, DistEnv(rank, world))
+        outcome = "saved"
+    except UserInputError as err:
+        outcome = f"UserInputError: {err}"
+    except Exception as err:  # noqa: BLE001 - reported to the test, which names it
+        outcome = f"{type(err).__name__}: {err}"
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(outcome)
+    dist.destroy_process_group()
+
+
+def test_disk_full_on_one_rank_stops_every_rank_with_the_same_line(tmp_path):
+    """A checkpoint write that fails on one rank only (its RNG file, after DCP's shards): both ranks
+    reach the same collectives and raise the same one-line error instead of waiting at a barrier
+    until the process-group timeout; the unfinished directory is removed."""
+    import torch.multiprocessing as mp
+    from test_native_model import free_port
+
+    run = tmp_path / "run"
+    mp.spawn(_disk_full_on_one_rank, args=(2, free_port(), str(run), str(tmp_path)), nprocs=2, join=True)
+    outcomes = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+    assert outcomes[0] == outcomes[1], outcomes
+    assert outcomes[0].startswith("UserInputError: ") and "step-000003: cannot write, no space left on device" in outcomes[0]
+    assert list((run / "checkpoints").iterdir()) == []

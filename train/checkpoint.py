@@ -120,8 +120,6 @@ def save_checkpoint(cfg: Config, step: int, model: torch.nn.Module, optimizer, s
                     env: DistEnv = SINGLE) -> Path:
     """Write RUN/checkpoints/step-{step:06d}/ (collective: every rank calls it), then prune to
     cfg.train.keep_last. `model` is the (possibly FSDP/DDP-wrapped) DraftWithLoss."""
-    import torch.distributed.checkpoint as dcp
-
     root = checkpoint_dir(cfg.run)
     final = root / f"step-{step:06d}"
     tmp = root / f".tmp-{final.name}"
@@ -133,39 +131,79 @@ def save_checkpoint(cfg: Config, step: int, model: torch.nn.Module, optimizer, s
     model_state, optim_state = _state_dicts(model, optimizer)
     payload = {"model": model_state, "optim": optim_state["state"]}
     _check_tensors(payload, "state")
-    failure, described = None, {}
-    try:
-        with _single_process_ok():
-            dcp.save(payload, checkpoint_id=str(tmp), no_dist=not env.distributed)
-        _save_rng(tmp / f"rng-{env.rank:05d}.safetensors", env)
-        if env.is_main:
-            record = {"step": step, "world_size": env.world_size, "scheduler": _jsonable(scheduler.state_dict()),
-                      "optimizer_param_groups": _param_groups_json(optim_state["param_groups"]), **state}
-            (tmp / STATE_FILE).write_text(json.dumps(record, indent=1), encoding="utf-8")
-            draft = _inner_draft(model)
-            (tmp / DRAFT_CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(draft.config), indent=1), encoding="utf-8")
-            save_config(cfg, tmp / "config.yaml")
-        barrier(env)  # every rank's files are written (DCP's own collectives end before .metadata)
-        described = describe_files(_fsync_own_files(tmp, env))  # each rank hashes what it wrote
-    except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        failure = _write_failure(final, err)
-        if failure is None:
-            raise
-    # One collective decides for all ranks: a rank that failed alone must not leave the others
-    # waiting at the next barrier.
+    # Every rank runs the same collectives whatever fails where: each phase turns this rank's
+    # error into a line, and one collective after it decides for all (a rank that failed alone
+    # must not leave the others waiting at a barrier until the process-group timeout).
+    failure = _attempt(final, lambda: _write_files(tmp, cfg, step, model, scheduler, state, payload,
+                                                   optim_state["param_groups"], env))
+    _raise_any(all_gather_object(failure, env), tmp, env)  # every rank's files are written
+    described = {}
+
+    def describe():
+        described.update(describe_files(_fsync_own_files(tmp, env)))  # each rank hashes what it wrote
+
+    failure = _attempt(final, describe)
     results = all_gather_object((failure, described), env)
-    failures = [f for f, _ in results if f is not None]
+    _raise_any([f for f, _ in results], tmp, env)
+    failure = None
+    if env.is_main:
+        def publish():
+            write_checksums(tmp, {name: v for _, files in results for name, v in files.items()})
+            replace_dir(tmp, final)  # the same step saved again (the final save after a periodic one) replaces it
+            _prune(cfg.run, cfg.train.keep_last)
+
+        failure = _attempt(final, publish)
+    _raise_any([broadcast_object(failure, env)], tmp, env)
+    if env.is_main:
+        log.info("checkpoint %s", final)
+    return final
+
+
+def _write_files(tmp: Path, cfg: Config, step: int, model, scheduler, state: dict, payload: dict, param_groups: list,
+                 env: DistEnv) -> None:
+    """This rank's share of a checkpoint: its DCP shards of `payload` (through DCP's own
+    collectives), its RNG state, and on rank 0 state.json, draft_config.json and config.yaml."""
+    import torch.distributed.checkpoint as dcp
+
+    with _single_process_ok():
+        dcp.save(payload, checkpoint_id=str(tmp), no_dist=not env.distributed)
+    _save_rng(tmp / f"rng-{env.rank:05d}.safetensors", env)
+    if env.is_main:
+        record = {"step": step, "world_size": env.world_size, "scheduler": _jsonable(scheduler.state_dict()),
+                  "optimizer_param_groups": _param_groups_json(param_groups), **state}
+        (tmp / STATE_FILE).write_text(json.dumps(record, indent=1), encoding="utf-8")
+        draft = _inner_draft(model)
+        (tmp / DRAFT_CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(draft.config), indent=1), encoding="utf-8")
+        save_config(cfg, tmp / "config.yaml")
+
+
+def _attempt(final: Path, work) -> tuple[bool, str] | None:
+    """Run `work`; None when it succeeds, else (a user error?, one line), so that every rank can
+    still reach the collective that follows. Disk full is the user's (the checkpoint and the free
+    space); anything else is logged with its traceback here and raised as a RuntimeError on every
+    rank. Interrupts (Ctrl-C) pass through."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        work()
+    except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+        full = _write_failure(final, err)
+        if full is not None:
+            return True, full
+        log.exception("%s: writing the checkpoint failed", final)
+        last = str(err).strip().splitlines()[-1][:300] if str(err).strip() else ""
+        return False, f"{final}: cannot write the checkpoint ({type(err).__name__}: {last})"
+    return None
+
+
+def _raise_any(failures: list, tmp: Path, env: DistEnv) -> None:
+    """Every rank raises the first rank's failure, if any (rank 0 removes the unfinished directory)."""
+    failures = [f for f in failures if f is not None]
     if failures:
         if env.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise UserInputError(failures[0])
-    if env.is_main:
-        write_checksums(tmp, {name: v for _, files in results for name, v in files.items()})
-        replace_dir(tmp, final)  # the same step saved again (the final save after a periodic one) replaces it
-        _prune(cfg.run, cfg.train.keep_last)
-        log.info("checkpoint %s", final)
-    barrier(env)
-    return final
+        user_error, message = failures[0]
+        raise (UserInputError if user_error else RuntimeError)(message)
 
 
 def _fsync_own_files(tmp: Path, env: DistEnv) -> list[Path]:
