@@ -314,3 +314,24 @@ def test_online_equals_offline_native_tp2_group(native):
     # with the cache both ranks of the group agree (from the schedule alone) on the rows to forward
     _assert_same_losses(cached, native["offline"])
     _assert_cache(cached, n_train=14)
+
+
+def test_native_target_runs_with_the_configured_kernels_and_thresholds(native):
+    """The native backend's runtime keys reach the online target as they reach extraction:
+    target.prefill_attention / moe_backend on the model, split_rows_min_tokens / overlap_min_rows
+    on its tensor-parallel view."""
+    from eagleforge.train.distributed import DistEnv
+    from eagleforge.train.online import NativeTarget, target_group
+
+    cfg = load_config(None, _native_overrides(native["offline"], native["ckpt"], "target.tp=1", "train.source=online",
+                                              "target.moe_backend=loop", "target.prefill_attention=flash",
+                                              "target.split_rows_min_tokens=7", "target.overlap_min_rows=9"))
+    ranks, view = target_group(cfg, DistEnv())
+    assert ranks == [0] and (view.split_rows_min_tokens, view.overlap_min_rows) == (7, 9)
+    target = NativeTarget(cfg, torch.device("cpu"), view)
+    try:
+        args = target.model.args
+        assert (args.moe_backend, args.prefill_attention) == ("loop", "flash")
+        assert all(layer.mlp.experts.backend == "loop" for layer in target.model.model.layers if hasattr(layer.mlp, "experts"))
+    finally:
+        target.close()

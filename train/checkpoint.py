@@ -267,7 +267,7 @@ def read_state(path: str | os.PathLike, env: DistEnv = SINGLE) -> dict:
                 if not (path / name).is_file():
                     raise UserInputError(f"{path / name}: missing from the checkpoint (delete {path} to start over)")
             verify_checksums(path)
-        except UserInputError as err:
+        except (UserInputError, OSError) as err:  # an unreadable file too: every rank gets the verdict
             failure = str(err)
     failure = broadcast_object(failure, env)
     if failure is not None:

@@ -505,6 +505,10 @@ def train(cfg: Config, stop_after_step: int | None = None) -> dict | None:
     """Train (resuming when RUN holds a checkpoint), evaluate held-out, export; the summary dict.
     Under torchrun every rank calls it; the process group is created and ended here unless the
     caller made it."""
+    if cfg.train.source == "online" and cfg.target.backend == "native":
+        from eagleforge.extract.native.parallel import use_expandable_segments
+
+        use_expandable_segments()  # before CUDA starts, as the native extraction (its plan's reserve assumes it)
     env = init_distributed(cfg.train.device)
     trainer = None
     try:

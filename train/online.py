@@ -121,13 +121,14 @@ class NativeTarget:
         self.samples = check_samples(load_samples_native(cfg), samples_source(cfg), info.args.vocab_size,
                                      cfg.data.max_length, cfg.data.overlong)
         if device.type == "cuda":  # refuse before loading: target + draft must fit (train/online_plan.py)
-            from .online_plan import check_online_fits
+            from eagleforge.train.online_plan import check_online_fits
 
             gpu_bytes = int(cfg.target.gpu_memory_gib * 2**30) or torch.cuda.get_device_properties(device).total_memory
             world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
             plan = check_online_fits(cfg, gpu_bytes, world)
             log.info("online memory plan: %.1f GiB of %.1f GiB per GPU", plan.total_bytes() / 2**30, gpu_bytes / 2**30)
-        self.model = build_model(info, tp, cfg.target.expert_layout, torch_dtype(cfg.target.dtype), device)
+        self.model = build_model(info, tp, cfg.target.expert_layout, torch_dtype(cfg.target.dtype), device,
+                                 cfg.target.prefill_attention, cfg.target.moe_backend)
         load_weights(self.model, info, show_progress=tp.rank == 0 and _is_main())
         self.capture = HiddenStateCapture(self.model.model.layers, self.aux_layers, self.model.model.norm).__enter__()
 
@@ -157,10 +158,13 @@ def target_group(cfg: Config, env) -> tuple[list[int], object]:
     if tp < 1 or env.world_size % tp:
         raise UserInputError(f"target.tp = {tp} does not divide the world size {env.world_size} (torchrun --nproc-per-node x --nnodes)")
     if env.world_size == 1:
-        return [0], TensorParallel()
-    state = state_from_world(tp, env.device, initialized_here=False)  # every rank creates every group
-    first = state.group_index * tp
-    return list(range(first, first + tp)), state.tp
+        view = TensorParallel()
+        ranks = [0]
+    else:
+        state = state_from_world(tp, env.device, initialized_here=False)  # every rank creates every group
+        ranks, view = list(range(state.group_index * tp, state.group_index * tp + tp)), state.tp
+    view.split_rows_min_tokens, view.overlap_min_rows = cfg.target.split_rows_min_tokens, cfg.target.overlap_min_rows
+    return ranks, view
 
 
 # ----------------------------------------------------------------------------- vocabulary
