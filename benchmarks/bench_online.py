@@ -143,8 +143,13 @@ def main(argv=None) -> dict:
     del one
 
     def online(first: int, count: int) -> None:
-        """Train on `count` batches fed by a fresh Prefetcher: its queue starts empty, so the
-        timing includes filling it (no forward is done before the clock starts)."""
+        """Train on `count` batches as the trainer does: with prefetch 0 each forward in line
+        before its step; else fed by a fresh Prefetcher, whose queue starts empty, so the timing
+        includes filling it (no forward is done before the clock starts)."""
+        if opt.prefetch == 0:
+            for i in range(first, first + count):
+                train_step(produce(i)[1])
+            return
         prefetcher = Prefetcher(produce, list(range(first, first + count)), opt.prefetch, device)
         try:
             for _ in range(count):
