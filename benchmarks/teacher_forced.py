@@ -1,4 +1,4 @@
-"""Where a draft's acceptance is lost: the draft teacher-forced (train/specdec.py
+"""Where a draft's acceptance is lost: the draft teacher-forced (eval/specdec.py
 `teacher_forced_hits`) on two texts at the eval's answer length, with the same metrics:
 
     humaneval  the eval's prompts, the target's greedy answers (the text `make eval` measures on)

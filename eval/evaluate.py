@@ -7,7 +7,7 @@
 Loads the target (cfg.target) and the EAGLE-3 draft (cfg.eval.draft_path, default RUN/draft,
 with the target's input embedding attached), builds the prompts (HumanEval's first
 eval.n_prompts problems as the user message through the chat template, or a prompt JSONL) and
-runs, on the same prompts, chain speculative decoding with greedy verification (train/specdec.py)
+runs, on the same prompts, chain speculative decoding with greedy verification (eval/specdec.py)
 with the EAGLE drafter and with the n-gram (prompt-lookup) baseline, k = eval.k draft tokens per
 round, eval.max_new_tokens new tokens per prompt. With eval.check_greedy it also runs plain
 greedy decoding and records whether both outputs equal it token for token (a third pass: off by

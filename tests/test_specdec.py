@@ -1,4 +1,4 @@
-"""Speculative decoding (train/specdec.py): output equals plain greedy decoding, token for token.
+"""Speculative decoding (eval/specdec.py): output equals plain greedy decoding, token for token.
 
 References: transformers' own `generate(do_sample=False)` for greedy_generate; greedy_generate
 for every drafter; a full (non-incremental) target forward with hooks for the aux states the

@@ -417,4 +417,4 @@ def check_resume_config(cfg: Config, checkpoint: Path, world_size: int = 1) -> N
         diff = "; ".join(f"{k}: {saved[k]!r} in the checkpoint, {now[k]!r} now" for k in changed)
         raise UserInputError(f"{checkpoint}: cannot resume with a changed config ({diff}); set the checkpoint's values, "
                              "or train.resume=false / a new run_dir to start over (a resume may change only the run's length, "
-                             "logging, saving, devices and performance keys: RESUME_MAY_CHANGE in eagleforge.train.loop)")
+                             "logging, saving, devices and performance keys: RESUME_MAY_CHANGE in eagleforge.train.checkpoint)")

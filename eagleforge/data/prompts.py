@@ -68,7 +68,7 @@ TEMPLATES = {
     # Code completion in HumanEval's exact shape: the stub alone (imports, signature,
     # docstring), no instruction, built from the standard library's own signatures and
     # docstrings, so the target answers them the way it answers HumanEval (restating the
-    # signature, then a body and examples). Earlier versions put an instruction line first.
+    # signature, then a body and examples); an instruction line first would change that shape.
     "implement": "{stub}",
     "compare": ("Compare `{name}` with `{other}` from the same module: when would you use each? "
                 "Show a code example of both.\n\n`{name}`:\n{doc}\n\n`{other}`:\n{other_doc}"),
