@@ -164,13 +164,22 @@ def main(argv=None) -> dict:
     sync(device)
     online_s = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    # What the plan counts is memory in use on the device (the allocator's reserved peak, plus
+    # the CUDA context and NCCL outside it): read both sides, as check_plan.py does for extraction.
+    reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
+    in_use = None
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        in_use = total - free - torch.cuda.memory_reserved(device) + reserved  # outside the allocator + its peak
 
     n = opt.steps * tokens_per_batch
     report = overlap_report(n, extract_s, n, train_s, n, online_s)
     plan = plan_online(cfg, world=1, args=args, quantized=True)
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "tokens_per_batch": tokens_per_batch,
               "steps": opt.steps, "prefetch": opt.prefetch, "layers": args.num_hidden_layers, **report,
-              "peak_allocated_gib": peak / GIB if peak is not None else None, "plan_gib": plan.total_bytes() / GIB}
+              "peak_allocated_gib": peak / GIB if peak is not None else None,
+              "peak_reserved_gib": reserved / GIB if reserved is not None else None,
+              "peak_in_use_gib": in_use / GIB if in_use is not None else None, "plan_gib": plan.total_bytes() / GIB}
     print(f"\nonline training, {result['device']}, {tokens_per_batch} tokens per batch, {opt.steps} batches, "
           f"{args.num_hidden_layers}-layer target, prefetch {opt.prefetch}")
     print(f"{'mode':<34}{'tokens/s':>12}")
@@ -180,7 +189,8 @@ def main(argv=None) -> dict:
     print(f"{'online (overlapped)':<34}{report['online_tokens_per_s']:>12.0f}")
     print(f"{'online / serial ideal':<34}{report['ratio_to_serial']:>12.3f}")
     if peak is not None:
-        print(f"peak allocated {peak / GIB:.2f} GiB; plan {plan.total_bytes() / GIB:.2f} GiB "
+        print(f"peak allocated {peak / GIB:.2f} GiB, reserved {reserved / GIB:.2f} GiB, in use {in_use / GIB:.2f} GiB; "
+              f"plan {plan.total_bytes() / GIB:.2f} GiB "
               f"(target {plan.target.total_bytes / GIB:.2f}, draft {plan.draft_bytes() / GIB:.2f}; the plan includes the runtime reserve)")
     else:
         print(f"plan {plan.total_bytes() / GIB:.2f} GiB (CPU run: no device peak to compare)")
