@@ -409,7 +409,10 @@ def check_resume_config(cfg: Config, checkpoint: Path, world_size: int = 1) -> N
     changed = [k for k in sorted(saved.keys() & now.keys()) if saved[k] != now[k]
                and not any(k == a or (a.endswith(".") and k.startswith(a)) for a in RESUME_MAY_CHANGE)]
     if "train.grad_accum" in changed:
-        saved_world = read_state(checkpoint).get("world_size", 1)
+        try:  # the world size only; load_checkpoint verifies every file right after this check
+            saved_world = json.loads((checkpoint / STATE_FILE).read_text(encoding="utf-8")).get("world_size", 1)
+        except (OSError, ValueError, AttributeError):
+            saved_world = None
         if isinstance(saved_world, int) and isinstance(saved["train.grad_accum"], int) and \
                 saved_world * saved["train.grad_accum"] == world_size * now["train.grad_accum"]:
             changed.remove("train.grad_accum")
