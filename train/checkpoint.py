@@ -392,7 +392,6 @@ def check_resume_config(cfg: Config, checkpoint: Path, world_size: int = 1) -> N
     import yaml
 
     from eagleforge.config import config_to_dict
-    from eagleforge.train.checkpoint import read_state
 
     file = checkpoint / "config.yaml"
     if not file.is_file():
