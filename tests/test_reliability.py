@@ -972,6 +972,29 @@ def test_a_nan_checkpoint_is_refused_on_resume_and_never_exported(vocab_run, tmp
     assert not (tmp_path / "draft").exists()
 
 
+def test_export_refuses_a_vocabulary_map_other_than_run_vocab(vocab_run, tmp_path):
+    """The checkpoint's d2t must be RUN/vocab's: a draft id mapped to another target token makes
+    every proposal wrong in vLLM/SGLang without an error. A map differing in one id is refused and
+    nothing is exported; the same map is exported."""
+    from eagleforge.train.loop import Trainer, export_finite
+    from eagleforge.vocab import load_vocab_map
+
+    cfg, _ = vocab_run
+    cfg.train.holdout_samples = 0
+    trainer = Trainer(cfg)
+    ckpt = trainer.save()
+    vocab = load_vocab_map(cfg.run)
+    assert export_finite(ckpt, tmp_path / "draft", vocab).is_dir()
+    other = {k: v.clone() for k, v in vocab.items()}
+    last = len(other["d2t"]) - 1
+    old_target, new_target = last + int(other["d2t"][last]), int((~other["t2d"]).nonzero()[0, 0])
+    other["d2t"][last] = new_target - last  # the last draft id now names an unused target id
+    other["t2d"][old_target], other["t2d"][new_target] = False, True
+    with pytest.raises(UserInputError, match=rf"{ckpt}: its d2t differs from RUN/vocab's"):
+        export_finite(ckpt, tmp_path / "other", other)
+    assert not (tmp_path / "other").exists()
+
+
 def test_eval_refuses_a_nan_draft(vocab_run):
     from transformers import AutoModelForCausalLM
 

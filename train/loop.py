@@ -484,20 +484,28 @@ class Trainer:
             summary["simulated_acceptance_length"] = None
         if self.env.is_main:
             write_json_atomic(self.cfg.run / SUMMARY_NAME, summary, indent=1)
-            export_finite(checkpoint_dir(self.cfg.run) / f"step-{self.step:06d}", self.cfg.run / "draft")
+            export_finite(checkpoint_dir(self.cfg.run) / f"step-{self.step:06d}", self.cfg.run / "draft", self.vocab)
         barrier(self.env)
         return summary
 
 
-def export_finite(checkpoint: Path, out_dir: Path) -> Path:
-    """RUN/draft from `checkpoint`, refused (nothing written) when a weight is NaN/Inf: such a
-    draft proposes garbage that eval would not flag by itself."""
+def export_finite(checkpoint: Path, out_dir: Path, vocab: dict | None = None) -> Path:
+    """RUN/draft from `checkpoint`, refused (nothing written) when a weight is NaN/Inf (such a
+    draft proposes garbage that eval would not flag by itself) or, given RUN/vocab's map, when the
+    checkpoint's d2t/t2d differ from it (serving engines map draft ids through d2t: a wrong one
+    makes every proposal another token, silently)."""
     from eagleforge.draft import save_draft
 
     draft = load_draft_from_checkpoint(checkpoint)
     bad = [name for name, t in draft.state_dict().items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
     if bad:
         raise UserInputError(f"{checkpoint}: NaN/Inf in the draft's {', '.join(bad[:4])}; not exported to {out_dir}")
+    if vocab is not None:
+        for name in ("d2t", "t2d"):
+            ours, theirs = getattr(draft, name).cpu(), vocab[name].cpu()
+            if ours.shape != theirs.shape or not torch.equal(ours.to(theirs.dtype), theirs):
+                raise UserInputError(f"{checkpoint}: its {name} differs from RUN/vocab's (a checkpoint of another "
+                                     f"vocabulary?); not exported to {out_dir}")
     return save_draft(draft, out_dir)
 
 
