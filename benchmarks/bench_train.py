@@ -40,7 +40,7 @@ Variants (side by side in ONE run; --variants picks them, each a spec
 `key=value,...` with ckpt = step | none | selective | selective_all (eagleforge.modes.CHECKPOINT_MODES),
 attn = flex | merged | merged_cudnn | sdpa (draft.attention), compile = 0 | 1 (fused elementwise pieces),
 packed = 0 | 1 (the loss's packed TTT form), fusegrad = 0 | 1 (midlayer weight gradients accumulated by the
-GEMM itself, draft.grad_accum: Eagle3Draft.fuse_weight_grads, an opt-in the trainer does not set)).
+GEMM itself, benchmarks/grad_accum.py: a variant the trainer does not run)).
 The trainer's Kimi configs run ckpt=selective_all,attn=merged_cudnn,compile=1 (packed = the
 `train.loss_packed` option, off by default). Rows carry "vs SpecForge" ratios against SpecForge
 measured in the same run (none without SpecForge installed).
@@ -79,6 +79,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import gpu_busy_ms, host_syncs, import_eagleforge, memory_at_peak  # noqa: E402
+from grad_accum import fuse_weight_grads  # noqa: E402
 
 import_eagleforge()  # a bare checkout runs without `pip install -e .`
 
@@ -310,7 +311,7 @@ class OurStep:
         with torch.device(device):
             draft = Eagle3Draft(s.draft_config())
         draft.to(torch.bfloat16)
-        draft.fuse_weight_grads = fusegrad  # midlayer weight gradients added into .grad by each GEMM
+        fuse_weight_grads(draft, fusegrad)  # midlayer weight gradients added into .grad by each GEMM
         d2t = used_ids - torch.arange(s.draft_vocab)
         t2d = torch.zeros(s.vocab, dtype=torch.bool)
         t2d[used_ids] = True
@@ -462,11 +463,11 @@ def check_loss(ours: OurStep, batch: dict) -> dict:
 
 
 def check_fused_weight_grads(ours: OurStep, batch: dict) -> dict:
-    """The whole step's gradients with draft.fuse_weight_grads on against off (same weights,
+    """The whole step's gradients with fused weight gradients (grad_accum.py) on against off (same weights,
     same batch): the largest relative error over the trainable tensors, and the loss of each."""
     out, grads = {"tokens": batch["input_ids_dev"].shape[1]}, {}
     for fused in (False, True):
-        ours.draft.fuse_weight_grads = fused
+        fuse_weight_grads(ours.draft, fused)
         loss, _, _ = ours.forward_loss(batch)
         loss.backward()
         out[f"loss_fused_{int(fused)}"] = loss.item()

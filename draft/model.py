@@ -16,7 +16,7 @@ Serving (KV cache, batch 1 is enough): new_cache, extend (verified rows), propos
 ids by greedy chain from the last row; the chain's KV entries are discarded), rollback.
 
 Training-only machinery sits apart: the TTT attention variants in attention.py, activation
-checkpointing in checkpointing.py, fused weight gradients in grad_accum.py.
+checkpointing in checkpointing.py.
 
 Example:
     from eagleforge.draft import Eagle3Draft
@@ -39,7 +39,6 @@ from torch import nn
 from eagleforge.draft.attention import many_graphs, repeat_kv, ttt_attention
 from eagleforge.draft.checkpointing import checkpointed
 from eagleforge.draft.config import Eagle3Config
-from eagleforge.draft.grad_accum import accumulating_linear
 from eagleforge.modes import COMPILE_MODES, checkpoint_modes
 
 
@@ -230,10 +229,10 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("t2d", t2d)
         # A plain fp32 tensor, not a buffer: module.to(bfloat16) must not round the frequencies.
         self.inv_freq, self.attention_scaling = rope_parameters(config)
-        # ttt_step's midlayer matmuls add their weight gradients straight into .grad (one GEMM
-        # with beta = 1 per step instead of a new [out, in] tensor plus an add): see grad_accum.
-        # Off by default: one process, parameters in the compute dtype (bf16) only.
-        self.fuse_weight_grads = False
+        # How ttt_step runs the midlayer's matmuls: None = each nn.Linear itself; else a function
+        # (linear module, x) -> y, e.g. one that adds its weight gradient straight into .grad
+        # (benchmarks/grad_accum.py measures that; the trainer leaves it None).
+        self.midlayer_linear = None
         self.reset_parameters()
 
     # ------------------------------------------------------------------ setup
@@ -371,7 +370,7 @@ class Eagle3Draft(nn.Module):
         layer, attn_mod, mlp = self.midlayer, self.midlayer.self_attn, self.midlayer.mlp
         eps = self.config.rms_norm_eps
         b, t, _ = hidden.shape
-        lin = (lambda m, x: accumulating_linear(x, m.weight)) if self.fuse_weight_grads else (lambda m, x: m(x))
+        lin = self.midlayer_linear or (lambda m, x: m(x))
         x = ew["norm_cat"](embeds, hidden, layer.input_layernorm.weight, layer.hidden_norm.weight, eps)  # [B, T, 2H]
         q = lin(attn_mod.q_proj, x).view(b, t, attn_mod.num_heads, attn_mod.head_dim).transpose(1, 2)  # [B, Hq, T, D]
         k = lin(attn_mod.k_proj, x).view(b, t, attn_mod.num_kv_heads, attn_mod.head_dim).transpose(1, 2)

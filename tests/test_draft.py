@@ -1,18 +1,21 @@
 """The EAGLE-3 draft: TTT alignment against a per-row plain-math reference and against serving
 with the KV cache, propose() against a greedy loop from scratch, the export format of
-section 6, and from_target_config on Llama, DeepSeek-V3 and Kimi-K2.5-like configs."""
+docs/export.md, and from_target_config on Llama, DeepSeek-V3 and Kimi-K2.5-like configs."""
 
 import copy
 import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 from transformers import DeepseekV3Config, Kimi_K25Config, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # grad_accum: a bench-train variant
 
 from eagleforge.draft import EXPORT_TENSOR_NAMES, Eagle3Config, Eagle3Draft, load_draft, save_draft
 
@@ -516,11 +519,12 @@ def test_forward_ttt_checkpoint_modes_equal_no_checkpoint(checkpoint, attention)
 
 @pytest.mark.parametrize("checkpoint", ["none", "step", "selective", ("selective_all", "none", "step", "selective")])
 def test_fused_weight_grads_equal_autograd_accumulation(checkpoint, monkeypatch):
-    """fuse_weight_grads (each midlayer matmul's weight gradient added into .grad in its
-    backward) gives the reference run's outputs and every parameter's gradient, under each
+    """Fused weight gradients through Eagle3Draft.midlayer_linear (benchmarks/grad_accum.py: each
+    midlayer matmul's weight gradient added into .grad in its backward) give the reference run's
+    outputs and every parameter's gradient, under each
     checkpoint mode (the recomputed forward must not add twice): 7 matmuls x 4 steps, each
     weight gradient added by the fused path exactly once."""
-    from eagleforge.draft import grad_accum
+    import grad_accum
 
     config = make_config("llama3", kv_heads=2)
     draft = make_draft(config, seed=31)
@@ -530,7 +534,7 @@ def test_fused_weight_grads_equal_autograd_accumulation(checkpoint, monkeypatch)
     calls = []
     original = grad_accum.accumulate_weight_grad
     monkeypatch.setattr(grad_accum, "accumulate_weight_grad", lambda w, *a: (calls.append(w), original(w, *a)))
-    draft.fuse_weight_grads = True
+    grad_accum.fuse_weight_grads(draft)
     out, grads = _ttt_grads(draft, aux, ids, 4, weights, attention="merged", checkpoint=checkpoint)
     assert len(calls) == 7 * 4, len(calls)
     assert {id(w) for w in calls} == {id(m.weight) for m in draft.midlayer.modules() if isinstance(m, torch.nn.Linear)}
@@ -546,7 +550,7 @@ def test_fused_weight_grads_equal_autograd_accumulation(checkpoint, monkeypatch)
 def test_accumulating_linear_matches_linear(dtype):
     """Three calls on one weight (odd shapes, a gradient already in .grad, a frozen weight, an
     input without grad): dx as F.linear's, W.grad = old + the sum of the three dW."""
-    from eagleforge.draft.grad_accum import accumulating_linear
+    from grad_accum import accumulating_linear
 
     g = torch.Generator().manual_seed(7)
     w = torch.randn(13, 29, generator=g).to(dtype).requires_grad_()

@@ -5,7 +5,7 @@
 
 Reads the target's config.json (target.path); when that directory does not exist on this machine
 (planning before downloading 595 GB), it plans the built-in Kimi-K2.5 text config of
-section 9 and says so. Prints the configured layout in detail, then the grid tp 4/8/16 x expert
+docs/kimi-k25.md and says so. Prints the configured layout in detail, then the grid tp 4/8/16 x expert
 layouts ep/tp against common GPU sizes. Extraction calls `check_fits` before loading anything and
 refuses to start, saying by how much, when the largest rank's share does not fit.
 

@@ -8,10 +8,11 @@ with beta = 1 into `.grad` itself (cuBLAS reads and writes C in its epilogue), a
 gradient-accumulation fusion does. For the Kimi draft's midlayer (807M parameters) that is about
 19 GB of memory traffic per training step, and no [out, in] temporaries at the backward's peak.
 
-Limits (why it is opt-in, `Eagle3Draft.fuse_weight_grads`): autograd never sees these weight
-gradients, so hooks on AccumulateGrad (DDP's and FSDP's reducers) do not fire; use it on one
-process. The weight must have the activations' dtype (bf16 parameters; under autocast with fp32
-masters the cast copy would have to be kept per step, which costs what the fusion saves).
+Limits (why the trainer does not use it; bench-train measures it as a variant, `fusegrad=1`,
+through `fuse_weight_grads(draft)`): autograd never sees these weight gradients, so hooks on
+AccumulateGrad (DDP's and FSDP's reducers) do not fire; use it on one process. The weight must
+have the activations' dtype (bf16 parameters; under autocast with fp32 masters the cast copy
+would have to be kept per step, which costs what the fusion saves).
 """
 
 from __future__ import annotations
@@ -61,3 +62,9 @@ def accumulating_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
                          "matmul would run in that dtype and its weight gradient would not match .grad's "
                          f"{weight.dtype}; turn fuse_weight_grads off under autocast")
     return _AccumulatingLinear.apply(x, weight)
+
+
+def fuse_weight_grads(draft, enabled: bool = True) -> None:
+    """Run `draft`'s TTT midlayer matmuls through accumulating_linear (or back through the
+    modules themselves), via Eagle3Draft.midlayer_linear."""
+    draft.midlayer_linear = (lambda module, x: accumulating_linear(x, module.weight)) if enabled else None
