@@ -283,30 +283,28 @@ def training_sample_count(num_samples: int, holdout_samples: int, source: str) -
     return num_samples - holdout_samples
 
 
-def load_vocab_map(run_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """{"d2t", "t2d", "counts"} from RUN/vocab/vocab_map.safetensors."""
-    path = Path(run_dir) / "vocab" / VOCAB_MAP
+def _load_vocab_file(run_dir: str | os.PathLike, name: str, check) -> dict[str, torch.Tensor]:
+    path = Path(run_dir) / "vocab" / name
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: run `python -m eagleforge.vocab` first")
-    vocab, _ = _read_checked(path, _NAMES[VOCAB_MAP])
-    check_vocab_map(vocab, path)
-    return vocab
+    tensors, _ = _read_checked(path, _NAMES[name])
+    check(tensors, path)
+    return tensors
+
+
+def load_vocab_map(run_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """{"d2t", "t2d", "counts"} from RUN/vocab/vocab_map.safetensors."""
+    return _load_vocab_file(run_dir, VOCAB_MAP, check_vocab_map)
 
 
 def load_target_head(run_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """{"lm_head" [Vd, H], "embed_tokens" [V, H]} from RUN/vocab/target_head.safetensors."""
-    path = Path(run_dir) / "vocab" / TARGET_HEAD
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: run `python -m eagleforge.vocab` first")
-    head, _ = _read_checked(path, _NAMES[TARGET_HEAD])
-    check_target_head(head, path)
-    return head
+    return _load_vocab_file(run_dir, TARGET_HEAD, check_target_head)
 
 
 def build_vocab(cfg: Config) -> dict:
     """Compute and save the vocabulary files (or reuse them); returns a small summary dict."""
     from eagleforge.shards import ShardReader
-    from eagleforge.target import target_path
 
     hidden_dir = cfg.run / "hidden"
     manifest_file = hidden_dir / "manifest.json"
@@ -326,22 +324,32 @@ def build_vocab(cfg: Config) -> dict:
     vocab_size = int(reader.manifest["target"]["vocab_size"])
     n_train = training_sample_count(len(reader), cfg.train.holdout_samples, str(manifest_file))
     counts = count_tokens(_training_tokens(reader, n_train), vocab_size)
-    d2t, t2d = select_draft_vocab(counts, cfg.vocab.draft_vocab_size)
-    cov = coverage(counts, t2d)
-
-    head, embed = read_target_head(target_path(cfg.target), cfg.target)
-    if head.shape[0] < vocab_size or embed.shape[0] < vocab_size:
-        raise UserInputError(f"target head {tuple(head.shape)} / embedding {tuple(embed.shape)} smaller than the manifest's vocab_size {vocab_size}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    meta = {"identity": identity, "format": "pt"}
-    save_vocab_file({"d2t": d2t, "t2d": t2d, "counts": counts}, map_file, meta)
-    save_vocab_file({"lm_head": head[draft_to_target_ids(d2t)], "embed_tokens": embed[:vocab_size]}, head_file, meta)
+    d2t, t2d, cov = write_vocab_files(cfg, counts, identity)
     seen = int((counts > 0).sum())
     log.info(
         "draft vocabulary: Vd=%d of V=%d (%d ids seen in %d loss-masked tokens of %d samples), coverage %.4f -> %s",
         d2t.shape[0], vocab_size, seen, int(counts.sum()), n_train, cov, out_dir,
     )
     return {"draft_vocab_size": int(d2t.shape[0]), "coverage": cov, "reused": False}
+
+
+def write_vocab_files(cfg: Config, counts: torch.Tensor, identity: str) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """RUN/vocab from token counts [V] (the vocab stage's from the shards, online training's from
+    the samples): the draft vocabulary, the target head's rows of it and the target's embedding,
+    both files stamped with `identity`. -> (d2t, t2d, coverage)."""
+    from eagleforge.target import target_path
+
+    vocab_size = counts.shape[0]
+    d2t, t2d = select_draft_vocab(counts, cfg.vocab.draft_vocab_size)
+    head, embed = read_target_head(target_path(cfg.target), cfg.target)
+    if head.shape[0] < vocab_size or embed.shape[0] < vocab_size:
+        raise UserInputError(f"target head {tuple(head.shape)} / embedding {tuple(embed.shape)} smaller than the vocab_size {vocab_size}")
+    out_dir = cfg.run / "vocab"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"identity": identity, "format": "pt"}
+    save_vocab_file({"d2t": d2t, "t2d": t2d, "counts": counts}, out_dir / VOCAB_MAP, meta)
+    save_vocab_file({"lm_head": head[draft_to_target_ids(d2t)], "embed_tokens": embed[:vocab_size]}, out_dir / TARGET_HEAD, meta)
+    return d2t, t2d, coverage(counts, t2d)
 
 
 def check_shards_match_samples(run_dir: Path) -> None:

@@ -173,23 +173,12 @@ def target_group(cfg: Config, env) -> tuple[list[int], object]:
 def build_vocab_from_samples(cfg: Config, samples: list[dict], header: dict) -> None:
     """RUN/vocab from the samples' loss-masked ids of the training samples (the vocab stage counts
     the same tokens from the shards); reused when the samples, holdout, Vd and target are unchanged."""
-    from eagleforge.target import target_path
-    from eagleforge.vocab import (
-        TARGET_HEAD,
-        VOCAB_MAP,
-        count_tokens,
-        coverage,
-        draft_to_target_ids,
-        read_target_head,
-        save_vocab_file,
-        select_draft_vocab,
-        training_sample_count,
-        vocab_up_to_date,
-    )
+    from eagleforge.shards import rows_sha256
+    from eagleforge.vocab import TARGET_HEAD, VOCAB_MAP, count_tokens, training_sample_count, vocab_up_to_date, write_vocab_files
 
     out = cfg.run / "vocab"
     files = [out / VOCAB_MAP, out / TARGET_HEAD]
-    key = {"samples": hashlib.sha256(json.dumps([(s["id"], s["input_ids"], s["loss_mask"]) for s in samples]).encode()).hexdigest(),
+    key = {"samples": rows_sha256(samples),
            "holdout_samples": cfg.train.holdout_samples, "draft_vocab_size": cfg.vocab.draft_vocab_size,
            "target_path": cfg.target.path, "source": "online"}
     identity = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
@@ -199,14 +188,8 @@ def build_vocab_from_samples(cfg: Config, samples: list[dict], header: dict) -> 
     vocab_size = int(header["target"]["vocab_size"])
     n_train = training_sample_count(len(samples), cfg.train.holdout_samples, str(cfg.run / "data" / "samples.jsonl"))
     counts = count_tokens(((torch.tensor(s["input_ids"]), torch.tensor(s["loss_mask"])) for s in samples[:n_train]), vocab_size)
-    d2t, t2d = select_draft_vocab(counts, cfg.vocab.draft_vocab_size)
-    head, embed = read_target_head(target_path(cfg.target), cfg.target)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"identity": identity, "format": "pt"}
-    save_vocab_file({"d2t": d2t, "t2d": t2d, "counts": counts}, files[0], meta)
-    save_vocab_file({"lm_head": head[draft_to_target_ids(d2t)], "embed_tokens": embed[:vocab_size]}, files[1], meta)
-    log.info("draft vocabulary from the samples: Vd=%d of V=%d, coverage %.4f -> %s", d2t.shape[0], vocab_size,
-             coverage(counts, t2d), out)
+    d2t, _, cov = write_vocab_files(cfg, counts, identity)
+    log.info("draft vocabulary from the samples: Vd=%d of V=%d, coverage %.4f -> %s", d2t.shape[0], vocab_size, cov, out)
 
 
 # ----------------------------------------------------------------------------- batches on the device
