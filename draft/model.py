@@ -260,6 +260,12 @@ class Eagle3Draft(nn.Module):
 
         return save_draft(self, path, dtype=dtype)
 
+    def nonfinite_tensors(self) -> list[str]:
+        """Names of the trained tensors holding NaN/Inf (the frozen embed_tokens is the target's):
+        such a draft proposes garbage that acceptance figures would not flag by themselves."""
+        return [name for name, t in self.state_dict().items()
+                if name != "embed_tokens.weight" and t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
     def set_embed_tokens(self, weight: torch.Tensor) -> None:
         """Copy the target's input embedding [V, H] into the frozen embed_tokens."""
         if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):

@@ -179,7 +179,7 @@ def load_eval_draft(path: Path, target):
     draft = load_draft(path, embed_tokens=target.get_input_embeddings(), dtype=param.dtype, device=param.device)
     # A NaN/Inf weight makes every proposal garbage (NaN logits argmax to id 0) and the measured
     # acceptance meaningless: refuse the draft instead of reporting it.
-    bad = [name for name, t in draft.named_parameters() if name != "embed_tokens.weight" and not bool(torch.isfinite(t).all())]
+    bad = draft.nonfinite_tensors()
     if bad:
         from eagleforge.draft.io import WEIGHTS_FILE
 

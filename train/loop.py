@@ -497,7 +497,7 @@ def export_finite(checkpoint: Path, out_dir: Path, vocab: dict | None = None) ->
     from eagleforge.draft import save_draft
 
     draft = load_draft_from_checkpoint(checkpoint)
-    bad = [name for name, t in draft.state_dict().items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    bad = draft.nonfinite_tensors()
     if bad:
         raise UserInputError(f"{checkpoint}: NaN/Inf in the draft's {', '.join(bad[:4])}; not exported to {out_dir}")
     if vocab is not None:
