@@ -307,6 +307,7 @@ def _disk_full_on_one_rank(rank: int, world: int, port: int, run_dir: str, out_d
         outcome = f"{type(err).__name__}: {err}"
     with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
         f.write(outcome)
+    dist.barrier()
     dist.destroy_process_group()
 
 
