@@ -40,7 +40,7 @@ Variants (side by side in ONE run; --variants picks them, each a spec
 `key=value,...` with ckpt = step | none | selective | selective_all (eagleforge.modes.CHECKPOINT_MODES),
 attn = flex | merged | merged_cudnn | sdpa (draft.attention), compile = 0 | 1 (fused elementwise pieces),
 packed = 0 | 1 (the loss's packed TTT form), fusegrad = 0 | 1 (midlayer weight gradients accumulated by the
-GEMM itself, benchmarks/grad_accum.py: a variant the trainer does not run)).
+GEMM itself, train/weight_grads.py, which the trainer runs with bf16 parameters)).
 The trainer's Kimi configs run ckpt=selective_all,attn=merged_cudnn,compile=1 (packed = the
 `train.loss_packed` option, off by default). Rows carry "vs SpecForge" ratios against SpecForge
 measured in the same run (none without SpecForge installed).
@@ -79,7 +79,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import gpu_busy_ms, host_syncs, import_eagleforge, memory_at_peak  # noqa: E402
-from grad_accum import fuse_weight_grads  # noqa: E402
 
 import_eagleforge()  # a bare checkout runs without `pip install -e .`
 
@@ -87,6 +86,7 @@ from eagleforge.draft import Eagle3Config, Eagle3Draft  # noqa: E402
 from eagleforge.draft.attention import ttt_attention  # noqa: E402
 from eagleforge.kernels import soft_ce_ttt  # noqa: E402
 from eagleforge.train import loss as reference_loss  # noqa: E402
+from eagleforge.train.weight_grads import fuse_weight_grads  # noqa: E402
 
 log = logging.getLogger("bench_train")
 
@@ -463,7 +463,7 @@ def check_loss(ours: OurStep, batch: dict) -> dict:
 
 
 def check_fused_weight_grads(ours: OurStep, batch: dict) -> dict:
-    """The whole step's gradients with fused weight gradients (grad_accum.py) on against off (same weights,
+    """The whole step's gradients with fused weight gradients (train/weight_grads.py) on against off (same weights,
     same batch): the largest relative error over the trainable tensors, and the loss of each."""
     out, grads = {"tokens": batch["input_ids_dev"].shape[1]}, {}
     for fused in (False, True):
@@ -534,6 +534,97 @@ def run_method(name, build, s, tokens_list, device, used_ids, warmup, iters, pea
         out.append(row)
     del method
     free_memory(device)
+
+
+# ----------------------------------------------------------------------------------------------
+# The trainer itself: Trainer.train_step on shards written by the project's writer
+# ----------------------------------------------------------------------------------------------
+
+
+def kimi_shaped_target_config(s: Shape) -> dict:
+    """A DeepSeek-V3-style text config whose draft (Eagle3Config.from_target_config) is Shape's:
+    MLA, so one key/value head per query head at the value head width."""
+    return {"model_type": "deepseek_v3", "hidden_size": s.hidden, "num_attention_heads": s.heads, "kv_lora_rank": 512,
+            "v_head_dim": s.head_dim, "qk_nope_head_dim": s.head_dim, "intermediate_size": s.intermediate,
+            "vocab_size": s.vocab, "num_hidden_layers": 61, "rms_norm_eps": 1e-5, "rope_theta": 50000.0,
+            "max_position_embeddings": 131072}
+
+
+def write_kimi_shaped_run(run: Path, s: Shape, tokens: int, samples: int, used_ids: torch.Tensor) -> None:
+    """RUN/hidden: `samples` samples of `tokens` tokens each (random bf16 states at the Kimi shape,
+    target argmax 90% inside the draft vocabulary), written by eagleforge.shards.ShardWriter one
+    sample per shard; RUN/vocab: d2t/t2d of `used_ids`, a random teacher head and embedding."""
+    from eagleforge.shards import ShardWriter
+    from eagleforge.vocab import TARGET_HEAD, VOCAB_MAP, save_vocab_file
+
+    header = {"target": {"path": "kimi-shaped", "architecture": "DeepseekV3ForCausalLM", "num_layers": 61,
+                         "hidden_size": s.hidden, "vocab_size": s.vocab, "config": kimi_shaped_target_config(s)},
+              "aux_layer_ids": [1, 29, 57], "tokenizer": "none", "chat_template": None, "max_length": tokens,
+              "has_target_argmax": True}
+    writer = ShardWriter(run / "hidden", header, storage_dtype="bfloat16")
+    for i in range(samples):
+        batch = make_batch(s, tokens, torch.device("cpu"), used_ids, seed=100 + i)
+        sample = {"input_ids": batch["input_ids"][0].int(), "loss_mask": batch["loss_mask"][0],
+                  "aux_hidden_states": batch["aux"][0], "last_hidden_state": batch["last"][0],
+                  "target_argmax": batch["target_argmax"][0].int()}
+        writer.write_shard(i, [sample], [i])
+    d2t = used_ids - torch.arange(s.draft_vocab)
+    t2d = torch.zeros(s.vocab, dtype=torch.bool)
+    t2d[used_ids] = True
+    counts = t2d.long()
+    gen = torch.Generator().manual_seed(7)
+    meta = {"identity": "bench", "format": "pt"}
+    (run / "vocab").mkdir(parents=True, exist_ok=True)
+    save_vocab_file({"d2t": d2t, "t2d": t2d, "counts": counts}, run / "vocab" / VOCAB_MAP, meta)
+    save_vocab_file({"lm_head": (torch.randn(s.draft_vocab, s.hidden, generator=gen) * s.hidden**-0.5).bfloat16(),
+                     "embed_tokens": (torch.randn(s.vocab, s.hidden, generator=gen) * 0.02).bfloat16()},
+                    run / "vocab" / TARGET_HEAD, meta)
+
+
+def run_trainer(name: str, config_file: str | None, overrides: list[str], s: Shape, tokens_list: list[int],
+                device: torch.device, used_ids: torch.Tensor, warmup: int, iters: int, peak_tflops: float,
+                workdir: Path, out: list[dict]) -> None:
+    """The trainer's own step, Trainer.train_step(), as `make train` runs it with `config_file`'s
+    train settings (+ `overrides`), at each T: on shards written by the project's writer (batches
+    read, padded and copied ahead by the trainer's prefetch worker), then on the same first batch
+    kept on the device ("synthetic batch": no reading at all). Two rows per T."""
+    import shutil
+
+    from eagleforge.config import load_config
+    from eagleforge.train.loop import Trainer
+
+    for tokens in tokens_list:
+        big = tokens >= 32768
+        steps_warm, steps_timed = (1, min(iters, 2)) if big else (warmup, iters)
+        run = workdir / f"trainer-{tokens}"
+        shutil.rmtree(run, ignore_errors=True)
+        write_kimi_shaped_run(run, s, tokens, steps_warm + steps_timed, used_ids)
+        cfg = load_config(config_file, [f"run_dir={run}", f"train.batch_tokens={tokens}", "train.holdout_samples=0",
+                                        "train.epochs=4", f"train.device={device.type}", "train.save_every=0", *overrides])
+        trainer = None
+        for source in ("shards", "synthetic batch"):
+            label = f"{name} ({source})"
+            try:
+                if trainer is None:
+                    trainer = Trainer(cfg)
+                if source == "synthetic batch":
+                    first = trainer._load(trainer.epoch_batches(0)[0])
+                    trainer._load = lambda ids, first=first: first
+                seconds, peak = time_steps(trainer.train_step, device, steps_warm, steps_timed)
+                row = result_row(label, tokens, seconds, peak, flops_per_token(s, tokens, s.draft_vocab), peak_tflops)
+                row["settings"] = {k: str(getattr(trainer, k, "")) for k in ("param_dtype", "parallel")}
+                row["settings"].update({k: str(getattr(cfg.train, k)) for k in ("activation_checkpoint", "compile", "attention")})
+            except torch.OutOfMemoryError as err:
+                row = {"method": label, "tokens": tokens, "error": "OOM: " + str(err).splitlines()[0][:200]}
+            except Exception as err:  # noqa: BLE001 - recorded; the next T still runs
+                row = {"method": label, "tokens": tokens, "error": repr(err)[:300]}
+            log.info("%s", row)
+            out.append(row)
+        if trainer is not None:
+            trainer.prefetch.close()
+        del trainer
+        free_memory(device)
+        shutil.rmtree(run, ignore_errors=True)
 
 
 def varying_lengths(max_tokens: int, count: int, seed: int = 0) -> list[int]:
@@ -746,6 +837,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--varying", type=int, default=0, metavar="N",
                     help="only time N steps of lengths varying in [T/2, T] (T = the largest --tokens), per variant: "
                          "the trainer's case, with each new shape's first-use costs")
+    ap.add_argument("--trainer-configs", nargs="*", default=["configs/kimi_k25_b300.yaml"],
+                    help="the trainer's rows: Trainer.train_step with each config's train settings (none: skip)")
+    ap.add_argument("--trainer-overrides", nargs="*", default=[], help="key=value overrides for the trainer rows")
+    ap.add_argument("--workdir", type=Path, default=Path("runs/bench_train"), help="where the trainer rows' shards go")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--cpu-check", action="store_true", help="tiny shapes on the CPU (checks the script)")
     args = ap.parse_args(argv)
@@ -756,6 +851,7 @@ def main(argv=None) -> dict:
         args.tokens, args.specforge_tokens, args.check_tokens = [64, 150], [64], 150
         args.attention_tokens, args.attention_modes = [64, 150], ["merged", "merged+compile", "sdpa"]
         args.warmup, args.iters, args.embed_device = 1, 1, "cpu"
+        args.trainer_overrides = ["train.attention=merged", "train.compile=false", *args.trainer_overrides]
     else:
         if not torch.cuda.is_available():
             raise SystemExit("bench_train: no CUDA device (use --cpu-check on a CPU machine)")
@@ -828,9 +924,13 @@ def main(argv=None) -> dict:
         free_memory(device)
         save()
 
+    for config_file in args.trainer_configs:
+        run_trainer(f"trainer {Path(config_file).stem}", config_file, args.trainer_overrides, s, args.tokens, device,
+                    used_ids, args.warmup, args.iters, args.peak_tflops, args.workdir, report["results"])
+        save()
     for v in variants:
         tokens = [t for t in args.tokens if v.ckpt != "none" or t <= args.no_ckpt_max_tokens]
-        run_method(f"ours {v.name}",
+        run_method(f"step-only {v.name}",
                    lambda v=v: v.step(s, device, used_ids, args.embed_device, args.chunk_tokens),
                    s, tokens, device, used_ids, args.warmup, args.iters, args.peak_tflops, s.draft_vocab, report["results"])
         versus_specforge(report["results"])

@@ -129,6 +129,10 @@ class TrainConfig:
     # bf16 autocast for the draft and the loss matmuls (fp32 master weights), on GPUs and on
     # CPUs with bf16 units (4x the fp32 matmul rate on the AVX512-BF16 CI machines).
     bf16: bool = True
+    # The draft's weights, gradients and AdamW moments: auto (bfloat16 on CUDA when bf16, float32
+    # elsewhere) | float32 (fp32 masters under autocast) | bfloat16 (8 bytes per trainable
+    # parameter instead of 16, weight gradients accumulated by the GEMMs: train/weight_grads.py)
+    param_dtype: str = "auto"
     loss_chunk_tokens: int = 0  # rows per chunk in the fused loss; 0 = automatic
     loss_packed: bool = False  # the fused loss runs all TTT steps' rows of a teacher chunk in one matmul
     # Activation checkpointing per TTT step: none | step (recompute the whole step) | selective
@@ -286,6 +290,7 @@ _CHOICES = {
     "train.attention": modes.ATTENTION_MODES,
     "train.loss": modes.LOSS_MODES,
     "train.parallel": modes.PARALLEL_MODES,
+    "train.param_dtype": modes.PARAM_DTYPES,
     "train.loss_positions": modes.LOSS_POSITIONS,
     "train.source": modes.TRAIN_SOURCES,
 }

@@ -69,6 +69,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -518,6 +519,7 @@ class ShardReader:
         self._handles: dict[int, Any] = {}
         self._offsets: dict[int, list[int]] = {}
         self._pid = os.getpid()
+        self._lock = threading.RLock()  # the trainer reads ahead on a worker thread (train/batching.py)
 
     def _problem(self, entry: dict, verify_checksums: bool) -> str | None:
         """Why the shard of `entry` cannot be used (missing, wrong size, wrong sha256), or None."""
@@ -536,7 +538,20 @@ class ShardReader:
     def __len__(self) -> int:
         return self._starts[-1]
 
+    def __getstate__(self) -> dict:  # spawned DataLoader workers: no open handles, a fresh lock
+        state = dict(self.__dict__, _handles={})
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
+
     def _handle(self, shard: int):
+        with self._lock:
+            return self._open(shard)
+
+    def _open(self, shard: int):
         from safetensors import safe_open
 
         if os.getpid() != self._pid:  # forked worker: do not share the parent's mmaps
@@ -553,6 +568,10 @@ class ShardReader:
         return self._handles[shard]
 
     def _shard_offsets(self, shard: int) -> list[int]:
+        with self._lock:
+            return self._read_offsets(shard)
+
+    def _read_offsets(self, shard: int) -> list[int]:
         if shard not in self._offsets:
             path = self.hidden_dir / self.shards[shard]["file"]
             try:

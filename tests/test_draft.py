@@ -15,8 +15,6 @@ from safetensors import safe_open
 from transformers import DeepseekV3Config, Kimi_K25Config, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # grad_accum: a bench-train variant
-
 from eagleforge.draft import EXPORT_TENSOR_NAMES, Eagle3Config, Eagle3Draft, load_draft, save_draft
 
 ROPES = {
@@ -374,7 +372,6 @@ def test_draft_imports_alone():
             "bad = [m for m in sys.modules if m.startswith(('eagleforge.extract', 'eagleforge.train', "
             "'eagleforge.config', 'eagleforge.target', 'eagleforge.kernels'))]; print(bad); assert not bad")
     subprocess.run([sys.executable, "-c", code], check=True)
-    from pathlib import Path
 
     import eagleforge.draft as draft_pkg
 
@@ -519,12 +516,12 @@ def test_forward_ttt_checkpoint_modes_equal_no_checkpoint(checkpoint, attention)
 
 @pytest.mark.parametrize("checkpoint", ["none", "step", "selective", ("selective_all", "none", "step", "selective")])
 def test_fused_weight_grads_equal_autograd_accumulation(checkpoint, monkeypatch):
-    """Fused weight gradients through Eagle3Draft.midlayer_linear (benchmarks/grad_accum.py: each
+    """Fused weight gradients through Eagle3Draft.midlayer_linear (train/weight_grads.py: each
     midlayer matmul's weight gradient added into .grad in its backward) give the reference run's
     outputs and every parameter's gradient, under each
     checkpoint mode (the recomputed forward must not add twice): 7 matmuls x 4 steps, each
     weight gradient added by the fused path exactly once."""
-    import grad_accum
+    from eagleforge.train import weight_grads as grad_accum
 
     config = make_config("llama3", kv_heads=2)
     draft = make_draft(config, seed=31)
@@ -550,7 +547,7 @@ def test_fused_weight_grads_equal_autograd_accumulation(checkpoint, monkeypatch)
 def test_accumulating_linear_matches_linear(dtype):
     """Three calls on one weight (odd shapes, a gradient already in .grad, a frozen weight, an
     input without grad): dx as F.linear's, W.grad = old + the sum of the three dW."""
-    from grad_accum import accumulating_linear
+    from eagleforge.train.weight_grads import accumulating_linear
 
     g = torch.Generator().manual_seed(7)
     w = torch.randn(13, 29, generator=g).to(dtype).requires_grad_()
@@ -573,7 +570,29 @@ def test_accumulating_linear_matches_linear(dtype):
     with pytest.raises(ValueError, match="dtype"):
         accumulating_linear(xs[0].float(), w.double())
     with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="autocast to torch.bfloat16"):
-        accumulating_linear(xs[0].float(), w.detach().float())
+        accumulating_linear(xs[0].float(), w.detach().float())  # fp32 masters under autocast: refused
+
+
+def test_accumulating_linear_under_autocast_matches_linear():
+    """bf16 weight, fp32 input under bf16 autocast (the trainer with bf16 parameters; the shards'
+    states may come in fp32): the same output and gradients as F.linear under the same autocast,
+    and the input's gradient in the input's dtype."""
+    from eagleforge.train.weight_grads import accumulating_linear
+
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(9, 17, generator=g).bfloat16().requires_grad_()
+    x = torch.randn(3, 5, 17, generator=g).requires_grad_()
+    up = torch.randn(3, 5, 9, generator=g)
+    ref_w, ref_x = w.detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = torch.nn.functional.linear(ref_x, ref_w)
+        out = accumulating_linear(x, w)
+    (ref.float() * up).sum().backward()
+    (out.float() * up).sum().backward()
+    assert out.dtype == ref.dtype == torch.bfloat16 and x.grad.dtype == torch.float32
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(x.grad, ref_x.grad)
+    torch.testing.assert_close(w.grad, ref_w.grad)
 
 
 def test_selective_policy_saves_the_wide_matmuls_only():

@@ -297,3 +297,56 @@ def test_train_step_on_cuda_makes_no_host_sync(tmp_path, tiny_llama_config):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert math.isfinite(float(grad_norm)) and stats.n_valid[0] > 0
+
+
+def test_next_steps_batches_are_read_ahead_on_the_worker(tmp_path, tiny_llama_config):
+    """Shards are read and padded on the prefetch worker: after a step, the next step's batches
+    (as _next_batches will return them, across an epoch boundary too) are already queued or read,
+    and every sample read of the steps happened on the worker; the batches equal collate's."""
+    import collections
+    import threading
+
+    from eagleforge.train.loop import Trainer
+    from eagleforge.vocab import main as vocab_main
+
+    cfg, _, _ = build_tiny_run(tmp_path, tiny_llama_config, n_samples=14, with_argmax=True)
+    _configure(cfg, epochs=3, grad_accum=2, device="cpu")
+    vocab_main(cfg)
+    trainer = Trainer(cfg)
+    reads = []
+    original = type(trainer.reader).__getitem__
+    trainer.reader.__class__ = type("Recording", (type(trainer.reader),), {
+        "__getitem__": lambda self, i: (reads.append((threading.current_thread().name, i)), original(self, i))[1]})
+    per_epoch = len(trainer.epoch_batches(0))
+    try:
+        for _ in range(per_epoch):  # crosses into epoch 1
+            trainer.train_step()
+            upcoming = trainer._upcoming_batches(trainer.batches_per_step)
+            pending = trainer.prefetch._pending
+            assert sorted((key, len(q)) for key, q in pending.items()) == sorted(collections.Counter(map(tuple, upcoming)).items())
+            for future in (f for queue in pending.values() for f in queue):
+                future.result()  # read without the main thread asking
+            queued = len(reads)
+            step_batches = trainer._upcoming_batches(trainer.batches_per_step)
+            batch = trainer._load(step_batches[0])
+            assert len(reads) == queued, "a batch read ahead was read again"
+            expected = collate([trainer.reader[i] for i in step_batches[0]])
+            pending.setdefault(tuple(step_batches[0]), collections.deque()).appendleft(trainer.prefetch._pool.submit(lambda b=batch: b))
+            for name in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state", "target_argmax", "lengths"):
+                assert torch.equal(getattr(batch, name), getattr(expected, name)), name
+            del reads[queued:]  # the reference reads above ran here, on purpose
+        assert trainer.epoch == 1
+        assert reads and {name for name, _ in reads} == {"batch-prefetch_0"}, {name for name, _ in reads}
+    finally:
+        trainer.prefetch.close()
+
+
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+def test_selective_checkpointing_under_bf16_autocast_follows_the_plain_losses(tmp_path, tiny_llama_config, param_dtype):
+    """bf16 autocast with selective checkpointing, fp32 masters (autocast's weight-cast cache would
+    make a recomputed TTT step cast what the forward took from the cache, which the checkpoint
+    refuses) and bf16 parameters: the plain step's losses within bf16 noise."""
+    _, losses = _losses_of_step_options(tmp_path, tiny_llama_config, dict(bf16=True, device="cpu", param_dtype=param_dtype), {
+        "plain": PLAIN_STEP, "selective": dict(activation_checkpoint="selective*2+selective_all", attention="merged")})
+    assert len(losses["selective"]) == 5 and all(math.isfinite(x) for x in losses["selective"])
+    assert losses["selective"] == pytest.approx(losses["plain"], rel=3e-2), losses

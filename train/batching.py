@@ -16,10 +16,12 @@ in a checkpoint is the global batch index, so a run can resume on another number
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -86,20 +88,34 @@ class Batch:
     def num_tokens(self) -> int:
         return self.host_tokens if self.host_tokens is not None else int(self.lengths.sum())
 
+    def to(self, device: torch.device | str, dtype: torch.dtype = torch.float32) -> "Batch":
+        """This batch on `device` (non-blocking copies: from pinned memory they do not wait for
+        the GPU), the hidden states converted to `dtype` there."""
+        def move(x: torch.Tensor | None, as_dtype: torch.dtype | None = None) -> torch.Tensor | None:
+            if x is None:
+                return None
+            moved = x.to(device, non_blocking=True)
+            return moved if as_dtype is None else moved.to(as_dtype)
+
+        return Batch(move(self.input_ids), move(self.loss_mask), move(self.aux_hidden_states, dtype),
+                     move(self.last_hidden_state, dtype), move(self.target_argmax), move(self.lengths), self.host_tokens)
+
 
 def collate(samples: list[dict], device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Batch:
-    """Pad a list of shard samples (ARCHITECTURE.md `eagleforge.shards` dicts) into a Batch.
+    """Pad a list of shard samples (ARCHITECTURE.md `eagleforge.shards` dicts) into a Batch on
+    `device`, the hidden states as `dtype` (collate_host, then Batch.to)."""
+    device = torch.device(device)
+    return collate_host(samples, pin=device.type == "cuda").to(device, dtype)
 
-    The padded hidden states are built in the samples' own (storage) dtype and converted to
-    `dtype` on the device: half the bytes over PCIe for bf16 shards and no fp32 conversion on the
-    host. For a CUDA device they are built in pinned memory, so the copies are asynchronous (a
-    copy from pageable memory first waits for the whole stream: a host sync per tensor). torch
-    keeps freed pinned blocks for reuse: the pool grows to about the largest batches in flight
-    (a few batches' hidden states, not the dataset)."""
+
+def collate_host(samples: list[dict], pin: bool = False) -> Batch:
+    """The padded Batch on the host, the hidden states in the samples' own (storage) dtype: half
+    the bytes over PCIe for bf16 shards and no fp32 conversion on the host. With `pin` it is
+    built in pinned memory, so the copies to the GPU are asynchronous (a copy from pageable
+    memory first waits for the whole stream: a host sync per tensor). torch keeps freed pinned
+    blocks for reuse: the pool grows to about the largest batches in flight, not the dataset."""
     if not samples:
         raise ValueError("collate needs at least one sample")
-    device = torch.device(device)
-    pin = device.type == "cuda"
     lengths = [int(s["input_ids"].shape[0]) for s in samples]
     b, t = len(samples), max(lengths)
 
@@ -111,23 +127,58 @@ def collate(samples: list[dict], device: torch.device | str = "cpu", dtype: torc
             out[row, n:] = 0
         return out
 
-    first = samples[0]
-    has_argmax = all(s.get("target_argmax") is not None for s in samples)
-    input_ids = padded("input_ids", None, torch.int64)
-    loss_mask = padded("loss_mask", None, torch.bool)
     def stored(key: str) -> torch.dtype:  # one dtype holding every sample's exactly
         return functools.reduce(torch.promote_types, (s[key].dtype for s in samples))
 
-    aux = padded("aux_hidden_states", first["aux_hidden_states"].shape[-1], stored("aux_hidden_states"))
-    last = padded("last_hidden_state", first["last_hidden_state"].shape[-1], stored("last_hidden_state"))
-    argmax = padded("target_argmax", None, torch.int64) if has_argmax else None
-
-    def to(x: torch.Tensor | None, as_dtype: torch.dtype | None = None) -> torch.Tensor | None:
-        if x is None:
-            return None
-        moved = x.to(device, non_blocking=True)
-        return moved if as_dtype is None else moved.to(as_dtype)
-
+    first = samples[0]
+    has_argmax = all(s.get("target_argmax") is not None for s in samples)
     lengths_t = torch.tensor(lengths, dtype=torch.int64)
-    return Batch(to(input_ids), to(loss_mask), to(aux, dtype), to(last, dtype), to(argmax),
-                 to(lengths_t.pin_memory() if pin else lengths_t), host_tokens=sum(lengths))
+    return Batch(
+        input_ids=padded("input_ids", None, torch.int64),
+        loss_mask=padded("loss_mask", None, torch.bool),
+        aux_hidden_states=padded("aux_hidden_states", first["aux_hidden_states"].shape[-1], stored("aux_hidden_states")),
+        last_hidden_state=padded("last_hidden_state", first["last_hidden_state"].shape[-1], stored("last_hidden_state")),
+        target_argmax=padded("target_argmax", None, torch.int64) if has_argmax else None,
+        lengths=lengths_t.pin_memory() if pin else lengths_t,
+        host_tokens=sum(lengths),
+    )
+
+
+class BatchPrefetch:
+    """Reads and pads micro-batches (collate_host) on one worker thread, ahead of the step that
+    trains on them: the trainer hands over the next optimizer step's batches before it runs the
+    current one, so reading the shards (mmap page faults, fp8 dequantization) and padding overlap
+    the GPU's work. One worker: in training the shard reader is used by one thread at a time, and
+    the batches come back in the order they were asked for."""
+
+    def __init__(self, load: Callable[[list[int]], Batch]):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._load = load
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="batch-prefetch")
+        # sample ids -> reads queued for them, oldest first (consecutive steps may hold the same batch)
+        self._pending: dict[tuple[int, ...], collections.deque[Future]] = {}
+
+    def ahead(self, batches: list[list[int]]) -> None:
+        """Queue a read of each of `batches` (lists of sample ids), in this order."""
+        for ids in batches:
+            self._pending.setdefault(tuple(ids), collections.deque()).append(self._pool.submit(self._load, list(ids)))
+
+    def ensure(self, batches: list[list[int]]) -> None:
+        """Queue reads for those of `batches` that are not queued yet (counting repeats)."""
+        counts = collections.Counter(tuple(ids) for ids in batches)
+        for key, needed in counts.items():
+            self.ahead([list(key)] * (needed - len(self._pending.get(key, ()))))
+
+    def get(self, ids: list[int]) -> Batch:
+        """The host Batch of `ids`: the oldest read queued for them, else one read now (on the
+        worker all the same)."""
+        queued = self._pending.get(tuple(ids))
+        future = queued.popleft() if queued else self._pool.submit(self._load, list(ids))
+        if queued is not None and not queued:
+            del self._pending[tuple(ids)]
+        return future.result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pending.clear()

@@ -28,7 +28,7 @@ import torch
 from eagleforge.atomic import write_json_atomic
 from eagleforge.config import Config, UserInputError
 from eagleforge.target import target_path
-from eagleforge.train.batching import Batch, collate, make_batches, rank_micro_batches
+from eagleforge.train.batching import Batch, BatchPrefetch, collate_host, make_batches, rank_micro_batches
 from eagleforge.train.checkpoint import (
     check_resume_config,
     checkpoint_dir,
@@ -53,6 +53,7 @@ from eagleforge.train.loss import get_loss_fn
 from eagleforge.train.metrics import MetricLogger, TTTStats, reduce_stats
 from eagleforge.train.online import check_source
 from eagleforge.train.ttt_loss import TTTLoss, target_argmax_from_hidden
+from eagleforge.train.weight_grads import fuse_weight_grads
 from eagleforge.vocab import check_vocab_files, coverage, load_target_head, load_vocab_map, read_target_head, training_sample_count
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,19 @@ def lr_lambda(total_steps: int, warmup_ratio: float, min_lr_ratio: float) -> Cal
         return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return factor
+
+
+def resolve_param_dtype(tc, device: torch.device, parallel: str) -> torch.dtype:
+    """train.param_dtype as a dtype: auto = bfloat16 on CUDA with train.bf16, else float32."""
+    name = tc.param_dtype
+    if name == "auto":
+        name = "bfloat16" if device.type == "cuda" and tc.bf16 else "float32"
+    if name == "bfloat16" and not tc.bf16:
+        raise UserInputError("train.param_dtype=bfloat16 needs train.bf16=true (bf16 weights run bf16 matmuls)")
+    if name == "bfloat16" and parallel == "ddp":  # DDP hooks AccumulateGrad, which fused weight gradients bypass
+        raise UserInputError("train.param_dtype=bfloat16 runs with train.parallel=fsdp or none, not ddp "
+                             "(its fused weight gradients bypass DDP's reducer); set train.param_dtype=float32 for ddp")
+    return getattr(torch, name)
 
 
 def target_hf_config(cfg: Config, manifest: dict):
@@ -160,8 +174,19 @@ class Trainer:
         self.vocab = load_vocab_map(cfg.run)  # both checked: readable, sha256, shapes, finite head
         head = load_target_head(cfg.run)
         check_vocab_files(self.vocab, head, cfg.run / "vocab")
-        self.draft = build_draft(cfg, manifest, self.vocab, head).to(self.device)
-        self.teacher_head = head["lm_head"].to(self.device, torch.float32)  # [Vd, Ht]
+        self.parallel = resolve_parallel(tc.parallel, self.env)
+        self.param_dtype = resolve_param_dtype(tc, self.device, self.parallel)
+        # float32: fp32 masters under autocast. bfloat16: weights, gradients and AdamW moments in
+        # bf16 (the frozen embedding too) and the midlayer's weight gradients accumulated by the
+        # GEMMs themselves (train/weight_grads.py).
+        self.draft = build_draft(cfg, manifest, self.vocab, head).to(self.device, self.param_dtype)
+        fuse_weight_grads(self.draft, self.param_dtype == torch.bfloat16)
+        self.input_dtype = self.param_dtype  # the batches' hidden states on the device
+        self.prefetch = BatchPrefetch(self._read_host)  # closed by train()
+        # [Vd, Ht]; the fused loss runs its matmuls in bf16 under train.bf16: stored so, no cast
+        # copy per step (the plain-torch reference loss reads it in fp32)
+        head_dtype = torch.bfloat16 if tc.bf16 and tc.loss != "reference" else torch.float32
+        self.teacher_head = head["lm_head"].to(self.device, head_dtype)
         self.full_head = None
         if not manifest.get("has_target_argmax", False):
             log.info("the shards have no target_argmax: computing it from last_hidden_state and the full target head")
@@ -175,7 +200,6 @@ class Trainer:
         self._epoch_cache: dict[int, list[list[int]]] = {}
         self.total_steps = self._total_steps()
         loss = TTTLoss(tc, self.teacher_head, get_loss_fn(tc.loss, self.device), self.device)
-        self.parallel = resolve_parallel(tc.parallel, self.env)
         self.model = parallelize(DraftWithLoss(self.draft, loss), self.env, self.parallel, tc.bf16)
         self.params = [p for p in self.model.parameters() if p.requires_grad]  # sharded under FSDP
         # fused: its step reads `found_inf` (a device flag) and then leaves weights, moments and
@@ -221,17 +245,38 @@ class Trainer:
             raise UserInputError(f"train.epochs={tc.epochs} and train.max_steps={tc.max_steps}: one must be >= 1")
         return sum(math.ceil(len(self.epoch_batches(e)) / self.batches_per_step) for e in range(tc.epochs))
 
+    def _read_host(self, ids: list[int]) -> Batch:
+        """The padded batch of samples `ids` on the host (pinned for a GPU): the prefetch worker's job."""
+        return collate_host([self.reader[i] for i in ids], pin=self.device.type == "cuda")
+
     def _load(self, ids: list[int]) -> Batch:
-        return collate([self.reader[i] for i in ids], self.device)
+        """The batch on the device, its states in the draft's input dtype (bf16 with bf16
+        parameters: half the bytes of fp32 on the GPU; fp32 otherwise, as autocast expects)."""
+        return self.prefetch.get(ids).to(self.device, self.input_dtype)
+
+    def _micro_batches(self, step_batches: list[list[int]]) -> list[list[int]]:
+        """The sample ids this rank reads for the step (past the epoch's tail: the first batch)."""
+        return [ids if ids is not None else step_batches[0]
+                for ids in rank_micro_batches(step_batches, self.env.rank, self.env.world_size)]
 
     def _rank_batches(self, step_batches: list[list[int]], training: bool = False):
         """This rank's (ids or None, Batch) of the step's global batches, in slot order; None: past
-        the epoch's tail, the step's first batch stands in (weight 0). Online: train/online.py."""
+        the epoch's tail, the step's first batch stands in (weight 0). Online: train/online.py.
+        In training the next step's batches are handed to the prefetch worker first, so they are
+        read while this step trains."""
         if hasattr(self.reader, "rank_batches"):
             yield from self.reader.rank_batches(self, step_batches, training)
             return
-        for ids in rank_micro_batches(step_batches, self.env.rank, self.env.world_size):
-            yield ids, self._load(ids if ids is not None else step_batches[0])
+        own = rank_micro_batches(step_batches, self.env.rank, self.env.world_size)
+        reads = self._micro_batches(step_batches)
+        if training:
+            self.prefetch.ensure(reads)  # queued a step ago, except at the first step
+            if self.step + 1 < getattr(self, "last_step", self.total_steps):
+                self.prefetch.ahead(self._micro_batches(self._upcoming_batches(self.batches_per_step)))
+        for i, ids in enumerate(own):
+            if not training:  # evaluation: one batch ahead (not every held-out batch at once)
+                self.prefetch.ensure(reads[i + 1 : i + 2])
+            yield ids, self._load(reads[i])
 
     # -- one batch
 
@@ -297,6 +342,13 @@ class Trainer:
         self.train_tokens += stats.tokens
         self.session_tokens += stats.tokens  # train_seconds: counted by run() between host syncs
         return stats, grad_norm
+
+    def _upcoming_batches(self, count: int) -> list[list[int]]:
+        """What _next_batches(count) will return next, without moving the position."""
+        epoch, index = self.epoch, self.batch_index
+        if index >= len(self.epoch_batches(epoch)):
+            epoch, index = epoch + 1, 0
+        return self.epoch_batches(epoch)[index : index + count]
 
     def _next_batches(self, count: int) -> list[list[int]]:
         """The next `count` global batches of the epoch (fewer at its end); moves to the next
@@ -523,6 +575,8 @@ def train(cfg: Config, stop_after_step: int | None = None) -> dict | None:
         trainer = Trainer(cfg, env)
         return trainer.run(stop_after_step)
     finally:
-        if trainer is not None and hasattr(trainer.reader, "close"):  # online: the producer thread
-            trainer.reader.close()
+        if trainer is not None:
+            trainer.prefetch.close()
+            if hasattr(trainer.reader, "close"):  # online: the producer thread
+                trainer.reader.close()
         shutdown(env)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from eagleforge.kernels.soft_ce import teacher_logsumexp
+from eagleforge.modes import checkpoint_modes
 from eagleforge.train.metrics import TTTStats
 
 log = logging.getLogger(__name__)
@@ -191,7 +192,12 @@ class TTTLoss:
 
     def __call__(self, draft, aux_hidden_states, input_ids, last_hidden, loss_mask, target_argmax):
         tc = self.tc
-        with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=tc.bf16):
+        # Autocast caches each weight's bf16 copy for the whole region, so with fp32 masters only
+        # TTT step 0 casts; a selectively checkpointed step j > 0 recomputes its casts, and the
+        # checkpoint refuses a recompute whose casts differ from the forward's: no cache there.
+        # (bf16 parameters are not cast at all.)
+        selective = any(mode.startswith("selective") for mode in checkpoint_modes(tc.activation_checkpoint, tc.ttt_steps))
+        with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=tc.bf16, cache_enabled=not selective):
             hiddens = draft.forward_ttt(aux_hidden_states, input_ids, tc.ttt_steps, attention=tc.attention,
                                         checkpoint=tc.activation_checkpoint,
                                         compile="dynamic" if tc.compile else False)  # batches vary in length

@@ -3,16 +3,19 @@
 TTT runs the midlayer's seven matmuls K times per sample (K = 7), so each weight receives K
 gradients. Autograd computes each one into a fresh [out, in] tensor and AccumulateGrad then
 adds it to `.grad`: per weight and step after the first, one extra write and read of the full
-weight (4 bytes per bf16 parameter). `accumulating_linear` instead runs the weight-gradient GEMM
-with beta = 1 into `.grad` itself (cuBLAS reads and writes C in its epilogue), as Megatron's
-gradient-accumulation fusion does. For the Kimi draft's midlayer (807M parameters) that is about
-19 GB of memory traffic per training step, and no [out, in] temporaries at the backward's peak.
+weight. `accumulating_linear` instead runs the weight-gradient GEMM with beta = 1 into `.grad`
+itself (cuBLAS reads and writes C in its epilogue), as Megatron's gradient-accumulation fusion
+does: for the Kimi draft's midlayer (807M parameters) about 19 GB less memory traffic per
+training step, and no [out, in] temporaries at the backward's peak.
 
-Limits (why the trainer does not use it; bench-train measures it as a variant, `fusegrad=1`,
-through `fuse_weight_grads(draft)`): autograd never sees these weight gradients, so hooks on
-AccumulateGrad (DDP's and FSDP's reducers) do not fire; use it on one process. The weight must
-have the activations' dtype (bf16 parameters; under autocast with fp32 masters the cast copy
-would have to be kept per step, which costs what the fusion saves).
+The trainer turns it on with bf16 parameters (train.param_dtype; Trainer in train/loop.py). It
+needs the weight in the compute dtype: with fp32 master weights under autocast the matmul runs
+on a bf16 cast copy, whose gradient autograd must convert and accumulate itself.
+
+Under FSDP2 the weights the forward reads are the unsharded parameters FSDP2 registered for the
+forward; `.grad` set here is what its post-backward reduce-scatters (it reads the unsharded
+parameters' `.grad`, it does not hook AccumulateGrad). DDP's reducer does hook AccumulateGrad:
+never combine this with DDP (Trainer refuses it).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class _AccumulatingLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        x = x.to(weight.dtype)  # under autocast to the weight's dtype: the cast autocast would make
         ctx.save_for_backward(x)
         # The parameter itself, not a saved tensor: under activation checkpointing saved tensors
         # come back as detached aliases, and .grad set on an alias would never reach it.
@@ -45,22 +49,22 @@ class _AccumulatingLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         (x,) = ctx.saved_tensors
+        grad_out = grad_out.to(x.dtype)
         grad_x = grad_out.matmul(ctx.param) if ctx.needs_input_grad[0] else None  # [..., in]
         if ctx.needs_input_grad[1]:
             accumulate_weight_grad(ctx.param, grad_out, x)
-        return grad_x, None
+        return grad_x, None  # autograd casts grad_x to the input's dtype
 
 
 def accumulating_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., in] @ weight [out, in]^T -> [..., out]; weight.grad accumulated in place by the
-    backward (see the module docstring). x and weight must share a dtype."""
-    if x.dtype != weight.dtype:
-        raise ValueError(f"accumulating_linear: input dtype {x.dtype} differs from weight dtype {weight.dtype} "
-                         "(the fusion needs parameters in the compute dtype; turn fuse_weight_grads off under autocast)")
-    if torch.is_autocast_enabled(x.device.type):
-        raise ValueError(f"accumulating_linear: autocast to {torch.get_autocast_dtype(x.device.type)} is on: the "
-                         "matmul would run in that dtype and its weight gradient would not match .grad's "
-                         f"{weight.dtype}; turn fuse_weight_grads off under autocast")
+    backward (see the module docstring). The matmul runs in the weight's dtype, which must be
+    the input's or, under autocast, autocast's."""
+    compute = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    if weight.dtype != compute:
+        how = f"autocast to {compute}" if torch.is_autocast_enabled(x.device.type) else f"input dtype {x.dtype}"
+        raise ValueError(f"accumulating_linear: weight dtype {weight.dtype} differs from the compute dtype ({how}): "
+                         "the fusion needs parameters in the compute dtype (train.param_dtype=bfloat16)")
     return _AccumulatingLinear.apply(x, weight)
 
 

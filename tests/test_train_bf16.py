@@ -1,0 +1,135 @@
+"""bf16 parameters (train.param_dtype=bfloat16): weights, gradients and AdamW moments in bf16 and
+the midlayer's weight gradients accumulated by the GEMMs (train/weight_grads.py). On the CPU with
+gloo: one process against two FSDP2 ranks over the same global batches, against the fp32-master
+run, and an interrupted run against an uninterrupted one (tiny real pipeline: random Llama
+target -> shards -> vocab)."""
+
+import json
+
+import pytest
+import torch
+from test_train_distributed import WORLD, _clone_run, _configure, _export, _losses, _spawn
+from test_vocab import build_tiny_run
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+STOP_AT = 4
+MIDLAYER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """fp32 (one process, fp32 masters), single (one process, bf16 parameters, grad_accum 2),
+    fsdp (2 ranks, bf16 parameters), stopped (single, interrupted after STOP_AT and resumed)."""
+    from transformers import LlamaConfig
+
+    from eagleforge.train.loop import train
+    from eagleforge.vocab import main as vocab_main
+
+    config = LlamaConfig(
+        vocab_size=173, hidden_size=40, intermediate_size=72, num_hidden_layers=7,
+        num_attention_heads=5, num_key_value_heads=1, head_dim=8, max_position_embeddings=256,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, pad_token_id=0, eos_token_id=2, bos_token_id=1,
+    )
+    base, _, _ = build_tiny_run(tmp_path_factory.mktemp("bf16"), config, n_samples=22, with_argmax=True, seed=3)
+    _configure(base, bf16=True, epochs=3)
+    vocab_main(base)
+    out = {
+        "fp32": _clone_run(base, "fp32", grad_accum=2, param_dtype="float32"),
+        "single": _clone_run(base, "single", grad_accum=2, param_dtype="bfloat16"),
+        "fsdp": _clone_run(base, "fsdp", param_dtype="bfloat16", parallel="fsdp"),
+        "stopped": _clone_run(base, "stopped", grad_accum=2, param_dtype="bfloat16"),
+    }
+    _spawn([(out["fsdp"], None)])
+    for name in ("fp32", "single"):
+        train(out[name])
+    train(out["stopped"], STOP_AT)
+    train(out["stopped"])
+    return out
+
+
+def test_bf16_state_is_bf16_and_exports(runs):
+    """The checkpoint holds bf16 weights and moments (8 bytes per trainable parameter), the export
+    reads them back exactly."""
+    from eagleforge.train.checkpoint import latest_checkpoint, load_model_weights
+    from eagleforge.train.checkpoint_integrity import safe_reader
+
+    final = latest_checkpoint(runs["single"].run)
+    entries = safe_reader(final).read_metadata().state_dict_metadata
+    weights = {k: v for k, v in entries.items() if k.startswith("model.draft.") and k.endswith(".weight")}
+    moments = {k: v for k, v in entries.items() if k.startswith("optim.") and k.endswith(("exp_avg", "exp_avg_sq"))}
+    assert weights and moments
+    assert {v.properties.dtype for v in weights.values()} == {torch.bfloat16}, weights
+    assert {v.properties.dtype for v in moments.values()} == {torch.bfloat16}
+    loaded = load_model_weights(final)
+    exported = _export(runs["single"])
+    for name, tensor in exported.items():
+        if name in loaded:
+            assert torch.equal(tensor, loaded[name].bfloat16()), name
+
+
+def test_two_fsdp_ranks_match_one_process_in_bf16(runs):
+    """Fused weight gradients under FSDP2: the reduce-scatter sees what the GEMMs accumulated.
+    If it did not, the midlayer would not train on two ranks and the curves and weights part."""
+    single, fsdp = _losses(runs["single"]), _losses(runs["fsdp"])
+    assert [s for s, _, _ in single] == [s for s, _, _ in fsdp]
+    for (step, a, _), (_, b, _) in zip(single, fsdp):
+        assert b == pytest.approx(a, rel=2e-2), (step, a, b)
+    by_epoch = [[loss for step, loss, _ in single if step in steps] for steps in (range(1, 4), range(len(single) - 2, len(single) + 1))]
+    assert sum(by_epoch[1]) < 0.9 * sum(by_epoch[0]), f"the loss should fall: {by_epoch}"
+    ea, eb = _export(runs["single"]), _export(runs["fsdp"])
+    init = _initial_midlayer(runs["single"])
+    for name in ea:
+        diff = (eb[name].float() - ea[name].float()).norm() / ea[name].float().norm()
+        assert diff < 0.03, f"{name}: relative difference {diff:.3g} between 1 process and 2 FSDP ranks"
+    for name, weight in init.items():
+        moved = (eb[name].float() - weight).norm() / weight.norm()
+        assert moved > 0.05, f"{name}: moved only {moved:.3g} from its initial value on 2 FSDP ranks"
+    summary = json.loads((runs["fsdp"].run / "train_summary.json").read_text())
+    assert (summary["world_size"], summary["parallel"]) == (WORLD, "fsdp")
+
+
+def test_bf16_parameters_track_fp32_masters(runs):
+    """The same data and steps with fp32 masters: the loss curve and the held-out accuracy stay
+    close (bf16 rounding of the updates is the only difference)."""
+    a, b = _losses(runs["fp32"]), _losses(runs["single"])
+    for (step, la, _), (_, lb, _) in zip(a, b):
+        assert lb == pytest.approx(la, rel=0.05), (step, la, lb)
+    sa = json.loads((runs["fp32"].run / "train_summary.json").read_text())
+    sb = json.loads((runs["single"].run / "train_summary.json").read_text())
+    assert sb["heldout"]["loss"] == pytest.approx(sa["heldout"]["loss"], rel=0.03)
+
+
+def test_bf16_resume_is_exact(runs):
+    """bf16 weights and moments round-trip through the checkpoint: the resumed run's losses and
+    export equal the uninterrupted run's."""
+    a, b = _losses(runs["single"]), _losses(runs["stopped"])
+    assert len(a) > STOP_AT and [s for s, _, _ in b] == [s for s, _, _ in a]  # one log, appended after the resume
+    for (step, la, _), (_, lb, _) in zip(a, b):
+        assert lb == la, (step, la, lb)
+    ea, eb = _export(runs["single"]), _export(runs["stopped"])
+    for name in ea:
+        assert torch.equal(ea[name], eb[name]), name
+
+
+def test_bf16_parameters_refused_with_ddp_and_without_bf16(runs):
+    from eagleforge.config import UserInputError
+    from eagleforge.train.loop import resolve_param_dtype
+
+    tc = runs["single"].train
+    with pytest.raises(UserInputError, match="not ddp"):
+        resolve_param_dtype(tc, torch.device("cpu"), "ddp")
+    tc = type(tc)(param_dtype="bfloat16", bf16=False)
+    with pytest.raises(UserInputError, match="train.bf16=true"):
+        resolve_param_dtype(tc, torch.device("cpu"), "none")
+    assert resolve_param_dtype(type(tc)(), torch.device("cuda"), "none") == torch.bfloat16  # auto
+    assert resolve_param_dtype(type(tc)(), torch.device("cpu"), "none") == torch.float32
+
+
+def _initial_midlayer(cfg) -> dict:
+    """The midlayer weights the trainer starts from (its seed), in fp32."""
+    from eagleforge.train.loop import Trainer
+
+    trainer = Trainer(cfg)
+    return {f"midlayer.{part}.{name}.weight": getattr(getattr(trainer.draft.midlayer, part), name).weight.detach().float().clone()
+            for part, names in (("self_attn", MIDLAYER[:4]), ("mlp", MIDLAYER[4:])) for name in names}
