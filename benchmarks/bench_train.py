@@ -814,7 +814,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192, 32768])
     ap.add_argument("--specforge-tokens", type=int, nargs="+", default=[2048, 8192, 16384, 32768])
     ap.add_argument("--no-specforge", action="store_true")
-    ap.add_argument("--variants", nargs="+", default=None,
+    ap.add_argument("--variants", nargs="*", default=None,
                     help="our step's configurations, each 'ckpt=..,attn=..,compile=0|1,packed=0|1' (default: DEFAULT_VARIANTS)")
     ap.add_argument("--ckpt", nargs="+", default=None, choices=["step", "none", "selective", "selective_all"],
                     help="old interface: one variant per value with --attention, no compile, per-step loss")
@@ -860,7 +860,7 @@ def main(argv=None) -> dict:
     if args.ckpt:
         variants = [Variant(ckpt=c, attn=args.attention) for c in args.ckpt]
     else:
-        variants = [Variant.parse(v) for v in (args.variants or DEFAULT_VARIANTS)]
+        variants = [Variant.parse(v) for v in (DEFAULT_VARIANTS if args.variants is None else args.variants)]
     if args.cpu_check:  # no flex on the CPU; compile stays on when asked (inductor's C++ backend)
         variants = [dataclasses.replace(v, attn="merged" if v.attn == "flex" else v.attn) for v in variants]
     used_ids = torch.sort(torch.randperm(s.vocab, generator=torch.Generator().manual_seed(0))[: s.draft_vocab]).values
@@ -908,7 +908,7 @@ def main(argv=None) -> dict:
         for mode in sorted({v.attn for v in variants} - {"reference"}):
             report["checks"][f"attention_{mode}"] = check_attention(s, device, min(1024, args.check_tokens), mode)
             log.info("attention check: %s", report["checks"][f"attention_{mode}"])
-        ours = OurStep(s, device, used_ids, "none", variants[0].attn, args.embed_device, args.chunk_tokens)
+        ours = OurStep(s, device, used_ids, "none", variants[0].attn if variants else "auto", args.embed_device, args.chunk_tokens)
         report["checks"]["loss"] = check_loss(ours, make_batch(s, args.check_tokens, device, used_ids, seed=3))
         log.info("loss check: %s", report["checks"]["loss"])
         del ours

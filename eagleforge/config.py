@@ -135,11 +135,15 @@ class TrainConfig:
     param_dtype: str = "auto"
     loss_chunk_tokens: int = 0  # rows per chunk in the fused loss; 0 = automatic
     loss_packed: bool = False  # the fused loss runs all TTT steps' rows of a teacher chunk in one matmul
-    # Activation checkpointing per TTT step: none | step (recompute the whole step) | selective
-    # (keep the large matmul outputs and flash attention's, recompute elementwise work) |
-    # selective_all (keep every matmul output).
-    activation_checkpoint: str = "none"
-    compile: bool = False  # torch.compile the elementwise work between the matmuls (dynamic shapes: one graph for every batch length)
+    # Activation checkpointing per TTT step: auto | none | step (recompute the whole step) |
+    # selective (keep the large matmul outputs and flash attention's, recompute elementwise work) |
+    # selective_all (keep every matmul output). auto: none on the CPU; on CUDA the first of
+    # selective_all, selective that fits train.batch_tokens in the GPU's memory, else step
+    # (train/step_plan.py).
+    activation_checkpoint: str = "auto"
+    # torch.compile the elementwise work between the matmuls (dynamic shapes: one graph for every
+    # batch length): auto (on CUDA, off on the CPU) | true | false
+    compile: bool | str = "auto"
     # Which positions the training loss reads: all (every position of a sample: the target's
     # distribution after a prompt token is as valid a teacher as after an answer token; A/B on
     # the CPU default's shards: 1.62 -> 1.66 measured, BENCHMARKS.md) or assistant (the shards'
@@ -201,7 +205,7 @@ class Config:
         return Path(self.run_dir)
 
 
-_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "list": list}
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "list": list, "bool | str": (bool, str)}
 
 
 def _coerce(value: Any, annotation: Any, key: str, source: str) -> Any:
@@ -221,8 +225,9 @@ def _coerce(value: Any, annotation: Any, key: str, source: str) -> Any:
         return float(value)
     ok = isinstance(value, typ) and not (typ is int and isinstance(value, bool))
     if not ok:
+        expected = " or ".join(t.__name__ for t in typ) if isinstance(typ, tuple) else typ.__name__
         raise ConfigError(
-            f"{source}: key {key!r} expects {typ.__name__}, got {type(value).__name__} {value!r}"
+            f"{source}: key {key!r} expects {expected}, got {type(value).__name__} {value!r}"
         )
     return value
 
@@ -303,6 +308,8 @@ def _validate(cfg: Config) -> None:
         if value not in choices:
             raise ConfigError(f"config key {key!r} must be one of {list(choices)}, got {value!r}")
     _validate_checkpoint(cfg.train.activation_checkpoint, cfg.train.ttt_steps)
+    if cfg.train.compile not in (True, False, "auto"):
+        raise ConfigError(f"config key 'train.compile' must be one of [auto, true, false], got {cfg.train.compile!r}")
     if not cfg.train.step_weight_decay > 0:  # the per-step losses are divided by decay^j for the stats
         raise ConfigError(f"config key 'train.step_weight_decay' must be > 0, got {cfg.train.step_weight_decay!r}")
     for key, value in _numeric_values(cfg):
@@ -388,9 +395,11 @@ def _check_range(key: str, value: Any) -> None:
 
 
 def _validate_checkpoint(value: str, ttt_steps: int) -> None:
-    """train.activation_checkpoint: a mode for every TTT step, or one per step ("selective*3+selective_all*4")."""
+    """train.activation_checkpoint: auto, a mode for every TTT step, or one per step ("selective*3+selective_all*4")."""
+    if value == "auto":
+        return
     if "+" not in str(value) and "*" not in str(value) and value not in modes.CHECKPOINT_MODES:
-        raise ConfigError(f"config key 'train.activation_checkpoint' must be one of {list(modes.CHECKPOINT_MODES)} "
+        raise ConfigError(f"config key 'train.activation_checkpoint' must be one of {['auto', *modes.CHECKPOINT_MODES]} "
                           f"or one mode per TTT step like 'selective*3+selective_all*4', got {value!r}")
     try:
         modes.checkpoint_modes(value, ttt_steps)

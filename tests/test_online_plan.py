@@ -22,15 +22,19 @@ def test_draft_parameters_by_hand():
     H, heads, hd, inter, vd, vocab = 7168, 64, 128, 18432, 32000, 163840
     trainable = 3 * H * H + 3 * heads * hd * 2 * H + heads * hd * H + 3 * H * inter + vd * H + 4 * H
     assert plan.gathered == 2 * trainable and plan.grads == 6 * trainable
-    assert plan.fixed["draft fp32 weights + grads + AdamW (FSDP2 / 8)"] == 16 * trainable // 8
-    assert plan.fixed["frozen embedding (fp32, replicated)"] == 4 * vocab * H
-    assert plan.fixed["teacher head [Vd, Ht] (fp32)"] == 4 * vd * H
+    assert list(plan.fixed.values()) == [8 * trainable // 8, 2 * vocab * H, 2 * vd * H]  # bf16 parameters (auto on CUDA)
+    fp32 = plan_online(_cfg("kimi_k25_pilot", "train.param_dtype=float32"), world=8)
+    assert list(fp32.fixed.values()) == [16 * trainable // 8, 4 * vocab * H, 4 * vd * H]
 
 
 def test_pilot_refused_with_the_shortfall_and_b300_fits():
-    pilot = _cfg("kimi_k25_pilot")
-    with pytest.raises(UserInputError, match=r"short by \d+\.\d GiB; no train.batch_tokens fits"):
+    pilot = _cfg("kimi_k25_pilot")  # bf16 parameters: a smaller batch per rank fits
+    best = plan_online(pilot, world=8).max_batch_tokens(96e9)
+    assert 0 < best < pilot.train.batch_tokens
+    with pytest.raises(UserInputError, match=rf"short by \d+\.\d GiB; train.batch_tokens <= {best} fits"):
         check_online_fits(pilot, int(96e9), 8)
+    with pytest.raises(UserInputError, match=r"short by \d+\.\d GiB; no train.batch_tokens fits"):
+        check_online_fits(_cfg("kimi_k25_pilot", "train.param_dtype=float32"), int(96e9), 8)
     b300 = _cfg("kimi_k25_b300")
     plan = check_online_fits(b300, int(288e9), 8)
     assert plan.total_bytes() <= 288e9 and plan.max_batch_tokens(288e9) >= b300.train.batch_tokens

@@ -114,7 +114,7 @@ def test_bf16_resume_is_exact(runs):
 
 def test_bf16_parameters_refused_with_ddp_and_without_bf16(runs):
     from eagleforge.config import UserInputError
-    from eagleforge.train.loop import resolve_param_dtype
+    from eagleforge.train.step_plan import resolve_param_dtype
 
     tc = runs["single"].train
     with pytest.raises(UserInputError, match="not ddp"):

@@ -16,6 +16,7 @@ torch.distributed.checkpoint (checkpoint.py).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -52,6 +53,7 @@ from eagleforge.train.distributed import (
 from eagleforge.train.loss import get_loss_fn
 from eagleforge.train.metrics import MetricLogger, TTTStats, reduce_stats
 from eagleforge.train.online import check_source
+from eagleforge.train.step_plan import plan_step, resolve_param_dtype
 from eagleforge.train.ttt_loss import TTTLoss, target_argmax_from_hidden
 from eagleforge.train.weight_grads import fuse_weight_grads
 from eagleforge.vocab import check_vocab_files, coverage, load_target_head, load_vocab_map, read_target_head, training_sample_count
@@ -76,19 +78,6 @@ def lr_lambda(total_steps: int, warmup_ratio: float, min_lr_ratio: float) -> Cal
         return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return factor
-
-
-def resolve_param_dtype(tc, device: torch.device, parallel: str) -> torch.dtype:
-    """train.param_dtype as a dtype: auto = bfloat16 on CUDA with train.bf16, else float32."""
-    name = tc.param_dtype
-    if name == "auto":
-        name = "bfloat16" if device.type == "cuda" and tc.bf16 else "float32"
-    if name == "bfloat16" and not tc.bf16:
-        raise UserInputError("train.param_dtype=bfloat16 needs train.bf16=true (bf16 weights run bf16 matmuls)")
-    if name == "bfloat16" and parallel == "ddp":  # DDP hooks AccumulateGrad, which fused weight gradients bypass
-        raise UserInputError("train.param_dtype=bfloat16 runs with train.parallel=fsdp or none, not ddp "
-                             "(its fused weight gradients bypass DDP's reducer); set train.param_dtype=float32 for ddp")
-    return getattr(torch, name)
 
 
 def target_hf_config(cfg: Config, manifest: dict):
@@ -199,7 +188,12 @@ class Trainer:
         self.lengths = self.reader.sample_lengths()
         self._epoch_cache: dict[int, list[list[int]]] = {}
         self.total_steps = self._total_steps()
-        loss = TTTLoss(tc, self.teacher_head, get_loss_fn(tc.loss, self.device), self.device)
+        # train.activation_checkpoint / compile on auto: from the batch size and the GPU's memory
+        self.step_plan = plan_step(tc, self.draft, self.param_dtype, self.device,
+                                   world=self.env.world_size if self.parallel == "fsdp" else 1)
+        step_options = dataclasses.replace(tc, activation_checkpoint=self.step_plan.activation_checkpoint,
+                                           compile=self.step_plan.compile)
+        loss = TTTLoss(step_options, self.teacher_head, get_loss_fn(tc.loss, self.device), self.device)
         self.model = parallelize(DraftWithLoss(self.draft, loss), self.env, self.parallel, tc.bf16)
         self.params = [p for p in self.model.parameters() if p.requires_grad]  # sharded under FSDP
         # fused: its step reads `found_inf` (a device flag) and then leaves weights, moments and
@@ -223,6 +217,9 @@ class Trainer:
                 coverage(self.vocab["counts"], self.vocab["t2d"]), n_train, len(self.heldout_ids), self.total_steps,
                 self.batches_per_step, self.env.world_size, max(1, tc.grad_accum), self.parallel,
             )
+            log.info("draft step: parameters %s, activation_checkpoint=%s, compile=%s; memory per rank by the plan:\n%s",
+                     str(self.param_dtype).removeprefix("torch."), self.step_plan.activation_checkpoint,
+                     self.step_plan.compile, "\n".join(self.step_plan.lines()))
 
     # -- data
 

@@ -7,17 +7,16 @@ under FSDP2, and the largest train.batch_tokens that fits.
 Per GPU, on top of the target's plan (weights, the activations of one forward of
 extract.batch_tokens tokens, the runtime reserve):
 - draft states under FSDP2 over the world (W GPUs; planned at W = target.tp, one node: more nodes
-  only shard these further): fp32 master weights, fp32 gradients and AdamW's two fp32 moments,
-  16 bytes per trainable parameter / W;
+  only shard these further): weights, gradients and AdamW's two moments in train.param_dtype
+  (bf16 on CUDA by default: 8 bytes per trainable parameter / W; fp32 masters: 16);
 - draft working copies (not sharded): the gathered bf16 parameters, their bf16 gradients and the
   fp32 copy FSDP reduce-scatters, 8 bytes per trainable parameter (one root unit:
   train/distributed.py);
-- replicated tensors: the frozen fp32 embedding [V, H] and the fp32 teacher head [Vd, Ht];
-- the draft's activations at train.batch_tokens tokens per rank: bench-train's Kimi-shaped step
-  (selective_all, merged_cudnn, compile; BENCHMARKS.md) peaked at 22.3 GiB at 8K and 62.7 GiB at
-  32K tokens, 40.4 GiB per 24K tokens; this slope is scaled by the draft's hidden size and TTT
-  steps against that draft's (7168, 7). An estimate from two measured points, not a measurement
-  of this planner's total;
+- replicated tensors: the frozen embedding [V, H] and the teacher head [Vd, Ht], in the
+  parameters' dtype;
+- the draft's activations at train.batch_tokens tokens per rank: the measured slope of
+  train/step_plan.py (selective_all unless train.activation_checkpoint is selective), an
+  estimate from two measured points, not a measurement of this planner's total;
 - the batches in flight: train.prefetch + 1 batches of captured states in fp32
   ((k + 1) x Ht x 4 bytes per token) and the group's union of states of one forward
   (target.tp batches in the target dtype).
@@ -28,17 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from eagleforge.config import Config, UserInputError
-
-GIB = 1 << 30
-# bench-train, Kimi-shaped draft (hidden 7168, 7 TTT steps), peaks at 8192 and 32768 tokens.
-MEASURED_PEAK_GIB = {8192: 22.3, 32768: 62.7}
-_REF_HIDDEN, _REF_TTT = 7168, 7
-
-
-def draft_activation_bytes_per_token(hidden: int, ttt_steps: int) -> float:
-    (t0, p0), (t1, p1) = sorted(MEASURED_PEAK_GIB.items())
-    slope = (p1 - p0) * GIB / (t1 - t0)  # bytes per token of the reference draft
-    return slope * (hidden / _REF_HIDDEN) * (ttt_steps / _REF_TTT)
+from eagleforge.train.step_plan import AUTO_MODES, GIB, draft_activation_bytes_per_token, fixed_bytes, resolve_param_dtype
 
 
 @dataclass
@@ -113,13 +102,13 @@ def plan_online(cfg: Config, world: int | None = None, args=None, quantized: boo
     world = world or tp
     ht, k, tc = a.hidden_size, len(aux), cfg.train
     plan = OnlinePlan(t, world, tc.batch_tokens)
-    plan.fixed = {
-        f"draft fp32 weights + grads + AdamW (FSDP2 / {world})": 16 * trainable // world,
-        "frozen embedding (fp32, replicated)": 4 * embed,
-        "teacher head [Vd, Ht] (fp32)": 4 * vd * ht,
-    }
+    import torch
+
+    param_dtype = resolve_param_dtype(tc, torch.device("cuda"), "fsdp")  # online runs the target on CUDA
+    plan.fixed = fixed_bytes(trainable, embed, vd * ht, param_dtype, world)
     plan.gathered, plan.grads = 2 * trainable, 6 * trainable
-    plan.activations_per_token = draft_activation_bytes_per_token(hidden, tc.ttt_steps)
+    mode = tc.activation_checkpoint if tc.activation_checkpoint in AUTO_MODES else "selective_all"
+    plan.activations_per_token = draft_activation_bytes_per_token(hidden, tc.ttt_steps, mode)
     plan.in_flight_per_token = {
         f"captured states in flight (prefetch {tc.prefetch} + 1, fp32)": (tc.prefetch + 1) * (k + 1) * ht * 4,
         f"group union of one forward ({tp} batches)": tp * (k + 1) * ht * target_plan._dtype_bytes(cfg),

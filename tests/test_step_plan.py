@@ -1,0 +1,80 @@
+"""The trainer's step plan (train/step_plan.py): the draft's memory by hand arithmetic, and what
+train.activation_checkpoint=auto / train.compile=auto resolve to on the CPU and on a GPU of a
+given size."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from eagleforge.config import ConfigError, TrainConfig, load_config
+from eagleforge.draft import Eagle3Config, Eagle3Draft
+from eagleforge.train.step_plan import GIB, RESERVE, draft_activation_bytes_per_token, plan_step
+
+H, HEADS, HD, INTER, VD, VOCAB = 7168, 64, 128, 18432, 32000, 163840
+
+
+def _kimi_draft() -> Eagle3Draft:
+    config = Eagle3Config(hidden_size=H, num_attention_heads=HEADS, num_key_value_heads=HEADS, head_dim=HD,
+                          intermediate_size=INTER, vocab_size=VOCAB, draft_vocab_size=VD, target_hidden_size=H,
+                          aux_layer_ids=[1, 29, 57], rms_norm_eps=1e-5, rope_theta=50000.0, max_position_embeddings=131072)
+    with torch.device("meta"):  # sizes only, no memory
+        draft = Eagle3Draft(config)
+    draft.embed_tokens.weight.requires_grad_(False)
+    return draft
+
+
+TRAINABLE = 3 * H * H + 3 * HEADS * HD * 2 * H + HEADS * HD * H + 3 * H * INTER + VD * H + 4 * H
+
+
+def test_fixed_memory_by_hand():
+    draft = _kimi_draft()
+    bf16 = plan_step(TrainConfig(batch_tokens=8192), draft, torch.bfloat16, torch.device("cpu"))
+    assert list(bf16.fixed.values()) == [8 * TRAINABLE, 2 * VOCAB * H, 2 * VD * H]
+    fp32 = plan_step(TrainConfig(batch_tokens=8192), draft, torch.float32, torch.device("cpu"), world=4)
+    assert list(fp32.fixed.values()) == [16 * TRAINABLE // 4, 4 * VOCAB * H, 4 * VD * H]
+
+
+def test_auto_on_the_cpu_is_the_plain_step():
+    plan = plan_step(TrainConfig(), _kimi_draft(), torch.float32, torch.device("cpu"))
+    assert (plan.activation_checkpoint, plan.compile) == ("none", False)
+
+
+def test_auto_on_a_gpu_picks_the_fastest_mode_that_fits(caplog):
+    """selective_all while it fits in the GPU's memory less the reserve, then selective, then step
+    (with a warning); the edge computed by hand from the measured slopes."""
+    draft = _kimi_draft()
+    fixed = 8 * TRAINABLE + 2 * VOCAB * H + 2 * VD * H
+    gpu = int(141e9)
+    usable = gpu * (1 - RESERVE)
+    per_all, per_sel = (draft_activation_bytes_per_token(H, 7, m) for m in ("selective_all", "selective"))
+    assert per_sel < per_all
+    edge_all, edge_sel = int((usable - fixed) // per_all), int((usable - fixed) // per_sel)
+    cuda = torch.device("cuda")
+    for tokens, mode in ((32768, "selective_all"), (edge_all, "selective_all"), (edge_all + 1, "selective"),
+                         (edge_sel, "selective"), (edge_sel + 1, "step")):
+        with caplog.at_level(logging.WARNING, logger="eagleforge.train.step_plan"):
+            caplog.clear()
+            plan = plan_step(TrainConfig(batch_tokens=tokens, ttt_steps=7), draft, torch.bfloat16, cuda, gpu_bytes=gpu)
+        assert (plan.activation_checkpoint, plan.compile) == (mode, True), tokens
+        assert ("does not fit" in caplog.text) == (mode == "step")
+    assert plan_step(TrainConfig(batch_tokens=32768, ttt_steps=7), draft, torch.bfloat16, cuda,
+                     gpu_bytes=gpu).total_bytes / GIB < 0.9 * gpu / GIB  # 32K tokens on an H200: planned to fit
+
+
+def test_explicit_settings_are_kept():
+    tc = TrainConfig(activation_checkpoint="selective*3+step*4", compile=False, ttt_steps=7, batch_tokens=10**6)
+    plan = plan_step(tc, _kimi_draft(), torch.bfloat16, torch.device("cuda"), gpu_bytes=int(80e9))
+    assert (plan.activation_checkpoint, plan.compile) == ("selective*3+step*4", False)
+
+
+def test_compile_key_takes_auto_and_booleans_only():
+    assert load_config(None, ["train.compile=true"]).train.compile is True
+    assert load_config(None, ["train.compile=auto"]).train.compile == "auto"
+    assert load_config(None, []).train.activation_checkpoint == "auto"
+    with pytest.raises(ConfigError, match=r"train.compile' must be one of \[auto, true, false\], got 'dynamic'"):
+        load_config(None, ["train.compile=dynamic"])
+    with pytest.raises(ConfigError, match="train.activation_checkpoint' must be one of"):
+        load_config(None, ["train.activation_checkpoint=sometimes"])
