@@ -24,6 +24,8 @@ LOSS_MODES = ("auto", "reference", "fused")  # train.loss: plain torch or the fu
 LOSS_POSITIONS = ("assistant", "all")  # train.loss_positions
 TRAIN_SOURCES = ("shards", "online")  # train.source: RUN/hidden, or the target run inside the train stage
 TARGET_BACKENDS = ("hf", "native")  # target.backend
+# target.device_map (hf backend): none, or transformers' device_map strategies (accelerate)
+DEVICE_MAPS = ("none", "auto", "balanced", "balanced_low_0", "sequential")
 EXPERT_LAYOUTS = ("ep", "tp")  # target.expert_layout: whole experts per rank, or each expert split
 PREFILL_ATTENTION_MODES = ("auto", "cudnn", "flash", "flash_attn")  # target.prefill_attention (native)
 MOE_BACKENDS = ("auto", "triton", "grouped_mm", "loop")  # target.moe_backend (native)
