@@ -94,9 +94,14 @@ def load_tokenizer(cfg: TargetConfig):
 def load_target(cfg: TargetConfig, device: torch.device | None = None):
     """(model, tokenizer) in eval mode, compute dtype from the config: the whole model on `device`,
     or with target.device_map its modules spread over the GPUs, the CPU and disk by accelerate
-    (`device_map_kwargs`); the callers gather what they capture on `device` then."""
+    (`device_map_kwargs`). The map is for the callers that name `device`, where they gather the
+    rows they capture (extraction, online training); the others (data regeneration, eval) run
+    their own decoding loops, whose caches and row indices live on one device, and refuse it."""
     from transformers import AutoModelForCausalLM
 
+    if cfg.device_map != "none" and device is None:
+        raise UserInputError(f"target.device_map={cfg.device_map} is for extraction and online training; data regeneration "
+                             "and eval decode on one device: run this stage with target.device_map=none")
     path = target_path(cfg)
     device = device or resolve_device(cfg.device)
     kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}

@@ -66,7 +66,7 @@ def _assert_same_rows(got: dict, want: dict) -> None:
 def test_cpu_and_disk_offload_captures_the_plain_models_states(tiny_target):
     plain, _ = load_target(TargetConfig(path=str(tiny_target), device="cpu", dtype="float32"))
     mapped, _ = load_target(TargetConfig(path=str(tiny_target), device="cpu", dtype="float32",
-                                         device_map="auto", max_memory=[CPU_BUDGET]))
+                                         device_map="auto", max_memory=[CPU_BUDGET]), torch.device("cpu"))
     placement = mapped.hf_device_map
     assert set(placement.values()) == {"cpu", "disk"}, placement
     # The split cuts through the capture: an aux layer in memory, aux layers, norm and head offloaded.
@@ -125,7 +125,19 @@ def test_device_map_is_refused_under_torchrun_before_loading(monkeypatch, tmp_pa
     # tmp_path holds no model: the refusal comes before any read.
     cfg = TargetConfig(path=str(tmp_path), device="cpu", device_map="balanced")
     with pytest.raises(UserInputError, match=r"^target.device_map=balanced under torchrun \(WORLD_SIZE=2\): each rank would spread"):
-        load_target(cfg)
+        load_target(cfg, torch.device("cpu"))
+
+
+def test_device_map_is_refused_by_the_decoding_stages(tiny_target):
+    """Data regeneration and eval load without naming a device: their decoding loops keep caches
+    and row indices on one device, so the map is refused there, naming the fix."""
+    from eagleforge.data.regenerate import regenerate
+
+    cfg = load_config(None, [f"target.path={tiny_target}", "target.device=cpu", "target.device_map=auto"])
+    with pytest.raises(UserInputError, match=r"^target.device_map=auto is for extraction and online training; .* target.device_map=none"):
+        load_target(cfg.target)
+    with pytest.raises(UserInputError, match="target.device_map=auto is for extraction"):
+        regenerate(cfg, [], tiny_target, None)
 
 
 def test_max_memory_is_parsed_into_accelerates_form():
@@ -159,7 +171,7 @@ def test_two_gpus_balanced_captures_the_plain_models_states(tiny_target):
         pytest.skip("needs 2 CUDA GPUs to balance the layers over")
     cuda = torch.device("cuda", 0)
     plain, _ = load_target(TargetConfig(path=str(tiny_target), device="cuda:0", dtype="float32"))
-    mapped, _ = load_target(TargetConfig(path=str(tiny_target), device="cuda:0", dtype="float32", device_map="balanced"))
+    mapped, _ = load_target(TargetConfig(path=str(tiny_target), device="cuda:0", dtype="float32", device_map="balanced"), cuda)
     placement = mapped.hf_device_map
     assert {0, 1} <= set(placement.values()), placement
     assert mapped.model.layers[1].mlp.up_proj.weight.device != mapped.model.layers[5].mlp.up_proj.weight.device
