@@ -7,6 +7,7 @@
 #   make extract train CONFIG=configs/kimi_k25_pilot.yaml RUN=runs/kimi
 #   make train OVERRIDES="train.lr=1e-4 train.epochs=2"
 #   make train-online               data, then training with the target in the loop (no shards on disk)
+#   make preflight CONFIG=...       all-reduce busbw and matmul rate of the GPUs, projected extraction tokens/s
 #
 # Each target first installs what it needs into .venv (a stamp file makes the second call instant).
 
@@ -24,7 +25,7 @@ PY := $(VENV)/bin/python
 ARGS := $(if $(CONFIG),--config $(CONFIG)) run_dir=$(RUN) $(OVERRIDES)
 STAMP := $(VENV)/.installed
 
-.PHONY: install data extract vocab train train-online eval plan test lint bench-extract-cpu bench-extract bench-moe bench-loss bench-train bench-prefill-attention bench-teacher-forced bench-online bench-gpu clean
+.PHONY: install data extract vocab train train-online eval plan preflight test lint bench-extract-cpu bench-extract bench-moe bench-loss bench-train bench-prefill-attention bench-teacher-forced bench-online bench-gpu clean
 
 install: $(STAMP)
 
@@ -58,6 +59,13 @@ eval: $(STAMP)
 
 plan: $(STAMP)
 	$(PY) -m eagleforge.extract.native.plan $(ARGS)
+
+# One process per GPU (GPUS=N to choose; without GPUs, 2 gloo processes for the mechanics): all-reduce
+# bus bandwidth, each GPU's bf16 matmul rate, the config's projected extraction tokens/s, and a
+# warning when the link is slow (extract/native/preflight.py).
+GPUS ?= $(or $(filter-out 0,$(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')),2)
+preflight: $(STAMP)
+	$(PY) -m torch.distributed.run --standalone --nproc-per-node $(GPUS) -m eagleforge.extract.native.preflight $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra tests

@@ -42,6 +42,16 @@ class TargetConfig:
     dtype: str = "bfloat16"  # compute dtype of the target forward: float32 | bfloat16 | float16
     device: str = "auto"  # auto = cuda when available, else cpu
     trust_remote_code: bool = False
+    # hf backend, a target larger than one GPU: none (the whole model on target.device) | auto |
+    # balanced | balanced_low_0 | sequential (transformers' device_map through accelerate: layers spread
+    # over the visible GPUs, then the CPU, then disk). One process only; the captured rows are
+    # gathered on target.device.
+    device_map: str = "none"
+    # with device_map: the most each device may hold, "DEVICE:SIZE" with DEVICE a GPU index, cpu or
+    # disk and SIZE like 70GiB or 500MB, e.g. ["0:70GiB", "1:70GiB", "cpu:200GiB"]; [] = accelerate's
+    # default (most of each GPU, then the CPU's free memory).
+    max_memory: list = field(default_factory=list)
+    offload_folder: str = ""  # with device_map: where modules mapped to "disk" go when the checkpoint is not safetensors
     # native backend only: tensor-parallel group size and routed-expert layout ("ep" or "tp").
     tp: int = 1
     expert_layout: str = "ep"
@@ -286,6 +296,7 @@ def load_config(config_file: str | os.PathLike | None = None, overrides: list[st
 
 _CHOICES = {
     "target.backend": modes.TARGET_BACKENDS,
+    "target.device_map": modes.DEVICE_MAPS,
     "target.dtype": modes.TARGET_DTYPES,
     "target.expert_layout": modes.EXPERT_LAYOUTS,
     "target.prefill_attention": modes.PREFILL_ATTENTION_MODES,
@@ -310,6 +321,7 @@ def _validate(cfg: Config) -> None:
     _validate_checkpoint(cfg.train.activation_checkpoint, cfg.train.ttt_steps)
     if cfg.train.compile not in (True, False, "auto"):
         raise ConfigError(f"config key 'train.compile' must be one of [auto, true, false], got {cfg.train.compile!r}")
+    _validate_device_map(cfg.target)
     if not cfg.train.step_weight_decay > 0:  # the per-step losses are divided by decay^j for the stats
         raise ConfigError(f"config key 'train.step_weight_decay' must be > 0, got {cfg.train.step_weight_decay!r}")
     for key, value in _numeric_values(cfg):
@@ -392,6 +404,47 @@ def _check_range(key: str, value: Any) -> None:
         raise ConfigError(f"config key {key!r} must be a finite number in {shown}, got {value!r}")
     if (low is not None and value < low) or (high is not None and value > high):
         raise ConfigError(f"config key {key!r} must be in {shown}, got {value!r}")
+
+
+_SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_max_memory(items: list) -> dict:
+    """target.max_memory ["0:70GiB", "cpu:200GiB", "disk:1TB"] -> {0: bytes, "cpu": bytes, "disk": bytes},
+    the form accelerate takes; a ConfigError naming the item otherwise. Sizes must be > 0."""
+    out: dict = {}
+    for item in items:
+        where = f"config key 'target.max_memory' item {item!r}"
+        if not isinstance(item, str) or ":" not in item:
+            # YAML reads an unquoted 1:30 as the integer 90: ask for the string form.
+            raise ConfigError(f"{where}: expected a string 'DEVICE:SIZE' like '0:70GiB' or 'cpu:200GiB' (quote it in YAML)")
+        device, _, size = (part.strip() for part in item.partition(":"))
+        key = int(device) if device.isdigit() else device
+        if key not in ("cpu", "disk") and not isinstance(key, int):
+            raise ConfigError(f"{where}: device {device!r} must be a GPU index (0, 1, ...), cpu or disk")
+        number = size.rstrip("BbIiKkMmGgTt ")
+        unit = size[len(number):].strip().lower()
+        try:
+            value = float(number)
+        except ValueError:
+            value = math.nan
+        if unit not in _SIZE_UNITS or not math.isfinite(value) or int(value * _SIZE_UNITS.get(unit, 0)) <= 0:
+            raise ConfigError(f"{where}: size {size!r} must be a number > 0 with a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+        if key in out:
+            raise ConfigError(f"{where}: device {device!r} appears twice")
+        out[key] = int(value * _SIZE_UNITS[unit])
+    return out
+
+
+def _validate_device_map(target: TargetConfig) -> None:
+    parse_max_memory(target.max_memory)
+    if target.device_map == "none" and (target.max_memory or target.offload_folder):
+        key = "target.max_memory" if target.max_memory else "target.offload_folder"
+        raise ConfigError(f"config key {key!r} is set but target.device_map is none: set target.device_map=auto (or balanced, ...)")
+    if target.device_map != "none" and target.backend != "hf":
+        raise ConfigError(f"config key 'target.device_map' = {target.device_map!r} is for the hf backend; "
+                          f"the {target.backend} backend splits the target over GPUs with target.tp")
 
 
 def _validate_checkpoint(value: str, ttt_steps: int) -> None:

@@ -28,6 +28,8 @@ LOSS_POSITIONS = ("assistant", "all")  # train.loss_positions
 PARAM_DTYPES = ("auto", "float32", "bfloat16")
 TRAIN_SOURCES = ("shards", "online")  # train.source: RUN/hidden, or the target run inside the train stage
 TARGET_BACKENDS = ("hf", "native")  # target.backend
+# target.device_map (hf backend): none, or transformers' device_map strategies (accelerate)
+DEVICE_MAPS = ("none", "auto", "balanced", "balanced_low_0", "sequential")
 EXPERT_LAYOUTS = ("ep", "tp")  # target.expert_layout: whole experts per rank, or each expert split
 PREFILL_ATTENTION_MODES = ("auto", "cudnn", "flash", "flash_attn")  # target.prefill_attention (native)
 MOE_BACKENDS = ("auto", "triton", "grouped_mm", "loop")  # target.moe_backend (native)

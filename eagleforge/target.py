@@ -92,21 +92,68 @@ def load_tokenizer(cfg: TargetConfig):
 
 
 def load_target(cfg: TargetConfig, device: torch.device | None = None):
-    """(model, tokenizer) in eval mode on `device`, compute dtype from the config."""
+    """(model, tokenizer) in eval mode, compute dtype from the config: the whole model on `device`,
+    or with target.device_map its modules spread over the GPUs, the CPU and disk by accelerate
+    (`device_map_kwargs`). The map is for the callers that name `device`, where they gather the
+    rows they capture (extraction, online training); the others (data regeneration, eval) run
+    their own decoding loops, whose caches and row indices live on one device, and refuse it."""
     from transformers import AutoModelForCausalLM
 
+    if cfg.device_map != "none" and device is None:
+        raise UserInputError(f"target.device_map={cfg.device_map} is for extraction and online training; data regeneration "
+                             "and eval decode on one device: run this stage with target.device_map=none")
     path = target_path(cfg)
     device = device or resolve_device(cfg.device)
     kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
+    kwargs.update(device_map_kwargs(cfg))
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch_dtype(cfg.dtype), trust_remote_code=cfg.trust_remote_code, **kwargs
         )
     except (OSError, ValueError) as err:
         raise UserInputError(f"target.path {path}: cannot load a causal LM ({str(err).splitlines()[0]})") from None
-    model.to(device).eval()
+    if cfg.device_map == "none":
+        model.to(device)
+    else:
+        log.info("target.device_map=%s: %s", cfg.device_map, _placement_summary(model.hf_device_map))
+    model.eval()
     model.requires_grad_(False)
     return model, load_tokenizer(cfg)
+
+
+def device_map_kwargs(cfg: TargetConfig) -> dict:
+    """from_pretrained's device_map, max_memory and offload_folder for target.device_map ({} for none).
+
+    Refused under torchrun: every rank would load its own copy spread over ALL visible GPUs (the
+    map is per process), so the copies would compete for the same memory.
+    """
+    if cfg.device_map == "none":
+        return {}
+    from eagleforge.config import parse_max_memory
+    from eagleforge.process_group import world_size_from_env
+
+    world = world_size_from_env()
+    if world > 1:
+        raise UserInputError(f"target.device_map={cfg.device_map} under torchrun (WORLD_SIZE={world}): each rank would spread its own copy "
+                             "of the target over every visible GPU; run one process with device_map, or device_map=none for one copy per GPU")
+    try:
+        import accelerate  # noqa: F401 - transformers dispatches a device_map through it
+    except ImportError:
+        raise UserInputError(f"target.device_map={cfg.device_map} needs the package accelerate: pip install 'eagleforge[pipeline]'") from None
+    out: dict = {"device_map": cfg.device_map}
+    if cfg.max_memory:
+        out["max_memory"] = parse_max_memory(cfg.max_memory)
+    if cfg.offload_folder:
+        out["offload_folder"] = cfg.offload_folder
+    return out
+
+
+def _placement_summary(device_map: dict) -> str:
+    """{"model.layers.3": 1, "lm_head": "disk", ...} -> "12 modules on 0, 14 on 1, 3 on disk"."""
+    counts: dict[str, int] = {}
+    for where in device_map.values():
+        counts[str(where)] = counts.get(str(where), 0) + 1
+    return ", ".join(f"{n} modules on {where}" for where, n in counts.items())
 
 
 def padding_id(tokenizer) -> int:

@@ -70,7 +70,10 @@ class HiddenStateCapture:
         missing = [i for i in self.aux_layer_ids if i not in self._aux]
         if missing:
             raise RuntimeError(f"no output captured for decoder layers {missing}: run a forward inside the context")
-        return torch.cat([self._aux[i] for i in self.aux_layer_ids], dim=-1)
+        # Under a device_map (target.device_map) the layers sit on several devices: gathered on
+        # the first aux layer's (a no-op when they share one).
+        first = self._aux[self.aux_layer_ids[0]].device
+        return torch.cat([self._aux[i].to(first) for i in self.aux_layer_ids], dim=-1)
 
     @property
     def last_hidden_state(self) -> torch.Tensor:

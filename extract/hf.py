@@ -134,7 +134,9 @@ def forward_batch(model, capture: HiddenStateCapture, input_ids: list[list[int]]
     # [B, T, V] logits are computed.
     base = getattr(model, "base_model", model)
     base(input_ids=tokens.to(device), attention_mask=mask.to(device), use_cache=False)
-    aux, last = capture.aux_hidden_states, capture.last_hidden_state  # [B, T, k*H], [B, T, H]
+    # Under target.device_map the aux layers and the final norm may sit on other devices than
+    # `device` (other GPUs, or the CPU for offloaded ones): the rows are gathered on `device`.
+    aux, last = capture.aux_hidden_states.to(device), capture.last_hidden_state.to(device)  # [B, T, k*H], [B, T, H]
     capture.clear()
     # Unpadded rows by slicing (lengths are known on the host): unlike a boolean mask, no sync.
     packed = {"aux_hidden_states": torch.cat([aux[b, :n] for b, n in enumerate(lengths)]),  # [sum n, k*H]
@@ -151,7 +153,8 @@ def _target_argmax(model, last_hidden: torch.Tensor) -> torch.Tensor:
         raise UserInputError(f"{type(model).__name__} has no output embeddings: set extract.write_target_argmax=false")
     rows = max(1, ARGMAX_CHUNK_ELEMENTS // head.weight.shape[0])
     # Logit scaling or soft-capping some models apply after the head is monotonic: same argmax.
-    parts = [head(last_hidden[i : i + rows]).argmax(-1) for i in range(0, last_hidden.shape[0], rows)]
+    # Under target.device_map the head may sit on another device (its hook moves the rows there).
+    parts = [head(last_hidden[i : i + rows]).argmax(-1).to(last_hidden.device) for i in range(0, last_hidden.shape[0], rows)]
     if not parts:
         return torch.zeros(0, dtype=torch.int32, device=last_hidden.device)
     return torch.cat(parts).to(torch.int32)

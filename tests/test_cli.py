@@ -14,6 +14,7 @@ STAGES = {
     "eagleforge.train": ("target", "data", "extract", "vocab", "draft", "train", "eval"),
     "eagleforge.eval": ("target", "eval"),
     "eagleforge.extract.native.plan": ("target", "data", "extract", "train"),
+    "eagleforge.extract.native.preflight": ("target", "data", "extract"),
 }
 
 

@@ -80,6 +80,43 @@ def count_parameters(a: ModelArgs) -> dict[str, int]:
     }
 
 
+def flops_per_token(a: ModelArgs, tp: int, seq_len: int, split_replicated: bool) -> float:
+    """Matmul FLOPs of one token's forward on one rank of a tp group (what the rank computes, the
+    FLOP count benchmarks/bench_extract.py's MFU uses): per layer the latents q_a/kv_a and the
+    router (replicated, or 1/tp of the tokens each when `split_replicated`: from
+    target.split_rows_min_tokens), this rank's heads of q_b/kv_b/o_proj, causal attention over
+    seq_len / 2 keys on average, 1/tp of the dense MLP, shared expert and k routed slots (ep: k/tp
+    slots on average; tp: every slot, 1/tp of its width); then 1/tp of the greedy head."""
+    H, heads = a.hidden_size, a.num_attention_heads / tp
+    split = tp if split_replicated else 1
+    latents = H * ((a.q_lora_rank or 0) + a.kv_lora_rank + a.qk_rope_head_dim) / split
+    q = (a.q_lora_rank or H) * heads * a.qk_head_dim
+    kv_b = a.kv_lora_rank * heads * (a.qk_nope_head_dim + a.v_head_dim)
+    core = heads * (seq_len / 2) * (a.qk_head_dim + a.v_head_dim)  # QK^T and PV per key
+    attention = latents + q + kv_b + core + heads * a.v_head_dim * H
+    dense = 3 * H * a.intermediate_size / tp
+    moe = 3 * H * a.moe_intermediate_size * (a.num_experts_per_tok + a.n_shared_experts) / tp + H * a.n_routed_experts / split
+    moe_layers = a.num_hidden_layers - a.first_k_dense_replace
+    per_token = a.num_hidden_layers * attention + a.first_k_dense_replace * dense + moe_layers * moe + H * a.vocab_size / tp
+    return 2.0 * per_token  # a multiply-add is 2 FLOPs
+
+
+def collective_bytes_per_token(a: ModelArgs, tp: int, dtype_bytes: int, split_replicated: bool) -> dict[str, int]:
+    """Bytes per token of each collective one rank of a tp group takes part in (extract/native/
+    model.py, parallel.py): all-reduces of the [T, H] activations (the vocab-parallel embedding,
+    then after each attention and each MLP/MoE block); all-gathers (their gathered output) of
+    the split latents and router outputs (fp32 weight + int64 id per slot), and the head's
+    per-rank best logit (fp32) and id (int64). 0 at tp = 1."""
+    if tp == 1:
+        return {"all_reduce": 0, "all_gather": 0}
+    H, moe_layers = a.hidden_size, a.num_hidden_layers - a.first_k_dense_replace
+    gathered = 12 * tp  # the head: each rank's best (fp32) and its index (int64)
+    if split_replicated:
+        gathered += a.num_hidden_layers * ((a.q_lora_rank or 0) + a.kv_lora_rank + a.qk_rope_head_dim) * dtype_bytes
+        gathered += moe_layers * a.num_experts_per_tok * 12
+    return {"all_reduce": (2 * a.num_hidden_layers + 1) * H * dtype_bytes, "all_gather": gathered}
+
+
 @dataclass
 class MemoryPlan:
     tp: int
@@ -275,6 +312,11 @@ def main(cfg: Config) -> None:
         raise UserInputError(f"target.tp = {cfg.target.tp}: {err}") from None
     print(f"\nconfigured layout, {cfg.extract.batch_tokens} tokens per forward:")
     print(format_plan(plan, gpu_bytes))
+    split = cfg.target.tp > 1 and cfg.extract.batch_tokens >= cfg.target.split_rows_min_tokens
+    traffic = collective_bytes_per_token(a, cfg.target.tp, _dtype_bytes(cfg), split)
+    print(f"  per token on each rank: {flops_per_token(a, cfg.target.tp, min(cfg.data.max_length, cfg.extract.batch_tokens), split) / 1e9:.2f} "
+          f"GFLOP, {traffic['all_reduce'] / 1024:.0f} KiB all-reduced, {traffic['all_gather'] / 1024:.1f} KiB all-gathered "
+          "(`make preflight` projects tokens/s from the GPUs' measured rates)")
     print("\nall layouts (total incl. activations and reserve; +spare / -short in GiB):")
     print(format_grid(a, quantized, _dtype_bytes(cfg), cfg.extract.batch_tokens, cfg.data.max_length, _aux_ids(cfg, a)))
     if cfg.train.source == "online":  # the draft trains beside the resident target: its memory too
