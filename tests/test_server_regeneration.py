@@ -247,7 +247,9 @@ def test_resume_after_sigkill_mid_run_loses_and_duplicates_nothing(tmp_path, ser
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         _wait_for_lines(conversations, 5, process)
-        time.sleep(0.3)  # nothing more may come: the other requests are held
+        deadline = time.monotonic() + 20
+        while server.inflight < 3 and time.monotonic() < deadline:  # the next 3 requests arrive and are held
+            time.sleep(0.01)
         assert process.poll() is None, process.stderr.read().decode()[-2000:]
         assert server.inflight == 3
     finally:

@@ -19,6 +19,7 @@ import logging
 import os
 import queue
 import random
+import socket
 import threading
 import time
 import urllib.error
@@ -126,7 +127,8 @@ def _request(url: str, body: dict | None, timeout: float) -> dict:
     except urllib.error.URLError as err:
         if isinstance(err.reason, TimeoutError):
             raise timed_out from None
-        raise _Transient(f"cannot connect ({err.reason})") from None
+        refused = isinstance(err.reason, (ConnectionRefusedError, socket.gaierror))
+        raise _Transient(f"{'cannot connect' if refused else 'connection lost'} ({err.reason})") from None
     except (ConnectionError, http.client.HTTPException, OSError) as err:  # e.g. the server closed the connection
         raise _Transient(f"connection lost ({type(err).__name__}: {err})") from None
     try:
