@@ -87,6 +87,14 @@ class DataConfig:
                                                          "numpy.strings", "numpy.polynomial.polynomial"])
     strict: bool = False  # malformed input rows are an error instead of skipped and counted
     seed: int = 0
+    # Regeneration through an OpenAI-compatible server (vLLM, SGLang, transformers serve) serving
+    # the target, e.g. http://localhost:8000: the answers come from its /v1/chat/completions
+    # (greedy, data.max_new_tokens) instead of the target in-process. "" = in-process.
+    server_url: str = ""
+    server_model: str = ""  # the model name the server serves; "" = its only model (GET /v1/models)
+    concurrency: int = 64  # requests in flight at once (the server batches them)
+    request_timeout_s: float = 600.0  # one request without a reply for this long is an error naming the URL
+    max_retries: int = 5  # per request, on connection errors, 429 and 5xx, with exponential backoff
 
 
 @dataclass
@@ -318,14 +326,17 @@ def _validate(cfg: Config) -> None:
         value = getattr(getattr(cfg, section), leaf)
         if value not in choices:
             raise ConfigError(f"config key {key!r} must be one of {list(choices)}, got {value!r}")
+    for key, value in _numeric_values(cfg):  # first: the checks below read numbers (train.ttt_steps)
+        _check_range(key, value)
     _validate_checkpoint(cfg.train.activation_checkpoint, cfg.train.ttt_steps)
     if cfg.train.compile not in (True, False, "auto"):
         raise ConfigError(f"config key 'train.compile' must be one of [auto, true, false], got {cfg.train.compile!r}")
     _validate_device_map(cfg.target)
     if not cfg.train.step_weight_decay > 0:  # the per-step losses are divided by decay^j for the stats
         raise ConfigError(f"config key 'train.step_weight_decay' must be > 0, got {cfg.train.step_weight_decay!r}")
-    for key, value in _numeric_values(cfg):
-        _check_range(key, value)
+    url = cfg.data.server_url
+    if url and (not url.startswith(("http://", "https://")) or not url.split("://", 1)[1].strip("/") or any(c.isspace() for c in url)):
+        raise ConfigError(f"config key 'data.server_url' must be an http:// or https:// URL like http://localhost:8000, got {url!r}")
     if cfg.eval.ngram_min > cfg.eval.ngram_max:
         raise ConfigError(f"config key 'eval.ngram_min' = {cfg.eval.ngram_min} must be <= eval.ngram_max = {cfg.eval.ngram_max}")
 
@@ -345,6 +356,9 @@ RANGES: dict[str, tuple] = {
     "data.max_length": (1, UNBOUNDED),
     "data.code_share": (0.0, 1.0),  # a share of the prompts
     "data.seed": (0, 2**32 - 1),  # numpy's and torch's seed range
+    "data.concurrency": (1, UNBOUNDED),
+    "data.request_timeout_s": (1e-3, UNBOUNDED),  # a socket timeout of 0 would mean non-blocking
+    "data.max_retries": (0, UNBOUNDED),  # 0 = one try
     "extract.samples_per_shard": (1, UNBOUNDED),
     "extract.batch_tokens": (1, UNBOUNDED),
     "vocab.draft_vocab_size": (1, UNBOUNDED),

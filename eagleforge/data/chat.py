@@ -4,6 +4,15 @@ Loss mask: exactly the assistant tokens, i.e. each assistant message's content p
 special token the chat template puts right after it (the end of turn, e.g. <|im_end|> or
 <|eot_id|>), never the role header. Spans are found in the rendered text (prefix renders with
 add_generation_prompt) and mapped to tokens through the fast tokenizer's offsets.
+
+Reasoning: a last assistant message with `reasoning_content` (a thinking model's answer from a
+server) is rendered as it was served: the template's render of the turns before it with the
+generation prompt, then what the model generated, <think>reasoning</think>content (the opening
+tag left out when the generation prompt ends with it, as Kimi-K2.5's does), then the template's
+end of turn; the mask covers all the generated text. Not the template's render of the whole
+conversation: templates render a finished turn as history, and Kimi-K2.5's (like DeepSeek-R1's)
+blanks the reasoning of history turns, so the draft would never see the tokens the target
+spends most of its time generating. Earlier assistant turns keep the template's history render.
 """
 
 from __future__ import annotations
@@ -16,6 +25,12 @@ from eagleforge.config import UserInputError
 class TemplateMismatch(ValueError):
     """The chat template does not reproduce an assistant message verbatim (it rewrites it)."""
 
+
+# The tags vLLM's and SGLang's reasoning parsers strip (deepseek_r1, qwen3, kimi_k2, ...): a
+# thinking model generates <think>reasoning</think>content.
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# A content no template rewrites (no spaces to trim, no tags), to find where a turn's content ends.
+_PROBE = "EagleforgeEndOfTurnProbe"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -37,7 +52,44 @@ def _try_prefix(tokenizer, messages: list[dict]) -> str | None:
 
 
 def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """(rendered text, [(start, end)] character span of each assistant message's content).
+    """(rendered text, [(start, end)] character span of each assistant message's content);
+    a last assistant message with reasoning is rendered as served (_served_spans)."""
+    if messages and messages[-1]["role"] == "assistant" and messages[-1].get("reasoning_content"):
+        return _served_spans(tokenizer, messages)
+    return _template_spans(tokenizer, messages)
+
+
+def served_answer(prompt_text: str, reasoning: str, content: str) -> str:
+    """The text a thinking model generated after `prompt_text` (a render with the generation
+    prompt), rebuilt from the server's split into reasoning and content."""
+    opened = prompt_text.rstrip().endswith(THINK_OPEN)  # the template opened the block for the model
+    return ("" if opened else THINK_OPEN) + reasoning + THINK_CLOSE + content
+
+
+def _served_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """The conversation with its last assistant turn (which has reasoning) as it was served:
+    render(turns before it, generation prompt) + served_answer + the template's end of turn;
+    its span covers the whole served answer. Earlier assistant turns: the template's spans."""
+    *head, last = messages
+    prompt = render_chat(tokenizer, head, True)
+    head_spans: list[tuple[int, int]] = []
+    if any(m["role"] == "assistant" for m in head):
+        head_text, head_spans = _template_spans(tokenizer, head)
+        if not prompt.startswith(head_text):
+            raise TemplateMismatch("the chat template's generation prompt does not extend its render of the earlier turns")
+    # What the template puts after an assistant turn's content (e.g. <|im_end|>\n), from a render
+    # whose last content is a probe word.
+    probe = {k: v for k, v in last.items() if k != "reasoning_content"} | {"content": _PROBE}
+    probe_text = render_chat(tokenizer, head + [probe], False)
+    if _PROBE not in probe_text:
+        raise TemplateMismatch(f"the chat template does not reproduce assistant message {len(head)} verbatim")
+    end_of_turn = probe_text[probe_text.rindex(_PROBE) + len(_PROBE):]
+    answer = served_answer(prompt, last["reasoning_content"], last["content"])
+    return prompt + answer + end_of_turn, head_spans + [(len(prompt), len(prompt) + len(answer))]
+
+
+def _template_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """(the template's render, [(start, end)] character span of each assistant message's content).
 
     The content of assistant message i starts where the render of messages[:i] with the
     generation prompt ends, when that render is a prefix of the full one (true for ChatML,
@@ -80,7 +132,8 @@ def tokenize_messages(tokenizer, messages: list[dict]) -> tuple[list[int], list[
     Masked: every token overlapping an assistant content span, plus the token right after it
     when that is a special token (the end of turn that closes the assistant message; the
     newline some templates add after it is not masked). The ids equal
-    `apply_chat_template(messages, tokenize=True)`.
+    `apply_chat_template(messages, tokenize=True)`, except for a last assistant turn with
+    reasoning (rendered as served: assistant_spans).
     """
     if not getattr(tokenizer, "is_fast", False):
         raise UserInputError(f"{type(tokenizer).__name__}: the data stage needs a fast tokenizer (offsets)")

@@ -1,9 +1,11 @@
 """Regeneration: the target answers the prompts itself (greedy, batched, resumable), as the
-EAGLE-3 recipe asks: the draft then learns the target's own distribution.
+EAGLE-3 recipe asks: the draft then learns the target's own distribution. In-process, or from
+an OpenAI-compatible server serving the target (data.server_url; the client is chat_client.py).
 
 RUN/data/conversations.jsonl gets {"id", "messages", "new_tokens", "finished", "max_new_tokens"}
-appended one fsynced batch at a time, so a killed run resumes where it stopped (ids already
-there are skipped).
+appended and fsynced one batch (in-process) or one answer (server) at a time, so a killed run
+resumes where it stopped (ids already there are skipped). A thinking model's answer from a
+server keeps its reasoning in the assistant message's `reasoning_content` (chat.py renders it).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import time
 from pathlib import Path
 
 from eagleforge.config import Config, UserInputError
-from eagleforge.data.chat import render_chat, special_ids
+from eagleforge.data.chat import THINK_OPEN, render_chat, special_ids
 from eagleforge.data.sources import Record, Stats, prompt_part
 
 log = logging.getLogger(__name__)
@@ -192,34 +194,65 @@ def _forward(model, input_ids, attention_mask, position_ids, cache, logits_to_ke
     return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs).logits
 
 
-def regenerate(cfg: Config, records: list[Record], data_dir: Path, stats: Stats) -> dict[int, list[dict]]:
-    """Answer each record's prompt with the target (greedy); {id: conversation messages}.
-
-    Batches are formed from all prompts sorted by token length (less padding), so a resumed
-    run forms the same batches and skips those already in conversations.jsonl.
-    """
-    from tqdm import tqdm
-
-    from eagleforge.target import load_target, padding_id
-
-    path = data_dir / CONVERSATIONS_FILE
-    done = read_conversations(path)
-    model, tokenizer = load_target(cfg.target)
-    data = cfg.data
-    prompts = {}  # id -> (prompt messages, prompt token ids)
+def _prompts(tokenizer, records: list[Record], max_length: int, stats: Stats) -> dict[int, tuple[list[dict], list[int]]]:
+    """{id: (prompt messages, prompt token ids)}; prompts of max_length tokens or more are dropped."""
+    prompts = {}
     for record in records:
         messages = prompt_part(record.messages)
         ids = tokenizer(render_chat(tokenizer, messages, True), add_special_tokens=False)["input_ids"]
-        if len(ids) >= data.max_length:
+        if len(ids) >= max_length:
             stats.drop("prompt_longer_than_max_length")
             continue
         prompts[record.id] = (messages, list(ids))
+    return prompts
+
+
+def _row(record_id: int, prompt: list[dict], answer: dict, new_tokens: int, finished: bool, max_new_tokens: int) -> dict:
+    return {"id": record_id, "messages": prompt + [answer], "new_tokens": new_tokens, "finished": finished,
+            "max_new_tokens": max_new_tokens}
+
+
+def regenerate(cfg: Config, records: list[Record], data_dir: Path, stats: Stats, tokenizer=None) -> dict[int, list[dict]]:
+    """Answer each record's prompt with the target (greedy); {id: conversation messages}.
+
+    In-process, or from the server at data.server_url when set (then only the tokenizer is
+    loaded here: `tokenizer`, else the target's). Ids already in conversations.jsonl are skipped,
+    so a killed run resumes where it stopped.
+    """
+    from eagleforge.target import load_tokenizer
+
+    path = data_dir / CONVERSATIONS_FILE
+    done = read_conversations(path)
+    data = cfg.data
+    model = None
+    if not data.server_url:
+        from eagleforge.target import load_target
+
+        model, tokenizer = load_target(cfg.target)
+    elif tokenizer is None:
+        tokenizer = load_tokenizer(cfg.target)
+    prompts = _prompts(tokenizer, records, data.max_length, stats)
     for record_id, row in done.items():
         if record_id in prompts and (row["messages"][:-1] != prompts[record_id][0] or row.get("max_new_tokens") != data.max_new_tokens):
             raise UserInputError(
                 f"{path}: id {record_id} was answered for another prompt or max_new_tokens (the config changed?); "
                 "delete the file or use another run_dir"
             )
+    if data.server_url:
+        _answer_by_server(cfg, prompts, done, path, stats, tokenizer)
+    else:
+        _answer_in_process(cfg, model, tokenizer, prompts, done, path, stats)
+    return {i: done[i]["messages"] for i in prompts if i in done}  # a prompt the server refused is left out
+
+
+def _answer_in_process(cfg: Config, model, tokenizer, prompts: dict, done: dict, path: Path, stats: Stats) -> None:
+    """Batches are formed from all prompts sorted by token length (less padding), so a resumed
+    run forms the same batches and skips those already in conversations.jsonl."""
+    from tqdm import tqdm
+
+    from eagleforge.target import padding_id
+
+    data = cfg.data
     order = sorted(prompts, key=lambda i: (len(prompts[i][1]), i))
     batches = [order[i:i + data.gen_batch_size] for i in range(0, len(order), data.gen_batch_size)]
     todo = [[i for i in batch if i not in done] for batch in batches]
@@ -240,8 +273,7 @@ def regenerate(cfg: Config, records: list[Record], data_dir: Path, stats: Stats)
                 text = tokenizer.decode(answer_ids, skip_special_tokens=True)
                 count = len(answer_ids) + int(finished)  # the stop token is generated too
                 new_tokens += count
-                rows.append({"id": record_id, "messages": prompts[record_id][0] + [{"role": "assistant", "content": text}],
-                             "new_tokens": count, "finished": finished, "max_new_tokens": data.max_new_tokens})
+                rows.append(_row(record_id, prompts[record_id][0], {"role": "assistant", "content": text}, count, finished, data.max_new_tokens))
             _append_rows(path, rows)
             done.update((row["id"], row) for row in rows)
             bar.update(len(batch))
@@ -257,14 +289,73 @@ def regenerate(cfg: Config, records: list[Record], data_dir: Path, stats: Stats)
         "torch_threads": _torch_threads(),
     }
     log.info("generated %d new tokens in %.1f s (%.1f new tokens/s)", new_tokens, seconds, new_tokens / max(seconds, 1e-9))
-    return {i: done[i]["messages"] for i in prompts}
 
 
-def _torch_threads() -> int:
-    import torch
+def _answer_by_server(cfg: Config, prompts: dict, done: dict, path: Path, stats: Stats, tokenizer) -> None:
+    """data.concurrency requests in flight; each answer is appended (fsynced) as it arrives, in
+    whatever order they complete: the ids make a resumed run skip exactly those written."""
+    from tqdm import tqdm
 
-    return torch.get_num_threads()
+    from eagleforge.data import chat_client
 
+    data = cfg.data
+    base = chat_client.base_url(data.server_url)
+    url = base + "/chat/completions"
+    todo = [i for i in sorted(prompts) if i not in done]
+    # a finished run's rerun needs no server
+    model = chat_client.served_model(base, data.server_model, data.request_timeout_s, data.max_retries) if todo else data.server_model
+    log.info("regeneration by %s (model %s, %d in flight): %d prompts, %d already answered in %s, %d to go",
+             url, model, data.concurrency, len(prompts), len(prompts) - len(todo), path, len(todo))
+
+    def ask(record_id):
+        messages = prompts[record_id][0]
+        opened = render_chat(tokenizer, messages, True).rstrip().endswith(THINK_OPEN)  # the template opens <think>
+        try:
+            return chat_client.chat(url, model, messages, data.max_new_tokens, data.request_timeout_s, data.max_retries, opened)
+        except chat_client.Rejected as refusal:
+            return refusal  # this prompt only: dropped and counted below
+
+    new_tokens = answered = retries = refused = 0
+    start = time.perf_counter()
+    with tqdm(total=len(todo), unit="prompt", desc="generate", dynamic_ncols=True) as bar:
+        for record_id, answer in chat_client.completed(todo, ask, data.concurrency):
+            bar.update(1)
+            if isinstance(answer, chat_client.Rejected):
+                if not refused:
+                    log.warning("%s refused prompt id %d: %s (such prompts are dropped and counted in stats.json)", url, record_id, answer)
+                refused += 1
+                stats.drop("server_refused_prompt")
+                continue
+            finished = answer.finish_reason == "stop"
+            count = answer.completion_tokens
+            if count is None:  # a server that sends no usage: count the answer's tokens here
+                count = len(tokenizer(answer.reasoning + answer.content, add_special_tokens=False)["input_ids"]) + int(finished)
+            message = {"role": "assistant", "content": answer.content}
+            if answer.reasoning:
+                message["reasoning_content"] = answer.reasoning
+            row = _row(record_id, prompts[record_id][0], message, count, finished, data.max_new_tokens)
+            _append_rows(path, [row])
+            done[record_id] = row
+            new_tokens += count
+            answered += 1
+            retries += answer.attempts - 1
+            bar.set_postfix(new_tok_s=f"{new_tokens / max(time.perf_counter() - start, 1e-9):.1f}")
+    seconds = time.perf_counter() - start
+    stats.generation = {
+        "server_url": url,
+        "server_model": model,
+        "prompts_answered_now": answered,
+        "prompts_answered_before": len(prompts) - len(todo),
+        "prompts_refused": refused,
+        "new_tokens": new_tokens,
+        "seconds": round(seconds, 2),
+        "new_tokens_per_s": round(new_tokens / seconds, 2) if seconds else None,
+        "concurrency": data.concurrency,
+        "retries": retries,
+        "max_new_tokens": data.max_new_tokens,
+    }
+    log.info("%s: %d answers, %d new tokens in %.1f s (%.1f new tokens/s), %d retries",
+             url, answered, new_tokens, seconds, new_tokens / max(seconds, 1e-9), retries)
 
 
 def _torch_threads() -> int:

@@ -7,8 +7,9 @@
 Writes, under RUN = cfg.run_dir:
     RUN/config.yaml                the resolved config (first)
     RUN/data/conversations.jsonl   regeneration only: {"id", "messages", "new_tokens", "finished",
-                                   "max_new_tokens"} appended one fsynced batch at a time, so a
-                                   killed run resumes where it stopped (ids already there are skipped)
+                                   "max_new_tokens"} appended one fsynced batch (in-process) or
+                                   answer (data.server_url) at a time, so a killed run resumes
+                                   where it stopped (ids already there are skipped)
     RUN/data/samples.jsonl         {"id", "input_ids", "loss_mask"} in id order, chat template
                                    applied, truncated; written atomically once complete
     RUN/data/stats.json            counts (prompts, samples, tokens, assistant tokens, truncated,
@@ -128,7 +129,7 @@ def main(cfg: Config) -> None:
         if any(r.input_ids is not None for r in records):
             log.warning("data.source %s is pre-tokenized: its rows are used as they are (data.regenerate does not apply)", cfg.data.source)
         else:
-            answered = regenerate(cfg, records, data_dir, stats)
+            answered = regenerate(cfg, records, data_dir, stats, tokenizer)
     rows = _samples(cfg, tokenizer, records, answered, stats)
     stats.samples = len(rows)
     stats.tokens = sum(len(r["input_ids"]) for r in rows)

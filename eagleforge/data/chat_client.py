@@ -1,0 +1,251 @@
+"""The client side of regeneration through a server (data.server_url): concurrent
+/v1/chat/completions requests to an OpenAI-compatible server (vLLM, SGLang, transformers serve)
+that serves the target. Standard library only (urllib, threads).
+
+Each request is greedy (temperature 0) with max_tokens = data.max_new_tokens. Connection errors,
+HTTP 429 and 5xx are retried with exponential backoff (data.max_retries times); a request with no
+reply within data.request_timeout_s, or any other HTTP error, stops the run with one line naming
+the URL; HTTP 400/413/422 refuse one prompt (e.g. longer than the server's context), which is
+dropped and counted. A thinking model's reasoning comes back in `reasoning_content` (or
+`reasoning`) when the server runs a reasoning parser, else inline as <think>...</think> in the
+content; both are returned split (split_reasoning).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import os
+import queue
+import random
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+from eagleforge.config import UserInputError
+from eagleforge.data.chat import THINK_CLOSE, THINK_OPEN
+
+log = logging.getLogger(__name__)
+
+RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+# The server refuses this one prompt (vLLM: prompt + max_tokens longer than --max-model-len).
+REJECT_STATUS = frozenset({400, 413, 422})
+BACKOFF_S = 1.0  # the first wait; doubled at each retry, up to BACKOFF_MAX_S, plus up to 25% jitter
+BACKOFF_MAX_S = 60.0
+# A server started with --api-key wants it as a bearer token; read from the environment so it
+# never lands in RUN/config.yaml.
+API_KEY_ENV = "EAGLEFORGE_SERVER_API_KEY"
+
+
+class ServerError(UserInputError):
+    """The server failed in a way retrying does not fix, or the retries ran out; names the URL."""
+
+
+class Rejected(Exception):
+    """The server refused one request (HTTP 400/413/422); the message has its reason."""
+
+
+class _Transient(Exception):
+    def __init__(self, what: str, retry_after: float | None = None):
+        super().__init__(what)
+        self.what, self.retry_after = what, retry_after
+
+
+@dataclass
+class Answer:
+    content: str
+    reasoning: str  # "" when the model did not reason (or the server sent none)
+    completion_tokens: int | None  # the reply's usage.completion_tokens (reasoning included); None without usage
+    finish_reason: str | None  # "stop" (end of turn), "length" (max_tokens reached), ...
+    attempts: int  # 1 + the retries this request needed
+
+
+def base_url(url: str) -> str:
+    """http://host:8000, http://host:8000/v1 or .../v1/chat/completions -> http://host:8000/v1."""
+    url = url.rstrip("/")
+    for suffix in ("/chat/completions", "/v1"):
+        if url.endswith(suffix):
+            url = url[: -len(suffix)]
+    return url + "/v1"
+
+
+def _detail(err: urllib.error.HTTPError) -> str:
+    """The server's error message (vLLM, SGLang and transformers send JSON), first line, short."""
+    try:
+        raw = err.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    message = raw
+    try:
+        body = json.loads(raw)
+        inner = body.get("error", body) if isinstance(body, dict) else body
+        message = inner.get("message", inner) if isinstance(inner, dict) else inner
+    except ValueError:
+        pass
+    lines = str(message).strip().splitlines()
+    return f" ({lines[0][:300]})" if lines else ""
+
+
+def _retry_after(headers) -> float | None:
+    try:
+        return max(0.0, float(headers.get("Retry-After")))
+    except (TypeError, ValueError):
+        return None  # absent, or an HTTP date (not worth parsing: the backoff applies)
+
+
+def _request(url: str, body: dict | None, timeout: float) -> dict:
+    """One HTTP request, POST with a JSON body or GET: the JSON reply.
+
+    Raises _Transient (worth retrying), Rejected (this request only) or ServerError.
+    """
+    headers = {"Accept": "application/json"}
+    data = None
+    if body is not None:
+        data = json.dumps(body, ensure_ascii=False).encode("utf-8")
+        headers["Content-Type"] = "application/json"
+    if os.environ.get(API_KEY_ENV):
+        headers["Authorization"] = f"Bearer {os.environ[API_KEY_ENV]}"
+    request = urllib.request.Request(url, data=data, headers=headers, method="GET" if body is None else "POST")
+    timed_out = ServerError(f"{url}: no reply within {timeout:g} s (data.request_timeout_s); the server is stuck or "
+                            "overloaded, or the answers need longer (raise data.request_timeout_s or lower data.concurrency)")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            raw = reply.read()
+    except urllib.error.HTTPError as err:
+        if err.code in RETRY_STATUS:
+            raise _Transient(f"HTTP {err.code}{_detail(err)}", _retry_after(err.headers)) from None
+        if err.code in REJECT_STATUS and body is not None:
+            raise Rejected(f"HTTP {err.code}{_detail(err)}") from None
+        hint = "; is data.server_model one the server serves?" if err.code == 404 else ""
+        raise ServerError(f"{url}: HTTP {err.code}{_detail(err)}{hint}") from None
+    except TimeoutError:  # the reply did not come (a timeout while connecting arrives as URLError)
+        raise timed_out from None
+    except urllib.error.URLError as err:
+        if isinstance(err.reason, TimeoutError):
+            raise timed_out from None
+        refused = isinstance(err.reason, (ConnectionRefusedError, socket.gaierror))
+        raise _Transient(f"{'cannot connect' if refused else 'connection lost'} ({err.reason})") from None
+    except (ConnectionError, http.client.HTTPException, OSError) as err:  # e.g. the server closed the connection
+        raise _Transient(f"connection lost ({type(err).__name__}: {err})") from None
+    try:
+        reply = json.loads(raw)
+    except ValueError:
+        raise ServerError(f"{url}: the reply is not JSON: {raw[:120]!r}") from None
+    if not isinstance(reply, dict):
+        raise ServerError(f"{url}: the reply is not a JSON object: {raw[:120]!r}")
+    return reply
+
+
+def backoff_delay(attempt: int, retry_after: float | None = None) -> float:
+    """Seconds to wait before retry number attempt + 1 (attempt = 0 for the first retry)."""
+    delay = min(BACKOFF_MAX_S, BACKOFF_S * 2**attempt) * (1 + 0.25 * random.random())
+    return max(delay, min(retry_after, BACKOFF_MAX_S)) if retry_after is not None else delay
+
+
+def request_with_retries(url: str, body: dict | None, timeout: float, max_retries: int) -> tuple[dict, int]:
+    """(the JSON reply, attempts made), retrying transient failures up to max_retries times."""
+    for attempt in range(max_retries + 1):
+        try:
+            return _request(url, body, timeout), attempt + 1
+        except _Transient as err:
+            if attempt == max_retries:
+                raise ServerError(f"{url}: {err.what}, {attempt + 1} tries (data.max_retries={max_retries}); "
+                                  "is the server up and serving?") from None
+            delay = backoff_delay(attempt, err.retry_after)
+            log.warning("%s: %s; retry %d of %d in %.1f s", url, err.what, attempt + 1, max_retries, delay)
+            time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+def served_model(base: str, model: str, timeout: float, max_retries: int) -> str:
+    """data.server_model, or the one model the server lists at GET /v1/models."""
+    if model:
+        return model
+    url = base + "/models"
+    try:
+        reply, _ = request_with_retries(url, None, timeout, max_retries)
+    except Rejected as err:
+        raise ServerError(f"{url}: {err}") from None
+    data = reply.get("data")
+    names = [m.get("id") for m in data if isinstance(m, dict)] if isinstance(data, list) else []
+    if len(names) != 1 or not isinstance(names[0], str):
+        raise ServerError(f"{url}: the server lists {names or 'no model'}; set data.server_model to the target's name")
+    return names[0]
+
+
+def split_reasoning(message: dict, opened: bool = False) -> tuple[str, str]:
+    """(reasoning, content) of a reply's message.
+
+    The reasoning is `reasoning_content` (vLLM and SGLang reasoning parsers; newer vLLM also sends
+    it as `reasoning`) or, from a server without a parser, the inline <think>...</think> that
+    opens the content. opened: the generation prompt ends with <think> (Kimi-K2.5's does), so
+    the content holds only the rest of the block, reasoning</think>answer.
+    """
+    content = message.get("content")
+    content = content if isinstance(content, str) else ""
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    if isinstance(reasoning, str) and reasoning:
+        return reasoning, content
+    head, close, tail = content.partition(THINK_CLOSE)
+    if close:
+        if head.lstrip().startswith(THINK_OPEN):
+            return head.lstrip()[len(THINK_OPEN):], tail
+        if opened and THINK_OPEN not in head:
+            return head, tail
+    return "", content
+
+
+def chat(url: str, model: str, messages: list[dict], max_tokens: int, timeout: float, max_retries: int,
+         opened: bool = False) -> Answer:
+    """The greedy answer to `messages` from the chat completions endpoint `url`; opened: as for
+    split_reasoning."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": False}
+    reply, attempts = request_with_retries(url, body, timeout, max_retries)
+    choices = reply.get("choices")
+    choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+    message = choice.get("message")
+    if not isinstance(message, dict):
+        raise ServerError(f"{url}: a reply without choices[0].message: {json.dumps(reply)[:200]}")
+    reasoning, content = split_reasoning(message, opened)
+    usage = reply.get("usage") if isinstance(reply.get("usage"), dict) else {}
+    tokens = usage.get("completion_tokens")
+    return Answer(content, reasoning, tokens if isinstance(tokens, int) else None, choice.get("finish_reason"), attempts)
+
+
+def completed(items: list, fn, workers: int):
+    """Yield (item, fn(item)) for every item as each completes, fn running in `workers` threads.
+
+    The first exception fn raises is raised here and the rest is abandoned: the threads are
+    daemons, so a request still in flight neither delays the exit nor has its answer used.
+    """
+    todo: queue.Queue = queue.Queue()
+    results: queue.Queue = queue.Queue()
+    stop = threading.Event()
+    for item in items:
+        todo.put(item)
+
+    def work():
+        while not stop.is_set():
+            try:
+                item = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                results.put((item, fn(item), None))
+            except BaseException as err:  # noqa: BLE001 - handed to the consuming thread, raised there
+                results.put((item, None, err))
+
+    for index in range(min(workers, len(items))):
+        threading.Thread(target=work, name=f"chat-client-{index}", daemon=True).start()
+    try:
+        for _ in range(len(items)):
+            item, result, err = results.get()
+            if err is not None:
+                raise err
+            yield item, result
+    finally:
+        stop.set()

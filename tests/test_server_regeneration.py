@@ -1,0 +1,581 @@
+"""Regeneration through an OpenAI-compatible server (data.server_url).
+
+Against a real local HTTP server started here (http.server in a thread, /v1/models and
+/v1/chat/completions, with injected 5xx/429/dropped connections/slow replies/reasoning):
+concurrency, every answer written once, resume after SIGKILL, retries with exponential backoff,
+the timeout error, refused prompts, reasoning rendered as served. Then real servers serving the
+embedded SmolLM2 (transformers serve, vLLM), compared with the in-process regeneration.
+"""
+
+import importlib.util
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from eagleforge.config import ConfigError, TargetConfig, UserInputError, load_config, run_main
+from eagleforge.data import chat_client
+from eagleforge.data.chat import tokenize_messages
+from eagleforge.data.regenerate import read_conversations
+from eagleforge.data.stage import load_samples, main
+from eagleforge.target import load_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+WORDS = ("alpha", "beta", "gamma", "delta", "naïve", "数据", "🙂", "x", "==", "(", ")", "42", "3.14", "'q'", "tab\tsep", "new\nline")
+
+
+def fake_answer(prompt: str) -> str:
+    """The fake server's answer: the prompt's words reversed (so each answer is its prompt's)."""
+    return " ".join(reversed(prompt.split()))
+
+
+def fake_reasoning(prompt: str) -> str:
+    return f"\nThe user wrote {len(prompt)} characters; reverse the words.\n"
+
+
+class FakeServer:
+    """An OpenAI-compatible server on 127.0.0.1 in a thread.
+
+    faults: {prompt: [fault, ...]}, one fault consumed per request for that prompt before it is
+    answered: ("status", code) or ("status", code, retry_after_s), ("close",) (the connection
+    dropped without a reply), ("sleep", seconds). reasoning: None | "field" (reasoning_content) |
+    "inline" (<think>...</think> in the content) | "inline_opened" (no <think>: the template opened it).
+    hang_after: requests past this many wait until `release` is set.
+    """
+
+    def __init__(self, models=("fake-target",), reasoning=None, delay=0.0, hang_after=None):
+        self.models, self.reasoning, self.delay, self.hang_after = list(models), reasoning, delay, hang_after
+        self.faults: dict[str, list] = {}
+        self.release = threading.Event()
+        self.lock = threading.Lock()
+        self.inflight = self.max_inflight = 0
+        self.requests: list[tuple[float, str, dict]] = []  # (arrival time, prompt, body) of every chat request
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _send(self, code, payload, headers=()):
+                data = json.dumps(payload).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                for key, value in headers:
+                    self.send_header(key, value)
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                if self.path == "/v1/models":
+                    self._send(200, {"object": "list", "data": [{"id": m, "object": "model"} for m in server.models]})
+                else:
+                    self._send(404, {"error": {"message": f"no route {self.path}"}})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path != "/v1/chat/completions":
+                    return self._send(404, {"error": {"message": f"no route {self.path}"}})
+                prompt = body["messages"][-1]["content"]
+                with server.lock:
+                    server.requests.append((time.monotonic(), prompt, body))
+                    count = len(server.requests)
+                    fault = server.faults.get(prompt, []).pop(0) if server.faults.get(prompt) else None
+                    server.inflight += 1
+                    server.max_inflight = max(server.max_inflight, server.inflight)
+                try:
+                    if server.hang_after is not None and count > server.hang_after:
+                        server.release.wait(60)
+                    if fault and fault[0] == "close":
+                        self.close_connection = True
+                        return
+                    if fault and fault[0] == "status":
+                        headers = [("Retry-After", str(fault[2]))] if len(fault) > 2 else []
+                        return self._send(fault[1], {"error": {"message": f"injected {fault[1]}\nsecond line"}}, headers)
+                    time.sleep(fault[1] if fault and fault[0] == "sleep" else server.delay)
+                    if body["model"] not in server.models:
+                        return self._send(404, {"error": {"message": f"The model `{body['model']}` does not exist."}})
+                    self._send(200, server.reply(prompt, body))
+                finally:
+                    with server.lock:
+                        server.inflight -= 1
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def reply(self, prompt, body):
+        words = fake_answer(prompt).split(" ")
+        finish = "stop" if len(words) < body["max_tokens"] else "length"
+        answer = " ".join(words[: body["max_tokens"] - 1])
+        message = {"role": "assistant", "content": answer}
+        if self.reasoning == "field":
+            message["reasoning_content"] = fake_reasoning(prompt)
+        elif self.reasoning == "inline":
+            message["content"] = "<think>" + fake_reasoning(prompt) + "</think>" + answer
+        elif self.reasoning == "inline_opened":
+            message["content"] = fake_reasoning(prompt) + "</think>" + answer
+        tokens = len(answer.split(" ")) + 1 + (3 if self.reasoning else 0)
+        return {"id": "x", "object": "chat.completion", "model": body["model"],
+                "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+                "usage": {"prompt_tokens": 9, "completion_tokens": tokens, "total_tokens": 9 + tokens}}
+
+    def prompts_asked(self):
+        return [prompt for _, prompt, _ in self.requests]
+
+    def close(self):
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def server_factory():
+    servers = []
+
+    def make(**kwargs):
+        servers.append(FakeServer(**kwargs))
+        return servers[-1]
+
+    yield make
+    for server in servers:
+        server.close()
+
+
+@pytest.fixture
+def fast_backoff(monkeypatch):
+    monkeypatch.setattr(chat_client, "BACKOFF_S", 0.05)
+
+
+def _prompts(n, rng):
+    # distinct prompts (the fake server keys faults by prompt text)
+    return [f"q{i} " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 9))) for i in range(n)]
+
+
+def _source(tmp_path, prompts):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}, ensure_ascii=False) + "\n" for p in prompts), encoding="utf-8")
+    return path
+
+
+def _overrides(tmp_path, prompts, server, *extra, run="run"):
+    return [f"run_dir={tmp_path / run}", f"data.source={_source(tmp_path, prompts)}", f"data.server_url={server.url}",
+            "target.device=cpu", "data.max_new_tokens=50", *extra]
+
+
+def _run(overrides):
+    main(load_config(None, overrides))
+
+
+def _stats(tmp_path, run="run"):
+    return json.loads((tmp_path / run / "data" / "stats.json").read_text())
+
+
+def _rows_in_file(tmp_path, run="run"):
+    path = tmp_path / run / "data" / "conversations.jsonl"
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()] if path.exists() else []
+
+
+# ------------------------------------------------------------------------------------------------
+# Against the local fake server
+
+
+def test_concurrent_answers_each_written_once_with_the_request_the_server_needs(tmp_path, server_factory):
+    rng = random.Random()
+    prompts = _prompts(12, rng)
+    server = server_factory(delay=0.25)
+    _run(_overrides(tmp_path, prompts, server, "data.concurrency=4", "data.system_prompt=Be brief."))
+    assert server.max_inflight == 4  # 4 requests in flight at once, never more
+    assert sorted(server.prompts_asked()) == sorted(prompts)  # each prompt asked once
+    for _, prompt, body in server.requests:
+        assert body["model"] == "fake-target"  # the one model of GET /v1/models
+        assert body["temperature"] == 0 and body["max_tokens"] == 50 and body["stream"] is False
+        assert body["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": prompt}]
+    rows = _rows_in_file(tmp_path)
+    assert sorted(r["id"] for r in rows) == list(range(12))
+    tokenizer = load_tokenizer(TargetConfig(device="cpu"))
+    samples = {s["id"]: s for s in load_samples(tmp_path / "run")}
+    for row in rows:
+        prompt = prompts[row["id"]]
+        answer = fake_answer(prompt)
+        assert row["messages"][-1] == {"role": "assistant", "content": answer}
+        assert row["new_tokens"] == len(answer.split(" ")) + 1 and row["finished"] is True and row["max_new_tokens"] == 50
+        assert (samples[row["id"]]["input_ids"], samples[row["id"]]["loss_mask"]) == tuple(tokenize_messages(tokenizer, row["messages"]))
+    generation = _stats(tmp_path)["generation"]
+    assert generation["prompts_answered_now"] == 12 and generation["new_tokens"] == sum(r["new_tokens"] for r in rows)
+    assert generation["server_model"] == "fake-target" and generation["retries"] == 0
+
+
+def test_max_tokens_reached_is_an_unfinished_answer(tmp_path, server_factory):
+    server = server_factory()
+    prompt = "one two three four five six seven eight nine ten"
+    _run(_overrides(tmp_path, [prompt], server, "data.max_new_tokens=4", run="short"))
+    (row,) = _rows_in_file(tmp_path, "short")
+    assert row["finished"] is False and row["messages"][-1]["content"] == "ten nine eight"
+
+
+def _wait_for_lines(path, count, process, seconds=90):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and process.poll() is None:
+        if path.exists() and path.read_text().count("\n") >= count:
+            return
+        time.sleep(0.01)
+
+
+def test_resume_after_sigkill_mid_run_loses_and_duplicates_nothing(tmp_path, server_factory):
+    """The stage in a subprocess gets 5 answers, then the server holds every further request;
+    SIGKILL with 3 requests in flight (and a torn last line added, as a kill mid-write leaves).
+    The rerun asks exactly the 7 unanswered prompts and ends with each answer once."""
+    rng = random.Random()
+    prompts = _prompts(12, rng)
+    server = server_factory(hang_after=5)
+    overrides = _overrides(tmp_path, prompts, server, "data.concurrency=3")
+    conversations = tmp_path / "run" / "data" / "conversations.jsonl"
+    process = subprocess.Popen([sys.executable, "-m", "eagleforge.data", *overrides], cwd=REPO,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        _wait_for_lines(conversations, 5, process)
+        deadline = time.monotonic() + 20
+        while server.inflight < 3 and time.monotonic() < deadline:  # the next 3 requests arrive and are held
+            time.sleep(0.01)
+        assert process.poll() is None, process.stderr.read().decode()[-2000:]
+        assert server.inflight == 3
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.communicate()
+    before = _rows_in_file(tmp_path)
+    assert len(before) == 5 and not (tmp_path / "run" / "data" / "samples.jsonl").exists()
+    with open(conversations, "a", encoding="utf-8") as f:
+        f.write('{"id": 11, "messages": [{"ro')
+    asked_before = len(server.requests)
+    assert asked_before == 8  # 5 answered + 3 held when killed
+
+    server.hang_after = None
+    _run(overrides)
+    asked_again = server.prompts_asked()[asked_before:]
+    answered_before = {prompts[r["id"]] for r in before}
+    assert sorted(asked_again) == sorted(set(prompts) - answered_before)  # the missing 7, each once
+    rows = _rows_in_file(tmp_path)
+    assert rows[:5] == before  # untouched, the torn line cut off
+    assert sorted(r["id"] for r in rows) == list(range(12))
+    assert all(r["messages"][-1]["content"] == fake_answer(prompts[r["id"]]) for r in rows)
+    generation = _stats(tmp_path)["generation"]
+    assert (generation["prompts_answered_before"], generation["prompts_answered_now"]) == (5, 7)
+    assert len(load_samples(tmp_path / "run")) == 12
+    server.close()  # a finished run's rerun needs no server
+    _run(overrides)
+    assert _rows_in_file(tmp_path) == rows and _stats(tmp_path)["generation"]["prompts_answered_before"] == 12
+
+
+def test_transient_failures_are_retried_with_exponential_backoff(tmp_path, server_factory, fast_backoff):
+    rng = random.Random()
+    prompts = _prompts(4, rng)
+    server = server_factory()
+    server.faults[prompts[0]] = [("status", 500), ("status", 503), ("close",), ("status", 502)]
+    server.faults[prompts[1]] = [("status", 429, 0.6)]  # Retry-After: 0.6 s
+    server.faults[prompts[2]] = [("status", 429)]
+    _run(_overrides(tmp_path, prompts, server, "data.max_retries=4", "data.concurrency=2"))
+    rows = {r["id"]: r for r in _rows_in_file(tmp_path)}
+    assert sorted(rows) == [0, 1, 2, 3] and all(rows[i]["messages"][-1]["content"] == fake_answer(p) for i, p in enumerate(prompts))
+    arrivals = {p: [t for t, q, _ in server.requests if q == p] for p in prompts}
+    assert [len(arrivals[p]) for p in prompts] == [5, 2, 2, 1]
+    gaps = [b - a for a, b in zip(arrivals[prompts[0]], arrivals[prompts[0]][1:])]
+    for retry, gap in enumerate(gaps):  # waits of 0.05 * 2^retry s at least, up to 25% jitter more
+        assert gap >= 0.05 * 2**retry, gaps
+    assert sum(gaps) < 0.05 * 15 * 1.25 + 2.0, gaps
+    assert arrivals[prompts[1]][1] - arrivals[prompts[1]][0] >= 0.6  # the server's Retry-After wins over the backoff
+    assert _stats(tmp_path)["generation"]["retries"] == 6
+
+
+def test_retries_run_out_into_one_line_naming_the_url(tmp_path, server_factory, fast_backoff):
+    rng = random.Random()
+    prompts = _prompts(3, rng)
+    server = server_factory()
+    server.faults[prompts[1]] = [("status", 503)] * 3
+    with pytest.raises(UserInputError) as err:
+        _run(_overrides(tmp_path, prompts, server, "data.max_retries=2", "data.concurrency=1"))
+    message = str(err.value)
+    assert f"{server.url}/v1/chat/completions" in message and "HTTP 503 (injected 503)" in message and "3 tries" in message
+    assert "\n" not in message
+    # what was answered before the failure stays, and the rerun asks only the rest
+    assert [r["id"] for r in _rows_in_file(tmp_path)] == [0]
+    _run(_overrides(tmp_path, prompts, server))
+    assert sorted(r["id"] for r in _rows_in_file(tmp_path)) == [0, 1, 2]
+    assert server.prompts_asked().count(prompts[0]) == 1
+
+
+def test_no_server_at_the_url_is_one_line_after_the_retries(tmp_path, fast_backoff):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    overrides = [f"run_dir={tmp_path / 'run'}", f"data.source={_source(tmp_path, ['hi'])}", "target.device=cpu",
+                 f"data.server_url=http://127.0.0.1:{port}/v1", "data.max_retries=2"]
+    with pytest.raises(UserInputError, match=rf"^http://127.0.0.1:{port}/v1/models: cannot connect .*3 tries"):
+        _run(overrides)
+
+
+def test_timeout_is_one_line_naming_the_url(tmp_path, server_factory, capsys):
+    """A reply slower than data.request_timeout_s: exit 2 with one line on stderr, at once (no
+    retry of a request the server may still be running; the slow thread does not hold the exit)."""
+    prompts = ["quick one", "slow one", "quick two"]
+    server = server_factory()
+    server.faults["slow one"] = [("sleep", 5.0)]
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(main, "data", argv=_overrides(tmp_path, prompts, server, "data.request_timeout_s=0.5", "data.concurrency=3"))
+    assert exit_info.value.code == 2 and time.monotonic() - start < 4.5
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert lines == [f"error: {server.url}/v1/chat/completions: no reply within 0.5 s (data.request_timeout_s); the server is stuck or "
+                     "overloaded, or the answers need longer (raise data.request_timeout_s or lower data.concurrency)"]
+    assert server.prompts_asked().count("slow one") == 1
+    assert sorted(r["messages"][-1]["content"] for r in _rows_in_file(tmp_path)) == sorted(["one quick", "two quick"])
+
+
+def test_refused_prompts_are_dropped_and_counted_other_errors_stop(tmp_path, server_factory):
+    rng = random.Random()
+    prompts = _prompts(5, rng)
+    server = server_factory()
+    server.faults[prompts[2]] = [("status", 400)]
+    _run(_overrides(tmp_path, prompts, server))
+    stats = _stats(tmp_path)
+    assert stats["dropped_reasons"] == {"server_refused_prompt": 1} and stats["generation"]["prompts_refused"] == 1
+    assert sorted(s["id"] for s in load_samples(tmp_path / "run")) == [0, 1, 3, 4]
+    assert sorted(r["id"] for r in _rows_in_file(tmp_path)) == [0, 1, 3, 4]  # asked again on a rerun
+
+    with pytest.raises(UserInputError, match=r"HTTP 404 \(The model `other` does not exist.\); is data.server_model"):
+        _run(_overrides(tmp_path, prompts, server, "data.server_model=other", run="other"))
+    server.faults[prompts[0]] = [("status", 401)]
+    with pytest.raises(UserInputError, match=r"chat/completions: HTTP 401 \(injected 401\)$"):
+        _run(_overrides(tmp_path, prompts, server, run="unauthorized"))
+
+
+def test_the_model_name_comes_from_the_config_or_the_server(tmp_path, server_factory):
+    server = server_factory(models=("kimi-k2.5", "draft"))
+    with pytest.raises(UserInputError, match=r"lists \['kimi-k2.5', 'draft'\]; set data.server_model"):
+        _run(_overrides(tmp_path, ["hello there"], server))
+    _run(_overrides(tmp_path, ["hello there"], server, "data.server_model=kimi-k2.5"))
+    assert {body["model"] for _, _, body in server.requests} == {"kimi-k2.5"}
+    for url in (server.url + "/", server.url + "/v1", server.url + "/v1/chat/completions"):
+        assert chat_client.base_url(url) == server.url + "/v1"
+
+
+def test_config_keys_of_the_server(tmp_path):
+    for bad in ("localhost:8000", "ftp://host", "http://", "http://host name"):
+        with pytest.raises(ConfigError, match=r"'data.server_url' must be an http:// or https:// URL") as err:
+            load_config(None, [f"data.server_url={bad}"])
+        assert "\n" not in str(err.value)
+    for key, bad in (("data.concurrency", 0), ("data.max_retries", -1), ("data.request_timeout_s", 0)):
+        with pytest.raises(ConfigError, match=rf"'{key}' must be in"):
+            load_config(None, [f"{key}={bad}"])
+    cfg = load_config(None, ["data.server_url=https://h:8000/v1", "data.concurrency=256", "data.request_timeout_s=0.5"])
+    assert (cfg.data.server_url, cfg.data.concurrency, cfg.data.request_timeout_s) == ("https://h:8000/v1", 256, 0.5)
+
+
+# ------------------------------------------------------------------------------------------------
+# Reasoning
+
+
+# Kimi-K2.5's chat template in miniature: an assistant turn without tool calls renders as
+# history, its reasoning blanked to an empty <think></think>; the generation prompt opens <think>.
+KIMI25_LIKE_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'system' -%}<|im_system|>system<|im_middle|>{{ m['content'] }}<|im_end|>"
+    "{%- elif m['role'] == 'user' -%}<|im_user|>user<|im_middle|>{{ m['content'] }}<|im_end|>"
+    "{%- else -%}<|im_assistant|>assistant<|im_middle|><think></think>{{ m['content'] }}<|im_end|>"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|><think>{%- endif -%}"
+)
+
+
+def _kimi_like_tokenizer():
+    tokenizer = load_tokenizer(TargetConfig(device="cpu"))  # a fresh object: changes stay local
+    tokenizer.add_tokens(["<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>", "<think>", "</think>"], special_tokens=True)
+    tokenizer.chat_template = KIMI25_LIKE_TEMPLATE
+    return tokenizer
+
+
+@pytest.mark.parametrize("template, mode", [("smollm2", "field"), ("smollm2", "inline"), ("kimi", "field"), ("kimi", "inline_opened")])
+def test_reasoning_is_kept_and_rendered_as_served(tmp_path, server_factory, template, mode):
+    """However the server sends it, the reasoning lands in the assistant message's
+    reasoning_content; the sample is the prompt rendered with the generation prompt, then what
+    the model generated (<think> unless the prompt opened it, reasoning, </think>, answer) and
+    the end of turn, all of it in the loss mask. With a server only the tokenizer is loaded, so
+    target.path can be a tokenizer directory."""
+    rng = random.Random()
+    prompts = _prompts(3, rng)
+    server = server_factory(reasoning=mode)
+    extra = []
+    if template == "kimi":
+        tokenizer = _kimi_like_tokenizer()
+        tokenizer.save_pretrained(tmp_path / "kimi_tokenizer")
+        extra = [f"target.path={tmp_path / 'kimi_tokenizer'}"]
+    _run(_overrides(tmp_path, prompts, server, *extra))
+    tokenizer = load_tokenizer(TargetConfig(device="cpu", path=extra[0].split("=", 1)[1] if extra else ""))
+    opened, end_of_turn = {"smollm2": ("", "<|im_end|>\n"), "kimi": ("<think>", "<|im_end|>")}[template]
+    samples = {s["id"]: s for s in load_samples(tmp_path / "run")}
+    for row in _rows_in_file(tmp_path):
+        prompt = prompts[row["id"]]
+        assert row["messages"][-1] == {"role": "assistant", "content": fake_answer(prompt), "reasoning_content": fake_reasoning(prompt)}
+        served = ("<think>" if not opened else "") + fake_reasoning(prompt) + "</think>" + fake_answer(prompt)
+        prompt_text = tokenizer.apply_chat_template(row["messages"][:-1], tokenize=False, add_generation_prompt=True)
+        assert prompt_text.endswith(opened)
+        sample = samples[row["id"]]
+        assert sample["input_ids"] == tokenizer(prompt_text + served + end_of_turn, add_special_tokens=False)["input_ids"]
+        masked = [t for t, m in zip(sample["input_ids"], sample["loss_mask"]) if m]
+        assert tokenizer.decode(masked) == served + "<|im_end|>"
+
+
+def test_reasoning_of_the_last_turn_survives_a_template_that_blanks_it():
+    """Two turns, both with reasoning, through the Kimi-K2.5-like template: the template's own
+    render keeps neither reasoning (history turns); the sample keeps the last turn's as served
+    and renders the earlier turn as the template does (the context of the last turn)."""
+    tokenizer = _kimi_like_tokenizer()
+    rng = random.Random()
+    words = lambda n: " ".join(rng.choice(WORDS) for _ in range(n))  # noqa: E731
+    r1, c1, r2, c2 = words(6), words(5), "\n" + words(12) + "\n", words(7)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": words(4)},
+                {"role": "assistant", "content": c1, "reasoning_content": r1},
+                {"role": "user", "content": words(3)}, {"role": "assistant", "content": c2, "reasoning_content": r2}]
+    stock = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert r1 not in stock and r2 not in stock
+    input_ids, loss_mask = tokenize_messages(tokenizer, messages)
+    prompt_text = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+    assert input_ids == tokenizer(prompt_text + r2 + "</think>" + c2 + "<|im_end|>", add_special_tokens=False)["input_ids"]
+    runs, current = [], []
+    for token, masked in zip(input_ids, loss_mask):
+        if masked:
+            current.append(token)
+        elif current:
+            runs, current = runs + [current], []
+    runs += [current] if current else []
+    assert [tokenizer.decode(run) for run in runs] == [c1 + "<|im_end|>", r2 + "</think>" + c2 + "<|im_end|>"]
+
+
+def test_split_reasoning():
+    split = chat_client.split_reasoning
+    assert split({"content": "A", "reasoning_content": "R"}) == ("R", "A")
+    assert split({"content": "A", "reasoning": "R"}) == ("R", "A")  # newer vLLM's field name
+    assert split({"content": None, "reasoning_content": "R"}) == ("R", "")  # max_tokens reached while thinking
+    assert split({"content": "  <think>\nR\n</think>\n\nA"}) == ("\nR\n", "\n\nA")
+    assert split({"content": "R</think>A"}, opened=True) == ("R", "A")  # the generation prompt opened the block
+    assert split({"content": "R</think>A"}) == ("", "R</think>A")  # it did not: an answer that mentions the tag
+    assert split({"content": "A mentions <think> and </think>"}, opened=True) == ("", "A mentions <think> and </think>")
+    assert split({"content": "plain"}) == ("", "plain")
+
+
+# ------------------------------------------------------------------------------------------------
+# Real servers serving the embedded SmolLM2, against the in-process regeneration
+
+SERVING_MODULES = ("fastapi", "uvicorn", "openai", "accelerate")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(command, log_path, url, seconds):
+    """Start a server process; wait until GET url answers 200. (process, log file)."""
+    import urllib.request
+
+    log = open(log_path, "wb")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            log.close()
+            pytest.fail(f"the server exited with {process.returncode}: {log_path.read_text(errors='replace')[-3000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as reply:
+                if reply.status == 200:
+                    return process, log
+        except OSError:
+            time.sleep(0.5)
+    process.kill()
+    log.close()
+    pytest.fail(f"the server did not answer {url} within {seconds} s: {log_path.read_text(errors='replace')[-3000:]}")
+
+
+def _stop(process, log):
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    log.close()
+
+
+REAL_PROMPTS = ["What is 7 times 6? Reply with the number only.", "Name three colors of the sky, one per line.",
+                "def add(a, b):\n    \"\"\"Return a + b.\"\"\"\n", "Write one short sentence about the sea.",
+                "Is 17 a prime number? Answer yes or no, then why.", "Translate 'good morning' into French."]
+
+
+def _compare_with_in_process(tmp_path, url, max_new_tokens=24):
+    """Regenerate random prompts through the server and in-process (float32, one prompt per
+    batch, as a server answers each request alone): the same answers, new-token counts and
+    finish flags, so the same token ids in samples.jsonl."""
+    prompts = random.Random().sample(REAL_PROMPTS, 4)
+    common = [f"data.source={_source(tmp_path, prompts)}", "target.device=cpu", "target.dtype=float32",
+              f"data.max_new_tokens={max_new_tokens}", "data.gen_batch_size=1"]
+    _run([f"run_dir={tmp_path / 'served'}", f"data.server_url={url}", "data.concurrency=2", *common])
+    _run([f"run_dir={tmp_path / 'local'}", *common])
+    served = read_conversations(tmp_path / "served" / "data" / "conversations.jsonl")
+    local = read_conversations(tmp_path / "local" / "data" / "conversations.jsonl")
+    assert sorted(served) == sorted(local) == [0, 1, 2, 3]
+    for i in range(4):
+        assert served[i]["messages"] == local[i]["messages"], prompts[i]
+        assert (served[i]["new_tokens"], served[i]["finished"]) == (local[i]["new_tokens"], local[i]["finished"]), prompts[i]
+    assert load_samples(tmp_path / "served") == load_samples(tmp_path / "local")
+    assert {row["finished"] for row in local.values()} == {True, False} or len({r["new_tokens"] for r in local.values()}) > 1
+
+
+def test_transformers_serve_answers_like_the_in_process_target(tmp_path):
+    """transformers serve (transformers 5's OpenAI-compatible server) on the embedded SmolLM2's
+    plain HF directory, float32 on the CPU."""
+    missing = [m for m in SERVING_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"transformers serve needs {', '.join(missing)} (transformers[serving] and accelerate), which eagleforge "
+                    "does not declare: pip install 'transformers[serving]' accelerate to run this test")
+    from eagleforge.target import embedded_target_dir
+
+    port = _free_port()
+    command = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(embedded_target_dir()),
+               "--dtype", "float32", "--device", "cpu", "--port", str(port)]
+    process, log = _start(command, tmp_path / "server.log", f"http://127.0.0.1:{port}/health", 90)
+    try:
+        _compare_with_in_process(tmp_path, f"http://127.0.0.1:{port}")
+    finally:
+        _stop(process, log)
+
+
+@pytest.mark.slow
+def test_vllm_answers_like_the_in_process_target(tmp_path):
+    """vLLM (its CPU build where there is no GPU) serving the embedded SmolLM2's plain HF
+    directory in float32."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not installed here (its CPU build is not on PyPI; eagleforge does not depend on it)")
+    from eagleforge.target import embedded_target_dir
+
+    port = _free_port()
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(embedded_target_dir()),
+               "--served-model-name", "smollm2", "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
+               "--port", str(port)]
+    process, log = _start(command, tmp_path / "server.log", f"http://127.0.0.1:{port}/health", 600)
+    try:
+        _compare_with_in_process(tmp_path, f"http://127.0.0.1:{port}/v1")
+    finally:
+        _stop(process, log)
