@@ -94,7 +94,8 @@ class FakeServer:
                     fault = server.faults.get(prompt, []).pop(0) if server.faults.get(prompt) else None
                     server.inflight += 1
                     server.max_inflight = max(server.max_inflight, server.inflight)
-                try:
+                reply = None  # (status, payload, headers), sent once the request no longer counts as in flight:
+                try:  # the client may send its next request as soon as it has this reply
                     if server.hang_after is not None and count > server.hang_after:
                         server.release.wait(60)
                     if fault and fault[0] == "close":
@@ -102,14 +103,17 @@ class FakeServer:
                         return
                     if fault and fault[0] == "status":
                         headers = [("Retry-After", str(fault[2]))] if len(fault) > 2 else []
-                        return self._send(fault[1], {"error": {"message": f"injected {fault[1]}\nsecond line"}}, headers)
-                    time.sleep(fault[1] if fault and fault[0] == "sleep" else server.delay)
-                    if body["model"] not in server.models:
-                        return self._send(404, {"error": {"message": f"The model `{body['model']}` does not exist."}})
-                    self._send(200, server.reply(prompt, body))
+                        reply = (fault[1], {"error": {"message": f"injected {fault[1]}\nsecond line"}}, headers)
+                    else:
+                        time.sleep(fault[1] if fault and fault[0] == "sleep" else server.delay)
+                        if body["model"] not in server.models:
+                            reply = (404, {"error": {"message": f"The model `{body['model']}` does not exist."}}, [])
+                        else:
+                            reply = (200, server.reply(prompt, body), [])
                 finally:
                     with server.lock:
                         server.inflight -= 1
+                self._send(*reply)
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
