@@ -45,7 +45,9 @@ from eagleforge.train.distributed import DraftWithLoss, clip_grad_norm  # noqa: 
 from eagleforge.train.loss import get_loss_fn  # noqa: E402
 from eagleforge.train.online import Prefetcher, collate_rows, overlap_report  # noqa: E402
 from eagleforge.train.online_plan import GIB, plan_online  # noqa: E402
+from eagleforge.train.step_plan import resolve_param_dtype  # noqa: E402
 from eagleforge.train.ttt_loss import TTTLoss  # noqa: E402
+from eagleforge.train.weight_grads import fuse_weight_grads  # noqa: E402
 
 
 def sync(device: torch.device) -> None:
@@ -89,10 +91,12 @@ def main(argv=None) -> dict:
     text["num_hidden_layers"] = args.num_hidden_layers
     vd = cfg.vocab.draft_vocab_size
     torch.manual_seed(0)
-    draft = Eagle3Draft(Eagle3Config.from_target_config(text, vd, aux)).to(device)
+    param_dtype = resolve_param_dtype(tc, device, "none")  # as the trainer: bf16 parameters on CUDA
+    draft = Eagle3Draft(Eagle3Config.from_target_config(text, vd, aux)).to(device, param_dtype)
+    fuse_weight_grads(draft, param_dtype == torch.bfloat16)
     draft.set_vocab_map(torch.zeros(vd, dtype=torch.int64), torch.arange(args.vocab_size) < vd)  # draft ids = the first Vd
     draft.embed_tokens.weight.requires_grad_(False)
-    teacher_head = (torch.randn(vd, args.hidden_size, device=device) * 0.02).float()
+    teacher_head = (torch.randn(vd, args.hidden_size, device=device) * 0.02).to(torch.bfloat16 if tc.bf16 else torch.float32)
     model = DraftWithLoss(draft, TTTLoss(tc, teacher_head, get_loss_fn(tc.loss, device), device))
     params = [q for q in model.parameters() if q.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95))

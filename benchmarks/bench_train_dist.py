@@ -2,12 +2,13 @@
 tokens/s, scaling, step time, peak memory, MFU.
 
 Shape: bench_train.Shape (hidden 7168, one layer, 64/64 heads of 128, intermediate 18432,
-vocab 163840, Vd 32000, TTT 7). Each rank trains on its own synthetic batch of --tokens tokens
-(one sample; bench_train.make_batch: random aux/last hidden states, all-ones loss mask, target
-argmax 90% inside the draft vocabulary), through the trainer's own pieces: DraftWithLoss +
-TTTLoss (train/loop.py), parallelize (FSDP2 bf16 params / fp32 reduce, or DDP), gradient
-clipping over the sharded gradients, AdamW on the fp32 master weights. Weak scaling: tokens per
-GPU fixed, so the ideal is tokens/s x (number of GPUs).
+vocab 163840, Vd 32000, TTT 7). What is timed is the trainer itself: Trainer.train_step() with
+the train settings of --config (default the B300 config's: bf16 parameters by train.param_dtype
+auto, selective_all checkpointing, merged_cudnn attention, compile), FSDP2 over the ranks, on a
+run directory of Kimi-shaped shards written by the project's writer (bench_train.
+write_kimi_shaped_run; each rank reads its own batch of --tokens tokens per step, ahead of the
+step on the prefetch worker). Weak scaling: tokens per GPU fixed, so the ideal is tokens/s x
+(number of GPUs).
 
 Both GPU counts in one command (each a torchrun of this script; a table at the end):
 
@@ -44,64 +45,53 @@ import_eagleforge()
 log = logging.getLogger("bench_train_dist")
 
 
-def build(args, env):
-    """(model, params, optimizer, batch) on this rank, as the Trainer builds them."""
-    from bench_train import Shape, make_batch, use_compiled_block_masks
+def build(args, env) -> tuple:
+    """(shape, trainer) on this rank: the trainer itself (Trainer, as `make train` builds it from
+    the train settings of --config) over a run directory of Kimi-shaped shards that rank 0 writes
+    with the project's writer (bench_train.write_kimi_shaped_run): world x (warmup + steps)
+    samples of --tokens tokens, one batch per rank per step."""
+    from bench_train import Shape, use_compiled_block_masks, write_kimi_shaped_run
 
-    from eagleforge.config import TrainConfig
-    from eagleforge.draft import Eagle3Draft
-    from eagleforge.train.distributed import DraftWithLoss, parallelize, resolve_parallel
-    from eagleforge.train.loss import get_loss_fn
-    from eagleforge.train.ttt_loss import TTTLoss
+    from eagleforge.config import load_config
+    from eagleforge.train.distributed import barrier
+    from eagleforge.train.loop import Trainer
 
     shape = Shape.tiny() if args.tiny else Shape()
     if env.device.type == "cuda":
         use_compiled_block_masks()
-    tc = TrainConfig(ttt_steps=shape.ttt, bf16=True, attention=args.attention, loss="auto")
-    torch.manual_seed(0)  # the same initial draft on every rank
-    with torch.device(env.device):
-        draft = Eagle3Draft(shape.draft_config())
+    run = Path(args.workdir) / f"dist-{env.world_size}"
     used_ids = torch.sort(torch.randperm(shape.vocab, generator=torch.Generator().manual_seed(0))[: shape.draft_vocab]).values
-    t2d = torch.zeros(shape.vocab, dtype=torch.bool)
-    t2d[used_ids] = True
-    draft.set_vocab_map((used_ids - torch.arange(shape.draft_vocab)).to(env.device), t2d.to(env.device))
-    teacher_head = torch.randn(shape.draft_vocab, shape.hidden, device=env.device) * shape.hidden**-0.5  # [Vd, H] fp32
-    loss = TTTLoss(tc, teacher_head, get_loss_fn(tc.loss, env.device), env.device)
-    mode = resolve_parallel(args.parallel, env)
-    model = parallelize(DraftWithLoss(draft, loss), env, mode, bf16=True)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-5, betas=(0.9, 0.95))
-    batch = make_batch(shape, args.tokens, env.device, used_ids, seed=env.rank)
-    batch["aux"], batch["last"] = batch["aux"].float(), batch["last"].float()  # collate's dtype
-    return shape, mode, model, params, optimizer, batch
+    if env.is_main:
+        import shutil
+
+        shutil.rmtree(run, ignore_errors=True)
+        write_kimi_shaped_run(run, shape, args.tokens, env.world_size * (args.warmup + args.steps), used_ids)
+    barrier(env)
+    overrides = [f"run_dir={run}", f"train.batch_tokens={args.tokens}", "train.holdout_samples=0", "train.epochs=1",
+                 f"train.device={env.device.type}", "train.save_every=0", f"train.parallel={args.parallel}",
+                 f"train.attention={args.attention}", f"train.ttt_steps={shape.ttt}", *args.override]
+    torch.manual_seed(0)
+    return shape, Trainer(load_config(args.config, overrides), env)
 
 
 def worker(args) -> dict:
-    """One rank under torchrun (or alone): time --steps training steps after --warmup."""
+    """One rank under torchrun (or alone): time --steps trainer steps after --warmup."""
     from bench_train import flops_per_token
 
-    from eagleforge.train.distributed import all_reduce_sum, clip_grad_norm, init_distributed, shutdown
+    from eagleforge.train.distributed import all_reduce_sum, init_distributed, shutdown
 
     env = init_distributed("cpu" if args.tiny else "cuda")
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    shape, mode, model, params, optimizer, batch = build(args, env)
-
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        loss, _ = model(batch["aux"], batch["input_ids_dev"], batch["last"], batch["loss_mask"], batch["target_argmax"])
-        loss.backward()
-        clip_grad_norm(params, 0.5)
-        optimizer.step()
-
+    shape, trainer = build(args, env)
     for _ in range(args.warmup):
-        step()
+        trainer.train_step()
     if env.device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     all_reduce_sum([0.0], env)  # line the ranks up before the clock starts
     start = time.perf_counter()
     for _ in range(args.steps):
-        step()
+        trainer.train_step()
     if env.device.type == "cuda":
         torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / args.steps
@@ -109,8 +99,9 @@ def worker(args) -> dict:
     slowest, peak_max = _max_over_ranks(seconds, env), _max_over_ranks(peak, env)
     tokens = args.tokens * env.world_size
     row = {
-        "gpus": env.world_size, "parallel": mode, "tokens_per_gpu": args.tokens, "step_ms": round(slowest * 1e3, 1),
-        "tokens_per_s": round(tokens / slowest), "peak_GiB": round(peak_max, 2),
+        "gpus": env.world_size, "parallel": trainer.parallel, "param_dtype": str(trainer.param_dtype).removeprefix("torch."),
+        "activation_checkpoint": trainer.step_plan.activation_checkpoint, "tokens_per_gpu": args.tokens,
+        "step_ms": round(slowest * 1e3, 1), "tokens_per_s": round(tokens / slowest), "peak_GiB": round(peak_max, 2),
         "MFU": round(tokens * flops_per_token(shape, args.tokens, shape.draft_vocab) / slowest / 1e12 / env.world_size / args.peak_tflops, 3),
         "device": torch.cuda.get_device_name() if env.device.type == "cuda" else "cpu",
     }
@@ -118,6 +109,7 @@ def worker(args) -> dict:
         log.info("%s", row)
         if args.json:
             Path(args.json).write_text(json.dumps(row))
+    trainer.prefetch.close()
     shutdown(env)
     return row
 
@@ -132,7 +124,8 @@ def launch(args) -> list[dict]:
     """torchrun this script once per GPU count; the rows and a table with the scaling."""
     rows = []
     forwarded = ["--tokens", str(args.tokens), "--steps", str(args.steps), "--warmup", str(args.warmup), "--parallel",
-                 args.parallel, "--attention", args.attention, "--peak-tflops", str(args.peak_tflops)] + (["--tiny"] if args.tiny else [])
+                 args.parallel, "--attention", args.attention, "--peak-tflops", str(args.peak_tflops), "--config", args.config,
+                 "--workdir", str(args.workdir), "--override", *args.override] + (["--tiny"] if args.tiny else [])
     for n in args.launch:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "row.json"
@@ -167,12 +160,17 @@ def main(argv=None):
     ap.add_argument("--parallel", default="auto", choices=["auto", "fsdp", "ddp"])
     ap.add_argument("--attention", default="auto")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="MFU denominator (H200 dense bf16)")
+    ap.add_argument("--config", default="configs/kimi_k25_b300.yaml", help="the train settings the trainer runs with")
+    ap.add_argument("--override", nargs="*", default=[], help="key=value overrides of the config")
+    ap.add_argument("--workdir", default="runs/bench_train_dist", help="where rank 0 writes the shards")
     ap.add_argument("--tiny", action="store_true", help="tiny shape on the CPU (gloo): checks the script")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.tiny:
         args.tokens = min(args.tokens, 256)
+        args.attention = "merged" if args.attention == "auto" else args.attention
+        args.override = ["train.compile=false", *args.override]
     if args.launch:
         return launch(args)
     if not args.tiny and not torch.cuda.is_available():
