@@ -220,3 +220,22 @@ def test_an_unsupported_quantization_config_is_one_line(copy, edit, message):
     with pytest.raises(UserInputError, match=message) as caught:
         read_checkpoint_info(copy)
     assert str(caught.value).startswith(f"{copy / 'config.json'}: ") and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("rope_key", ["rope_scaling", "rope_parameters"])
+def test_two_different_rope_thetas_are_refused_by_the_native_backend(copy, rope_key):
+    """text_config.rope_theta and the RoPE dict's rope_theta disagree: one line naming both values
+    (transformers 5 would take the dict's silently, the native backend took the top level's)."""
+    config = json.loads((copy / "config.json").read_text())
+    yarn = {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512, "beta_fast": 32.0, "beta_slow": 1.0,
+            "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}
+    config["text_config"].update({"rope_theta": 50000.0, "rope_scaling": None, rope_key: yarn})
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserInputError) as caught:
+        read_checkpoint_info(copy).args
+    assert str(caught.value).startswith(f"{copy / 'config.json'}: rope_theta = 50000.0 but {rope_key}.rope_theta = 10000.0: "
+                                        "the RoPE base is given twice with different values")
+    yarn["rope_theta"] = 50000.0  # agreeing values: read, with the yarn settings
+    (copy / "config.json").write_text(json.dumps(config))
+    args = read_checkpoint_info(copy).args
+    assert args.rope_theta == 50000.0 and args.rope_scaling["factor"] == 8.0

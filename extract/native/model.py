@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
 from eagleforge.config import UserInputError
+from eagleforge.draft.config import rope_theta_conflict
 from eagleforge.extract.native import int4
 from eagleforge.extract.native.parallel import (
     AllReduce,
@@ -103,6 +104,9 @@ class ModelArgs:
         missing = [k for k in required if k not in kwargs]
         if missing:
             raise UserInputError(f"{source}: missing keys {missing} in the text config")
+        conflict = rope_theta_conflict(text_config.get)
+        if conflict:
+            raise UserInputError(f"{source}: {conflict}")
         rope = dict(text_config.get("rope_scaling") or text_config.get("rope_parameters") or {})
         if "rope_theta" in rope and "rope_theta" not in text_config:
             kwargs["rope_theta"] = rope["rope_theta"]
