@@ -19,8 +19,9 @@ MASTER_ADDR:MASTER_PORT that the agent keeps for the whole run):
     as torch's `@record` does, without a traceback) and exits first, with code 2; the other
     ranks print nothing and wait until torchrun stops them, so its summary names the rank that
     printed, with the line;
-  - a rank that fails with any other exception after another rank posted a user error (its
-    collective lost a peer) prints nothing: its failure is a consequence.
+  - a rank that fails with any other exception while another rank posts a user error (within
+    AGREE_SECONDS: its collective lost that peer, which closes its connections as its error
+    unwinds, a moment before it posts) prints nothing: its failure is a consequence.
 
 Without a store to meet on (a launcher that set WORLD_SIZE but keeps no store, or a store that
 is not up yet), each failing rank prints its own line, with its rank number.
@@ -36,7 +37,9 @@ import time
 from datetime import timedelta
 from typing import NoReturn
 
-AGREE_SECONDS = 5.0  # how long a failed rank waits for the other ranks' errors before printing
+# How long a failed rank waits for the other ranks' errors before printing. A rank that fails
+# later does not print the same line again (it finds it claimed); only the "rank R:" label differs.
+AGREE_SECONDS = 3.0
 CONNECT_SECONDS = 5.0  # to reach the store
 STOP_WAIT_SECONDS = 60.0  # how long a rank that prints nothing waits to be stopped by torchrun
 POLL_SECONDS = 0.05
@@ -74,9 +77,10 @@ def exit_with_user_error(err: BaseException) -> NoReturn:
 
 
 def exit_if_another_rank_failed(err: BaseException) -> None:
-    """For an exception that is not a user error: when another rank already posted a user error,
-    this one is its consequence (a collective that lost its peer), so print nothing, wait to be
-    stopped, exit 1. Otherwise return, and the caller raises it as usual."""
+    """For an exception that is not a user error: when another rank posts a user error within
+    AGREE_SECONDS, this one is its consequence (a collective that lost its peer: the failed rank
+    closes its connections as its exception unwinds, just before it posts), so print nothing,
+    wait to be stopped, exit 1. Otherwise return, and the caller raises it as usual."""
     rank, world = _rank_and_world()
     if world <= 1:
         return
@@ -84,7 +88,7 @@ def exit_if_another_rank_failed(err: BaseException) -> None:
     if board is None:
         return
     try:
-        others = [r for r in board.posted() if r != rank]
+        others = board.wait_for_another(rank, AGREE_SECONDS)
     except Exception:  # no store, no report: the exception is shown as it is
         return
     if others and board.wait_to_be_stopped():
@@ -170,6 +174,15 @@ class _Board:
             posted = self.posted()
             if len(posted) >= world or time.monotonic() >= deadline:
                 return posted
+            time.sleep(POLL_SECONDS)
+
+    def wait_for_another(self, rank: int, seconds: float) -> list[int]:
+        """The other ranks that posted, as soon as there is one, or [] after `seconds`."""
+        deadline = time.monotonic() + seconds
+        while True:
+            others = [r for r in self.posted() if r != rank]
+            if others or time.monotonic() >= deadline:
+                return others
             time.sleep(POLL_SECONDS)
 
     def claim(self, line: str) -> bool:
