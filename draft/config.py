@@ -26,6 +26,36 @@ DRAFT_ARCHITECTURE = "LlamaForCausalLMEagle3"
 _ROPE_TOP_LEVEL_KEYS = ("rope_theta",)
 
 
+class RopeConflictError(ValueError):
+    """A target config that gives the RoPE base (rope_theta) twice, with different values."""
+
+
+def rope_theta_conflict(get) -> str | None:
+    """One line naming every place a config gives rope_theta, when they disagree; else None.
+
+    `get(key)` reads the config (a dict's .get or getattr on a PretrainedConfig). config.json may
+    carry rope_theta at the top level and inside the RoPE dict (rope_parameters, as transformers 5
+    writes it, or rope_scaling); transformers 5 reads the dict's value, older readers and other
+    engines the top level's, so two different values leave the model's positions undefined.
+    """
+    values = {}
+    if get("rope_theta") is not None:
+        values["rope_theta"] = get("rope_theta")
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = get(key)
+        if isinstance(rope, dict) and rope.get("rope_theta") is not None:
+            values[f"{key}.rope_theta"] = rope["rope_theta"]
+    try:
+        distinct = {float(v) for v in values.values()}
+    except (TypeError, ValueError):
+        distinct = {repr(v) for v in values.values()}
+    if len(distinct) < 2:
+        return None
+    shown = " but ".join(f"{key} = {value!r}" for key, value in values.items())
+    return (f"{shown}: the RoPE base is given twice with different values (transformers 5 reads the rope dict's, "
+            f"older readers the top level's); set both to the model's value")
+
+
 @dataclass
 class Eagle3Config:
     hidden_size: int
@@ -218,7 +248,11 @@ def _split_rope_parameters(params: dict) -> tuple[float, dict | None]:
 
 
 def _rope_from_target(get) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) of a target config, old (v4) or new (v5 rope_parameters) style."""
+    """(rope_theta, rope_scaling) of a target config, old (v4) or new (v5 rope_parameters) style;
+    RopeConflictError when the config gives rope_theta twice with different values."""
+    conflict = rope_theta_conflict(get)
+    if conflict:
+        raise RopeConflictError(f"target config: {conflict}")
     params = get("rope_parameters")
     if isinstance(params, dict) and "rope_theta" in params:
         return _split_rope_parameters(params)

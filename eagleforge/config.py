@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -516,17 +515,22 @@ def parse_cli(argv: list[str] | None = None, description: str = "",
 
 def run_main(main: typing.Callable[[Config], Any], description: str, argv: list[str] | None = None,
              sections: typing.Sequence[str] | None = None) -> None:
-    """Entry-point wrapper: a user's mistake is one line on stderr and exit 2, no traceback.
+    """Entry-point wrapper: a user's mistake is one line on stderr and exit 2, no traceback; under
+    torchrun that line is printed once over all ranks (eagleforge/failures.py).
     sections: the config sections the stage reads (its --help lists their keys)."""
     import logging
+
+    from eagleforge import failures
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     try:
         cfg = parse_cli(argv, description, sections)
         main(cfg)
     except (ConfigError, FileNotFoundError, UserInputError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+        failures.exit_with_user_error(err)
+    except Exception as err:
+        failures.exit_if_another_rank_failed(err)  # a rank blocked by another rank's user error: silent
+        raise
 
 
 class UserInputError(ValueError):

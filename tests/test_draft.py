@@ -460,6 +460,25 @@ def test_from_target_config_deepseek_v3_and_kimi():
     assert tuple(kimi.fc.weight.shape) == (7168, 3 * 7168) and tuple(kimi.lm_head.weight.shape) == (32000, 7168)
 
 
+@pytest.mark.parametrize("rope_key", ["rope_scaling", "rope_parameters"])
+def test_from_target_config_refuses_two_different_rope_thetas(rope_key):
+    """rope_theta at the top level and inside the RoPE dict (rope_parameters as transformers 5
+    writes it, or rope_scaling) with different values: one line naming both; equal values pass."""
+    from eagleforge.draft.config import RopeConflictError
+
+    rope = {"rope_type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "rope_theta": 10000.0}
+    text = {**KIMI_TEXT, "rope_theta": 50000.0, "rope_scaling": None, rope_key: rope}
+    raw = {"model_type": "kimi_k25", "text_config": {"model_type": "deepseek_v3", **text}}
+    with pytest.raises(RopeConflictError) as caught:
+        Eagle3Config.from_target_config(raw, 32000, [1, 29, 57])
+    assert str(caught.value) == (f"target config: rope_theta = 50000.0 but {rope_key}.rope_theta = 10000.0: the RoPE base "
+                                 "is given twice with different values (transformers 5 reads the rope dict's, older readers "
+                                 "the top level's); set both to the model's value")
+    rope["rope_theta"] = 50000  # the same value (an int here): accepted
+    cfg = Eagle3Config.from_target_config(raw, 32000, [1, 29, 57])
+    assert cfg.rope_theta == 50000.0 and cfg.rope_scaling["factor"] == 64.0 and "rope_theta" not in cfg.rope_scaling
+
+
 def test_hf_dict_roundtrip():
     for rope in ROPES:
         cfg = make_config(rope)

@@ -102,12 +102,15 @@ def build_draft(cfg: Config, manifest: dict, vocab: dict, head: dict) -> torch.n
     from the target's head rows gave a ~1.5x higher initial loss, grad norms ~50x larger (so
     clipping dominated) and no accuracy gain."""
     from eagleforge.draft import Eagle3Config, Eagle3Draft
+    from eagleforge.draft.config import RopeConflictError
 
     overrides = {f.name: getattr(cfg.draft, f.name) for f in fields(cfg.draft)}
     try:
         draft_config = Eagle3Config.from_target_config(
             target_hf_config(cfg, manifest), int(vocab["d2t"].shape[0]), manifest["aux_layer_ids"], **overrides
         )
+    except RopeConflictError as err:  # the target's own config, not the draft.* keys
+        raise UserInputError(f"target.path {cfg.target.path or 'embedded default'}: {err}") from None
     except ValueError as err:  # a draft.* override that does not fit the target or itself
         set_keys = ", ".join(f"draft.{k}={v}" for k, v in overrides.items() if v not in (None, 0, ""))
         raise UserInputError(f"draft config ({set_keys or 'defaults'}) does not fit the target of {cfg.run / 'hidden'}: {err}") from None

@@ -11,6 +11,7 @@ import logging
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from eagleforge.atomic import write_jsonl_atomic
 from eagleforge.config import Config, UserInputError
@@ -159,16 +160,21 @@ def prompt_part(messages: list[dict]) -> list[dict]:
 
 
 class _RowChecker:
-    """Validates rows one by one; counts malformed ones or raises in strict mode; one file format."""
+    """Validates rows one by one; counts malformed ones or raises in strict mode; one file format.
 
-    def __init__(self, where: str, regenerate: bool, strict: bool, vocab_size: int | None, stats: Stats):
+    vocab_size bounds pre-tokenized ids: an int, None (unchecked) or a function giving it, called
+    at the first row with input_ids (so a source of messages never asks for it)."""
+
+    def __init__(self, where: str, regenerate: bool, strict: bool, vocab_size: int | Callable[[], int] | None, stats: Stats):
         self.where, self.regenerate, self.strict, self.vocab_size, self.stats = where, regenerate, strict, vocab_size, stats
         self.kind = None  # "messages" or "pretokenized", fixed by the first valid row
         self.kind_line = 0
 
     def check(self, row, line: int) -> tuple[str, dict] | None:
+        if callable(self.vocab_size) and isinstance(row, dict) and row.get("input_ids") is not None:
+            self.vocab_size = self.vocab_size()
         try:
-            fmt, fields = normalize_row(row, self.regenerate, self.vocab_size)
+            fmt, fields = normalize_row(row, self.regenerate, None if callable(self.vocab_size) else self.vocab_size)
             kind = "pretokenized" if fmt == "pretokenized" else "messages"
             if self.kind is None:
                 self.kind, self.kind_line = kind, line
@@ -273,8 +279,9 @@ def _stdlib_records(num_prompts: int, seed: int, stats: Stats, code_share: float
     return [Record(id=p.id, line=p.id + 1, messages=[{"role": "user", "content": p.text}]) for p in prompts]
 
 
-def load_records(cfg: Config, data_dir: Path, vocab_size: int | None, stats: Stats) -> list[Record]:
-    """The input rows of cfg.data.source, validated, at most data.num_prompts (seeded choice)."""
+def load_records(cfg: Config, data_dir: Path, vocab_size: int | Callable[[], int] | None, stats: Stats) -> list[Record]:
+    """The input rows of cfg.data.source, validated, at most data.num_prompts (seeded choice);
+    vocab_size as _RowChecker takes it."""
     source, data = cfg.data.source, cfg.data
     stats.source = source
     if source == "stdlib":

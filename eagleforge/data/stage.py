@@ -116,10 +116,13 @@ def main(cfg: Config) -> None:
     data_dir = run / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
     stats = Stats()
-    from eagleforge.target import load_tokenizer
+    from eagleforge.target import load_tokenizer, target_vocab_size
 
-    tokenizer = load_tokenizer(cfg.target)
-    records = load_records(cfg, data_dir, len(tokenizer), stats)
+    # Pre-tokenized ids are checked against the target's vocabulary from its config alone: that
+    # path never loads a tokenizer (a Kimi-K2.5 node may have none it can run).
+    records = load_records(cfg, data_dir, lambda: target_vocab_size(cfg.target), stats)
+    pretokenized = all(record.input_ids is not None for record in records)  # a source holds one kind
+    tokenizer = None if pretokenized else load_tokenizer(cfg.target)
     stats.prompts = len(records)
     for record in records:
         if record.messages is not None:

@@ -10,9 +10,12 @@ Routed experts are either compressed-tensors "pack-quantized" INT4 (weight_packe
 weight_shape, kept packed) or plain weights; every other weight is read as is and cast to the
 compute dtype, except the router's fp32 correction bias, which stays fp32.
 
-Every rank opens the files with `safe_open(...).get_slice(name)` and reads only the rows or
-columns it owns (the `shard_spec` of each module, parallel.py); the whole tensor is read only
-where it is replicated. `LoadStats.bytes_read` counts what was read, for tests and logs.
+Every rank first lists the tensors it will read (`plan_reads`: the `shard_spec` of each module,
+parallel.py) and checks them against the index and the safetensors headers (`check_reads`:
+present, full shape, dtype), reading nothing but the headers; only then does it open the files
+with `safe_open(...).get_slice(name)` and read the rows or columns it owns; the whole tensor is
+read only where it is replicated. `LoadStats.bytes_read` counts what was read, for tests and logs.
+Every refusal is a `UserInputError`: one line naming the file, the tensor or key and the value.
 """
 
 from __future__ import annotations
@@ -21,13 +24,16 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from eagleforge.config import UserInputError
 from eagleforge.extract.native import int4
 from eagleforge.extract.native.model import DeepseekV3ForExtraction, ModelArgs, RoutedExperts
 from eagleforge.extract.native.parallel import TensorParallel
@@ -36,6 +42,12 @@ log = logging.getLogger(__name__)
 
 TEXT_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 PREFIXES = ("language_model.", "")  # Kimi-K2.5 wrapper first, then DeepSeek-V3 / K2 names
+INDEX_FILE = "model.safetensors.index.json"
+FLOAT_DTYPES = ("BF16", "F16", "F32")  # safetensors names of the weights' accepted dtypes
+INT_DTYPES = ("I32", "I64")
+SAFETENSORS_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
+                        "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on the JSON header
 
 
 @dataclass
@@ -46,6 +58,7 @@ class CheckpointInfo:
     prefix: str  # prepended to transformers' DeepseekV3ForCausalLM names
     weight_map: dict  # tensor name -> file name (relative to path)
     quantized_experts: bool
+    index_file: str = INDEX_FILE  # what weight_map was read from (model.safetensors without an index)
 
     @functools.cached_property
     def args(self) -> ModelArgs:
@@ -63,9 +76,12 @@ def _read_json(path: Path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"target.path: {path} not found")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not valid JSON ({err})") from None
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise UserInputError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise UserInputError(f"{path}: not a JSON object")
+    return data
 
 
 def text_config_of(config: dict, source: str) -> tuple[dict, str]:
@@ -74,7 +90,7 @@ def text_config_of(config: dict, source: str) -> tuple[dict, str]:
     text = config.get("text_config") or config
     model_type = text.get("model_type", "deepseek_v3")
     if model_type not in TEXT_MODEL_TYPES:
-        raise ValueError(f"{source}: model_type {model_type!r} is not a DeepSeek-V3 family language model ({TEXT_MODEL_TYPES})")
+        raise UserInputError(f"{source}: model_type {model_type!r} is not a DeepSeek-V3 family language model ({TEXT_MODEL_TYPES})")
     return text, architecture
 
 
@@ -83,21 +99,24 @@ def check_quantization(config: dict, text: dict, source: str) -> bool:
     quant = config.get("quantization_config") or text.get("quantization_config")
     if not quant:
         return False
+    if not isinstance(quant, dict) or not isinstance(quant.get("config_groups") or {}, dict):
+        raise UserInputError(f"{source}: quantization_config is not a mapping with config_groups")
     method = quant.get("quant_method")
     if method != "compressed-tensors":
-        raise ValueError(f"{source}: quantization_config.quant_method = {method!r} is not supported (only compressed-tensors INT4 pack-quantized)")
+        raise UserInputError(f"{source}: quantization_config.quant_method = {method!r} is not supported (only compressed-tensors INT4 pack-quantized)")
     for name, group in (quant.get("config_groups") or {}).items():
+        group = group if isinstance(group, dict) else {}
         fmt = group.get("format") or quant.get("format")
-        weights = group.get("weights") or {}
+        weights = group.get("weights") if isinstance(group.get("weights"), dict) else {}
         got = (fmt, weights.get("num_bits"), weights.get("type"), weights.get("symmetric"), weights.get("group_size"))
         want = ("pack-quantized", 4, "int", True, int4.GROUP_SIZE)
         if got != want:
-            raise ValueError(
+            raise UserInputError(
                 f"{source}: quantization_config.config_groups.{name} (format, num_bits, type, symmetric, group_size) "
                 f"= {got}; only {want} is supported"
             )
         if group.get("input_activations"):
-            raise ValueError(f"{source}: quantization_config.config_groups.{name} quantizes activations; not supported")
+            raise UserInputError(f"{source}: quantization_config.config_groups.{name} quantizes activations; not supported")
     return True
 
 
@@ -108,26 +127,37 @@ def read_checkpoint_info(path: str | Path) -> CheckpointInfo:
     config = _read_json(config_path)
     text, architecture = text_config_of(config, str(config_path))
     has_quant_config = check_quantization(config, text, str(config_path))
-    index_path = path / "model.safetensors.index.json"
+    index_path = path / INDEX_FILE
     if index_path.is_file():
-        weight_map = _read_json(index_path).get("weight_map") or {}
+        weight_map = _read_json(index_path).get("weight_map")
+        _check_weight_map(weight_map, index_path)
     elif (path / "model.safetensors").is_file():
-        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
-            weight_map = {name: "model.safetensors" for name in f.keys()}
+        index_path = path / "model.safetensors"
+        weight_map = {name: index_path.name for name in read_safetensors_header(index_path)}
     else:
-        raise FileNotFoundError(f"target.path {path}: neither model.safetensors.index.json nor model.safetensors")
+        raise FileNotFoundError(f"target.path {path}: neither {INDEX_FILE} nor model.safetensors")
     prefix = next((p for p in PREFIXES if f"{p}model.embed_tokens.weight" in weight_map), None)
     if prefix is None:
-        raise ValueError(f"{index_path}: no 'model.embed_tokens.weight' under any of the prefixes {PREFIXES}")
+        raise UserInputError(f"{index_path}: no 'model.embed_tokens.weight' under any of the prefixes {PREFIXES}")
     args = ModelArgs.from_config(text, str(config_path))
     first_moe = args.first_k_dense_replace
     probe = f"{prefix}model.layers.{first_moe}.mlp.experts.0.gate_proj"
     quantized = f"{probe}.weight_packed" in weight_map
     if quantized and not has_quant_config:
-        raise ValueError(f"{config_path}: {probe}.weight_packed is packed but config.json has no quantization_config")
+        raise UserInputError(f"{config_path}: {probe}.weight_packed is packed but config.json has no quantization_config")
     if not quantized and f"{probe}.weight" not in weight_map and args.num_hidden_layers > first_moe:
-        raise ValueError(f"{index_path}: tensor {probe}.weight (or .weight_packed) not found")
-    return CheckpointInfo(path, text, architecture, prefix, weight_map, quantized)
+        raise UserInputError(f"{index_path}: tensor {probe}.weight (or .weight_packed) not found")
+    return CheckpointInfo(path, text, architecture, prefix, weight_map, quantized, index_path.name)
+
+
+def _check_weight_map(weight_map, index_path: Path) -> None:
+    """The index's weight_map: tensor name -> a file name inside the checkpoint directory (a path
+    elsewhere, such as ../x or /x, is refused: the loader opens what the index names)."""
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise UserInputError(f"{index_path}: no 'weight_map' of tensor names to file names")
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or not file or Path(file).is_absolute() or ".." in Path(file).parts or "\\" in file:
+            raise UserInputError(f"{index_path}: tensor {name} is mapped to {str(file)[:80]!r}, not a file name inside the checkpoint")
 
 
 def build_model(info: CheckpointInfo, tp: TensorParallel, layout: str, dtype: torch.dtype,
@@ -140,27 +170,20 @@ def build_model(info: CheckpointInfo, tp: TensorParallel, layout: str, dtype: to
     return model.eval().requires_grad_(False)
 
 
-class _Reader:
-    """Open safetensors files once; read slices; check full shapes; count bytes."""
+# ---------------------------------------------------------------------------- what this rank reads
 
-    def __init__(self, info: CheckpointInfo, stats: LoadStats):
-        self.info, self.stats, self.handles = info, stats, {}
 
-    def slice(self, name: str, full_shape: tuple | None, index: tuple = ()) -> torch.Tensor:
-        file = self.info.weight_map.get(name)
-        if file is None:
-            raise ValueError(f"{self.info.path}: tensor {name} is not in the checkpoint index")
-        if file not in self.handles:
-            self.handles[file] = safe_open(str(self.info.path / file), framework="pt", device="cpu")
-        view = self.handles[file].get_slice(name)
-        shape = tuple(view.get_shape())
-        if full_shape is not None and shape != tuple(full_shape):
-            raise ValueError(f"{self.info.path / file}: tensor {name} has shape {list(shape)}, expected {list(full_shape)}")
-        tensor = view[index] if index else view[:]
-        self.stats.bytes_read += tensor.numel() * tensor.element_size()
-        self.stats.tensors_read += 1
-        self.stats.names.append(name)
-        return tensor
+@dataclass(frozen=True)
+class TensorRead:
+    """One tensor this rank reads: its checkpoint name, the full shape it must have (None: any),
+    the slice of it this rank owns (() = all of it), the safetensors dtypes accepted, and
+    `store`, which takes the slice (a copy into a parameter, or a check of the values)."""
+
+    name: str
+    full_shape: tuple | None
+    index: tuple
+    dtypes: tuple[str, ...]
+    store: Callable[[torch.Tensor], object]
 
 
 def _param_slice(module: torch.nn.Module, leaf: str, local_shape: tuple) -> tuple[tuple, tuple]:
@@ -180,70 +203,172 @@ def _checkpoint_name(info: CheckpointInfo, name: str) -> str:
     return info.prefix + name
 
 
-def _load_params(model: DeepseekV3ForExtraction, info: CheckpointInfo, reader: _Reader, prefix: str, module: torch.nn.Module) -> None:
+def _param_reads(model: DeepseekV3ForExtraction, info: CheckpointInfo, prefix: str, module: torch.nn.Module) -> list[TensorRead]:
+    """The module's parameters; each is cast to its own dtype on copy (compute dtype, the fp32
+    correction bias stays fp32)."""
+    reads = []
     for name, param in module.named_parameters(prefix=prefix):
         owner_name, _, leaf = name.rpartition(".")
-        owner = model.get_submodule(owner_name)
-        full_shape, index = _param_slice(owner, leaf, tuple(param.shape))
-        tensor = reader.slice(_checkpoint_name(info, name), full_shape, index)
-        if not tensor.is_floating_point():
-            raise ValueError(f"{info.path}: tensor {_checkpoint_name(info, name)} is {tensor.dtype}; expected a float weight")
-        param.data.copy_(tensor)  # cast to the compute dtype; the fp32 correction bias stays fp32
+        full_shape, index = _param_slice(model.get_submodule(owner_name), leaf, tuple(param.shape))
+        reads.append(TensorRead(_checkpoint_name(info, name), full_shape, index, FLOAT_DTYPES, param.data.copy_))
+    return reads
 
 
-def _load_experts(experts: RoutedExperts, info: CheckpointInfo, reader: _Reader, prefix: str) -> None:
-    """Stack this rank's experts: ids [start, end), intermediate columns/rows [i0, i1)."""
-    args = info.args
-    H, I = args.hidden_size, args.moe_intermediate_size
+def _expert_reads(experts: RoutedExperts, info: CheckpointInfo, prefix: str) -> list[TensorRead]:
+    """This rank's experts, stacked: ids [start, end), intermediate rows (gate/up) or columns
+    (down) [i0, i1). INT4: weight_packed int32 [out, in/8], weight_scale [out, in/32] and the
+    optional weight_shape int [2], whose values must be [out, in]."""
+    H, I = info.args.hidden_size, info.args.moe_intermediate_size
     full = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
+    p, g = int4.PACK_FACTOR, int4.GROUP_SIZE
+    reads = []
     for local, e in enumerate(range(experts.start, experts.end)):
         for proj, (rows, cols) in full.items():
             base = f"{info.prefix}{prefix}.{e}.{proj}"
-            cut_rows = proj != "down_proj"  # gate/up: intermediate = rows; down: columns
-            if experts.quantized:
-                packed = _packed_slice(reader, base, rows, cols, experts.i0, experts.i1, cut_rows)
-                getattr(experts, f"{proj}_packed")[local].copy_(packed)
-                getattr(experts, f"{proj}_scale")[local].copy_(
-                    _scale_slice(reader, base, rows, cols, experts.i0, experts.i1, cut_rows))
-            else:
-                index = (slice(experts.i0, experts.i1), slice(None)) if cut_rows else (slice(None), slice(experts.i0, experts.i1))
-                getattr(experts, f"{proj}_weight")[local].copy_(reader.slice(f"{base}.weight", (rows, cols), index))
+
+            def cut(per: int, proj=proj) -> tuple:  # the intermediate slice; down_proj's in columns of `per` values
+                if proj != "down_proj":
+                    return (slice(experts.i0, experts.i1), slice(None))
+                return (slice(None), slice(experts.i0 // per, experts.i1 // per))
+
+            if not experts.quantized:
+                reads.append(TensorRead(f"{base}.weight", (rows, cols), cut(1), FLOAT_DTYPES,
+                                        getattr(experts, f"{proj}_weight")[local].copy_))
+                continue
+            if f"{base}.weight_shape" in info.weight_map:
+                reads.append(TensorRead(f"{base}.weight_shape", (2,), (), INT_DTYPES,
+                                        functools.partial(_expect_values, info, f"{base}.weight_shape", [rows, cols])))
+            reads.append(TensorRead(f"{base}.weight_packed", (rows, cols // p), cut(p), ("I32",),
+                                    getattr(experts, f"{proj}_packed")[local].copy_))
+            reads.append(TensorRead(f"{base}.weight_scale", (rows, cols // g), cut(g), FLOAT_DTYPES,
+                                    getattr(experts, f"{proj}_scale")[local].copy_))
+    return reads
 
 
-def _packed_slice(reader: _Reader, base: str, rows: int, cols: int, i0: int, i1: int, cut_rows: bool) -> torch.Tensor:
-    shape_name = f"{base}.weight_shape"
-    if shape_name in reader.info.weight_map:
-        stored = [int(v) for v in reader.slice(shape_name, None).tolist()]
-        if stored != [rows, cols]:
-            raise ValueError(f"{reader.info.path}: tensor {shape_name} = {stored}, expected {[rows, cols]}")
-    p = int4.PACK_FACTOR
-    index = (slice(i0, i1), slice(None)) if cut_rows else (slice(None), slice(i0 // p, i1 // p))
-    packed = reader.slice(f"{base}.weight_packed", (rows, cols // p), index)
-    if packed.dtype != torch.int32:
-        raise ValueError(f"{reader.info.path}: tensor {base}.weight_packed is {packed.dtype}; pack-quantized needs int32")
-    return packed
+def _expect_values(info: CheckpointInfo, name: str, expected: list, tensor: torch.Tensor) -> None:
+    stored = [int(v) for v in tensor.tolist()]
+    if stored != expected:
+        raise UserInputError(f"{info.path / info.weight_map[name]}: tensor {name} = {stored}, expected {expected}")
 
 
-def _scale_slice(reader: _Reader, base: str, rows: int, cols: int, i0: int, i1: int, cut_rows: bool) -> torch.Tensor:
-    g = int4.GROUP_SIZE
-    index = (slice(i0, i1), slice(None)) if cut_rows else (slice(None), slice(i0 // g, i1 // g))
-    return reader.slice(f"{base}.weight_scale", (rows, cols // g), index)
+def plan_reads(model: DeepseekV3ForExtraction, info: CheckpointInfo) -> list[tuple[str, list[TensorRead]]]:
+    """Every tensor this rank reads, in steps (the embedding, norm and head, then one per layer)."""
+    text = model.model
+    steps = [("embed, norm, head", _param_reads(model, info, "model.embed_tokens", text.embed_tokens)
+              + _param_reads(model, info, "model.norm", text.norm) + _param_reads(model, info, "lm_head", model.lm_head))]
+    for i, layer in enumerate(text.layers):
+        reads = _param_reads(model, info, f"model.layers.{i}", layer)
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None:
+            reads += _expert_reads(experts, info, f"model.layers.{i}.mlp.experts")
+        steps.append((f"layer {i}", reads))
+    return steps
+
+
+# ---------------------------------------------------------------------------- headers first
+
+
+def read_safetensors_header(path: Path) -> dict[str, dict]:
+    """{name: {"dtype", "shape", "data_offsets"}} of a safetensors file, from its first 8 + N
+    bytes alone (little-endian u64 N, then N bytes of JSON): no tensor data is read. A header
+    that is not such JSON, or whose offsets run past the end of the file (a cut file), is a
+    UserInputError naming the file."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            length = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 0 < length <= min(size - 8, MAX_HEADER_BYTES):
+                raise UserInputError(f"{path}: not a safetensors file (header length {length}, file of {size} bytes)")
+            raw = f.read(length)
+    except OSError as err:
+        raise UserInputError(f"{path}: cannot read ({err.strerror or err})") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise UserInputError(f"{path}: damaged safetensors header ({type(err).__name__})") from None
+    if not isinstance(header, dict):
+        raise UserInputError(f"{path}: damaged safetensors header (not a JSON object)")
+    header.pop("__metadata__", None)
+    data_bytes = size - 8 - length
+    for name, entry in header.items():
+        ok = (isinstance(entry, dict) and isinstance(entry.get("dtype"), str) and isinstance(entry.get("shape"), list)
+              and all(type(s) is int and s >= 0 for s in entry["shape"]) and isinstance(entry.get("data_offsets"), list)
+              and len(entry["data_offsets"]) == 2 and all(type(o) is int for o in entry["data_offsets"]))
+        if not ok:
+            raise UserInputError(f"{path}: damaged safetensors header (entry {name[:80]!r})")
+        begin, end = entry["data_offsets"]
+        if end > data_bytes:
+            raise UserInputError(f"{path}: tensor {name} ends at byte {8 + length + end} but the file has {size} bytes (cut short?)")
+        itemsize = SAFETENSORS_ITEMSIZE.get(entry["dtype"])
+        if itemsize is not None and (end - begin) != math.prod(entry["shape"]) * itemsize:
+            raise UserInputError(f"{path}: tensor {name} holds {end - begin} bytes, not the {entry['dtype']} {entry['shape']} it declares")
+    return header
+
+
+def check_reads(info: CheckpointInfo, reads: list[TensorRead]) -> None:
+    """Each tensor of `reads` against the index and the safetensors headers of its file: present,
+    of the full shape the config gives, of an accepted dtype. Only headers are read, so a
+    missing or mismatched tensor is found in seconds, before any weight is read; the error is
+    one line naming the tensor and the file (and how many more problems this rank has)."""
+    headers: dict[str, dict | None] = {}
+    problems = []
+    for read in reads:
+        file = info.weight_map.get(read.name)
+        if file is None:
+            problems.append(f"{info.path / info.index_file}: tensor {read.name} is not in the index")
+            continue
+        where = info.path / file
+        if file not in headers:
+            headers[file] = read_safetensors_header(where) if where.is_file() else None
+        if headers[file] is None:
+            problems.append(f"{where}: no such file ({info.index_file} names it for tensor {read.name})")
+            continue
+        entry = headers[file].get(read.name)
+        if entry is None:
+            problems.append(f"{where}: tensor {read.name} is missing ({info.index_file} names this file for it)")
+        elif read.full_shape is not None and tuple(entry["shape"]) != tuple(read.full_shape):
+            problems.append(f"{where}: tensor {read.name} has shape {entry['shape']}, "
+                            f"expected {list(read.full_shape)} from {info.path / 'config.json'}")
+        elif entry["dtype"] not in read.dtypes:
+            problems.append(f"{where}: tensor {read.name} is {entry['dtype']}, expected {' or '.join(read.dtypes)}")
+    if problems:
+        more = f" (and {len(problems) - 1} more problems in the tensors this rank reads)" if len(problems) > 1 else ""
+        raise UserInputError(problems[0] + more)
+
+
+# ---------------------------------------------------------------------------- reading
+
+
+class _Reader:
+    """Open safetensors files once; read slices; count bytes."""
+
+    def __init__(self, info: CheckpointInfo, stats: LoadStats):
+        self.info, self.stats, self.handles = info, stats, {}
+
+    def read(self, name: str, index: tuple = ()) -> torch.Tensor:
+        file = self.info.weight_map[name]
+        if file not in self.handles:
+            self.handles[file] = safe_open(str(self.info.path / file), framework="pt", device="cpu")
+        view = self.handles[file].get_slice(name)
+        tensor = view[index] if index else view[:]
+        self.stats.bytes_read += tensor.numel() * tensor.element_size()
+        self.stats.tensors_read += 1
+        self.stats.names.append(name)
+        return tensor
 
 
 def load_weights(model: DeepseekV3ForExtraction, info: CheckpointInfo, show_progress: bool = True) -> LoadStats:
-    """Fill this rank's model from the checkpoint, reading only its slices; a progress bar per layer."""
+    """Fill this rank's model from the checkpoint, reading only its slices, after checking every
+    one of them against the headers (check_reads); a progress bar per layer."""
+    steps = plan_reads(model, info)
+    check_reads(info, [read for _, reads in steps for read in reads])
     stats = LoadStats()
     reader = _Reader(info, stats)
-    text = model.model
-    _load_params(model, info, reader, "model.embed_tokens", text.embed_tokens)
-    _load_params(model, info, reader, "model.norm", text.norm)
-    _load_params(model, info, reader, "lm_head", model.lm_head)
-    layers = tqdm(enumerate(text.layers), total=len(text.layers), desc="load weights", unit="layer", disable=not show_progress)
-    for i, layer in layers:
-        _load_params(model, info, reader, f"model.layers.{i}", layer)
-        experts = getattr(layer.mlp, "experts", None)
-        if experts is not None:
-            _load_experts(experts, info, reader, f"model.layers.{i}.mlp.experts")
-        layers.set_postfix(GiB=f"{stats.bytes_read / 2**30:.1f}")
+    bar = tqdm(steps, desc="load weights", unit="step", disable=not show_progress)
+    for _, reads in bar:
+        for read in reads:
+            read.store(reader.read(read.name, read.index))
+        bar.set_postfix(GiB=f"{stats.bytes_read / 2**30:.1f}")
     reader.handles.clear()
     return stats

@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
+from eagleforge.config import UserInputError
+from eagleforge.draft.config import rope_theta_conflict
 from eagleforge.extract.native import int4
 from eagleforge.extract.native.parallel import (
     AllReduce,
@@ -93,21 +95,24 @@ class ModelArgs:
         for key, expected in checks.items():
             value = text_config.get(key, expected)
             if value != expected:
-                raise ValueError(f"{source}: {key} = {value!r} is not supported by the native backend (expects {expected!r})")
+                raise UserInputError(f"{source}: {key} = {value!r} is not supported by the native backend (expects {expected!r})")
         if text_config.get("attention_bias", False):
-            raise ValueError(f"{source}: attention_bias = true is not supported by the native backend")
+            raise UserInputError(f"{source}: attention_bias = true is not supported by the native backend")
         fields = {f.name: f for f in dataclasses.fields(cls)}
         kwargs = {k: text_config[k] for k in fields if k in text_config and k not in ("rope_scaling", "latent_norm_eps", "prefill_attention", "moe_backend")}
         required = [k for k, f in fields.items() if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
         missing = [k for k in required if k not in kwargs]
         if missing:
-            raise ValueError(f"{source}: missing keys {missing} in the text config")
+            raise UserInputError(f"{source}: missing keys {missing} in the text config")
+        conflict = rope_theta_conflict(text_config.get)
+        if conflict:
+            raise UserInputError(f"{source}: {conflict}")
         rope = dict(text_config.get("rope_scaling") or text_config.get("rope_parameters") or {})
         if "rope_theta" in rope and "rope_theta" not in text_config:
             kwargs["rope_theta"] = rope["rope_theta"]
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "yarn"):
-            raise ValueError(f"{source}: rope_scaling type {rope_type!r} is not supported (default or yarn)")
+            raise UserInputError(f"{source}: rope_scaling type {rope_type!r} is not supported (default or yarn)")
         kwargs["rope_scaling"] = rope if rope_type == "yarn" else {}
         if kwargs.get("n_group") is None:
             kwargs["n_group"] = 1
@@ -268,7 +273,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     """
     backend = backend or "auto"
     if backend not in PREFILL_BACKENDS:
-        raise ValueError(f"prefill attention backend {backend!r} is not one of {PREFILL_BACKENDS} (target.prefill_attention)")
+        raise UserInputError(f"prefill attention backend {backend!r} is not one of {PREFILL_BACKENDS} (target.prefill_attention)")
     fused = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
     if not fused:
         return _chunked_attention(q, k, v, scale, chunk_tokens or ATTENTION_CHUNK_TOKENS, None)
@@ -278,7 +283,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
             return out
     flash = _flash_attn_func() if backend in ("auto", "cudnn", "flash_attn") else None
     if backend == "flash_attn" and flash is None:
-        raise ValueError("prefill attention backend 'flash_attn' needs the flash_attn package (pip install flash-attn)")
+        raise UserInputError("prefill attention backend 'flash_attn' needs the flash_attn package (pip install flash-attn)")
     return _chunked_attention(q, k, v, scale, chunk_tokens or max(q.shape[1], 1), flash)
 
 
@@ -290,7 +295,7 @@ class MLA(nn.Module):
         self.args = args
         heads = args.num_attention_heads
         if heads % tp.size:
-            raise ValueError(f"num_attention_heads = {heads} cannot be split over tp = {tp.size} ranks; choose a tp that divides it")
+            raise UserInputError(f"num_attention_heads = {heads} cannot be split over tp = {tp.size} ranks; choose a tp that divides it")
         self.n_local_heads = heads // tp.size
         H, qk, what = args.hidden_size, args.qk_head_dim, "num_attention_heads"
         if args.q_lora_rank:
@@ -453,7 +458,7 @@ def routed_experts_forward(x: torch.Tensor, weights: torch.Tensor, ids: torch.Te
         return _int4_triton(x, weights, ids, experts)
     if backend == "grouped_mm":
         return int4_moe.int4_moe_grouped_mm(x, weights, ids, *_packs(experts), expert_start=experts.start).float()
-    raise ValueError(f"target.moe_backend = {backend!r}: expected one of {MOE_BACKENDS}")
+    raise UserInputError(f"target.moe_backend = {backend!r}: expected one of {MOE_BACKENDS}")
 
 
 def _moe_backend(x: torch.Tensor, experts: RoutedExperts) -> str:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from eagleforge.config import UserInputError
 from eagleforge.process_group import join_process_group, world_size_from_env
 
 log = logging.getLogger(__name__)
@@ -46,10 +47,10 @@ def split_range(n: int, rank: int, size: int) -> tuple[int, int]:
 
 
 def even_range(n: int, rank: int, size: int, what: str, multiple: int = 1) -> tuple[int, int]:
-    """Like split_range, but the split must be even (and a multiple of `multiple`): else ValueError."""
+    """Like split_range, but the split must be even (and a multiple of `multiple`): else UserInputError."""
     if n % size or (n // size) % multiple:
         need = f" into multiples of {multiple}" if multiple > 1 else ""
-        raise ValueError(f"{what} = {n} cannot be split evenly over tp = {size} ranks{need}; choose a tp that divides it")
+        raise UserInputError(f"{what} = {n} cannot be split evenly over tp = {size} ranks{need}; choose a tp that divides it")
     return rank * (n // size), (rank + 1) * (n // size)
 
 
@@ -206,11 +207,11 @@ def expert_partition(n_experts: int, intermediate: int, tp: TensorParallel, layo
     """
     if layout == "ep":
         if n_experts < tp.size:
-            raise ValueError(f"target.expert_layout = ep: {n_experts} routed experts cannot give each of tp = {tp.size} ranks one; use expert_layout = tp")
+            raise UserInputError(f"target.expert_layout = ep: {n_experts} routed experts cannot give each of tp = {tp.size} ranks one; use expert_layout = tp")
         return split_range(n_experts, tp.rank, tp.size), (0, intermediate)
     if layout == "tp":
         return (0, n_experts), even_range(intermediate, tp.rank, tp.size, "moe_intermediate_size (expert_layout = tp)", group_size)
-    raise ValueError(f"target.expert_layout must be 'ep' or 'tp', got {layout!r}")
+    raise UserInputError(f"target.expert_layout must be 'ep' or 'tp', got {layout!r}")
 
 
 # Tokens per chunk of the greedy head's logits (the memory planner counts one chunk).
@@ -295,7 +296,7 @@ def init_parallel(tp_size: int, device: str = "auto", split_rows_min_tokens: int
     """
     world_size = world_size_from_env()
     if world_size % tp_size:
-        raise ValueError(f"target.tp = {tp_size} does not divide the world size {world_size} (torchrun --nproc-per-node x --nnodes)")
+        raise UserInputError(f"target.tp = {tp_size} does not divide the world size {world_size} (torchrun --nproc-per-node x --nnodes)")
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if use_cuda:
         use_expandable_segments()

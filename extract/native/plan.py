@@ -143,7 +143,7 @@ def plan_memory(a: ModelArgs, tp: int, expert_layout: str, quantized: bool = Tru
     aux_layers: the captured layer ids, or only their count (then planned as if apart and before
     the last layer, the most a forward can hold)."""
     if a.num_attention_heads % tp:
-        raise ValueError(f"num_attention_heads = {a.num_attention_heads} cannot be split over tp = {tp}")
+        raise UserInputError(f"num_attention_heads = {a.num_attention_heads} cannot be split over tp = {tp}")
     H, b = a.hidden_size, dtype_bytes
     heads = a.num_attention_heads // tp
     moe_layers = a.num_hidden_layers - a.first_k_dense_replace
