@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -207,6 +208,16 @@ class EvalConfig:
 
 
 @dataclass
+class LaunchConfig:
+    # extract and train, started outside torchrun: run themselves again under torch.distributed.run
+    # when the config needs more than one process on this node (eagleforge/launch.py) | none
+    mode: str = "auto"
+    # processes on this node; 0 = what the config needs: every visible GPU (in groups of target.tp
+    # for extract and online training), on the CPU one group of target.tp (native backend) or one
+    nproc: int = 0
+
+
+@dataclass
 class Config:
     run_dir: str = "runs/default"
     target: TargetConfig = field(default_factory=TargetConfig)
@@ -216,6 +227,7 @@ class Config:
     draft: DraftConfig = field(default_factory=DraftConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     @property
     def run(self) -> Path:
@@ -316,6 +328,7 @@ _CHOICES = {
     "train.param_dtype": modes.PARAM_DTYPES,
     "train.loss_positions": modes.LOSS_POSITIONS,
     "train.source": modes.TRAIN_SOURCES,
+    "launch.mode": modes.LAUNCH_MODES,
 }
 
 
@@ -391,6 +404,7 @@ RANGES: dict[str, tuple] = {
     "eval.k": (1, UNBOUNDED),
     "eval.ngram_max": (1, UNBOUNDED),
     "eval.ngram_min": (1, UNBOUNDED),
+    "launch.nproc": (0, UNBOUNDED),  # 0 = what the config needs
 }
 
 
@@ -514,10 +528,15 @@ def parse_cli(argv: list[str] | None = None, description: str = "",
 
 
 def run_main(main: typing.Callable[[Config], Any], description: str, argv: list[str] | None = None,
-             sections: typing.Sequence[str] | None = None) -> None:
+             sections: typing.Sequence[str] | None = None, launch: str | None = None,
+             launch_module: str | None = None) -> None:
     """Entry-point wrapper: a user's mistake is one line on stderr and exit 2, no traceback; under
     torchrun that line is printed once over all ranks (eagleforge/failures.py).
-    sections: the config sections the stage reads (its --help lists their keys)."""
+    sections: the config sections the stage reads (its --help lists their keys).
+    launch: the stage's name ("extract", "train") when it runs under torchrun: started outside
+    it with a config that needs several processes, it runs `launch_module` (default
+    eagleforge.<launch>) with the same argv under torch.distributed.run and exits with its code
+    (eagleforge/launch.py)."""
     import logging
 
     from eagleforge import failures
@@ -525,6 +544,12 @@ def run_main(main: typing.Callable[[Config], Any], description: str, argv: list[
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     try:
         cfg = parse_cli(argv, description, sections)
+        if launch is not None:
+            from eagleforge.launch import relaunch
+
+            code = relaunch(cfg, launch, sys.argv[1:] if argv is None else argv, launch_module)
+            if code is not None:
+                raise SystemExit(code)
         main(cfg)
     except (ConfigError, FileNotFoundError, UserInputError) as err:
         failures.exit_with_user_error(err)

@@ -25,4 +25,5 @@ def main(cfg: Config) -> None:
 
 
 if __name__ == "__main__":
-    run_main(main, "Extract target hidden states into RUN/hidden/ (docs/shards.md).", sections=("target", "data", "extract"))
+    run_main(main, "Extract target hidden states into RUN/hidden/ (docs/shards.md).",
+             sections=("target", "data", "extract", "launch"), launch="extract")

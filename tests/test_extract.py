@@ -2,6 +2,7 @@
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -420,12 +421,22 @@ def test_full_disk_during_a_shard_write_then_rerun(tiny_run):
 # ---------------------------------------------------------------- (c) two processes, gloo
 
 
-def test_two_process_gloo_run_equals_one_process(tiny_run):
-    run_dir = _make_run(tiny_run["root"] / "dp2", tiny_run["data"])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "eagleforge.extract", *tiny_run["overrides"], f"run_dir={run_dir}"]
+@pytest.mark.parametrize("started", ["torchrun", "plain"])
+def test_two_process_gloo_run_equals_one_process(tiny_run, started):
+    """Two ranks under torchrun, and the same from a plain `python -m eagleforge.extract` whose
+    config asks for two processes (launch.nproc=2): the stage re-runs itself under torchrun."""
+    run_dir = _make_run(tiny_run["root"] / f"dp2-{started}", tiny_run["data"])
+    args = [*tiny_run["overrides"], f"run_dir={run_dir}"]
+    if started == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "eagleforge.extract", *args]
+    else:
+        cmd = [sys.executable, "-m", "eagleforge.extract", *args, "launch.nproc=2"]
     result = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-3000:]
+    launched = [line for line in result.stderr.splitlines() if line.startswith("launch:")]
+    assert launched == ([] if started == "torchrun" else
+                        [f"launch: 2 processes (launch.nproc=2): torchrun --standalone --nnodes 1 --nproc-per-node 2 "
+                         f"-m eagleforge.extract {shlex.join(args)} launch.nproc=2  (launch.mode=none runs one process)"])
     hidden = run_dir / "hidden"
     assert sorted(p.name for p in hidden.glob("manifest*.json")) == ["manifest-g0.json", "manifest-g1.json", MANIFEST]
     manifest = json.loads((hidden / MANIFEST).read_text())  # the merged manifest alone lists everything

@@ -56,4 +56,4 @@ def main(cfg: Config) -> None:
 
 if __name__ == "__main__":
     run_main(main, "Train an EAGLE-3 draft with training-time test and export it.",
-             sections=("target", "data", "extract", "vocab", "draft", "train", "eval"))
+             sections=("target", "data", "extract", "vocab", "draft", "train", "eval", "launch"), launch="train")

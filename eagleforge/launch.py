@@ -1,0 +1,155 @@
+"""Start a stage under torchrun by itself when its config needs more than one process on this node.
+
+`make extract train CONFIG=configs/kimi_k25_pilot.yaml RUN=...` runs plain `python -m
+eagleforge.extract ...`; extraction of Kimi-K2.5 at target.tp 8 needs 8 processes. Here the stage
+(extract, train) sees that it was started outside torchrun (no WORLD_SIZE or RANK in the
+environment), works out how many processes its config needs on this node, and runs itself again
+under torch's own launcher (`torch.distributed.run`, what the `torchrun` command runs: a
+standalone rendezvous on this node, OMP_NUM_THREADS=1 unless set) with the same argv. The parent
+then only waits, and exits with the first failed rank's exit code (0 when all succeed).
+
+How many processes (`processes_needed`; a group = target.tp ranks running one target forward,
+native backend only, the hf backend's group is one rank):
+
+    launch.mode=none      one process: the stage runs as it was started (no re-launch)
+    launch.nproc=N        N processes (on GPUs N <= the visible GPUs; a multiple of the group)
+    on GPUs (device cuda, or auto with a GPU visible or a group of target.tp > 1 to run)
+                          every visible GPU, in whole groups: extract and online training
+                          run 8 // target.tp groups on 8 GPUs; offline training 8 ranks
+    on the CPU (device cpu, or auto with no GPU and a group of one)
+                          one group: target.tp processes (gloo) for native extract and online
+                          training, else one
+
+More processes than visible GPUs (target.tp 8 on 4 GPUs, launch.nproc 16 on 8) is an error line
+naming the key and both numbers, before anything is loaded.
+
+Multi-node runs keep using `torchrun --nnodes N ...` on every node: under torchrun nothing here
+happens.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from dataclasses import dataclass
+
+from eagleforge.config import Config, UserInputError
+
+STAGES = ("extract", "train")  # the stages that run under torchrun
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a stage needs on this node: `processes`, and the reason shown in the launch line."""
+
+    processes: int
+    why: str
+
+
+def under_torchrun() -> bool:
+    """True when a launcher already placed this process in a world (torchrun sets both)."""
+    return "WORLD_SIZE" in os.environ or "RANK" in os.environ
+
+
+def visible_gpus() -> int:
+    """CUDA devices this process may use (CUDA_VISIBLE_DEVICES applies); 0 without CUDA. Counting
+    creates no CUDA context, so the GPUs stay free for the ranks."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def processes_needed(cfg: Config, stage: str, gpus: int) -> Plan:
+    """The processes `stage` needs on this node, with `gpus` visible; UserInputError (one line
+    naming the key and both numbers) when the config asks for more GPUs than there are."""
+    if stage not in STAGES:
+        raise ValueError(f"launch: unknown stage {stage!r}, expected one of {list(STAGES)}")
+    if cfg.launch.mode == "none":
+        return Plan(1, "launch.mode=none")
+    runs_target = stage == "extract" or cfg.train.source == "online"
+    if runs_target and cfg.target.device_map != "none":  # one process spreads the target over the GPUs
+        if cfg.launch.nproc > 1:
+            raise UserInputError(f"config key 'launch.nproc' = {cfg.launch.nproc} with target.device_map="
+                                 f"{cfg.target.device_map}: the map spreads one copy of the target from one process; "
+                                 f"set launch.nproc=0, or target.device_map=none for a copy per process")
+        return Plan(1, f"target.device_map={cfg.target.device_map}")
+    group = cfg.target.tp if runs_target and cfg.target.backend == "native" else 1
+    # extract runs on target.device; the train stage (and online, its target) on train.device.
+    # auto with no GPU visible and a tp group to run is taken as GPUs (and refused below): a
+    # node whose driver is down must not start a Kimi-sized group on its CPUs.
+    device_key = "target.device" if stage == "extract" else "train.device"
+    device = cfg.target.device if stage == "extract" else cfg.train.device
+    on_gpu = device.startswith("cuda") or (device == "auto" and (gpus > 0 or group > 1))
+    if cfg.launch.nproc > 0:
+        n, key, value, why = cfg.launch.nproc, "launch.nproc", cfg.launch.nproc, f"launch.nproc={cfg.launch.nproc}"
+        if n % group:
+            raise UserInputError(f"config key 'launch.nproc' = {n} is not a multiple of target.tp = {group} "
+                                 f"(each group of target.tp processes runs one target)")
+    elif on_gpu:  # every visible GPU, in whole groups (at least one group)
+        n, key, value = max(gpus // group, 1) * group, "target.tp", group
+        why = f"target.tp {group} x {n // group} group(s)" if group > 1 else f"every visible GPU ({n})"
+    else:  # the CPU: one group
+        n, key, value, why = group, "target.tp", group, f"target.tp {group} on the CPU"
+    if on_gpu and n > max(gpus, 1):  # one process on no GPU is left to the stage's own error
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise UserInputError(f"config key {key!r} = {value} needs {n} GPUs, {gpus} visible on this node"
+                             + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
+                             + (f"; {device_key}=cpu runs it on the CPU (gloo)" if gpus == 0 else ""))
+    return Plan(n, why)
+
+
+def torchrun_argv(processes: int, module: str, argv: list[str]) -> list[str]:
+    """torch.distributed.run's arguments: one node, a rendezvous of its own, `module` with `argv`."""
+    return ["--standalone", "--nnodes", "1", "--nproc-per-node", str(processes), "-m", module, *argv]
+
+
+def relaunch(cfg: Config, stage: str, argv: list[str], module: str | None = None) -> int | None:
+    """Run `module` (default eagleforge.<stage>) with `argv` under torch.distributed.run when this
+    process is outside torchrun and the config needs more than one process; returns the exit
+    code to leave with, or None when the stage should simply run here."""
+    if under_torchrun() or cfg.launch.mode == "none":
+        return None
+    plan = processes_needed(cfg, stage, visible_gpus())
+    if plan.processes <= 1:
+        return None
+    args = torchrun_argv(plan.processes, module or f"eagleforge.{stage}", list(argv))
+    print(f"launch: {plan.processes} processes ({plan.why}): torchrun {shlex.join(args)}  "
+          f"(launch.mode=none runs one process)", file=sys.stderr, flush=True)
+    return _run_torchrun(args)
+
+
+def _run_torchrun(args: list[str]) -> int:
+    """torch.distributed.run in this process (it is the agent: it starts, watches and stops the
+    ranks); the exit code of the first rank that failed, 128 + N for one killed by signal N (as
+    a shell reports it), 0 when every rank succeeded. The failed rank has said why (a user error
+    is one line, printed once over the ranks: eagleforge/failures.py); the agent's own log lines
+    about stopping the others are left out, and this process adds one line naming the rank."""
+    import logging
+    import signal
+
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default for several ranks, minus its banner
+    quiet = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict) if name.startswith("torch.distributed.elastic")]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        torchrun.run(torchrun.parse_args(args))
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        if failure.exitcode < 0:
+            name = signal.Signals(-failure.exitcode).name if -failure.exitcode in signal.valid_signals() else f"signal {-failure.exitcode}"
+            print(f"launch: rank {rank} was killed by {name}; the other ranks were stopped", file=sys.stderr, flush=True)
+            return 128 - failure.exitcode
+        print(f"launch: rank {rank} exited with code {failure.exitcode}; the other ranks were stopped", file=sys.stderr, flush=True)
+        return failure.exitcode or 1
+    except SignalException as err:  # Ctrl-C or a kill of this process: the agent has stopped the ranks
+        return 128 + int(err.sigval)
+    finally:
+        for logger, level in zip(quiet, levels):
+            logger.setLevel(level)
+    return 0

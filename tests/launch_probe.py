@@ -1,0 +1,46 @@
+"""A stage entry point for tests/test_launch.py: started as a plain process, it goes through the
+same run_main -> eagleforge.launch path as extract and train, and each rank it ends up as writes
+what its process group says (rank, world size, a collective's result) to RUN/rank-<r>.json.
+
+    PYTHONPATH=tests python -m launch_probe [--config F] key=value ...
+
+LAUNCH_PROBE_STAGE: the stage whose rule decides (extract | train; default train).
+LAUNCH_PROBE_EXIT: rank 1 exits with this code after writing its file (default 0; "kill": SIGKILL).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+from eagleforge.config import Config, run_main
+
+STAGE = os.environ.get("LAUNCH_PROBE_STAGE", "train")
+
+
+def main(cfg: Config) -> None:
+    from eagleforge.train.distributed import all_reduce_sum, init_distributed, shutdown
+
+    env = init_distributed("cpu")  # gloo under torchrun
+    record = {"rank": env.rank, "world_size": env.world_size, "env": {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")},
+              # the ranks and their sum as the process group itself adds them up
+              "reduced": all_reduce_sum([1.0, float(env.rank)], env)}
+    if STAGE == "extract":  # the native backend's own grouping of the world the launch made
+        from eagleforge.extract.native.parallel import state_from_world
+
+        if env.distributed:
+            state = state_from_world(cfg.target.tp, env.device, initialized_here=False)
+            record["groups"] = {"num_groups": state.num_groups, "group_index": state.group_index, "tp_rank": state.tp.rank}
+    cfg.run.mkdir(parents=True, exist_ok=True)
+    (cfg.run / f"rank-{env.rank}.json").write_text(json.dumps(record))
+    shutdown(env)
+    code = os.environ.get("LAUNCH_PROBE_EXIT", "0")
+    if code == "kill" and env.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if int(code if code != "kill" else 0) and env.rank == 1:
+        raise SystemExit(int(code))
+
+
+if __name__ == "__main__":
+    run_main(main, "launch probe", launch=STAGE, launch_module="launch_probe")
