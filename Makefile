@@ -5,6 +5,8 @@
 #   make lint                       ruff over the whole tree (configured in pyproject.toml)
 #   make bench-gpu                  every GPU benchmark on the GPUs present (BENCHMARKS.md)
 #   make extract train CONFIG=configs/kimi_k25_pilot.yaml RUN=runs/kimi
+#                                   extract and train start themselves under torchrun when the config
+#                                   needs several processes (eagleforge/launch.py; launch.mode=none: never)
 #   make train OVERRIDES="train.lr=1e-4 train.epochs=2"
 #   make train-online               data, then training with the target in the loop (no shards on disk)
 #   make preflight CONFIG=...       all-reduce busbw and matmul rate of the GPUs, projected extraction tokens/s

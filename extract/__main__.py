@@ -1,8 +1,12 @@
 """`python -m eagleforge.extract --config F key=value`: target forward with hooks -> RUN/hidden/.
 
-    python -m eagleforge.extract run_dir=runs/x                        # one process
+    python -m eagleforge.extract run_dir=runs/x                        # the processes the config needs
     torchrun --nproc-per-node 8 -m eagleforge.extract run_dir=runs/x   # data parallel (hf: 1 rank = 1 group)
     torchrun --nnodes 4 --nproc-per-node 8 -m eagleforge.extract --config configs/kimi_k25_b300.yaml
+
+Started outside torchrun, the stage runs itself under torch.distributed.run when its config
+needs several processes here: target.tp x the whole groups the visible GPUs hold, one group on
+the CPU (eagleforge/launch.py; launch.nproc=N, launch.mode=none).
 
 target.backend=hf runs any transformers causal LM (extract/hf.py); target.backend=native runs
 the DeepSeek-V3 / Kimi-K2.5 tensor-parallel backend (extract/native/).

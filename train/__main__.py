@@ -17,7 +17,9 @@ On one GPU (bf16 autocast, fp32 master weights, fused loss when eagleforge.kerne
 
     python -m eagleforge.train run_dir=runs/x train.device=cuda
 
-On one node of 8 GPUs (FSDP2 by default; train.parallel=ddp for DDP):
+On one node of 8 GPUs (FSDP2 by default; train.parallel=ddp for DDP), the stage started as one
+process runs itself under torch.distributed.run on every visible GPU (eagleforge/launch.py;
+launch.nproc=N for N, launch.mode=none for one process), the same as
 
     torchrun --nproc-per-node 8 -m eagleforge.train --config configs/kimi_k25_b300.yaml run_dir=/data/runs/kimi
 
@@ -27,7 +29,7 @@ On N nodes (the same command on every node; RUN on storage that every node can w
         -m eagleforge.train --config configs/kimi_k25_b300.yaml run_dir=/data/runs/kimi
 
 HOST:PORT is one node's address and a free port (e.g. head-node:29500). On CPUs (gloo), for a
-check: `torchrun --nproc-per-node 2 -m eagleforge.train run_dir=... train.device=cpu`.
+check: `python -m eagleforge.train run_dir=... train.device=cpu launch.nproc=2`.
 
 Each optimizer step takes world x train.grad_accum batches of train.batch_tokens padded tokens
 (rank r runs batches r, r + world, ...): 2 GPUs with grad_accum 1 train exactly like 1 GPU with
