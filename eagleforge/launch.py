@@ -5,8 +5,9 @@ eagleforge.extract ...`; extraction of Kimi-K2.5 at target.tp 8 needs 8 processe
 (extract, train) sees that it was started outside torchrun (no WORLD_SIZE or RANK in the
 environment), works out how many processes its config needs on this node, and runs itself again
 under torch's own launcher (`torch.distributed.run`, what the `torchrun` command runs: a
-standalone rendezvous on this node, OMP_NUM_THREADS=1 unless set) with the same argv. The parent
-then only waits, and exits with the first failed rank's exit code (0 when all succeed).
+standalone rendezvous on this node, OMP_NUM_THREADS=1 unless set) with the same argv, after one
+line on stdout saying so. The parent then only waits, and exits with the first failed rank's
+exit code (0 when all succeed).
 
 How many processes (`processes_needed`; a group = target.tp ranks running one target forward,
 native backend only, the hf backend's group is one rank):
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 from eagleforge.config import Config, UserInputError
 
 STAGES = ("extract", "train")  # the stages that run under torchrun
+USER_ERROR_EXIT = 2  # run_main's exit code for a user's mistake, its `error:` line already printed
 
 
 @dataclass(frozen=True)
@@ -114,17 +116,19 @@ def relaunch(cfg: Config, stage: str, argv: list[str], module: str | None = None
     if plan.processes <= 1:
         return None
     args = torchrun_argv(plan.processes, module or f"eagleforge.{stage}", list(argv))
+    # stdout: stderr stays the errors' (a user error of the ranks is still its one line there)
     print(f"launch: {plan.processes} processes ({plan.why}): torchrun {shlex.join(args)}  "
-          f"(launch.mode=none runs one process)", file=sys.stderr, flush=True)
+          f"(launch.mode=none runs one process)", flush=True)
     return _run_torchrun(args)
 
 
 def _run_torchrun(args: list[str]) -> int:
     """torch.distributed.run in this process (it is the agent: it starts, watches and stops the
     ranks); the exit code of the first rank that failed, 128 + N for one killed by signal N (as
-    a shell reports it), 0 when every rank succeeded. The failed rank has said why (a user error
-    is one line, printed once over the ranks: eagleforge/failures.py); the agent's own log lines
-    about stopping the others are left out, and this process adds one line naming the rank."""
+    a shell reports it), 0 when every rank succeeded. A user error (exit code 2) has been printed
+    as one line, once over the ranks (eagleforge/failures.py), and nothing is added to it; any
+    other failure gets one line here naming the rank. The agent's own log lines about stopping
+    the other ranks are left out."""
     import logging
     import signal
 
@@ -145,7 +149,8 @@ def _run_torchrun(args: list[str]) -> int:
             name = signal.Signals(-failure.exitcode).name if -failure.exitcode in signal.valid_signals() else f"signal {-failure.exitcode}"
             print(f"launch: rank {rank} was killed by {name}; the other ranks were stopped", file=sys.stderr, flush=True)
             return 128 - failure.exitcode
-        print(f"launch: rank {rank} exited with code {failure.exitcode}; the other ranks were stopped", file=sys.stderr, flush=True)
+        if failure.exitcode != USER_ERROR_EXIT:
+            print(f"launch: rank {rank} exited with code {failure.exitcode}; the other ranks were stopped", file=sys.stderr, flush=True)
         return failure.exitcode or 1
     except SignalException as err:  # Ctrl-C or a kill of this process: the agent has stopped the ranks
         return 128 + int(err.sigval)

@@ -5,7 +5,8 @@ what its process group says (rank, world size, a collective's result) to RUN/ran
     PYTHONPATH=tests python -m launch_probe [--config F] key=value ...
 
 LAUNCH_PROBE_STAGE: the stage whose rule decides (extract | train; default train).
-LAUNCH_PROBE_EXIT: rank 1 exits with this code after writing its file (default 0; "kill": SIGKILL).
+LAUNCH_PROBE_EXIT: rank 1 exits with this code after writing its file (default 0; "kill": SIGKILL);
+"user": every rank fails at once with the same UserInputError.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ import json
 import os
 import signal
 
-from eagleforge.config import Config, run_main
+from eagleforge.config import Config, UserInputError, run_main
 
 STAGE = os.environ.get("LAUNCH_PROBE_STAGE", "train")
 
 
 def main(cfg: Config) -> None:
+    if os.environ.get("LAUNCH_PROBE_EXIT") == "user":
+        raise UserInputError(f"{cfg.run / 'probe.jsonl'}: line 3: not what the probe expects")
     from eagleforge.train.distributed import all_reduce_sum, init_distributed, shutdown
 
     env = init_distributed("cpu")  # gloo under torchrun
@@ -38,7 +41,7 @@ def main(cfg: Config) -> None:
     code = os.environ.get("LAUNCH_PROBE_EXIT", "0")
     if code == "kill" and env.rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
-    if int(code if code != "kill" else 0) and env.rank == 1:
+    if code not in ("kill", "user") and int(code) and env.rank == 1:
         raise SystemExit(int(code))
 
 

@@ -433,7 +433,7 @@ def test_two_process_gloo_run_equals_one_process(tiny_run, started):
         cmd = [sys.executable, "-m", "eagleforge.extract", *args, "launch.nproc=2"]
     result = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-3000:]
-    launched = [line for line in result.stderr.splitlines() if line.startswith("launch:")]
+    launched = [line for line in result.stdout.splitlines() if line.startswith("launch:")]
     assert launched == ([] if started == "torchrun" else
                         [f"launch: 2 processes (launch.nproc=2): torchrun --standalone --nnodes 1 --nproc-per-node 2 "
                          f"-m eagleforge.extract {shlex.join(args)} launch.nproc=2  (launch.mode=none runs one process)"])

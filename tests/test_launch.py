@@ -126,7 +126,7 @@ def test_plain_train_command_runs_as_two_gloo_ranks(tmp_path):
     for r, got in ranks.items():
         assert got["world_size"] == 2 and got["env"] == {"RANK": str(r), "WORLD_SIZE": "2"}
         assert got["reduced"] == [2.0, 1.0]  # both ranks took part in one all-reduce
-    launched = [line for line in result.stderr.splitlines() if line.startswith("launch:")]
+    launched = [line for line in result.stdout.splitlines() if line.startswith("launch:")]
     assert len(launched) == 1 and "launch: 2 processes (launch.nproc=2): torchrun --standalone --nnodes 1 " \
         f"--nproc-per-node 2 -m launch_probe run_dir={tmp_path / 'run'} train.device=cpu launch.nproc=2" in launched[0]
 
@@ -138,7 +138,7 @@ def test_native_tp2_on_the_cpu_runs_as_one_tp2_group(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert {r: got["groups"] for r, got in ranks.items()} == {
         0: {"num_groups": 1, "group_index": 0, "tp_rank": 0}, 1: {"num_groups": 1, "group_index": 0, "tp_rank": 1}}
-    assert "launch: 2 processes (target.tp 2 on the CPU)" in result.stderr
+    assert "launch: 2 processes (target.tp 2 on the CPU)" in result.stdout
 
 
 @pytest.mark.parametrize("how,code,line", [
@@ -150,8 +150,17 @@ def test_a_failing_rank_s_exit_code_is_the_command_s(tmp_path, how, code, line):
     assert sorted(ranks) == [0, 1]  # both ran; then rank 1 failed
     assert result.returncode == code, result.stderr[-3000:]
     lines = result.stderr.strip().splitlines()
-    assert lines[0].startswith("launch: 2 processes") and lines[-1] == line
+    assert result.stdout.startswith("launch: 2 processes") and lines[-1] == line
     assert not [x for x in lines if "failed (exitcode" in x or "closing signal" in x]  # the agent's log lines left out
+
+
+def test_a_user_error_of_the_ranks_stays_one_line(tmp_path):
+    """Every rank fails with the same UserInputError: stderr is that one line (printed once over
+    the ranks by eagleforge/failures.py, nothing added by the launch), the exit code 2."""
+    result, _ = _probe(tmp_path / "run", "train.device=cpu", "launch.nproc=2", LAUNCH_PROBE_EXIT="user")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines() == [f"error: {tmp_path / 'run' / 'probe.jsonl'}: line 3: not what the probe expects"]
+    assert result.stdout.startswith("launch: 2 processes")
 
 
 @pytest.mark.parametrize("module,overrides,line", [
