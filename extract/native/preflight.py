@@ -302,6 +302,9 @@ def main(cfg: Config) -> None:
         created = join_process_group(device)
     try:
         run_preflight(cfg, device)
+        # Leave together: a gloo rank tearing its group down while another still reads from it
+        # aborts the other ("terminate called without an active exception").
+        dist.barrier()
     finally:
         if created:
             dist.destroy_process_group()
