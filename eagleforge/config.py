@@ -143,7 +143,7 @@ class TrainConfig:
     ttt_steps: int = 5
     step_weight_decay: float = 0.8
     attention: str = "auto"  # auto (merged_cudnn on CUDA, merged on CPU) | reference | fast | sdpa | flex | merged | merged_cudnn
-    loss: str = "auto"  # auto | reference | fused
+    loss: str = "auto"  # auto | reference | fused (soft cross-entropy) | lk | lk_reference (LK loss)
     # bf16 autocast for the draft and the loss matmuls (fp32 master weights), on GPUs and on
     # CPUs with bf16 units (4x the fp32 matmul rate on the AVX512-BF16 CI machines).
     bf16: bool = True
@@ -153,6 +153,12 @@ class TrainConfig:
     param_dtype: str = "auto"
     loss_chunk_tokens: int = 0  # rows per chunk in the fused loss; 0 = automatic
     loss_packed: bool = False  # the fused loss runs all TTT steps' rows of a teacher chunk in one matmul
+    # The LK loss (train.loss=lk | lk_reference; docs/training.md, "LK loss"): lambda = CE weighted
+    # lam = lk_kl_scale * exp(-lk_kl_decay * the step's mean acceptance), 1 - acceptance weighted
+    # 1 - lam | alpha = -log acceptance (no weights). 3.0: SpecForge's and the paper's decay.
+    lk_variant: str = "lambda"
+    lk_kl_scale: float = 1.0
+    lk_kl_decay: float = 3.0
     # Activation checkpointing per TTT step: auto | none | step (recompute the whole step) |
     # selective (keep the large matmul outputs and flash attention's, recompute elementwise work) |
     # selective_all (keep every matmul output). auto: none on the CPU; on CUDA the first of
@@ -324,6 +330,7 @@ _CHOICES = {
     "extract.storage_dtype": modes.STORAGE_DTYPES,
     "train.attention": modes.ATTENTION_MODES,
     "train.loss": modes.LOSS_MODES,
+    "train.lk_variant": modes.LK_VARIANTS,
     "train.parallel": modes.PARALLEL_MODES,
     "train.param_dtype": modes.PARAM_DTYPES,
     "train.loss_positions": modes.LOSS_POSITIONS,
@@ -391,6 +398,8 @@ RANGES: dict[str, tuple] = {
     "train.ttt_steps": (1, UNBOUNDED),
     "train.step_weight_decay": (0.0, UNBOUNDED),  # and > 0 (_validate): the per-step losses are divided by decay^j
     "train.loss_chunk_tokens": (0, UNBOUNDED),  # 0 = automatic
+    "train.lk_kl_scale": (0.0, 1.0),  # lam <= 1: the 1 - acceptance term never gets a negative weight
+    "train.lk_kl_decay": (0.0, UNBOUNDED),  # 0 = a constant mix lam = lk_kl_scale
     "train.holdout_samples": (0, UNBOUNDED),
     "train.log_every": (1, UNBOUNDED),
     "train.save_every": (0, UNBOUNDED),  # 0 = only the final checkpoint

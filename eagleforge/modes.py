@@ -20,7 +20,14 @@ ATTENTION_MODES = ("auto", "reference", "fast", "sdpa", "merged", "merged_cudnn"
 CHECKPOINT_MODES = ("none", "step", "selective", "selective_all")
 COMPILE_MODES = (False, True, "dynamic")  # train.compile: off, static shapes (a graph per shape), dynamic
 PARALLEL_MODES = ("auto", "none", "fsdp", "ddp")  # train.parallel (train/distributed.py)
-LOSS_MODES = ("auto", "reference", "fused")  # train.loss: plain torch or the fused Triton kernel
+# train.loss: the soft cross-entropy, plain torch or the fused Triton kernel (auto: fused on
+# CUDA); or the acceptance-aware LK loss, fused (lk) or plain torch (lk_reference)
+LOSS_MODES = ("auto", "reference", "fused", "lk", "lk_reference")
+LK_LOSS_MODES = ("lk", "lk_reference")
+PLAIN_LOSS_MODES = ("reference", "lk_reference")  # the per-step plain-torch losses (train/loss.py)
+# train.lk_variant (eagleforge.kernels.lk): lambda = the adaptive mix of CE and 1 - acceptance,
+# alpha = -log acceptance
+LK_VARIANTS = ("lambda", "alpha")
 LOSS_POSITIONS = ("assistant", "all")  # train.loss_positions
 # train.param_dtype: the draft's trainable weights, gradients and AdamW moments. float32 = fp32
 # master weights under bf16 autocast; bfloat16 = all three in bf16 (8 bytes per parameter instead

@@ -4,11 +4,14 @@ Each op lives in its own file with a CPU path; its plain-torch reference is besi
 tests (the loss's is eagleforge.train.loss, which the trainer can also run):
 - `soft_ce`: the EAGLE-3 fused linear soft cross-entropy, one step (docs/training.md), and the
   teacher's logsumexp; `soft_ce_ttt`: all TTT steps at once, the teacher shared.
+- `lk`: the acceptance-aware LK loss in the same two forms, on soft_ce's chunk loops.
 - `int4_moe`: the W4A16 routed experts of the native extraction (and its slot combine).
 - `rms_norm`: RMSNorm in one pass for the native extraction.
 """
 
+from eagleforge.kernels.lk import fused_lk_loss, fused_lk_loss_ttt
 from eagleforge.kernels.soft_ce import fused_soft_cross_entropy, teacher_logsumexp
 from eagleforge.kernels.soft_ce_ttt import fused_soft_cross_entropy_ttt
 
-__all__ = ["fused_soft_cross_entropy", "fused_soft_cross_entropy_ttt", "teacher_logsumexp"]
+__all__ = ["fused_lk_loss", "fused_lk_loss_ttt", "fused_soft_cross_entropy", "fused_soft_cross_entropy_ttt",
+           "teacher_logsumexp"]

@@ -377,9 +377,11 @@ def one_chunk(h, draft_head, teacher_logits, teacher_lse, weight, zbuf, rows_fn,
 
 @torch.no_grad()
 def _soft_ce_forward(draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight,
-                     need_grad_h, need_grad_head, chunk, backend):
-    """(loss fp32 scalar, argmax [N], grad_hidden [N, H] | None, grad_head [Vd, H] | None)."""
-    rows_fn = row_fns(backend)[0]
+                     need_grad_h, need_grad_head, chunk, backend, rows_fn=None):
+    """(loss fp32 scalar, argmax [N], grad_hidden [N, H] | None, grad_head [Vd, H] | None).
+    rows_fn: another row pass with `_rows_torch`'s contract (the LK loss's, kernels/lk.py); its
+    weight may carry trailing dims ([N, 2]), sliced by row here."""
+    rows_fn = rows_fn or row_fns(backend)[0]
     n_rows, vocab = draft_hidden.shape[0], draft_head.shape[0]
     dev = draft_hidden.device
     loss_rows = torch.empty(n_rows, dtype=torch.float32, device=dev)

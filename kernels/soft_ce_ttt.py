@@ -48,14 +48,17 @@ def _ttt_tails(draft_hiddens, draft_head, shift: int, argmax, grads_h, grad_head
 
 @torch.no_grad()
 def _ttt_forward(draft_hiddens, draft_head, teacher_hidden, teacher_head, weight, shift,
-                 need_grad_h, need_grad_head, chunk, backend):
+                 need_grad_h, need_grad_head, chunk, backend, rows_fn=None):
     """-> (step_losses [K] fp32, argmax [K, N], grads_h list of [N, H] | None, grad_head | None).
+    rows_fn: another row pass with soft_ce's contract (the LK loss's, kernels/lk.py); weight may
+    then carry trailing dims ([K, N, 2]), sliced by step and row here.
 
     Loop over chunks of teacher positions [s0, s1): teacher logits, their lse and S once, then for
     each step j the draft rows [s0 - d, s1 - d) with d = shift + j (their teachers are exactly
     that chunk): draft logits, row pass, both gradient matmuls. Rows n >= N - d of step j have
     no teacher: they get argmax only, and must have weight 0."""
-    rows_fn, _, lse_psum_fn = row_fns(backend)
+    default_rows_fn, _, lse_psum_fn = row_fns(backend)
+    rows_fn = rows_fn or default_rows_fn
     n_rows, vocab = teacher_hidden.shape[0], draft_head.shape[0]
     dev = teacher_hidden.device
     loss_rows, argmax, grads_h, grad_head = _ttt_outputs(draft_hiddens, draft_head, n_rows, need_grad_h, need_grad_head)
@@ -107,7 +110,7 @@ def _scatter_grads(grads_h, packed: torch.Tensor, spans, s0: int, shift: int) ->
 
 @torch.no_grad()
 def _ttt_forward_packed(draft_hiddens, draft_head, teacher_hidden, teacher_head, weight, shift,
-                        need_grad_h, need_grad_head, chunk, backend):
+                        need_grad_h, need_grad_head, chunk, backend, rows_fn=None):
     """Same contract as `_ttt_forward`, with the K steps of a teacher chunk PACKED: the draft rows
     of every step whose teacher lies in the chunk are copied into one [P <= chunk, H] buffer, so
     each chunk runs ONE draft-logits matmul, ONE row pass (teacher rows by index), ONE grad-hidden
@@ -116,7 +119,8 @@ def _ttt_forward_packed(draft_hiddens, draft_head, teacher_hidden, teacher_head,
 
     Cost of packing: a copy of the rows in (P x H) and of their gradients out, about
     2 x 2 P H bytes per chunk, small beside the 6 P H Vd matmul FLOPs."""
-    rows_fn, _, lse_psum_fn = row_fns(backend)
+    default_rows_fn, _, lse_psum_fn = row_fns(backend)
+    rows_fn = rows_fn or default_rows_fn
     k_steps, n_rows, vocab = len(draft_hiddens), teacher_hidden.shape[0], draft_head.shape[0]
     hid, dev = draft_head.shape[1], teacher_hidden.device
     loss_rows, argmax, grads_h, grad_head = _ttt_outputs(draft_hiddens, draft_head, n_rows, need_grad_h, need_grad_head)
@@ -204,6 +208,35 @@ def _check_no_teacher_weight(weight: torch.Tensor, shift: int) -> None:
                          f"lies past the last of {n_rows} rows")
 
 
+def check_ttt_inputs(draft_hiddens, draft_head, teacher_hidden, teacher_head, weight, teacher_shift: int,
+                     chunk_tokens: int | None, backend: str, check_weight: bool) -> tuple[str, int]:
+    """The preconditions of a TTT-form call (shapes, dtypes, devices; see
+    `fused_soft_cross_entropy_ttt`) -> (resolved backend, rows per chunk)."""
+    if len(draft_hiddens) == 0:
+        raise ValueError("draft_hiddens is empty: need one [N, H] tensor per TTT step")
+    check_pair(teacher_hidden, teacher_head, "teacher_hidden", "teacher_head")
+    n_rows, vocab = teacher_hidden.shape[0], draft_head.shape[0] if draft_head.dim() == 2 else -1
+    for j, hidden in enumerate(draft_hiddens):
+        check_pair(hidden, draft_head, f"draft_hiddens[{j}]", "draft_head")
+        if hidden.shape[0] != n_rows or hidden.device != teacher_hidden.device:
+            raise ValueError(f"draft_hiddens[{j}] {tuple(hidden.shape)} on {hidden.device} does not match "
+                             f"teacher_hidden {tuple(teacher_hidden.shape)} on {teacher_hidden.device}")
+    if teacher_head.shape[0] != vocab:
+        raise ValueError(f"teacher_head {tuple(teacher_head.shape)} and draft_head {tuple(draft_head.shape)} differ in Vd")
+    k_steps = len(draft_hiddens)
+    if weight.shape != (k_steps, n_rows) or weight.dtype != torch.float32 or weight.device != teacher_hidden.device:
+        raise ValueError(f"weight must be fp32 [{k_steps}, {n_rows}] on {teacher_hidden.device}, "
+                         f"got {weight.dtype} {tuple(weight.shape)} on {weight.device}")
+    if teacher_shift < 0:
+        raise ValueError(f"teacher_shift must be >= 0, got {teacher_shift}")
+    if check_weight:
+        _check_no_teacher_weight(weight, teacher_shift)
+    backend = resolve_backend(backend, teacher_hidden.device)
+    chunk = chunk_tokens or default_chunk_tokens(vocab, draft_head.dtype, teacher_hidden.device)
+    check_chunk(chunk)
+    return backend, chunk
+
+
 def fused_soft_cross_entropy_ttt(
     draft_hiddens: Sequence[torch.Tensor],
     draft_head: torch.Tensor,
@@ -235,28 +268,9 @@ def fused_soft_cross_entropy_ttt(
     value back (a host sync, which empties the launch queue); callers whose weights are zero
     there by construction (the trainer's, bench-train's) may pass False. Such rows are never
     scored either way: no teacher row past the end is read."""
-    if len(draft_hiddens) == 0:
-        raise ValueError("draft_hiddens is empty: need one [N, H] tensor per TTT step")
-    check_pair(teacher_hidden, teacher_head, "teacher_hidden", "teacher_head")
-    n_rows, vocab = teacher_hidden.shape[0], draft_head.shape[0] if draft_head.dim() == 2 else -1
-    for j, hidden in enumerate(draft_hiddens):
-        check_pair(hidden, draft_head, f"draft_hiddens[{j}]", "draft_head")
-        if hidden.shape[0] != n_rows or hidden.device != teacher_hidden.device:
-            raise ValueError(f"draft_hiddens[{j}] {tuple(hidden.shape)} on {hidden.device} does not match "
-                             f"teacher_hidden {tuple(teacher_hidden.shape)} on {teacher_hidden.device}")
-    if teacher_head.shape[0] != vocab:
-        raise ValueError(f"teacher_head {tuple(teacher_head.shape)} and draft_head {tuple(draft_head.shape)} differ in Vd")
     k_steps = len(draft_hiddens)
-    if weight.shape != (k_steps, n_rows) or weight.dtype != torch.float32 or weight.device != teacher_hidden.device:
-        raise ValueError(f"weight must be fp32 [{k_steps}, {n_rows}] on {teacher_hidden.device}, "
-                         f"got {weight.dtype} {tuple(weight.shape)} on {weight.device}")
-    if teacher_shift < 0:
-        raise ValueError(f"teacher_shift must be >= 0, got {teacher_shift}")
-    if check_weight:
-        _check_no_teacher_weight(weight, teacher_shift)
-    backend = resolve_backend(backend, teacher_hidden.device)
-    chunk = chunk_tokens or default_chunk_tokens(vocab, draft_head.dtype, teacher_hidden.device)
-    check_chunk(chunk)
+    backend, chunk = check_ttt_inputs(draft_hiddens, draft_head, teacher_hidden, teacher_head, weight, teacher_shift,
+                                      chunk_tokens, backend, check_weight)
     args = (draft_head, teacher_hidden.detach(), teacher_head.detach(), weight.detach(), teacher_shift, chunk, backend)
     if torch.is_grad_enabled() and (draft_head.requires_grad or any(h.requires_grad for h in draft_hiddens)):
         return _FusedSoftCETTT.apply(*args, bool(packed), *draft_hiddens)

@@ -20,14 +20,21 @@ gradient-in-forward versions live in `eagleforge.kernels` (torch path on the CPU
 GPUs) with the same signature; `get_loss_fn` picks one (cfg.train.loss), and the trainer's
 default is the kernels' shared-teacher TTT form. The teacher's logsumexp has one
 implementation, `eagleforge.kernels.soft_ce.teacher_logsumexp`.
+
+The LK loss (train.loss=lk / lk_reference; the math, and how SpecForge and speculators differ, in
+eagleforge.kernels.lk): `lk_loss` here is its plain-torch form, the same way.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Callable, Sequence
 
 import torch
+
+from eagleforge.kernels.lk import ALPHA_FLOOR, check_options
+from eagleforge.modes import LK_LOSS_MODES, LOSS_MODES
 
 log = logging.getLogger(__name__)
 
@@ -44,21 +51,65 @@ def soft_cross_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum_n weight_n * CE_n as a scalar fp32, draft argmax [N] int64). Gradients flow to
     draft_hidden [N, H] and draft_head [Vd, H] only (plain autograd: this is the reference)."""
+    z, p, argmax = _logits(draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight, torch.float32)
+    ce = torch.logsumexp(z, dim=-1) * p.sum(-1) - (p * z).sum(-1)  # [N]
+    loss = (weight.detach().float() * ce).sum()
+    return loss, argmax
+
+
+def _logits(draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight, dtype):
+    """(draft logits z [N, Vd] with autograd, target distribution p [N, Vd], draft argmax [N]),
+    in `dtype`, after the input checks."""
     _check_inputs(draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight)
     keep = weight != 0  # [N]
     # Rows of weight 0 contribute exactly nothing, even when their inputs are garbage (inf * 0):
     # they enter the differentiable path as zeros.
-    hidden = torch.where(keep[:, None], draft_hidden, 0).float()  # [N, H]
-    teacher = torch.where(keep[:, None], teacher_hidden.detach(), 0).float()
-    lse_t = torch.where(keep, teacher_lse.detach(), 0).float()  # [N]
-    z = hidden @ draft_head.float().T  # draft logits [N, Vd]
-    p = torch.exp(teacher @ teacher_head.detach().float().T - lse_t[:, None])  # target distribution
-    ce = torch.logsumexp(z, dim=-1) * p.sum(-1) - (p * z).sum(-1)  # [N]
-    loss = (weight.detach().float() * ce).sum()
+    hidden = torch.where(keep[:, None], draft_hidden, 0).to(dtype)  # [N, H]
+    teacher = torch.where(keep[:, None], teacher_hidden.detach(), 0).to(dtype)
+    lse_t = torch.where(keep, teacher_lse.detach(), 0).to(dtype)  # [N]
+    z = hidden @ draft_head.to(dtype).T  # draft logits [N, Vd]
+    p = torch.exp(teacher @ teacher_head.detach().to(dtype).T - lse_t[:, None])  # target distribution
     argmax = z.detach().argmax(-1)
     if not bool(keep.all()):  # the accuracy still counts masked rows: their argmax from real inputs
-        argmax[~keep] = (draft_hidden[~keep].detach().float() @ draft_head.detach().float().T).argmax(-1)
-    return loss, argmax
+        argmax[~keep] = (draft_hidden[~keep].detach().to(dtype) @ draft_head.detach().to(dtype).T).argmax(-1)
+    return z, p, argmax
+
+
+def lk_loss(
+    draft_hidden: torch.Tensor,
+    draft_head: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_head: torch.Tensor,
+    teacher_lse: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    variant: str = "lambda",
+    kl_scale: float = 1.0,
+    kl_decay: float = 3.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The LK loss of eagleforge.kernels.lk over these rows, plain autograd (the reference of
+    fused_lk_loss; same signature as `soft_cross_entropy` plus the variant's options):
+
+        alpha_n = sum_v min(p_nv, q_nv)       q = softmax(z), p the target over the draft vocabulary
+        lambda: lam = kl_scale * exp(-kl_decay * abar), abar = sum w alpha / sum w, lam detached;
+                loss = lam * sum_n w_n CE_n + (1 - lam) * sum_n w_n (1 - alpha_n)
+        alpha:  loss = sum_n w_n * -log(max(alpha_n, ALPHA_FLOOR))
+
+    -> (loss scalar, fp32, or fp64 for fp64 inputs (gradcheck); draft argmax [N] int64)."""
+    check_options(variant, kl_scale, kl_decay)
+    dtype = torch.float64 if draft_hidden.dtype == torch.float64 else torch.float32
+    z, p, argmax = _logits(draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight, dtype)
+    q = torch.softmax(z, dim=-1)  # [N, Vd]
+    # min(p, q), its gradient on the draft's branch only where q < p (the target's at a tie): the
+    # fused kernel's choice, so the two agree even there
+    alpha = torch.where(q < p, q, p).sum(-1)  # [N]
+    w = weight.detach().to(dtype)
+    if variant == "alpha":
+        return (w * -torch.log(alpha.clamp_min(ALPHA_FLOOR))).sum(), argmax
+    ce = torch.logsumexp(z, dim=-1) * p.sum(-1) - (p * z).sum(-1)  # [N]
+    mean_alpha = (w * alpha.detach()).sum() / w.sum().clamp_min(torch.finfo(torch.float32).tiny)
+    lam = kl_scale * torch.exp(-kl_decay * mean_alpha)  # a constant of the gradient
+    return lam * (w * ce).sum() + (1 - lam) * (w * (1 - alpha)).sum(), argmax
 
 
 def soft_cross_entropy_ttt(
@@ -72,13 +123,34 @@ def soft_cross_entropy_ttt(
     """K steps of `soft_cross_entropy`, the teacher shared: step j's row n has the teacher row
     n + shift + j (rows past the end have none and must carry weight 0); weight [K, N].
     -> (loss, step_losses [K], argmax [K, N]), the signature of fused_soft_cross_entropy_ttt."""
+    return _ttt_reference(soft_cross_entropy, draft_hiddens, draft_head, teacher_hidden, teacher_head, weight,
+                          teacher_shift)
+
+
+def lk_loss_ttt(
+    draft_hiddens: Sequence[torch.Tensor],
+    draft_head: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_head: torch.Tensor,
+    weight: torch.Tensor,
+    teacher_shift: int = 1,
+    **options,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K steps of `lk_loss` (options: variant, kl_scale, kl_decay), the teacher shared as in
+    `soft_cross_entropy_ttt`: the reference of fused_lk_loss_ttt. Each step has its own lam."""
+    return _ttt_reference(functools.partial(lk_loss, **options), draft_hiddens, draft_head, teacher_hidden,
+                          teacher_head, weight, teacher_shift)
+
+
+def _ttt_reference(step_fn, draft_hiddens, draft_head, teacher_hidden, teacher_head, weight, teacher_shift):
     n_rows = teacher_hidden.shape[0]
     with torch.no_grad():
-        lse = torch.logsumexp(teacher_hidden.float() @ teacher_head.float().T, dim=-1)  # [N]
+        dtype = torch.float64 if teacher_hidden.dtype == torch.float64 else torch.float32
+        lse = torch.logsumexp(teacher_hidden.to(dtype) @ teacher_head.to(dtype).T, dim=-1)  # [N]
     losses, argmaxes = [], []
     for j, hidden in enumerate(draft_hiddens):
         idx = (torch.arange(n_rows, device=hidden.device) + teacher_shift + j).clamp(max=n_rows - 1)
-        loss, argmax = soft_cross_entropy(hidden, draft_head, teacher_hidden[idx], teacher_head, lse[idx], weight[j])
+        loss, argmax = step_fn(hidden, draft_head, teacher_hidden[idx], teacher_head, lse[idx], weight[j])
         losses.append(loss)
         argmaxes.append(argmax)
     step_losses = torch.stack(losses)
@@ -112,10 +184,23 @@ def fused_available() -> bool:
     return True
 
 
-def get_loss_fn(name: str, device: torch.device | str) -> LossFn:
-    """The soft cross-entropy to use: "reference" (this file), "fused" (eagleforge.kernels), or
-    "auto" = fused on CUDA when importable, else reference."""
+def lk_options(train_config) -> dict:
+    """The LK loss's options from cfg.train (train.lk_variant, train.lk_kl_scale, train.lk_kl_decay)."""
+    return dict(variant=train_config.lk_variant, kl_scale=train_config.lk_kl_scale, kl_decay=train_config.lk_kl_decay)
+
+
+def get_loss_fn(name: str, device: torch.device | str, lk: dict | None = None) -> LossFn:
+    """The per-step loss to use: the soft cross-entropy "reference" (this file), "fused"
+    (eagleforge.kernels), or "auto" = fused on CUDA when importable, else reference; the LK loss
+    "lk" (eagleforge.kernels.lk) or "lk_reference" (this file), with the options `lk`
+    (`lk_options`; the defaults of `lk_loss` without)."""
     device = torch.device(device)
+    if name in LK_LOSS_MODES:
+        if name == "lk_reference":
+            return functools.partial(lk_loss, **(lk or {}))
+        from eagleforge.kernels.lk import fused_lk_loss
+
+        return functools.partial(fused_lk_loss, **(lk or {}))
     if name == "reference":
         return soft_cross_entropy
     if name == "fused":
@@ -130,4 +215,4 @@ def get_loss_fn(name: str, device: torch.device | str) -> LossFn:
 
             return fused_soft_cross_entropy
         return soft_cross_entropy
-    raise ValueError(f"train.loss must be one of ['auto', 'reference', 'fused'], got {name!r}")
+    raise ValueError(f"train.loss must be one of {list(LOSS_MODES)}, got {name!r}")

@@ -14,10 +14,16 @@ sum_j step_weight_decay^j * loss_j. Each step has equal say whatever its number 
 Accuracy at step j counts every position with loss_mask[t+2+j] = 1, including those whose
 target token is outside the draft vocabulary (the draft can never propose those, so the
 simulated acceptance length stays honest).
+
+train.loss=lk / lk_reference: the LK loss (eagleforge.kernels.lk) in place of the soft
+cross-entropy, over the same rows with the same weights (the step's mean over its loss rows, times
+decay^j); the lambda variant's mean acceptance and weight lam are per step. The stats' "loss"
+sums are then the LK values.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Callable
 
@@ -25,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from eagleforge.kernels.soft_ce import teacher_logsumexp
-from eagleforge.modes import checkpoint_modes
+from eagleforge.modes import LK_LOSS_MODES, PLAIN_LOSS_MODES, checkpoint_modes
+from eagleforge.train.loss import get_loss_fn, lk_options
 from eagleforge.train.metrics import TTTStats
 
 log = logging.getLogger(__name__)
@@ -57,7 +64,8 @@ def ttt_loss(
     step_weight_decay: float,
     loss_fn: Callable,
 ) -> tuple[torch.Tensor, TTTStats]:
-    """(sum_j decay^j * mean soft-CE of step j, per-step stats) for one batch.
+    """(sum_j decay^j * mean soft-CE of step j, per-step stats) for one batch; loss_fn is a
+    per-step loss of train/loss.py's signature (soft_cross_entropy, lk_loss, or their fused forms).
 
     normed_hiddens: ttt_steps x [B, T, H] (forward_ttt); draft_head [Vd, H]; last_hidden
     [B, T, Ht]; teacher_head [Vd, Ht]; teacher_lse [B*T]; loss_mask [B, T]; target_argmax
@@ -129,24 +137,28 @@ def ttt_loss_shared(
     compute_dtype: torch.dtype,
     chunk_tokens: int | None = None,
     packed: bool = False,
+    lk: dict | None = None,
 ) -> tuple[torch.Tensor, TTTStats]:
     """The same loss and stats as `ttt_loss`, through the TTT form of the fused kernel: the
     teacher logits are computed once per position for all steps (3 + 1/K matmuls per step
     instead of 4) and the matmuls run in `compute_dtype` (bf16 on GPUs and on CPUs with
-    bf16 units). Shapes as in `ttt_loss`.
+    bf16 units). Shapes as in `ttt_loss`. lk: the LK loss's options (train.loss.lk_options)
+    for fused_lk_loss_ttt instead of the soft cross-entropy (the lambda variant: one more
+    forward-only matmul per step, for its mean acceptance).
 
     No host sync: the rows of each step are masks, not index lists (no nonzero), the per-step
     counts stay on the device (the weights divide by them there), and the stats are device sums
     (TTTStats.add_device_sums) read back once when the step's numbers are logged. (bench-train,
     2026-11-30: nine syncs per step cost ~9 ms of a ~175 ms step at 2K tokens.)"""
-    from eagleforge.kernels import fused_soft_cross_entropy_ttt
+    from eagleforge.kernels import fused_lk_loss_ttt, fused_soft_cross_entropy_ttt
 
+    fused_ttt = fused_soft_cross_entropy_ttt if lk is None else functools.partial(fused_lk_loss_ttt, **lk)
     steps = len(normed_hiddens)
     batch, length, h_target = last_hidden.shape
     n_rows = batch * length
     weight, valid, teacher_ids, n_in, decay = ttt_loss_weights(loss_mask, target_argmax, t2d, steps, step_weight_decay)
     hiddens = [h.reshape(n_rows, -1).to(compute_dtype) for h in normed_hiddens]
-    loss, step_losses, draft_argmax = fused_soft_cross_entropy_ttt(
+    loss, step_losses, draft_argmax = fused_ttt(
         hiddens, draft_head.to(compute_dtype), last_hidden.reshape(n_rows, h_target).to(compute_dtype),
         teacher_head.to(compute_dtype), weight, teacher_shift=1, chunk_tokens=chunk_tokens, packed=packed,
         check_weight=False,  # zero there by construction (valid above); the check would sync
@@ -188,6 +200,8 @@ class TTTLoss:
     FSDP has lm_head gathered when the loss reads it. Returns (loss, TTTStats) as ttt_loss."""
 
     def __init__(self, tc, teacher_head: torch.Tensor, loss_fn: Callable, device: torch.device):
+        if tc.loss in LK_LOSS_MODES:  # the per-step LK loss with this config's options
+            loss_fn = get_loss_fn(tc.loss, device, lk_options(tc))
         self.tc, self.teacher_head, self.loss_fn, self.device_type = tc, teacher_head, loss_fn, device.type
 
     def __call__(self, draft, aux_hidden_states, input_ids, last_hidden, loss_mask, target_argmax):
@@ -201,11 +215,11 @@ class TTTLoss:
             hiddens = draft.forward_ttt(aux_hidden_states, input_ids, tc.ttt_steps, attention=tc.attention,
                                         checkpoint=tc.activation_checkpoint,
                                         compile="dynamic" if tc.compile else False)  # batches vary in length
-        if tc.loss != "reference":  # the TTT form: teacher shared over steps
+        if tc.loss not in PLAIN_LOSS_MODES:  # the TTT form: teacher shared over steps
             return ttt_loss_shared(
                 hiddens, draft.lm_head.weight, last_hidden, self.teacher_head, loss_mask, target_argmax, draft.t2d,
                 draft.d2t, tc.step_weight_decay, torch.bfloat16 if tc.bf16 else torch.float32, tc.loss_chunk_tokens or None,
-                packed=tc.loss_packed,
+                packed=tc.loss_packed, lk=lk_options(tc) if tc.loss in LK_LOSS_MODES else None,
             )
         lse = batch_teacher_lse(last_hidden, loss_mask, self.teacher_head)
         return ttt_loss(hiddens, draft.lm_head.weight, last_hidden, self.teacher_head, lse, loss_mask, target_argmax,

@@ -1,0 +1,429 @@
+"""Fused linear LK loss: the acceptance-aware draft loss (docs/training.md, "LK loss").
+
+LK losses (Samarin et al., "LK Losses: Direct Acceptance Rate Optimization for Speculative
+Decoding", arXiv 2602.23881) train the draft on the quantity speculative sampling accepts. For a
+row n with draft logits z_n [Vd] and the target's distribution p_n over the draft vocabulary
+(the soft cross-entropy's teacher, soft_ce.py):
+
+    q_n     = softmax(z_n)
+    alpha_n = sum_v min(p_nv, q_nv) = 1 - TV(p_n, q_n)    the chance the draft's token is accepted
+    CE_n    = -sum_v p_nv log q_nv                         (soft_ce.py)
+
+Two variants, SpecForge's `lk_loss_type` (the paper's LK^lambda and LK^alpha), for row weights
+w_n (the trainer's: 1 / rows of the step on each loss row, times decay^j):
+
+    lambda: abar = sum_n w_n alpha_n / sum_n w_n          the batch's mean acceptance at this step
+            lam  = kl_scale * exp(-kl_decay * abar)        no gradient through lam
+            loss = lam * sum_n w_n CE_n + (1 - lam) * sum_n w_n (1 - alpha_n)
+    alpha:  loss = sum_n w_n * -log(max(alpha_n, ALPHA_FLOOR))
+
+No temperature (the distributions at T = 1, as both SpecForge and speculators).
+
+Gradient (the teacher is a constant). With A_n = sum over {v : q_v < p_v} of q_v (min takes
+the draft's branch there; at a tie it takes the target's, which has no gradient):
+
+    dalpha_n/dz_nk = [q_k < p_k] q_k - q_k A_n
+    G_n = c_ce,n (q_n S_n - p_n) + c_g,n dalpha_n/dz_n        S_n = sum_v p_nv (soft_ce.py)
+
+with c_ce = lam w, c_g = -(1 - lam) w (lambda) and c_ce = 0, c_g = -w / alpha (alpha; 0 below
+the floor, where the loss is the constant -log ALPHA_FLOOR). Each row's (c_ce, c_acc) pair is
+its weight [rows, 2]; the row pass reads nothing of other rows, so it runs inside the soft
+cross-entropy's chunk loops unchanged (one_chunk, soft_ce_ttt's _ttt_forward[_packed]): same
+chunking, matmuls and buffers, gradients computed in the forward. Only lam needs the whole
+batch: the lambda variant first runs those loops WITHOUT gradients to get abar per step
+(one more draft-logits matmul per step, and the teacher's once more), then the real pass.
+
+How the references differ (this file follows SpecForge, whose LK code comes from the paper's
+authors):
+- SpecForge (specforge/core/lk_loss.py): as above, per TTT step; its acceptance uses the
+  target's FULL-vocabulary probabilities restricted to the draft vocabulary (not renormalized),
+  where this trainer, which holds only the draft vocabulary's rows of the target head, uses the
+  renormalized p of the cross-entropy. Its abar is all-reduced over data-parallel ranks; here it
+  is each rank's batch. Its CE term is averaged over all B x T positions, masked ones included;
+  here over the step's loss rows, as the soft cross-entropy. Its log(0) gives 0 (the row drops
+  out); here the floor. Its CLI defaulted kl_decay to 3.0 (the paper's best eta), kl_scale 1.0.
+- vllm-project/speculators (losses: `lk_hybrid`, `nla`): lam per position, exp(-eta * alpha_n)
+  with no scale, and the true KL in place of CE (same gradient); `nla` is the alpha variant with
+  a floor of 1e-5. Both normalize by the loss-masked positions.
+
+The Triton row pass makes three passes over Vd (draft lse and argmax; CE, alpha, A; G) where
+the soft cross-entropy's makes two.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from eagleforge.kernels.soft_ce import (
+    HAS_TRITON,
+    _check_triton_rows,
+    _check_vector,
+    _launch_config,
+    _soft_ce_forward,
+    check_chunk,
+    check_pair,
+    default_chunk_tokens,
+    resolve_backend,
+    scale_grads_,
+)
+from eagleforge.kernels.soft_ce_ttt import _ttt_forward, _ttt_forward_packed, check_ttt_inputs
+from eagleforge.modes import LK_VARIANTS
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+VARIANTS = LK_VARIANTS
+# -log of an acceptance below this is this constant (no gradient): only an exact 0 (every q_v
+# under p's support underflowed) needs it; any larger floor would stop rows that can still learn.
+ALPHA_FLOOR = 1e-12
+
+# What a row pass computes, from the row's weight pair (c_ce, c_acc):
+LINEAR = 0  # loss c_ce CE + c_acc (1 - alpha), G as the module docstring (lambda variant)
+LOG = 1  # loss c_ce CE + c_acc (-log alpha) (alpha variant)
+ACCEPT = 2  # loss c_acc alpha, no G: the lambda variant's first pass (logits left as they are)
+
+
+# ----------------------------------------------------------------------------------------------
+# Row pass: one chunk of logits -> per-row loss, argmax, and G in place
+# ----------------------------------------------------------------------------------------------
+
+
+def _lk_rows_torch(logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_lse: torch.Tensor, weight: torch.Tensor,
+                   teacher_index: torch.Tensor | None = None, teacher_psum: torch.Tensor | None = None, *, kind: int):
+    """Torch row pass, soft_ce._rows_torch's contract with weight [c, 2] fp32 = (c_ce, c_acc):
+    logits [c, Vd] (overwritten with G unless kind is ACCEPT) -> (loss_rows [c] fp32, argmax [c]).
+    Rows whose two weights are 0 give 0 loss and G = 0 whatever their inputs."""
+    if teacher_index is not None:
+        rows = teacher_index.long()
+        teacher_logits, teacher_lse = teacher_logits[rows], teacher_lse[rows]  # [c, Vd], [c]
+        teacher_psum = teacher_psum[rows] if teacher_psum is not None else None
+    z = logits.float()  # [c, Vd]
+    p = torch.exp(teacher_logits.float() - teacher_lse[:, None])  # [c, Vd]
+    lse = torch.logsumexp(z, dim=-1)  # [c]
+    q = torch.exp(z - lse[:, None])  # [c, Vd]
+    argmax = z.argmax(-1)
+    c_ce, c_acc = weight[:, 0], weight[:, 1]  # [c], [c]
+    keep = (c_ce != 0) | (c_acc != 0)
+    zero = torch.zeros_like(lse)
+    alpha = torch.minimum(p, q).sum(-1)  # [c]
+    if kind == ACCEPT:
+        return torch.where(keep, c_acc * alpha, zero), argmax
+    below = torch.where(q < p, q, torch.zeros_like(q))  # [c, Vd]: min's draft branch
+    a_sum = below.sum(-1)  # [c]
+    p_sum = p.sum(-1) if teacher_psum is None else teacher_psum
+    ce = (p * (lse[:, None] - z)).sum(-1)  # [c]
+    if kind == LINEAR:
+        acc_loss, c_g = 1 - alpha, -c_acc
+    else:
+        ok = alpha >= ALPHA_FLOOR
+        acc_loss = -torch.log(alpha.clamp_min(ALPHA_FLOOR))
+        c_g = torch.where(ok, -c_acc / torch.where(ok, alpha, 1.0), zero)
+    loss_rows = torch.where(keep, torch.where(c_ce != 0, c_ce * ce, zero) + c_acc * acc_loss, zero)
+    grad = c_ce[:, None] * (q * p_sum[:, None] - p) + c_g[:, None] * (below - q * a_sum[:, None])  # [c, Vd]
+    logits.copy_(torch.where(keep[:, None], grad, torch.zeros_like(grad)))
+    return loss_rows, argmax
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _lk_rows_kernel(
+        z_ptr, t_ptr, tidx_ptr, tlse_ptr, psum_ptr, w_ptr, loss_ptr, argmax_ptr,
+        z_stride, t_stride, vocab, floor,
+        BLOCK: tl.constexpr, HAS_TIDX: tl.constexpr, HAS_PSUM: tl.constexpr, KIND: tl.constexpr,
+    ):
+        """One program per row. Pass 1 over Vd blocks: online max / sum-exp of z (draft lse), the
+        first argmax, S unless given. Pass 2: CE, alpha = sum min(p, q), A = sum_{q < p} q.
+        Pass 3 (not for ACCEPT): G over z in z's dtype. w_ptr: [rows, 2] fp32 (c_ce, c_acc).
+        HAS_TIDX / HAS_PSUM as soft_ce._soft_ce_rows_kernel."""
+        row = tl.program_id(0).to(tl.int64)
+        z_row = z_ptr + row * z_stride
+        if HAS_TIDX:
+            trow = tl.load(tidx_ptr + row).to(tl.int64)
+        else:
+            trow = row
+        t_row = t_ptr + trow * t_stride
+        tlse = tl.load(tlse_ptr + trow)
+        c_ce = tl.load(w_ptr + 2 * row)
+        c_acc = tl.load(w_ptr + 2 * row + 1)
+        offs = tl.arange(0, BLOCK)
+
+        m = float("-inf")
+        l = 0.0
+        p_sum = 0.0
+        if HAS_PSUM:
+            p_sum = tl.load(psum_ptr + trow)
+        best = float("-inf")
+        best_idx = 0
+        for start in range(0, vocab, BLOCK):
+            cols = start + offs
+            mask = cols < vocab
+            z = tl.load(z_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+            if not HAS_PSUM:
+                t = tl.load(t_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+                p_sum += tl.sum(tl.exp(t - tlse), axis=0)
+            blk_max = tl.max(z, axis=0)
+            blk_arg = tl.argmax(z, axis=0)
+            best_idx = tl.where(blk_max > best, start + blk_arg, best_idx)  # strict: first max wins
+            best = tl.maximum(best, blk_max)
+            m_new = tl.maximum(m, blk_max)
+            l = l * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+            m = m_new
+        lse = m + tl.log(l)
+
+        ce = 0.0
+        alpha = 0.0
+        a_sum = 0.0
+        for start in range(0, vocab, BLOCK):
+            cols = start + offs
+            mask = cols < vocab
+            z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
+            t = tl.load(t_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+            p = tl.exp(t - tlse)  # masked lanes: p = q = 0
+            q = tl.where(mask, tl.exp(z - lse), 0.0)
+            ce += tl.sum(p * (lse - z), axis=0)
+            alpha += tl.sum(tl.minimum(p, q), axis=0)
+            a_sum += tl.sum(tl.where(q < p, q, 0.0), axis=0)
+
+        keep = (c_ce != 0.0) | (c_acc != 0.0)
+        if KIND == 2:
+            tl.store(loss_ptr + row, tl.where(keep, c_acc * alpha, 0.0))
+        else:
+            if KIND == 0:
+                acc_loss = 1.0 - alpha
+                c_g = -c_acc
+            else:
+                ok = alpha >= floor
+                acc_loss = -tl.log(tl.maximum(alpha, floor))
+                c_g = tl.where(ok, -c_acc / tl.where(ok, alpha, 1.0), 0.0)
+            for start in range(0, vocab, BLOCK):
+                cols = start + offs
+                mask = cols < vocab
+                z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
+                t = tl.load(t_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+                p = tl.exp(t - tlse)
+                q = tl.exp(z - lse)  # masked lanes are not stored
+                g = c_ce * (q * p_sum - p) + c_g * (tl.where(q < p, q, 0.0) - q * a_sum)
+                g = tl.where(keep, g, 0.0)
+                tl.store(z_row + cols, g.to(z_ptr.dtype.element_ty), mask=mask)
+            loss = tl.where(c_ce != 0.0, c_ce * ce, 0.0) + c_acc * acc_loss
+            tl.store(loss_ptr + row, tl.where(keep, loss, 0.0))
+        tl.store(argmax_ptr + row, best_idx.to(tl.int64))
+
+
+def _lk_rows_triton(logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_lse: torch.Tensor, weight: torch.Tensor,
+                    teacher_index: torch.Tensor | None = None, teacher_psum: torch.Tensor | None = None, *, kind: int):
+    """Triton row pass, same contract as `_lk_rows_torch`."""
+    rows, vocab = logits.shape
+    if weight.shape != (rows, 2) or weight.dtype != torch.float32 or not weight.is_contiguous():
+        raise ValueError(f"triton LK: weight must be contiguous fp32 [{rows}, 2], got {weight.dtype} {tuple(weight.shape)}")
+    _check_triton_rows(logits, teacher_logits, teacher_lse, weight[:, 0].contiguous(), teacher_index, teacher_psum)
+    loss_rows = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    argmax = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows == 0:
+        return loss_rows, argmax
+    block, warps = _launch_config(vocab)
+    _lk_rows_kernel[(rows,)](
+        logits, teacher_logits, teacher_index if teacher_index is not None else teacher_lse, teacher_lse,
+        teacher_psum if teacher_psum is not None else teacher_lse, weight,
+        loss_rows, argmax, logits.stride(0), teacher_logits.stride(0), vocab, ALPHA_FLOOR,
+        BLOCK=block, HAS_TIDX=teacher_index is not None, HAS_PSUM=teacher_psum is not None, KIND=kind, num_warps=warps,
+    )
+    return loss_rows, argmax
+
+
+def lk_rows_fn(backend: str, kind: int):
+    """The row pass of a backend for one kind, with soft_ce's row-pass signature."""
+    return functools.partial(_lk_rows_triton if backend == "triton" else _lk_rows_torch, kind=kind)
+
+
+def check_options(variant: str, kl_scale: float, kl_decay: float) -> None:
+    if variant not in VARIANTS:
+        raise ValueError(f"LK variant {variant!r}: expected one of {VARIANTS}")
+    if not (0.0 <= kl_scale <= 1.0) or not (kl_decay >= 0.0):  # also refuses nan
+        raise ValueError(f"LK kl_scale must be in [0, 1] and kl_decay >= 0, got {kl_scale} and {kl_decay}")
+
+
+def _row_weights(weight: torch.Tensor, mean_acceptance: torch.Tensor | None, variant: str, kl_scale: float,
+                 kl_decay: float) -> torch.Tensor:
+    """weight [..., N] -> [..., N, 2] (c_ce, c_acc). lambda: lam from mean_acceptance [...]
+    (one per step, on the device: no host sync)."""
+    if variant == "alpha":
+        return torch.stack([torch.zeros_like(weight), weight], -1)
+    lam = (kl_scale * torch.exp(-kl_decay * mean_acceptance))[..., None]  # [..., 1]
+    return torch.stack([lam * weight, (1 - lam) * weight], -1)
+
+
+def _mean(weighted_sum: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """sum_n w_n alpha_n / sum_n w_n, 0 where no row has weight."""
+    return weighted_sum / weight.sum(-1).clamp_min(torch.finfo(torch.float32).tiny)
+
+
+# ----------------------------------------------------------------------------------------------
+# Single step: fused_lk_loss
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def _lk_forward(draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight, need_grad_h,
+                need_grad_head, chunk, backend, variant, kl_scale, kl_decay):
+    """(loss fp32 scalar, argmax [N], grad_hidden | None, grad_head | None) through soft_ce's loop."""
+    args = (draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse)
+    mean_acc = None
+    if variant == "lambda":
+        accept = torch.stack([torch.zeros_like(weight), weight], -1)
+        acc_sum, _, _, _ = _soft_ce_forward(*args, accept, False, False, chunk, backend, lk_rows_fn(backend, ACCEPT))
+        mean_acc = _mean(acc_sum, weight)
+    pairs = _row_weights(weight, mean_acc, variant, kl_scale, kl_decay)
+    return _soft_ce_forward(*args, pairs, need_grad_h, need_grad_head, chunk, backend,
+                            lk_rows_fn(backend, LINEAR if variant == "lambda" else LOG))
+
+
+class _FusedLK(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight, chunk, backend,
+                variant, kl_scale, kl_decay):
+        loss, argmax, grad_h, grad_head = _lk_forward(
+            draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight,
+            ctx.needs_input_grad[0], ctx.needs_input_grad[1], chunk, backend, variant, kl_scale, kl_decay,
+        )
+        ctx.save_for_backward(grad_h, grad_head)
+        ctx.mark_non_differentiable(argmax)
+        ctx.backend = backend
+        return loss, argmax
+
+    @staticmethod
+    @once_differentiable  # the saved gradients are constants
+    def backward(ctx, grad_loss, grad_argmax):
+        grad_h, grad_head = ctx.saved_tensors
+        scale_grads_((grad_h, grad_head), grad_loss, ctx.backend)
+        return grad_h, grad_head, None, None, None, None, None, None, None, None, None
+
+
+def fused_lk_loss(
+    draft_hidden: torch.Tensor,
+    draft_head: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_head: torch.Tensor,
+    teacher_lse: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    variant: str = "lambda",
+    kl_scale: float = 1.0,
+    kl_decay: float = 3.0,
+    chunk_tokens: int | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(LK loss of the module docstring, fp32 scalar; draft argmax [N] int64): the interface of
+    soft_ce.fused_soft_cross_entropy (shapes, dtypes, chunking, zero-weight rows) plus the
+    variant and its weights; the lambda variant's abar is over this call's rows."""
+    check_options(variant, kl_scale, kl_decay)
+    check_pair(draft_hidden, draft_head, "draft_hidden", "draft_head")
+    check_pair(teacher_hidden, teacher_head, "teacher_hidden", "teacher_head")
+    n_rows, vocab = draft_hidden.shape[0], draft_head.shape[0]
+    if teacher_hidden.shape[0] != n_rows or teacher_head.shape[0] != vocab:
+        raise ValueError(f"teacher_hidden {tuple(teacher_hidden.shape)} / teacher_head {tuple(teacher_head.shape)} "
+                         f"do not match draft_hidden {tuple(draft_hidden.shape)} / draft_head {tuple(draft_head.shape)}")
+    if teacher_hidden.device != draft_hidden.device:
+        raise ValueError(f"teacher on {teacher_hidden.device}, draft on {draft_hidden.device}")
+    _check_vector(teacher_lse, "teacher_lse", n_rows, draft_hidden.device)
+    _check_vector(weight, "weight", n_rows, draft_hidden.device)
+    backend = resolve_backend(backend, draft_hidden.device)
+    chunk = chunk_tokens or default_chunk_tokens(vocab, draft_head.dtype, draft_hidden.device)
+    check_chunk(chunk)
+    args = (draft_hidden, draft_head, teacher_hidden.detach(), teacher_head.detach(),
+            teacher_lse.detach().contiguous(), weight.detach().contiguous())
+    options = (variant, float(kl_scale), float(kl_decay))
+    if torch.is_grad_enabled() and (draft_hidden.requires_grad or draft_head.requires_grad):
+        return _FusedLK.apply(*args, chunk, backend, *options)
+    loss, argmax, _, _ = _lk_forward(*args, False, False, chunk, backend, *options)
+    return loss, argmax
+
+
+# ----------------------------------------------------------------------------------------------
+# All TTT steps, the teacher shared: fused_lk_loss_ttt
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def _lk_ttt_forward(draft_hiddens, draft_head, teacher_hidden, teacher_head, weight, shift, need_grad_h,
+                    need_grad_head, chunk, backend, packed, variant, kl_scale, kl_decay):
+    """soft_ce_ttt's loops (per step or packed) with the LK row pass; lambda: a first pass
+    without gradients for each step's abar. -> (step_losses [K], argmax [K, N], grads_h, grad_head)."""
+    forward = _ttt_forward_packed if packed else _ttt_forward
+    k_steps, n_rows = weight.shape
+    # Rows without a teacher are never scored: their weight must not count in abar's denominator
+    # either (a caller with check_weight=False may leave weight there).
+    has_teacher = (torch.arange(n_rows, device=weight.device)[None, :] + shift
+                   + torch.arange(k_steps, device=weight.device)[:, None]) < n_rows  # [K, N]
+    weight = weight * has_teacher
+    args = (draft_hiddens, draft_head, teacher_hidden, teacher_head)
+    mean_acc = None
+    if variant == "lambda":
+        accept = torch.stack([torch.zeros_like(weight), weight], -1)  # [K, N, 2]
+        acc_sums, _, _, _ = forward(*args, accept, shift, [False] * k_steps, False, chunk, backend,
+                                    rows_fn=lk_rows_fn(backend, ACCEPT))
+        mean_acc = _mean(acc_sums, weight)  # [K]
+    pairs = _row_weights(weight, mean_acc, variant, kl_scale, kl_decay)  # [K, N, 2]
+    return forward(*args, pairs, shift, need_grad_h, need_grad_head, chunk, backend,
+                   rows_fn=lk_rows_fn(backend, LINEAR if variant == "lambda" else LOG))
+
+
+class _FusedLKTTT(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, draft_head, teacher_hidden, teacher_head, weight, shift, chunk, backend, packed, variant,
+                kl_scale, kl_decay, *draft_hiddens):
+        step_losses, argmax, grads_h, grad_head = _lk_ttt_forward(
+            draft_hiddens, draft_head, teacher_hidden, teacher_head, weight, shift,
+            ctx.needs_input_grad[11:], ctx.needs_input_grad[0], chunk, backend, packed, variant, kl_scale, kl_decay,
+        )
+        ctx.save_for_backward(grad_head, *grads_h)
+        ctx.mark_non_differentiable(step_losses, argmax)
+        ctx.backend = backend
+        return step_losses.sum(), step_losses, argmax
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss, grad_steps, grad_argmax):
+        grad_head, *grads_h = ctx.saved_tensors
+        scale_grads_((grad_head, *grads_h), grad_loss, ctx.backend)
+        return (grad_head, *([None] * 10), *grads_h)
+
+
+def fused_lk_loss_ttt(
+    draft_hiddens: Sequence[torch.Tensor],
+    draft_head: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_head: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    variant: str = "lambda",
+    kl_scale: float = 1.0,
+    kl_decay: float = 3.0,
+    teacher_shift: int = 1,
+    chunk_tokens: int | None = None,
+    backend: str = "auto",
+    packed: bool = False,
+    check_weight: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """All K TTT steps of the LK loss, the teacher logits computed once per position: the
+    interface of soft_ce_ttt.fused_soft_cross_entropy_ttt (step j's row n against teacher row
+    n + teacher_shift + j; weight [K, N] fp32; packed; check_weight) plus the variant and its
+    weights. Returns (loss = sum over steps, differentiable; step_losses [K] fp32, detached;
+    draft argmax [K, N] int64). The lambda variant's abar and lam are per step, over that step's
+    weighted rows."""
+    check_options(variant, kl_scale, kl_decay)
+    k_steps = len(draft_hiddens)
+    backend, chunk = check_ttt_inputs(draft_hiddens, draft_head, teacher_hidden, teacher_head, weight, teacher_shift,
+                                      chunk_tokens, backend, check_weight)
+    args = (draft_head, teacher_hidden.detach(), teacher_head.detach(), weight.detach(), teacher_shift, chunk, backend,
+            bool(packed), variant, float(kl_scale), float(kl_decay))
+    if torch.is_grad_enabled() and (draft_head.requires_grad or any(h.requires_grad for h in draft_hiddens)):
+        return _FusedLKTTT.apply(*args, *draft_hiddens)
+    step_losses, argmax, _, _ = _lk_ttt_forward(draft_hiddens, *args[:5], [False] * k_steps, False, *args[5:])
+    return step_losses.sum(), step_losses, argmax
