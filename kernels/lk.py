@@ -61,13 +61,9 @@ from torch.autograd.function import once_differentiable
 from eagleforge.kernels.soft_ce import (
     HAS_TRITON,
     _check_triton_rows,
-    _check_vector,
     _launch_config,
     _soft_ce_forward,
-    check_chunk,
-    check_pair,
-    default_chunk_tokens,
-    resolve_backend,
+    prepare_row_loss,
     scale_grads_,
 )
 from eagleforge.kernels.soft_ce_ttt import _ttt_forward, _ttt_forward_packed, check_ttt_inputs
@@ -323,21 +319,8 @@ def fused_lk_loss(
     soft_ce.fused_soft_cross_entropy (shapes, dtypes, chunking, zero-weight rows) plus the
     variant and its weights; the lambda variant's abar is over this call's rows."""
     check_options(variant, kl_scale, kl_decay)
-    check_pair(draft_hidden, draft_head, "draft_hidden", "draft_head")
-    check_pair(teacher_hidden, teacher_head, "teacher_hidden", "teacher_head")
-    n_rows, vocab = draft_hidden.shape[0], draft_head.shape[0]
-    if teacher_hidden.shape[0] != n_rows or teacher_head.shape[0] != vocab:
-        raise ValueError(f"teacher_hidden {tuple(teacher_hidden.shape)} / teacher_head {tuple(teacher_head.shape)} "
-                         f"do not match draft_hidden {tuple(draft_hidden.shape)} / draft_head {tuple(draft_head.shape)}")
-    if teacher_hidden.device != draft_hidden.device:
-        raise ValueError(f"teacher on {teacher_hidden.device}, draft on {draft_hidden.device}")
-    _check_vector(teacher_lse, "teacher_lse", n_rows, draft_hidden.device)
-    _check_vector(weight, "weight", n_rows, draft_hidden.device)
-    backend = resolve_backend(backend, draft_hidden.device)
-    chunk = chunk_tokens or default_chunk_tokens(vocab, draft_head.dtype, draft_hidden.device)
-    check_chunk(chunk)
-    args = (draft_hidden, draft_head, teacher_hidden.detach(), teacher_head.detach(),
-            teacher_lse.detach().contiguous(), weight.detach().contiguous())
+    args, chunk, backend = prepare_row_loss(draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight,
+                                            chunk_tokens, backend)
     options = (variant, float(kl_scale), float(kl_decay))
     if torch.is_grad_enabled() and (draft_hidden.requires_grad or draft_head.requires_grad):
         return _FusedLK.apply(*args, chunk, backend, *options)

@@ -461,6 +461,30 @@ class _FusedSoftCE(torch.autograd.Function):
         return grad_h, grad_head, None, None, None, None, None, None
 
 
+def prepare_row_loss(draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight,
+                     chunk_tokens: int | None, backend: str) -> tuple[tuple, int, str]:
+    """The checks and the argument tuple every per-row fused loss shares (this module's soft CE,
+    kernels/lk.py's LK): shapes, devices, the [N] vectors, the backend and the chunk size.
+    -> ((draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight) with the
+    constants detached, chunk rows, backend)."""
+    check_pair(draft_hidden, draft_head, "draft_hidden", "draft_head")
+    check_pair(teacher_hidden, teacher_head, "teacher_hidden", "teacher_head")
+    n_rows, vocab = draft_hidden.shape[0], draft_head.shape[0]
+    if teacher_hidden.shape[0] != n_rows or teacher_head.shape[0] != vocab:
+        raise ValueError(f"teacher_hidden {tuple(teacher_hidden.shape)} / teacher_head {tuple(teacher_head.shape)} "
+                         f"do not match draft_hidden {tuple(draft_hidden.shape)} / draft_head {tuple(draft_head.shape)}")
+    if teacher_hidden.device != draft_hidden.device:
+        raise ValueError(f"teacher on {teacher_hidden.device}, draft on {draft_hidden.device}")
+    _check_vector(teacher_lse, "teacher_lse", n_rows, draft_hidden.device)
+    _check_vector(weight, "weight", n_rows, draft_hidden.device)
+    backend = resolve_backend(backend, draft_hidden.device)
+    chunk = chunk_tokens or default_chunk_tokens(vocab, draft_head.dtype, draft_hidden.device)
+    check_chunk(chunk)
+    args = (draft_hidden, draft_head, teacher_hidden.detach(), teacher_head.detach(),
+            teacher_lse.detach().contiguous(), weight.detach().contiguous())
+    return args, chunk, backend
+
+
 def fused_soft_cross_entropy(
     draft_hidden: torch.Tensor,
     draft_head: torch.Tensor,
@@ -478,21 +502,8 @@ def fused_soft_cross_entropy(
     teacher_head [Vd, H], teacher_lse [N] fp32 (from `teacher_logsumexp`) and weight [N] fp32
     are constants. Never holds more than `chunk_tokens` x Vd logits. Rows with weight 0 give 0
     loss and 0 gradient even if their teacher is not finite. backend: auto | torch | triton."""
-    check_pair(draft_hidden, draft_head, "draft_hidden", "draft_head")
-    check_pair(teacher_hidden, teacher_head, "teacher_hidden", "teacher_head")
-    n_rows, vocab = draft_hidden.shape[0], draft_head.shape[0]
-    if teacher_hidden.shape[0] != n_rows or teacher_head.shape[0] != vocab:
-        raise ValueError(f"teacher_hidden {tuple(teacher_hidden.shape)} / teacher_head {tuple(teacher_head.shape)} "
-                         f"do not match draft_hidden {tuple(draft_hidden.shape)} / draft_head {tuple(draft_head.shape)}")
-    if teacher_hidden.device != draft_hidden.device:
-        raise ValueError(f"teacher on {teacher_hidden.device}, draft on {draft_hidden.device}")
-    _check_vector(teacher_lse, "teacher_lse", n_rows, draft_hidden.device)
-    _check_vector(weight, "weight", n_rows, draft_hidden.device)
-    backend = resolve_backend(backend, draft_hidden.device)
-    chunk = chunk_tokens or default_chunk_tokens(vocab, draft_head.dtype, draft_hidden.device)
-    check_chunk(chunk)
-    args = (draft_hidden, draft_head, teacher_hidden.detach(), teacher_head.detach(),
-            teacher_lse.detach().contiguous(), weight.detach().contiguous())
+    args, chunk, backend = prepare_row_loss(draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight,
+                                            chunk_tokens, backend)
     if torch.is_grad_enabled() and (draft_hidden.requires_grad or draft_head.requires_grad):
         return _FusedSoftCE.apply(*args, chunk, backend)
     loss, argmax, _, _ = _soft_ce_forward(*args, False, False, chunk, backend)  # no gradient work

@@ -28,6 +28,7 @@ import torch
 
 from eagleforge.atomic import write_json_atomic
 from eagleforge.config import Config, UserInputError
+from eagleforge.modes import PLAIN_LOSS_MODES
 from eagleforge.target import target_path
 from eagleforge.train.batching import Batch, BatchPrefetch, collate_host, make_batches, rank_micro_batches
 from eagleforge.train.checkpoint import (
@@ -177,7 +178,7 @@ class Trainer:
         self.prefetch = BatchPrefetch(self._read_host)  # closed by train()
         # [Vd, Ht]; the fused loss runs its matmuls in bf16 under train.bf16: stored so, no cast
         # copy per step (the plain-torch reference loss reads it in fp32)
-        head_dtype = torch.bfloat16 if tc.bf16 and tc.loss != "reference" else torch.float32
+        head_dtype = torch.bfloat16 if tc.bf16 and tc.loss not in PLAIN_LOSS_MODES else torch.float32
         self.teacher_head = head["lm_head"].to(self.device, head_dtype)
         self.full_head = None
         if not manifest.get("has_target_argmax", False):
