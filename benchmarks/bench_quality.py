@@ -1,0 +1,456 @@
+"""Benchmark: draft QUALITY of this project's trainer against SpecForge 0.2.0's training step, on
+the same shards with the same batches, steps, learning-rate schedule and TTT length.
+
+Inputs: a RUN directory already holding data, hidden and vocab (the data, extract and vocab
+stages of CONFIG, e.g. configs/smollm2_gpu.yaml), and CONFIG itself. Nothing under RUN is
+changed: each training writes under OUT (default RUN/bench_quality), in a run directory whose
+data, hidden and vocab are links to RUN's.
+
+  ours       eagleforge.train.loop.train(cfg): the trainer as `make train` runs it (its own
+             batching, read-ahead, loss, optimizer, schedule), exporting OUT/ours/draft.
+  specforge  SpecForge's own step: LlamaForCausalLMEagle3 in OnlineEagle3Model (flex_attention
+             on a GPU, sdpa on the CPU), its compact teacher from the target's last hidden states
+             and FULL lm_head, its loss (sum_j decay^j x step loss), its BF16Optimizer (AdamW over
+             fp32 masters of bf16 weights, grad clip) with the trainer's lr, weight decay, clip and
+             lr schedule (train.loop.lr_lambda swapped in for SpecForge's own).
+             Batches: the trainer's (step_schedule below: make_batches with train.seed, epoch by
+             epoch, world x grad_accum batches a step), read from the shards by ShardReader and
+             padded by collate_host on the same read-ahead thread (BatchPrefetch), fed as
+             SpecForge's offline pipeline feeds its step (TargetHead.preprocess: input ids and
+             target states shifted left by one, loss mask not). --specforge-mask aligned (the
+             default) shifts the loss mask left by two so SpecForge scores the same rows as the
+             trainer (row t at TTT step j predicts token t+2+j; SpecForge reads its mask at
+             t+j); `own` passes the mask as SpecForge's pipeline does (last token zeroed).
+             The trained weights are mapped onto this project's names (specforge_export_tensors:
+             the same names, minus embed_tokens) with d2t/t2d from RUN/vocab and written in the
+             export format (docs/export.md) to OUT/specforge/draft.
+
+Both exports are then measured the same way:
+  - simulated acceptance: the trainer's held-out evaluation (Trainer.evaluate on the last
+    train.holdout_samples samples, as train/loop.py finish() does) of the EXPORTED bf16 draft;
+    acceptance length at k = eval.k from the per-step accuracies.
+  - measured acceptance: `python -m eagleforge.eval` with eval.draft_path=OUT/<name>/draft: real
+    speculative decoding with greedy verification on the held-out HumanEval prompts at k = eval.k.
+  - train seconds: the training loop (ours: the trainer's own count between host syncs, no
+    checkpoint writes; SpecForge: its steps incl. batch reads, synced at the end) and the wall
+    time of the whole training call (model build, checkpoints, export; ours also its held-out
+    evaluation).
+
+    make bench-quality RUN=runs/smollm2_gpu CONFIG=configs/smollm2_gpu.yaml
+    python benchmarks/bench_quality.py --config configs/smollm2_gpu.yaml --run runs/smollm2_gpu \
+        --json runs/smollm2_gpu/bench_quality.json
+    python benchmarks/bench_quality.py --tiny      # the CPU check of the script (embedded SmolLM2,
+                                                   # a 16-prompt run it prepares, a few steps, 2 prompts)
+
+SpecForge is not a dependency: without it the SpecForge row says so and ours still runs. On the CPU
+(--tiny) SpecForge's Triton loss kernel cannot run: its loss is replaced by the same formula in
+plain torch (PlainLogSoftmaxLoss), everything else is SpecForge's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_common import ROOT, import_eagleforge  # noqa: E402
+
+import_eagleforge()  # a bare checkout runs without `pip install -e .`
+
+from eagleforge.config import Config, load_config  # noqa: E402
+from eagleforge.draft import EXPORT_TENSOR_NAMES, Eagle3Config, Eagle3Draft, save_draft  # noqa: E402
+from eagleforge.train.batching import Batch, BatchPrefetch, collate_host, make_batches  # noqa: E402
+
+log = logging.getLogger("bench_quality")
+
+RUN_LINKS = ("data", "hidden", "vocab")  # what a bench run directory borrows from RUN
+# The --tiny run: the embedded SmolLM2-135M on the CPU, a run small enough for minutes.
+TINY_PREPARE = ["data.num_prompts=16", "data.max_new_tokens=24", "vocab.draft_vocab_size=512"]
+TINY_TRAIN = ["train.max_steps=6", "train.batch_tokens=1024", "train.holdout_samples=4", "train.ttt_steps=3",
+              "train.save_every=0", "train.verify_checksums=false", "eval.n_prompts=2", "eval.max_new_tokens=16",
+              "eval.k=3", "eval.reuse_ngram=false"]
+
+
+# ----------------------------------------------------------------------------------------------
+# The batches: one pure function of the run for both trainings
+# ----------------------------------------------------------------------------------------------
+
+
+def step_schedule(lengths, train_ids, batch_tokens: int, seed: int, epochs: int, max_steps: int,
+                  batches_per_step: int) -> list[list[list[int]]]:
+    """The trainer's optimizer steps, each the list of its global batches (lists of sample ids),
+    in order: epoch e's batches are make_batches(lengths, train_ids, batch_tokens, seed, e), a
+    step takes the next `batches_per_step` of them (fewer at an epoch's end, never across
+    epochs), and the run has max_steps steps (continuing into further epochs) or, with
+    max_steps 0, all steps of `epochs` epochs (Trainer._total_steps and _next_batches)."""
+    if not train_ids:
+        raise ValueError("step_schedule: no training samples")
+    per_epoch = lambda e: make_batches(lengths, train_ids, batch_tokens, seed, e)  # noqa: E731
+    if max_steps > 0:
+        total = max_steps
+    else:
+        total = sum(math.ceil(len(per_epoch(e)) / batches_per_step) for e in range(epochs))
+    steps: list[list[list[int]]] = []
+    epoch = 0
+    while len(steps) < total:
+        batches = per_epoch(epoch)
+        for i in range(0, len(batches), batches_per_step):
+            if len(steps) == total:
+                break
+            steps.append(batches[i : i + batches_per_step])
+        epoch += 1
+    return steps
+
+
+# ----------------------------------------------------------------------------------------------
+# SpecForge's side: the draft, its inputs, its weights in our export format
+# ----------------------------------------------------------------------------------------------
+
+
+class PlainLogSoftmaxLoss:
+    """SpecForge's LogSoftmaxLoss (a Triton kernel, GPU only) as plain torch, for the CPU: its
+    own reference formula (specforge.core.loss._compute_loss): -sum_v mask x p x log_softmax,
+    averaged over all B x T rows. logits [B, T, Vd], target_p [B, T, Vd], position_mask [B, T, 1]."""
+
+    @staticmethod
+    def apply(logits: torch.Tensor, target_p: torch.Tensor, position_mask: torch.Tensor) -> torch.Tensor:
+        return -(position_mask * target_p * F.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
+
+
+def use_plain_specforge_loss() -> None:
+    """Make SpecForge's EAGLE-3 step run on the CPU (see PlainLogSoftmaxLoss)."""
+    import specforge.algorithms.eagle3.model as sf_model
+
+    sf_model.LogSoftmaxLoss = PlainLogSoftmaxLoss
+
+
+def build_specforge_draft(config: Eagle3Config, d2t: torch.Tensor, t2d: torch.Tensor, embed_tokens: torch.Tensor,
+                          attention_backend: str, seed: int):
+    """SpecForge's LlamaForCausalLMEagle3 of our draft's shape (its config built from our export
+    config.json, Eagle3Config.to_hf_dict), its own random init under `seed`, the target's frozen
+    input embedding [V, H] and RUN/vocab's d2t [Vd] / t2d [V]."""
+    from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
+    from transformers import LlamaConfig
+
+    hf = config.to_hf_dict()
+    llama = LlamaConfig(**{k: v for k, v in hf.items() if k not in ("architectures", "model_type")})
+    llama.draft_vocab_size = config.draft_vocab_size
+    llama.target_hidden_size = config.target_hidden_size
+    if config.num_aux_layers != 3:
+        raise ValueError(f"SpecForge's draft reads 3 aux layers; this run's draft has {config.num_aux_layers}")
+    torch.manual_seed(seed)
+    draft = LlamaForCausalLMEagle3(llama, attention_backend=attention_backend)
+    with torch.no_grad():
+        draft.embed_tokens.weight.copy_(embed_tokens)
+        draft.d2t.copy_(d2t.long())
+        draft.t2d.copy_(t2d.bool())
+    draft.embed_tokens.weight.requires_grad_(False)
+    return draft
+
+
+def specforge_export_tensors(state: dict[str, torch.Tensor], config: Eagle3Config) -> dict[str, torch.Tensor]:
+    """SpecForge draft state dict -> this project's trained tensors (docs/export.md names).
+
+    SpecForge's LlamaForCausalLMEagle3 uses the same names as the export (fc, midlayer.*, norm,
+    lm_head); embed_tokens (the target's, not exported) and its own d2t/t2d buffers are left out
+    (the export takes RUN/vocab's). Any other tensor (fc_norm, a second layer) has no place in
+    the export: an error naming it."""
+    wanted = {n for n in EXPORT_TENSOR_NAMES if n not in ("d2t", "t2d")}
+    extra = set(state) - wanted - {"embed_tokens.weight", "d2t", "t2d"}
+    missing = wanted - set(state)
+    if extra or missing:
+        raise ValueError(f"SpecForge draft: tensors without an export name {sorted(extra)}, missing {sorted(missing)}")
+    out = {}
+    for name in sorted(wanted):
+        shape = tuple(EXPORT_TENSOR_NAMES[name][0](config))
+        if tuple(state[name].shape) != shape:
+            raise ValueError(f"SpecForge draft: {name} has shape {tuple(state[name].shape)}, the export needs {shape}")
+        out[name] = state[name].detach()
+    return out
+
+
+def specforge_to_draft(state: dict[str, torch.Tensor], config: Eagle3Config, d2t: torch.Tensor,
+                       t2d: torch.Tensor) -> Eagle3Draft:
+    """Our Eagle3Draft (fp32, CPU) holding SpecForge's trained weights and RUN/vocab's map."""
+    draft = Eagle3Draft(config)
+    result = draft.load_state_dict({k: v.float().cpu() for k, v in specforge_export_tensors(state, config).items()},
+                                   strict=False)
+    assert set(result.missing_keys) <= {"embed_tokens.weight", "d2t", "t2d"}, result.missing_keys
+    draft.set_vocab_map(d2t.cpu(), t2d.cpu())
+    return draft
+
+
+def specforge_inputs(batch: Batch, all_positions: bool, mask_mode: str) -> dict:
+    """A padded Batch (on the device) -> SpecForge OnlineEagle3Model's keyword inputs, as its
+    offline pipeline makes them (normalize_offline_sample + TargetHead.preprocess): input ids and
+    the target's last states shifted left by one, the loss mask [B, T, 1] unshifted with each
+    sample's last token zeroed (mask_mode "own"), or shifted left by two ("aligned": the rows the
+    trainer scores). all_positions: every real position carries a loss (train.loss_positions=all)."""
+    from specforge.utils import padding
+
+    b, t = batch.input_ids.shape
+    real = torch.arange(t, device=batch.input_ids.device)[None] < batch.lengths[:, None]  # [B, T]
+    mask = real if all_positions else batch.loss_mask.bool() & real
+    if mask_mode == "aligned":
+        mask = F.pad(mask[:, 2:], (0, 2), value=False)
+    elif mask_mode == "own":
+        last = (batch.lengths - 1).clamp_min(0)
+        mask = mask.clone()
+        mask[torch.arange(b, device=mask.device), last] = False
+    else:
+        raise ValueError(f"specforge mask mode {mask_mode!r}: aligned | own")
+    return {"input_ids": padding(batch.input_ids, left=False), "attention_mask": real,
+            "loss_mask": mask[..., None].float(), "hidden_states": batch.aux_hidden_states,
+            "target_hidden_for_compact": padding(batch.last_hidden_state, left=False), "target": None}
+
+
+# ----------------------------------------------------------------------------------------------
+# The two trainings
+# ----------------------------------------------------------------------------------------------
+
+
+def bench_run_dir(run: Path, source: Path) -> Path:
+    """A fresh run directory whose data, hidden and vocab are links to `source`'s."""
+    import shutil
+
+    shutil.rmtree(run, ignore_errors=True)
+    run.mkdir(parents=True)
+    for name in RUN_LINKS:
+        if (source / name).exists():
+            (run / name).symlink_to((source / name).resolve(), target_is_directory=True)
+    return run
+
+
+def run_config(config_file: str | None, run: Path, overrides: list[str]) -> Config:
+    return load_config(config_file, [*overrides, f"run_dir={run}", "train.resume=false"])
+
+
+def train_ours(cfg: Config) -> dict:
+    """The trainer end to end (train(cfg)); loop seconds from its own count (train_summary.json)."""
+    from eagleforge.train.loop import train
+
+    t0 = time.perf_counter()
+    summary = train(cfg)
+    wall = time.perf_counter() - t0
+    rate = summary.get("train_tokens_per_s")
+    return {"draft": str(cfg.run / "draft"), "steps": summary["steps"], "train_tokens": summary["train_tokens"],
+            "train_s": summary["train_tokens"] / rate if rate else None, "wall_s": wall}
+
+
+def train_specforge(cfg: Config, attention_backend: str, mask_mode: str) -> dict:
+    """SpecForge's step over step_schedule's batches; exports cfg.run/draft in our format."""
+    from specforge.algorithms.eagle3.model import OnlineEagle3Model
+    from specforge.optimizer import BF16Optimizer
+
+    from eagleforge.target import target_path
+    from eagleforge.train.loop import build_draft, lr_lambda, open_reader
+    from eagleforge.vocab import load_target_head, load_vocab_map, read_target_head, training_sample_count
+
+    t_start = time.perf_counter()
+    tc = cfg.train
+    device = torch.device("cuda" if tc.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # SpecForge trains bf16 weights on GPUs
+    reader = open_reader(cfg)
+    vocab, head = load_vocab_map(cfg.run), load_target_head(cfg.run)
+    config = build_draft(cfg, reader.manifest, vocab, head).config  # our draft's shape: the same for both
+    full_head, _ = read_target_head(target_path(cfg.target), cfg.target)  # [V, Ht]: SpecForge's teacher
+    n_train = training_sample_count(len(reader), tc.holdout_samples, str(cfg.run / "hidden"))
+    steps = step_schedule(reader.sample_lengths(), list(range(n_train)), tc.batch_tokens, tc.seed, tc.epochs,
+                          tc.max_steps, max(1, tc.grad_accum))
+
+    draft = build_specforge_draft(config, vocab["d2t"], vocab["t2d"], head["embed_tokens"], attention_backend, tc.seed)
+    draft = draft.to(device, dtype)
+    model = OnlineEagle3Model(draft, length=tc.ttt_steps, attention_backend=attention_backend)
+    opt = BF16Optimizer(draft, lr=tc.lr, weight_decay=tc.weight_decay, max_grad_norm=tc.grad_clip,
+                        total_steps=len(steps), warmup_ratio=tc.warmup_ratio)
+    for group in opt.optimizer.param_groups:  # the trainer's schedule in place of SpecForge's own
+        group["lr"] = tc.lr
+        group.pop("initial_lr", None)
+    opt.scheduler = torch.optim.lr_scheduler.LambdaLR(opt.optimizer, lr_lambda(len(steps), tc.warmup_ratio, tc.min_lr_ratio))
+    head_weight = full_head.to(device, dtype)
+    all_positions = tc.loss_positions == "all"
+    prefetch = BatchPrefetch(lambda ids: collate_host([reader[i] for i in ids], pin=device.type == "cuda"))
+    model.train()
+    tokens, losses = 0, []
+    t0 = time.perf_counter()
+    try:
+        prefetch.ahead(steps[0])
+        for n, step_batches in enumerate(steps):
+            if n + 1 < len(steps):
+                prefetch.ahead(steps[n + 1])  # read while this step trains, as the trainer does
+            step_loss = 0.0
+            for ids in step_batches:
+                batch = prefetch.get(ids).to(device, dtype)
+                out = model(**specforge_inputs(batch, all_positions, mask_mode), target_head_weight=head_weight)
+                loss = sum(tc.step_weight_decay**j * step for j, step in enumerate(out[0])) / len(step_batches)
+                loss.backward()
+                step_loss += float(loss.detach()) if n % tc.log_every == 0 else 0.0
+                tokens += batch.num_tokens
+            opt.step()
+            if n % tc.log_every == 0:
+                losses.append(round(step_loss, 4))
+                log.info("specforge step %d/%d: loss %.4f", n + 1, len(steps), step_loss)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        train_s = time.perf_counter() - t0
+    finally:
+        prefetch.close()
+    ours = specforge_to_draft(draft.state_dict(), config, vocab["d2t"], vocab["t2d"])
+    if ours.nonfinite_tensors():
+        raise RuntimeError(f"SpecForge's trained draft holds NaN/Inf in {ours.nonfinite_tensors()[:4]}")
+    save_draft(ours, cfg.run / "draft")
+    return {"draft": str(cfg.run / "draft"), "steps": len(steps), "train_tokens": tokens, "train_s": train_s,
+            "wall_s": time.perf_counter() - t_start, "losses_every_log_step": losses}
+
+
+# ----------------------------------------------------------------------------------------------
+# Measuring an export: held-out simulated acceptance, then the eval stage
+# ----------------------------------------------------------------------------------------------
+
+
+def heldout_acceptance(cfg: Config) -> dict:
+    """Trainer.evaluate (train/loop.py finish()) on the held-out samples with the weights of the
+    export cfg.run/draft; writes cfg.run/train_summary.json's held-out keys for the eval stage."""
+    from safetensors.torch import load_file
+
+    from eagleforge.atomic import write_json_atomic
+    from eagleforge.train.loop import SUMMARY_NAME, Trainer
+
+    tensors = load_file(str(cfg.run / "draft" / "model.safetensors"))
+    trainer = Trainer(cfg)
+    try:
+        with torch.no_grad():
+            trainer.draft.load_state_dict({k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}, strict=False)
+        stats = trainer.evaluate(trainer.heldout_ids)
+    finally:
+        trainer.prefetch.close()
+    k = min(cfg.eval.k, cfg.train.ttt_steps)
+    heldout = {"tokens": stats.tokens, "accuracy_per_step": stats.accuracy_per_step(),
+               "simulated_acceptance_length_by_k": {str(i): stats.acceptance_length(i) for i in range(1, cfg.train.ttt_steps + 1)}}
+    path = cfg.run / SUMMARY_NAME
+    summary = json.loads(path.read_text()) if path.is_file() else {"ttt_steps": cfg.train.ttt_steps}
+    summary.update(heldout=heldout, simulated_acceptance_length=stats.acceptance_length(k), simulated_acceptance_length_k=k)
+    write_json_atomic(path, summary, indent=1)
+    return {"simulated_acceptance_length": stats.acceptance_length(k), "k": k, "heldout_tokens": stats.tokens,
+            "accuracy_per_step": [round(a, 4) for a in stats.accuracy_per_step()]}
+
+
+def eval_stage(config_file: str | None, run: Path, overrides: list[str], python: str) -> dict:
+    """`python -m eagleforge.eval` on run/draft (its own process: the target loads and leaves)."""
+    cmd = [python, "-m", "eagleforge.eval", *(["--config", config_file] if config_file else []), *overrides,
+           f"run_dir={run}", f"eval.draft_path={run / 'draft'}"]
+    log.info("%s", " ".join(cmd))
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))})
+    results = json.loads((run / "eval" / "results.json").read_text())
+    return {"acceptance_length": results["acceptance_length"], "k": results["k"], "n_prompts": results["n_prompts"],
+            "ngram_acceptance_length": results["ngram_acceptance_length"], "eval_s": time.perf_counter() - t0}
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def fmt(value, spec: str = ".3f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(rows: list[dict]) -> None:
+    k = next((r.get("k") for r in rows if r.get("k")), "k")
+    print(f"\n| trainer | acceptance at k={k} (HumanEval) | simulated acceptance (held-out) | train s | wall s | steps |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['name']} | {r['error']} | | | | |")
+            continue
+        print(f"| {r['name']} | {fmt(r.get('acceptance_length'))} | {fmt(r.get('simulated_acceptance_length'))} | "
+              f"{fmt(r.get('train_s'), '.1f')} | {fmt(r.get('wall_s'), '.1f')} | {r.get('steps', '-')} |")
+
+
+def prepare_tiny_run(run: Path, python: str) -> None:
+    """The data, extract and vocab stages of the embedded default at TINY_PREPARE's size (once)."""
+    if (run / "vocab").is_dir() and (run / "hidden" / "manifest.json").is_file():
+        return
+    for stage in ("data", "extract", "vocab"):
+        subprocess.run([python, "-m", f"eagleforge.{stage}", f"run_dir={run}", *TINY_PREPARE], check=True, cwd=ROOT)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=None, help="the run's config file (the one its stages ran with)")
+    ap.add_argument("--run", type=Path, default=None, help="RUN holding data, hidden, vocab (not changed)")
+    ap.add_argument("--out", type=Path, default=None, help="where both trainings go (default RUN/bench_quality)")
+    ap.add_argument("--only", nargs="+", choices=["ours", "specforge"], default=["ours", "specforge"])
+    ap.add_argument("--specforge-attention", default=None, help="SpecForge's attention backend "
+                    "(default flex_attention on a GPU, sdpa on the CPU)")
+    ap.add_argument("--specforge-mask", choices=["aligned", "own"], default="aligned")
+    ap.add_argument("--no-eval", action="store_true", help="skip the eval stage (speculative decoding)")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--tiny", action="store_true", help="CPU check of the script: embedded SmolLM2 on a tiny run")
+    ap.add_argument("overrides", nargs="*", help="section.key=value for both trainings and evals")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    python = sys.executable
+    overrides = list(args.overrides)
+    if args.tiny:
+        args.run = (args.run or Path("runs/bench_quality_tiny")).resolve()
+        prepare_tiny_run(args.run, python)
+        overrides = [*TINY_TRAIN, "train.device=cpu", "target.device=cpu", *overrides]
+    if args.run is None:
+        raise SystemExit("bench_quality: --run RUN is needed (a run holding data, hidden and vocab)")
+    args.run = args.run.resolve()  # the stages below run from the repository root
+    if args.config:
+        args.config = str(Path(args.config).resolve())
+    for name in ("hidden", "vocab"):
+        if not (args.run / name).is_dir():
+            raise SystemExit(f"bench_quality: {args.run / name} is missing; run the extract and vocab stages first")
+    out = args.out or args.run / "bench_quality"
+    report = {"run": str(args.run), "config": args.config, "overrides": overrides, "rows": []}
+
+    def save():
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(report, indent=1))
+
+    for name in args.only:
+        run = bench_run_dir(out / name, args.run)
+        cfg = run_config(args.config, run, overrides)
+        row = {"name": "eagleforge" if name == "ours" else "specforge 0.2.0"}
+        try:
+            if name == "ours":
+                row.update(train_ours(cfg))
+            else:
+                try:
+                    import specforge  # noqa: F401
+                except ImportError as err:
+                    raise RuntimeError(f"specforge not installed ({err})") from None
+                on_gpu = torch.cuda.is_available() and cfg.train.device in ("auto", "cuda")
+                if not on_gpu:
+                    use_plain_specforge_loss()
+                backend = args.specforge_attention or ("flex_attention" if on_gpu else "sdpa")
+                row.update(train_specforge(cfg, backend, args.specforge_mask), attention_backend=backend,
+                           mask=args.specforge_mask)
+            row.update(heldout_acceptance(cfg))
+            if not args.no_eval:
+                row.update(eval_stage(args.config, run, overrides, python))
+        except Exception as err:  # noqa: BLE001 - recorded; the other trainer still runs
+            log.exception("%s failed", row["name"])
+            row["error"] = repr(err)[:300]
+        report["rows"].append(row)
+        save()
+    print_table(report["rows"])
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""benchmarks/bench_quality.py: both trainings get the trainer's batches in the trainer's order, and a
+SpecForge draft mapped into the export format computes SpecForge's own logits."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_vocab import build_tiny_run
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_quality  # noqa: E402
+
+
+@pytest.mark.parametrize("grad_accum,epochs,max_steps", [(1, 2, 0), (2, 3, 0), (3, 1, 7)])
+def test_step_schedule_is_the_trainers(tmp_path, tiny_llama_config, grad_accum, epochs, max_steps):
+    """The steps the SpecForge side trains on are the ones Trainer.train_step takes, in order (the
+    trainer's own _next_batches is the reference), across epochs and with max_steps past one epoch."""
+    from eagleforge.train.loop import Trainer
+    from eagleforge.vocab import main as vocab_main
+
+    cfg, _, _ = build_tiny_run(tmp_path, tiny_llama_config, n_samples=30)
+    cfg.vocab.draft_vocab_size = 60
+    cfg.train.batch_tokens = 90
+    cfg.train.holdout_samples = 5
+    cfg.train.grad_accum = grad_accum
+    cfg.train.epochs = epochs
+    cfg.train.max_steps = max_steps
+    cfg.train.seed = int(torch.randint(0, 1000, (1,)))
+    vocab_main(cfg)
+    trainer = Trainer(cfg)
+    try:
+        expected = [trainer._next_batches(trainer.batches_per_step) for _ in range(trainer.total_steps)]
+        lengths, train_ids = trainer.reader.sample_lengths(), trainer.train_ids
+    finally:
+        trainer.prefetch.close()
+    got = bench_quality.step_schedule(lengths, train_ids, cfg.train.batch_tokens, cfg.train.seed, epochs, max_steps,
+                                      grad_accum)
+    assert got == expected
+    if max_steps:
+        assert len(got) == max_steps
+    else:  # every training sample once per epoch
+        assert sorted(i for step in got for b in step for i in b) == sorted(train_ids * epochs)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("specforge") is None, reason="specforge is not installed (pip install "
+                    "--no-deps specforge; not a dependency of the project)")
+def test_specforge_draft_in_our_export_gives_specforge_logits(tmp_path):
+    """Random SpecForge LlamaForCausalLMEagle3 (bf16-exact weights, norms not 1, target hidden !=
+    draft hidden, rope_theta not the default) -> specforge_to_draft -> save_draft -> load_draft:
+    our forward_ttt's logits at every TTT step equal those SpecForge's own OnlineEagle3Model
+    computes on the same padded batch (its sdpa backend, its input shift)."""
+    from specforge.algorithms.eagle3.model import OnlineEagle3Model
+
+    from eagleforge.draft import Eagle3Config, load_draft, save_draft
+    from eagleforge.train.batching import collate
+
+    bench_quality.use_plain_specforge_loss()
+    torch.manual_seed(int(torch.randint(0, 10_000, (1,))))
+    v, vd, h, ht, steps = 300, 100, 64, 40, 3
+    config = Eagle3Config(hidden_size=h, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+                          vocab_size=v, draft_vocab_size=vd, target_hidden_size=ht, aux_layer_ids=[1, 3, 5],
+                          rms_norm_eps=1e-5, rope_theta=50000.0, max_position_embeddings=512)
+    used = torch.sort(torch.randperm(v)[:vd]).values
+    d2t, t2d = used - torch.arange(vd), torch.zeros(v, dtype=torch.bool)
+    t2d[used] = True
+    embed = torch.randn(v, h).bfloat16().float()
+    sf = bench_quality.build_specforge_draft(config, d2t, t2d, embed, "sdpa", seed=0)
+    with torch.no_grad():
+        for name, p in sf.named_parameters():
+            if name != "embed_tokens.weight":  # norms away from 1; every weight exact in bf16 (the export's dtype)
+                p.copy_((p + 0.3 * torch.randn_like(p) if p.dim() == 1 else p * 8).bfloat16().float())
+
+    lengths = [23, 17]
+    samples = [{"input_ids": torch.randint(0, v, (n,)), "loss_mask": torch.ones(n, dtype=torch.bool),
+                "aux_hidden_states": torch.randn(n, 3 * ht), "last_hidden_state": torch.randn(n, ht)} for n in lengths]
+    batch = collate(samples)
+    logits = []
+    compute_logits = sf.compute_logits
+    sf.compute_logits = lambda hidden: logits.append(compute_logits(hidden)) or logits[-1]
+    model = OnlineEagle3Model(sf, length=steps, attention_backend="sdpa")
+    with torch.no_grad():
+        model(**bench_quality.specforge_inputs(batch, True, "aligned"), target_head_weight=torch.randn(v, ht))
+    assert len(logits) == steps
+
+    save_draft(bench_quality.specforge_to_draft(sf.state_dict(), config, d2t, t2d), tmp_path / "draft")
+    ours = load_draft(tmp_path / "draft", embed_tokens=embed)
+    assert torch.equal(ours.d2t, d2t) and torch.equal(ours.t2d, t2d)
+    with torch.no_grad():
+        normed = ours.forward_ttt(batch.aux_hidden_states, batch.input_ids, steps, attention="reference")
+    for j in range(steps):
+        ref, got = logits[j], ours.logits(normed[j])  # [B, T, Vd]
+        for row, n in enumerate(lengths):  # real positions (padding rows attend differently by design)
+            torch.testing.assert_close(got[row, :n], ref[row, :n].float(), rtol=1e-4, atol=1e-4)
+        assert ref.abs().max() > 1.0  # not a vacuous match of near-zero logits
+
+
+def test_specforge_export_tensors_refuses_unknown_and_missing_names():
+    from eagleforge.draft import Eagle3Draft
+
+    config = bench_quality.Eagle3Config(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                        intermediate_size=48, vocab_size=80, draft_vocab_size=40, target_hidden_size=32,
+                                        aux_layer_ids=[0, 1, 2])
+    state = {k: t for k, t in Eagle3Draft(config).state_dict().items()}
+    assert set(bench_quality.specforge_export_tensors(state, config)) == \
+        {n for n in bench_quality.EXPORT_TENSOR_NAMES if n not in ("d2t", "t2d")}
+    with pytest.raises(ValueError, match="fc_norm.0.weight"):
+        bench_quality.specforge_export_tensors({**state, "fc_norm.0.weight": torch.ones(32)}, config)
+    state.pop("norm.weight")
+    with pytest.raises(ValueError, match="missing \\['norm.weight'\\]"):
+        bench_quality.specforge_export_tensors(state, config)
