@@ -27,7 +27,7 @@ PY := $(VENV)/bin/python
 ARGS := $(if $(CONFIG),--config $(CONFIG)) run_dir=$(RUN) $(OVERRIDES)
 STAMP := $(VENV)/.installed
 
-.PHONY: install data extract vocab train train-online eval plan preflight test lint bench-extract-cpu bench-extract bench-moe bench-loss bench-train bench-prefill-attention bench-teacher-forced bench-online bench-gpu clean
+.PHONY: install data extract vocab train train-online eval plan preflight test lint bench-extract-cpu bench-extract bench-moe bench-loss bench-train bench-prefill-attention bench-teacher-forced bench-online bench-quality bench-gpu clean
 
 install: $(STAMP)
 
@@ -93,6 +93,11 @@ bench-train: $(STAMP)
 # The Kimi-shaped extraction model feeding the Kimi-shaped draft on one GPU (--tiny: CPU shapes).
 bench-online: $(STAMP)
 	$(PY) benchmarks/bench_online.py $(BENCH_ARGS)
+
+# The same shards of RUN trained by the trainer and by SpecForge's step, both exports evaluated
+# (benchmarks/bench_quality.py; RUN holds data, hidden, vocab; BENCH_ARGS=--tiny: a CPU check).
+bench-quality: $(STAMP)
+	$(PY) benchmarks/bench_quality.py $(if $(CONFIG),--config $(CONFIG)) --run $(RUN) $(BENCH_ARGS)
 
 bench-prefill-attention: $(STAMP)
 	$(PY) benchmarks/bench_prefill_attention.py

@@ -2,11 +2,11 @@
 # Every GPU benchmark of eagleforge, on the GPUs of this machine, one after the other; each prints
 # its table (BENCHMARKS.md says what each measures). Installs nothing: run it where the package and
 # its GPU extras are installed (`pip install -e ".[gpu,test]"`; the optional comparison rows need
-# liger-kernel for bench-loss and SpecForge for bench-train, and are skipped without them).
+# liger-kernel for bench-loss and SpecForge for bench-train and quality-specforge, and are skipped without them).
 #
 #   make bench-gpu                                   # = bash benchmarks/run_all.sh
 #   bash benchmarks/run_all.sh moe loss              # a subset, by name:
-#        moe loss train attention prefill extract plan train-dist tp-capture online quality
+#        moe loss train attention prefill extract plan train-dist tp-capture online quality quality-specforge
 #   OUT=runs/bench PYTHON=python3 bash benchmarks/run_all.sh
 #
 # Single-GPU benchmarks run on GPU 0; with two or more GPUs, extract, plan, train-dist and
@@ -47,7 +47,7 @@ run() {  # run NAME COMMAND...: prints and logs the output, remembers a failure
   [ "${PIPESTATUS[0]}" -eq 0 ] || failed+=("$name")
 }
 
-for bench in ${*:-moe loss train attention prefill extract plan train-dist tp-capture online quality}; do
+for bench in ${*:-moe loss train attention prefill extract plan train-dist tp-capture online quality quality-specforge}; do
   case $bench in
     moe)  # one Kimi-K2.5 MoE layer: INT4 kernels vs bf16 grouped_mm
       run moe "${ONE[@]}" benchmarks/bench_moe.py --tokens 4096 16384 --json "$OUT/moe.json" ;;
@@ -92,8 +92,15 @@ for bench in ${*:-moe loss train attention prefill extract plan train-dist tp-ca
       done ;;
     quality)  # the SmolLM2 GPU config end to end: data, extract, vocab, train, eval on 40 HumanEval prompts
       run quality env CUDA_VISIBLE_DEVICES=0 PYTHON="$PY" EVAL_PROMPTS=40 bash benchmarks/smollm2_gpu.sh "$OUT/smollm2_gpu" ;;
+    quality-specforge)  # the same SmolLM2 run's shards trained by the trainer and by SpecForge's step, both evaluated
+      if [ ! -f "$OUT/smollm2_gpu/vocab/vocab_map.safetensors" ]; then  # not after `quality`: data, extract, vocab first
+        run quality-prepare env CUDA_VISIBLE_DEVICES=0 PYTHON="$PY" STAGES="data extract vocab" \
+          bash benchmarks/smollm2_gpu.sh "$OUT/smollm2_gpu"
+      fi
+      run quality-specforge "${ONE[@]}" benchmarks/bench_quality.py --config configs/smollm2_gpu.yaml \
+        --run "$OUT/smollm2_gpu" --json "$OUT/quality_specforge.json" ;;
     *)
-      echo "unknown benchmark '$bench' (moe loss train attention prefill extract plan train-dist tp-capture online quality)" >&2
+      echo "unknown benchmark '$bench' (moe loss train attention prefill extract plan train-dist tp-capture online quality quality-specforge)" >&2
       failed+=("$bench") ;;
   esac
 done
