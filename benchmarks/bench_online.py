@@ -42,7 +42,6 @@ from eagleforge.draft import Eagle3Config, Eagle3Draft  # noqa: E402
 from eagleforge.extract.capture import HiddenStateCapture  # noqa: E402
 from eagleforge.extract.native.run import forward_batch  # noqa: E402
 from eagleforge.train.distributed import DraftWithLoss, clip_grad_norm  # noqa: E402
-from eagleforge.train.loss import get_loss_fn  # noqa: E402
 from eagleforge.train.online import Prefetcher, collate_rows, overlap_report  # noqa: E402
 from eagleforge.train.online_plan import GIB, plan_online  # noqa: E402
 from eagleforge.train.step_plan import resolve_param_dtype  # noqa: E402
@@ -97,7 +96,7 @@ def main(argv=None) -> dict:
     draft.set_vocab_map(torch.zeros(vd, dtype=torch.int64), torch.arange(args.vocab_size) < vd)  # draft ids = the first Vd
     draft.embed_tokens.weight.requires_grad_(False)
     teacher_head = (torch.randn(vd, args.hidden_size, device=device) * 0.02).to(torch.bfloat16 if tc.bf16 else torch.float32)
-    model = DraftWithLoss(draft, TTTLoss(tc, teacher_head, get_loss_fn(tc.loss, device), device))
+    model = DraftWithLoss(draft, TTTLoss(tc, teacher_head, device))
     params = [q for q in model.parameters() if q.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95))
 

@@ -56,17 +56,16 @@ import functools
 from typing import Sequence
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from eagleforge.kernels.soft_ce import (
     HAS_TRITON,
+    FusedRowLoss,
     _check_triton_rows,
     _launch_config,
     _soft_ce_forward,
     prepare_row_loss,
-    scale_grads_,
 )
-from eagleforge.kernels.soft_ce_ttt import _ttt_forward, _ttt_forward_packed, check_ttt_inputs
+from eagleforge.kernels.soft_ce_ttt import FusedTTTLoss, _ttt_forward, _ttt_forward_packed, check_ttt_inputs
 from eagleforge.modes import LK_VARIANTS
 
 if HAS_TRITON:
@@ -280,27 +279,6 @@ def _lk_forward(draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_
                             lk_rows_fn(backend, LINEAR if variant == "lambda" else LOG))
 
 
-class _FusedLK(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight, chunk, backend,
-                variant, kl_scale, kl_decay):
-        loss, argmax, grad_h, grad_head = _lk_forward(
-            draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight,
-            ctx.needs_input_grad[0], ctx.needs_input_grad[1], chunk, backend, variant, kl_scale, kl_decay,
-        )
-        ctx.save_for_backward(grad_h, grad_head)
-        ctx.mark_non_differentiable(argmax)
-        ctx.backend = backend
-        return loss, argmax
-
-    @staticmethod
-    @once_differentiable  # the saved gradients are constants
-    def backward(ctx, grad_loss, grad_argmax):
-        grad_h, grad_head = ctx.saved_tensors
-        scale_grads_((grad_h, grad_head), grad_loss, ctx.backend)
-        return grad_h, grad_head, None, None, None, None, None, None, None, None, None
-
-
 def fused_lk_loss(
     draft_hidden: torch.Tensor,
     draft_head: torch.Tensor,
@@ -323,7 +301,7 @@ def fused_lk_loss(
                                             chunk_tokens, backend)
     options = (variant, float(kl_scale), float(kl_decay))
     if torch.is_grad_enabled() and (draft_hidden.requires_grad or draft_head.requires_grad):
-        return _FusedLK.apply(*args, chunk, backend, *options)
+        return FusedRowLoss.apply(lambda *inputs: _lk_forward(*inputs, *options), *args, chunk, backend)
     loss, argmax, _, _ = _lk_forward(*args, False, False, chunk, backend, *options)
     return loss, argmax
 
@@ -357,27 +335,6 @@ def _lk_ttt_forward(draft_hiddens, draft_head, teacher_hidden, teacher_head, wei
                    rows_fn=lk_rows_fn(backend, LINEAR if variant == "lambda" else LOG))
 
 
-class _FusedLKTTT(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, draft_head, teacher_hidden, teacher_head, weight, shift, chunk, backend, packed, variant,
-                kl_scale, kl_decay, *draft_hiddens):
-        step_losses, argmax, grads_h, grad_head = _lk_ttt_forward(
-            draft_hiddens, draft_head, teacher_hidden, teacher_head, weight, shift,
-            ctx.needs_input_grad[11:], ctx.needs_input_grad[0], chunk, backend, packed, variant, kl_scale, kl_decay,
-        )
-        ctx.save_for_backward(grad_head, *grads_h)
-        ctx.mark_non_differentiable(step_losses, argmax)
-        ctx.backend = backend
-        return step_losses.sum(), step_losses, argmax
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_loss, grad_steps, grad_argmax):
-        grad_head, *grads_h = ctx.saved_tensors
-        scale_grads_((grad_head, *grads_h), grad_loss, ctx.backend)
-        return (grad_head, *([None] * 10), *grads_h)
-
-
 def fused_lk_loss_ttt(
     draft_hiddens: Sequence[torch.Tensor],
     draft_head: torch.Tensor,
@@ -404,9 +361,9 @@ def fused_lk_loss_ttt(
     k_steps = len(draft_hiddens)
     backend, chunk = check_ttt_inputs(draft_hiddens, draft_head, teacher_hidden, teacher_head, weight, teacher_shift,
                                       chunk_tokens, backend, check_weight)
-    args = (draft_head, teacher_hidden.detach(), teacher_head.detach(), weight.detach(), teacher_shift, chunk, backend,
-            bool(packed), variant, float(kl_scale), float(kl_decay))
+    args = (draft_head, teacher_hidden.detach(), teacher_head.detach(), weight.detach(), teacher_shift, chunk, backend)
+    options = (bool(packed), variant, float(kl_scale), float(kl_decay))
     if torch.is_grad_enabled() and (draft_head.requires_grad or any(h.requires_grad for h in draft_hiddens)):
-        return _FusedLKTTT.apply(*args, *draft_hiddens)
-    step_losses, argmax, _, _ = _lk_ttt_forward(draft_hiddens, *args[:5], [False] * k_steps, False, *args[5:])
+        return FusedTTTLoss.apply(lambda *inputs: _lk_ttt_forward(*inputs, *options), *args, *draft_hiddens)
+    step_losses, argmax, _, _ = _lk_ttt_forward(draft_hiddens, *args[:5], [False] * k_steps, False, chunk, backend, *options)
     return step_losses.sum(), step_losses, argmax

@@ -441,12 +441,18 @@ def scale_grads_(grads, upstream: torch.Tensor, backend: str) -> None:
 _SCALE_BLOCK = 4096  # elements per program of _scale_kernel (16 per thread at 8 warps)
 
 
-class _FusedSoftCE(torch.autograd.Function):
+class FusedRowLoss(torch.autograd.Function):
+    """A chunked per-row loss whose gradients its forward computes (soft CE here, LK in
+    kernels/lk.py): `forward_fn(draft_hidden, draft_head, teacher_hidden, teacher_head,
+    teacher_lse, weight, need_grad_hidden, need_grad_head, chunk, backend) -> (loss, argmax,
+    grad_hidden, grad_head)`; the backward scales the saved gradients by the upstream one."""
+
     @staticmethod
-    def forward(ctx, draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight, chunk, backend):
-        loss, argmax, grad_h, grad_head = _soft_ce_forward(
+    def forward(ctx, forward_fn, draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight, chunk,
+                backend):
+        loss, argmax, grad_h, grad_head = forward_fn(
             draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight,
-            ctx.needs_input_grad[0], ctx.needs_input_grad[1], chunk, backend,
+            ctx.needs_input_grad[1], ctx.needs_input_grad[2], chunk, backend,
         )
         ctx.save_for_backward(grad_h, grad_head)
         ctx.mark_non_differentiable(argmax)
@@ -458,7 +464,7 @@ class _FusedSoftCE(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_argmax):
         grad_h, grad_head = ctx.saved_tensors
         scale_grads_((grad_h, grad_head), grad_loss, ctx.backend)
-        return grad_h, grad_head, None, None, None, None, None, None
+        return None, grad_h, grad_head, None, None, None, None, None, None
 
 
 def prepare_row_loss(draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight,
@@ -505,6 +511,6 @@ def fused_soft_cross_entropy(
     args, chunk, backend = prepare_row_loss(draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight,
                                             chunk_tokens, backend)
     if torch.is_grad_enabled() and (draft_hidden.requires_grad or draft_head.requires_grad):
-        return _FusedSoftCE.apply(*args, chunk, backend)
+        return FusedRowLoss.apply(_soft_ce_forward, *args, chunk, backend)
     loss, argmax, _, _ = _soft_ce_forward(*args, False, False, chunk, backend)  # no gradient work
     return loss, argmax

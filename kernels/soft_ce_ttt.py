@@ -175,12 +175,17 @@ def _ttt_forward_packed(draft_hiddens, draft_head, teacher_hidden, teacher_head,
     return loss_rows.sum(-1), argmax, grads_h, grad_head
 
 
-class _FusedSoftCETTT(torch.autograd.Function):
+class FusedTTTLoss(torch.autograd.Function):
+    """All TTT steps of a chunked loss whose gradients its forward computes (soft CE here, LK in
+    kernels/lk.py): `forward_fn(draft_hiddens, draft_head, teacher_hidden, teacher_head, weight,
+    shift, need_grad_hiddens, need_grad_head, chunk, backend) -> (step_losses [K], argmax [K, N],
+    grads_hidden, grad_head)`; returns (loss = sum of the steps, step_losses, argmax)."""
+
     @staticmethod
-    def forward(ctx, draft_head, teacher_hidden, teacher_head, weight, shift, chunk, backend, packed, *draft_hiddens):
-        step_losses, argmax, grads_h, grad_head = (_ttt_forward_packed if packed else _ttt_forward)(
+    def forward(ctx, forward_fn, draft_head, teacher_hidden, teacher_head, weight, shift, chunk, backend, *draft_hiddens):
+        step_losses, argmax, grads_h, grad_head = forward_fn(
             draft_hiddens, draft_head, teacher_hidden, teacher_head, weight, shift,
-            ctx.needs_input_grad[8:], ctx.needs_input_grad[0], chunk, backend,
+            ctx.needs_input_grad[8:], ctx.needs_input_grad[1], chunk, backend,
         )
         ctx.save_for_backward(grad_head, *grads_h)
         ctx.mark_non_differentiable(step_losses, argmax)
@@ -192,7 +197,7 @@ class _FusedSoftCETTT(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_steps, grad_argmax):
         grad_head, *grads_h = ctx.saved_tensors
         scale_grads_((grad_head, *grads_h), grad_loss, ctx.backend)
-        return (grad_head, None, None, None, None, None, None, None, *grads_h)
+        return (None, grad_head, None, None, None, None, None, None, *grads_h)
 
 
 def _check_no_teacher_weight(weight: torch.Tensor, shift: int) -> None:
@@ -272,9 +277,9 @@ def fused_soft_cross_entropy_ttt(
     backend, chunk = check_ttt_inputs(draft_hiddens, draft_head, teacher_hidden, teacher_head, weight, teacher_shift,
                                       chunk_tokens, backend, check_weight)
     args = (draft_head, teacher_hidden.detach(), teacher_head.detach(), weight.detach(), teacher_shift, chunk, backend)
-    if torch.is_grad_enabled() and (draft_head.requires_grad or any(h.requires_grad for h in draft_hiddens)):
-        return _FusedSoftCETTT.apply(*args, bool(packed), *draft_hiddens)
     forward = _ttt_forward_packed if packed else _ttt_forward
+    if torch.is_grad_enabled() and (draft_head.requires_grad or any(h.requires_grad for h in draft_hiddens)):
+        return FusedTTTLoss.apply(forward, *args, *draft_hiddens)
     step_losses, argmax, _, _ = forward(draft_hiddens, *args[:5], [False] * k_steps, False, chunk, backend)
     return step_losses.sum(), step_losses, argmax
 

@@ -51,7 +51,6 @@ from eagleforge.train.distributed import (
     resolve_parallel,
     shutdown,
 )
-from eagleforge.train.loss import get_loss_fn
 from eagleforge.train.metrics import MetricLogger, TTTStats, reduce_stats
 from eagleforge.train.online import check_source
 from eagleforge.train.step_plan import plan_step, resolve_param_dtype
@@ -174,7 +173,6 @@ class Trainer:
         # GEMMs themselves (train/weight_grads.py).
         self.draft = build_draft(cfg, manifest, self.vocab, head).to(self.device, self.param_dtype)
         fuse_weight_grads(self.draft, self.param_dtype == torch.bfloat16)
-        self.input_dtype = self.param_dtype  # the batches' hidden states on the device
         self.prefetch = BatchPrefetch(self._read_host)  # closed by train()
         # [Vd, Ht]; the fused loss runs its matmuls in bf16 under train.bf16: stored so, no cast
         # copy per step (the plain-torch reference loss reads it in fp32)
@@ -197,7 +195,7 @@ class Trainer:
                                    world=self.env.world_size if self.parallel == "fsdp" else 1)
         step_options = dataclasses.replace(tc, activation_checkpoint=self.step_plan.activation_checkpoint,
                                            compile=self.step_plan.compile)
-        loss = TTTLoss(step_options, self.teacher_head, get_loss_fn(tc.loss, self.device), self.device)
+        loss = TTTLoss(step_options, self.teacher_head, self.device)
         self.model = parallelize(DraftWithLoss(self.draft, loss), self.env, self.parallel, tc.bf16)
         self.params = [p for p in self.model.parameters() if p.requires_grad]  # sharded under FSDP
         # fused: its step reads `found_inf` (a device flag) and then leaves weights, moments and
@@ -253,7 +251,7 @@ class Trainer:
     def _load(self, ids: list[int]) -> Batch:
         """The batch on the device, its states in the draft's input dtype (bf16 with bf16
         parameters: half the bytes of fp32 on the GPU; fp32 otherwise, as autocast expects)."""
-        return self.prefetch.get(ids).to(self.device, self.input_dtype)
+        return self.prefetch.get(ids).to(self.device, self.param_dtype)
 
     def _micro_batches(self, step_batches: list[list[int]]) -> list[list[int]]:
         """The sample ids this rank reads for the step (past the epoch's tail: the first batch)."""

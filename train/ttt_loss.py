@@ -199,19 +199,20 @@ class TTTLoss:
     """forward_ttt and the TTT loss of one batch: what DraftWithLoss runs inside its forward, so
     FSDP has lm_head gathered when the loss reads it. Returns (loss, TTTStats) as ttt_loss."""
 
-    def __init__(self, tc, teacher_head: torch.Tensor, loss_fn: Callable, device: torch.device):
-        if tc.loss in LK_LOSS_MODES:  # the per-step LK loss with this config's options
-            loss_fn = get_loss_fn(tc.loss, device, lk_options(tc))
-        self.tc, self.teacher_head, self.loss_fn, self.device_type = tc, teacher_head, loss_fn, device.type
-
-    def __call__(self, draft, aux_hidden_states, input_ids, last_hidden, loss_mask, target_argmax):
-        tc = self.tc
+    def __init__(self, tc, teacher_head: torch.Tensor, device: torch.device):
+        self.tc, self.teacher_head, self.device_type = tc, teacher_head, device.type
+        # the per-step loss of the plain path (the LK loss with this config's options)
+        self.loss_fn = get_loss_fn(tc.loss, device, lk_options(tc) if tc.loss in LK_LOSS_MODES else None)
         # Autocast caches each weight's bf16 copy for the whole region, so with fp32 masters only
         # TTT step 0 casts; a selectively checkpointed step j > 0 recomputes its casts, and the
         # checkpoint refuses a recompute whose casts differ from the forward's: no cache there.
         # (bf16 parameters are not cast at all.)
-        selective = any(mode.startswith("selective") for mode in checkpoint_modes(tc.activation_checkpoint, tc.ttt_steps))
-        with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=tc.bf16, cache_enabled=not selective):
+        self.autocast_cache = not any(mode.startswith("selective")
+                                      for mode in checkpoint_modes(tc.activation_checkpoint, tc.ttt_steps))
+
+    def __call__(self, draft, aux_hidden_states, input_ids, last_hidden, loss_mask, target_argmax):
+        tc = self.tc
+        with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=tc.bf16, cache_enabled=self.autocast_cache):
             hiddens = draft.forward_ttt(aux_hidden_states, input_ids, tc.ttt_steps, attention=tc.attention,
                                         checkpoint=tc.activation_checkpoint,
                                         compile="dynamic" if tc.compile else False)  # batches vary in length
