@@ -72,6 +72,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from eagleforge.kernels.soft_ce import _row_pass1
+
 VARIANTS = LK_VARIANTS
 # -log of an acceptance below this is this constant (no gradient): only an exact 0 (every q_v
 # under p's support underflowed) needs it; any larger floor would stop rows that can still learn.
@@ -148,28 +150,7 @@ if HAS_TRITON:
         c_acc = tl.load(w_ptr + 2 * row + 1)
         offs = tl.arange(0, BLOCK)
 
-        m = float("-inf")
-        l = 0.0
-        p_sum = 0.0
-        if HAS_PSUM:
-            p_sum = tl.load(psum_ptr + trow)
-        best = float("-inf")
-        best_idx = 0
-        for start in range(0, vocab, BLOCK):
-            cols = start + offs
-            mask = cols < vocab
-            z = tl.load(z_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
-            if not HAS_PSUM:
-                t = tl.load(t_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
-                p_sum += tl.sum(tl.exp(t - tlse), axis=0)
-            blk_max = tl.max(z, axis=0)
-            blk_arg = tl.argmax(z, axis=0)
-            best_idx = tl.where(blk_max > best, start + blk_arg, best_idx)  # strict: first max wins
-            best = tl.maximum(best, blk_max)
-            m_new = tl.maximum(m, blk_max)
-            l = l * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
-            m = m_new
-        lse = m + tl.log(l)
+        lse, best_idx, p_sum = _row_pass1(z_row, t_row, tlse, psum_ptr + trow, vocab, BLOCK, HAS_PSUM)
 
         ce = 0.0
         alpha = 0.0

@@ -103,6 +103,36 @@ def _lse_psum_torch(teacher_logits: torch.Tensor) -> tuple[torch.Tensor, torch.T
 if HAS_TRITON:
 
     @triton.jit
+    def _row_pass1(z_row, t_row, tlse, psum_at, vocab, BLOCK: tl.constexpr, HAS_PSUM: tl.constexpr):
+        """The first pass of a row kernel over its Vd blocks (the soft CE's here, the LK's in
+        kernels/lk.py): online max / sum-exp of the draft logits z -> their lse, the first
+        argmax, and S = sum of the teacher's p (read at psum_at with HAS_PSUM: then no teacher
+        logit is read). -> (lse, argmax, S)."""
+        offs = tl.arange(0, BLOCK)
+        m = float("-inf")  # running max of z
+        l = 0.0  # running sum of exp(z - m)
+        p_sum = 0.0
+        if HAS_PSUM:
+            p_sum = tl.load(psum_at)
+        best = float("-inf")
+        best_idx = 0
+        for start in range(0, vocab, BLOCK):
+            cols = start + offs
+            mask = cols < vocab
+            z = tl.load(z_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+            if not HAS_PSUM:
+                t = tl.load(t_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+                p_sum += tl.sum(tl.exp(t - tlse), axis=0)  # masked lanes: exp(-inf) = 0
+            blk_max = tl.max(z, axis=0)
+            blk_arg = tl.argmax(z, axis=0)
+            best_idx = tl.where(blk_max > best, start + blk_arg, best_idx)  # strict: first max wins
+            best = tl.maximum(best, blk_max)
+            m_new = tl.maximum(m, blk_max)
+            l = l * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+            m = m_new
+        return m + tl.log(l), best_idx, p_sum
+
+    @triton.jit
     def _soft_ce_rows_kernel(
         z_ptr, t_ptr, tidx_ptr, tlse_ptr, psum_ptr, w_ptr, loss_ptr, argmax_ptr,
         z_stride, t_stride, vocab,
@@ -124,28 +154,7 @@ if HAS_TRITON:
         w = tl.load(w_ptr + row)
         offs = tl.arange(0, BLOCK)
 
-        m = float("-inf")  # running max of z
-        l = 0.0  # running sum of exp(z - m)
-        p_sum = 0.0
-        if HAS_PSUM:
-            p_sum = tl.load(psum_ptr + trow)
-        best = float("-inf")
-        best_idx = 0
-        for start in range(0, vocab, BLOCK):
-            cols = start + offs
-            mask = cols < vocab
-            z = tl.load(z_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
-            if not HAS_PSUM:
-                t = tl.load(t_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
-                p_sum += tl.sum(tl.exp(t - tlse), axis=0)  # masked lanes: exp(-inf) = 0
-            blk_max = tl.max(z, axis=0)
-            blk_arg = tl.argmax(z, axis=0)
-            best_idx = tl.where(blk_max > best, start + blk_arg, best_idx)  # strict: first max wins
-            best = tl.maximum(best, blk_max)
-            m_new = tl.maximum(m, blk_max)
-            l = l * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
-            m = m_new
-        lse = m + tl.log(l)
+        lse, best_idx, p_sum = _row_pass1(z_row, t_row, tlse, psum_ptr + trow, vocab, BLOCK, HAS_PSUM)
 
         keep = w != 0.0
         ce = 0.0
