@@ -583,7 +583,7 @@ def write_kimi_shaped_run(run: Path, s: Shape, tokens: int, samples: int, used_i
 
 def run_trainer(name: str, config_file: str | None, overrides: list[str], s: Shape, tokens_list: list[int],
                 device: torch.device, used_ids: torch.Tensor, warmup: int, iters: int, peak_tflops: float,
-                workdir: Path, out: list[dict]) -> None:
+                workdir: Path, out: list[dict], save=None) -> None:
     """The trainer's own step, Trainer.train_step(), as `make train` runs it with `config_file`'s
     train settings (+ `overrides`), at each T: on shards written by the project's writer (batches
     read, padded and copied ahead by the trainer's prefetch worker), then on the same first batch
@@ -608,7 +608,11 @@ def run_trainer(name: str, config_file: str | None, overrides: list[str], s: Sha
                 if trainer is None:
                     trainer = Trainer(cfg)
                 if source == "synthetic batch":
+                    # no reading at all: the worker's queue is dropped and nothing more is queued
+                    # (reads queued but never taken would pile up host batches)
                     first = trainer._load(trainer.epoch_batches(0)[0])
+                    trainer.prefetch.close()
+                    trainer.prefetch.ahead = trainer.prefetch.ensure = lambda batches: None
                     trainer._load = lambda ids, first=first: first
                 seconds, peak = time_steps(trainer.train_step, device, steps_warm, steps_timed)
                 row = result_row(label, tokens, seconds, peak, flops_per_token(s, tokens, s.draft_vocab), peak_tflops)
@@ -620,6 +624,8 @@ def run_trainer(name: str, config_file: str | None, overrides: list[str], s: Sha
                 row = {"method": label, "tokens": tokens, "error": repr(err)[:300]}
             log.info("%s", row)
             out.append(row)
+            if save is not None:
+                save()
         if trainer is not None:
             trainer.prefetch.close()
         del trainer
@@ -926,8 +932,7 @@ def main(argv=None) -> dict:
 
     for config_file in args.trainer_configs:
         run_trainer(f"trainer {Path(config_file).stem}", config_file, args.trainer_overrides, s, args.tokens, device,
-                    used_ids, args.warmup, args.iters, args.peak_tflops, args.workdir, report["results"])
-        save()
+                    used_ids, args.warmup, args.iters, args.peak_tflops, args.workdir, report["results"], save)
     for v in variants:
         tokens = [t for t in args.tokens if v.ckpt != "none" or t <= args.no_ckpt_max_tokens]
         run_method(f"step-only {v.name}",
