@@ -137,6 +137,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     warmup_ratio: float = 0.015
     weight_decay: float = 0.0
+    adam_beta2: float = 0.95  # AdamW's second-moment decay (beta1 0.9); EAGLE's recipe, SpecForge's step uses 0.999
     grad_clip: float = 0.5
     # The recipe's K is 7 (the GPU and Kimi configs keep it); the embedded CPU default trains 5 because
     # eval proposes k = 5 and steps past k are never used there.
@@ -394,6 +395,7 @@ RANGES: dict[str, tuple] = {
     "train.min_lr_ratio": (0.0, 1.0),  # the cosine ends at lr * ratio: above 1 the lr would climb past its peak
     "train.warmup_ratio": (0.0, 1.0),
     "train.weight_decay": (0.0, UNBOUNDED),
+    "train.adam_beta2": (0.0, 0.999999),  # < 1: AdamW's bias correction divides by 1 - beta2^step
     "train.grad_clip": (0.0, UNBOUNDED),  # 0 = no clipping
     "train.ttt_steps": (1, UNBOUNDED),
     "train.step_weight_decay": (0.0, UNBOUNDED),  # and > 0 (_validate): the per-step losses are divided by decay^j

@@ -341,6 +341,25 @@ def test_next_steps_batches_are_read_ahead_on_the_worker(tmp_path, tiny_llama_co
         trainer.prefetch.close()
 
 
+def test_adam_beta2_reaches_the_optimizer_and_one_is_refused(tmp_path, tiny_llama_config):
+    """train.adam_beta2 is the AdamW's beta2 (beta1 stays 0.9); 1.0 (no bias correction) is a
+    config error naming the key."""
+    from eagleforge.config import ConfigError, load_config
+    from eagleforge.train.loop import Trainer
+    from eagleforge.vocab import main as vocab_main
+
+    cfg, _, _ = build_tiny_run(tmp_path, tiny_llama_config, n_samples=8, with_argmax=True)
+    _configure(cfg, device="cpu", adam_beta2=0.999)
+    vocab_main(cfg)
+    trainer = Trainer(cfg)
+    try:
+        assert [g["betas"] for g in trainer.optimizer.param_groups] == [(0.9, 0.999)] * len(trainer.optimizer.param_groups)
+    finally:
+        trainer.prefetch.close()
+    with pytest.raises(ConfigError, match="train.adam_beta2"):
+        load_config(None, ["train.adam_beta2=1.0"])
+
+
 @pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
 def test_selective_checkpointing_under_bf16_autocast_follows_the_plain_losses(tmp_path, tiny_llama_config, param_dtype):
     """bf16 autocast with selective checkpointing, fp32 masters (autocast's weight-cast cache would

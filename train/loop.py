@@ -201,7 +201,7 @@ class Trainer:
         # fused: its step reads `found_inf` (a device flag) and then leaves weights, moments and
         # step counts as they were, so a step with a NaN/Inf loss or gradient is skipped on the
         # device, without a host sync (train_step).
-        self.optimizer = torch.optim.AdamW(self.params, lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95), fused=True)
+        self.optimizer = torch.optim.AdamW(self.params, lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, tc.adam_beta2), fused=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.total_steps, tc.warmup_ratio, tc.min_lr_ratio))
         self.step, self.epoch, self.batch_index = 0, 0, 0
         self.train_tokens = 0
