@@ -11,7 +11,10 @@ T tokens; BENCHMARKS.md, "Draft training step") peaked at 22.3 GiB at 8K and 62.
 tokens with selective_all: 40.4 GiB per 24K tokens once the fixed states are taken out by the
 difference. `selective` (gate/up recomputed) measured ~0.37 GiB less per 1K tokens in the same
 benchmark. These slopes are scaled by the draft's hidden size and TTT steps against that
-draft's; they are estimates from measured points, not measurements of another shape. `none`
+draft's; they are estimates from measured points, not measurements of another shape. The
+trainer's own step (bench-train's trainer rows, the frozen embedding on the GPU) then peaked at
+14.56, 24.56, 38.18 and 64.88 GiB at 2K, 8K, 16K and 32K tokens, where this plan says 14.85,
+24.95, 38.42 and 65.35. `none`
 and `step` have no measured slope here: `auto` never picks `none` (selective_all keeps every
 matmul output and was the fastest measured mode) and falls back to `step`, the least memory, only
 when neither selective mode fits, saying so.
