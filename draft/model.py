@@ -100,6 +100,11 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def ttt_input_ids(input_ids: torch.Tensor, ttt_steps: int) -> torch.Tensor:
+    """[B, T] -> [B, T + K]: the ids whose embeddings the K TTT steps read (id 0 past the end)."""
+    return F.pad(input_ids, (0, ttt_steps), value=0)
+
+
 def _norm_cat(embeds, hidden, w_embeds, w_hidden, eps: float) -> torch.Tensor:
     """[B, T, H] x 2 -> cat(input_layernorm(embeds), hidden_norm(hidden)) [B, T, 2H]."""
     return torch.cat([_rms(embeds, w_embeds, eps), _rms(hidden, w_hidden, eps)], dim=-1)
@@ -326,7 +331,7 @@ class Eagle3Draft(nn.Module):
 
     def forward_ttt(self, aux_hidden_states: torch.Tensor, input_ids: torch.Tensor, ttt_steps: int,
                     attention: str = "auto", *, checkpoint: str | Sequence[str] = "none",
-                    compile: bool | str = False) -> list[torch.Tensor]:
+                    compile: bool | str = False, embeds: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Unrolled TTT: a list of `ttt_steps` NORMED hidden states [B, T, H] (inputs of lm_head).
 
         aux_hidden_states [B, T, k*Ht], input_ids [B, T] (row t = position t of the sequence).
@@ -340,6 +345,10 @@ class Eagle3Draft(nn.Module):
         matmuls (norms, RoPE, SiLU, residuals; the merged attention's diagonal merge) through
         torch.compile; matmuls and attention kernels as they are. True compiles a graph per
         batch shape, "dynamic" one graph for all shapes (batches of varying length).
+
+        embeds: embed_tokens(input_ids padded with ttt_steps zeros) [B, T + K, H], gathered
+        elsewhere (the trainer does it on the host, where it keeps the frozen embedding); None:
+        looked up here.
         """
         if compile not in COMPILE_MODES:
             raise ValueError(f"forward_ttt: compile must be one of {COMPILE_MODES}, got {compile!r}")
@@ -352,7 +361,11 @@ class Eagle3Draft(nn.Module):
         modes = checkpoint_modes(checkpoint, ttt_steps)
         hidden = self.fuse(aux_hidden_states)  # [B, T, H]
         # Embeddings of all steps at once: step j reads rows 1+j .. T+j (ids 0 past the end).
-        embeds = self.embed_tokens(F.pad(input_ids, (0, ttt_steps), value=0))  # [B, T + K, H]
+        if embeds is None:
+            embeds = self.embed_tokens(ttt_input_ids(input_ids, ttt_steps))  # [B, T + K, H]
+        elif tuple(embeds.shape) != (b, t + ttt_steps, self.config.hidden_size):
+            raise ValueError(f"forward_ttt: embeds {tuple(embeds.shape)}, expected [B, T + ttt_steps, H] = "
+                             f"{(b, t + ttt_steps, self.config.hidden_size)}")
         rows = torch.arange(t, device=input_ids.device)[None]  # [1, T]
         step_fns = {m: self.ttt_step_fn(attention, m, compile) for m in set(modes)}
         keys, values, normed = [], [], []

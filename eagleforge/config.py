@@ -152,6 +152,10 @@ class TrainConfig:
     # elsewhere) | float32 (fp32 masters under autocast) | bfloat16 (8 bytes per trainable
     # parameter instead of 16, weight gradients accumulated by the GEMMs: train/weight_grads.py)
     param_dtype: str = "auto"
+    # The frozen input embedding [V, H] (2.2 GiB in bf16 for Kimi-K2.5): host = kept in host memory,
+    # its rows gathered for each batch by the read-ahead worker and copied with the batch; device
+    # = on the GPU beside the draft; auto = host when training from shards on CUDA, else device.
+    embed_device: str = "auto"
     loss_chunk_tokens: int = 0  # rows per chunk in the fused loss; 0 = automatic
     loss_packed: bool = False  # the fused loss runs all TTT steps' rows of a teacher chunk in one matmul
     # The LK loss (train.loss=lk | lk_reference; docs/training.md, "LK loss"): lambda = CE weighted
@@ -334,6 +338,7 @@ _CHOICES = {
     "train.lk_variant": modes.LK_VARIANTS,
     "train.parallel": modes.PARALLEL_MODES,
     "train.param_dtype": modes.PARAM_DTYPES,
+    "train.embed_device": modes.EMBED_DEVICES,
     "train.loss_positions": modes.LOSS_POSITIONS,
     "train.source": modes.TRAIN_SOURCES,
     "launch.mode": modes.LAUNCH_MODES,

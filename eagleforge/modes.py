@@ -33,6 +33,9 @@ LOSS_POSITIONS = ("assistant", "all")  # train.loss_positions
 # master weights under bf16 autocast; bfloat16 = all three in bf16 (8 bytes per parameter instead
 # of 16, and fused weight gradients); auto = bfloat16 on CUDA with train.bf16, float32 elsewhere.
 PARAM_DTYPES = ("auto", "float32", "bfloat16")
+# train.embed_device: where the draft's frozen input embedding [V, H] lives in training: auto
+# (the host when training from shards on CUDA, else the device) | device | host
+EMBED_DEVICES = ("auto", "device", "host")
 TRAIN_SOURCES = ("shards", "online")  # train.source: RUN/hidden, or the target run inside the train stage
 TARGET_BACKENDS = ("hf", "native")  # target.backend
 # target.device_map (hf backend): none, or transformers' device_map strategies (accelerate)

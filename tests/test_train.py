@@ -341,6 +341,56 @@ def test_next_steps_batches_are_read_ahead_on_the_worker(tmp_path, tiny_llama_co
         trainer.prefetch.close()
 
 
+def test_embedding_on_the_host_gives_the_same_losses(tmp_path, tiny_llama_config):
+    """train.embed_device=host: the draft holds an empty embedding, each batch brings its rows
+    (the target's embedding from RUN/vocab at input_ids padded with K zeros), and training gives
+    the same losses step for step as with the embedding in the draft."""
+    import torch.nn.functional as F
+
+    from eagleforge.train.loop import Trainer
+    from eagleforge.vocab import load_target_head
+
+    _, losses = _losses_of_step_options(tmp_path, tiny_llama_config, dict(device="cpu"), {
+        "device": dict(embed_device="device"), "host": dict(embed_device="host")})
+    assert len(losses["host"]) == 5
+    assert losses["host"] == pytest.approx(losses["device"], rel=1e-6), losses
+
+    from eagleforge.vocab import main as vocab_main
+
+    cfg, _, _ = build_tiny_run(tmp_path / "own", tiny_llama_config, n_samples=8, with_argmax=True)
+    _configure(cfg, device="cpu", embed_device="host")
+    vocab_main(cfg)
+    trainer = Trainer(cfg)
+    try:
+        assert trainer.draft.embed_tokens.weight.numel() == 0
+        ids = trainer.epoch_batches(0)[0]
+        batch = trainer._load(ids)
+        embedding = load_target_head(cfg.run)["embed_tokens"].float()  # [V, H]
+        want = F.embedding(F.pad(batch.input_ids, (0, cfg.train.ttt_steps)), embedding)  # [B, T + K, H]
+        assert batch.input_embeds.shape == want.shape and torch.equal(batch.input_embeds, want)
+    finally:
+        trainer.prefetch.close()
+
+
+def test_embed_device_resolution():
+    """auto keeps the embedding on the host only for CUDA training from shards; host with the
+    online source (batches built on the device) is a one-line error naming the key."""
+    from types import SimpleNamespace
+
+    from eagleforge.config import UserInputError
+    from eagleforge.train.step_plan import resolve_embed_device
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    auto, host, device = (SimpleNamespace(embed_device=m) for m in ("auto", "host", "device"))
+    assert resolve_embed_device(auto, cuda, online=False) is True
+    assert resolve_embed_device(auto, cpu, online=False) is False
+    assert resolve_embed_device(auto, cuda, online=True) is False
+    assert resolve_embed_device(host, cpu, online=False) is True
+    assert resolve_embed_device(device, cuda, online=False) is False
+    with pytest.raises(UserInputError, match="train.embed_device=host"):
+        resolve_embed_device(host, cuda, online=True)
+
+
 def test_adam_beta2_reaches_the_optimizer_and_one_is_refused(tmp_path, tiny_llama_config):
     """train.adam_beta2 is the AdamW's beta2 (beta1 stays 0.9); 1.0 (no bias correction) is a
     config error naming the key."""

@@ -114,8 +114,9 @@ def _export(cfg) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The base tiny run, then: fsdp (2 ranks, uninterrupted), fsdp_resumed (2 ranks, stopped
-    after STOP_AT and resumed in fresh processes), ddp (2 ranks), single (1 process, grad_accum 2:
-    the same global batches as 2 ranks x grad_accum 1)."""
+    after STOP_AT and resumed in fresh processes; the frozen embedding kept on the host,
+    train.embed_device=host), ddp (2 ranks), single (1 process, grad_accum 2: the same global
+    batches as 2 ranks x grad_accum 1)."""
     from transformers import LlamaConfig
 
     from eagleforge.vocab import main as vocab_main
@@ -139,6 +140,7 @@ def runs(tmp_path_factory):
     # train.parallel is read with getattr until TrainConfig has it: set it as an attribute.
     out["fsdp"].train.parallel = "fsdp"
     out["fsdp_resumed"].train.parallel = "fsdp"
+    out["fsdp_resumed"].train.embed_device = "host"
     out["ddp"].train.parallel = "ddp"
     _spawn([(out["fsdp"], None), (out["fsdp_resumed"], STOP_AT), (out["ddp"], None)])
     stopped = {"log": _losses(out["fsdp_resumed"]), "checkpoints": sorted(p.name for p in (out["fsdp_resumed"].run / "checkpoints").iterdir())}

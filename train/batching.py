@@ -83,6 +83,9 @@ class Batch:
     target_argmax: torch.Tensor | None  # [B, T] int64, None when the shards lack it
     lengths: torch.Tensor  # [B] int64
     host_tokens: int | None = None  # sum(lengths), known on the host (collate): no device read
+    # embed_tokens(input_ids padded with K zeros) [B, T + K, H], gathered on the host from the frozen
+    # embedding when the trainer keeps it there (train.embed_device=host); None: the draft looks up
+    input_embeds: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -98,7 +101,8 @@ class Batch:
             return moved if as_dtype is None else moved.to(as_dtype)
 
         return Batch(move(self.input_ids), move(self.loss_mask), move(self.aux_hidden_states, dtype),
-                     move(self.last_hidden_state, dtype), move(self.target_argmax), move(self.lengths), self.host_tokens)
+                     move(self.last_hidden_state, dtype), move(self.target_argmax), move(self.lengths), self.host_tokens,
+                     move(self.input_embeds, dtype))
 
 
 def collate(samples: list[dict], device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Batch:
@@ -142,6 +146,17 @@ def collate_host(samples: list[dict], pin: bool = False) -> Batch:
         lengths=lengths_t.pin_memory() if pin else lengths_t,
         host_tokens=sum(lengths),
     )
+
+
+def gather_embeddings(weight: torch.Tensor, input_ids: torch.Tensor, ttt_steps: int, pin: bool = False) -> torch.Tensor:
+    """weight [V, H] (on the host), input_ids [B, T] -> the rows the K TTT steps read
+    [B, T + K, H] (id 0 past the end, as forward_ttt), in weight's dtype; pinned with `pin`."""
+    from eagleforge.draft.model import ttt_input_ids
+
+    ids = ttt_input_ids(input_ids, ttt_steps)  # [B, T + K]
+    out = torch.empty((*ids.shape, weight.shape[1]), dtype=weight.dtype, pin_memory=pin)
+    torch.index_select(weight, 0, ids.reshape(-1), out=out.view(-1, weight.shape[1]))
+    return out
 
 
 class BatchPrefetch:

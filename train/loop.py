@@ -30,7 +30,7 @@ from eagleforge.atomic import write_json_atomic
 from eagleforge.config import Config, UserInputError
 from eagleforge.modes import PLAIN_LOSS_MODES
 from eagleforge.target import target_path
-from eagleforge.train.batching import Batch, BatchPrefetch, collate_host, make_batches, rank_micro_batches
+from eagleforge.train.batching import Batch, BatchPrefetch, collate_host, gather_embeddings, make_batches, rank_micro_batches
 from eagleforge.train.checkpoint import (
     check_resume_config,
     checkpoint_dir,
@@ -53,7 +53,7 @@ from eagleforge.train.distributed import (
 )
 from eagleforge.train.metrics import MetricLogger, TTTStats, reduce_stats
 from eagleforge.train.online import check_source
-from eagleforge.train.step_plan import plan_step, resolve_param_dtype
+from eagleforge.train.step_plan import plan_step, resolve_embed_device, resolve_param_dtype
 from eagleforge.train.ttt_loss import TTTLoss, target_argmax_from_hidden
 from eagleforge.train.weight_grads import fuse_weight_grads
 from eagleforge.vocab import check_vocab_files, coverage, load_target_head, load_vocab_map, read_target_head, training_sample_count
@@ -130,6 +130,15 @@ def build_draft(cfg: Config, manifest: dict, vocab: dict, head: dict) -> torch.n
     return draft
 
 
+def embedding_to_host(draft: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """Take the draft's frozen embedding out of it: returns its weight [V, H] as `dtype` on the
+    host and leaves an empty [0, H] one in the draft (moved with it, holding no memory), so
+    the batches bring their embedding rows (Batch.input_embeds) instead."""
+    weight = draft.embed_tokens.weight.detach().to("cpu", dtype)
+    draft.embed_tokens.weight = torch.nn.Parameter(weight.new_empty(0, weight.shape[1]), requires_grad=False)
+    return weight
+
+
 # ----------------------------------------------------------------------------- the trainer
 
 
@@ -171,7 +180,11 @@ class Trainer:
         # float32: fp32 masters under autocast. bfloat16: weights, gradients and AdamW moments in
         # bf16 (the frozen embedding too) and the midlayer's weight gradients accumulated by the
         # GEMMs themselves (train/weight_grads.py).
-        self.draft = build_draft(cfg, manifest, self.vocab, head).to(self.device, self.param_dtype)
+        draft = build_draft(cfg, manifest, self.vocab, head)
+        # [V, H] on the host in the parameters' dtype, or None (on the device inside the draft)
+        self.host_embedding = (embedding_to_host(draft, self.param_dtype)
+                               if resolve_embed_device(tc, self.device, check_source(cfg) == "online") else None)
+        self.draft = draft.to(self.device, self.param_dtype)
         fuse_weight_grads(self.draft, self.param_dtype == torch.bfloat16)
         self.prefetch = BatchPrefetch(self._read_host)  # closed by train()
         # [Vd, Ht]; the fused loss runs its matmuls in bf16 under train.bf16: stored so, no cast
@@ -245,8 +258,13 @@ class Trainer:
         return sum(math.ceil(len(self.epoch_batches(e)) / self.batches_per_step) for e in range(tc.epochs))
 
     def _read_host(self, ids: list[int]) -> Batch:
-        """The padded batch of samples `ids` on the host (pinned for a GPU): the prefetch worker's job."""
-        return collate_host([self.reader[i] for i in ids], pin=self.device.type == "cuda")
+        """The padded batch of samples `ids` on the host (pinned for a GPU), with its embedding
+        rows when the frozen embedding is kept here: the prefetch worker's job."""
+        pin = self.device.type == "cuda"
+        batch = collate_host([self.reader[i] for i in ids], pin=pin)
+        if self.host_embedding is not None:
+            batch.input_embeds = gather_embeddings(self.host_embedding, batch.input_ids, self.cfg.train.ttt_steps, pin)
+        return batch
 
     def _load(self, ids: list[int]) -> Batch:
         """The batch on the device, its states in the draft's input dtype (bf16 with bf16
@@ -288,7 +306,8 @@ class Trainer:
         loss_mask = batch.loss_mask
         if training and self.cfg.train.loss_positions == "all":
             loss_mask = torch.arange(loss_mask.shape[1], device=loss_mask.device)[None] < batch.lengths[:, None]  # [B, T]
-        loss, stats = self.model(batch.aux_hidden_states, batch.input_ids, batch.last_hidden_state, loss_mask, target_argmax)
+        loss, stats = self.model(batch.aux_hidden_states, batch.input_ids, batch.last_hidden_state, loss_mask, target_argmax,
+                                 batch.input_embeds)
         stats.tokens = batch.num_tokens
         return loss, stats
 

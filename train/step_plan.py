@@ -4,7 +4,8 @@
 
 Fixed states, per trainable parameter: weight, gradient and AdamW's two moments in
 train.param_dtype (16 bytes with fp32 masters, 8 with bf16 parameters), divided by the ranks
-under FSDP2; the frozen embedding [V, H] and the teacher head [Vd, Ht] in the parameters' dtype.
+under FSDP2; the frozen embedding [V, H] (none when kept on the host, train.embed_device) and the
+teacher head [Vd, Ht] in the parameters' dtype.
 
 Activations per token: bench-train's Kimi-shaped step (hidden 7168, 7 TTT steps, one sample of
 T tokens; BENCHMARKS.md, "Draft training step") peaked at 22.3 GiB at 8K and 62.7 GiB at 32K
@@ -59,6 +60,18 @@ def resolve_param_dtype(tc, device, parallel: str):
     return getattr(torch, name)
 
 
+def resolve_embed_device(tc, device, online: bool) -> bool:
+    """train.embed_device: True = the frozen embedding stays on the host (its rows gathered per
+    batch by the read-ahead worker). auto: on CUDA when training from shards; online batches
+    come from the target on the device, so the draft looks its embeddings up there."""
+    if tc.embed_device == "host" and online:
+        raise UserInputError("train.embed_device=host needs train.source=shards: online batches are built on the "
+                             "device by the target; set train.embed_device=device or auto")
+    if tc.embed_device == "auto":
+        return device.type == "cuda" and not online
+    return tc.embed_device == "host"
+
+
 def draft_activation_bytes_per_token(hidden: int, ttt_steps: int, mode: str = "selective_all") -> float:
     """Bytes of the draft's activations per training token per rank under `mode` (a selective
     mode), scaled from the measured reference draft."""
@@ -109,7 +122,7 @@ def fixed_bytes(trainable: int, embed_elements: int, head_elements: int, param_d
     return {
         f"weights + grads + AdamW moments ({str(param_dtype).removeprefix('torch.')}, / {world} ranks)":
             bytes_per_parameter(param_dtype) * trainable // world,
-        "frozen embedding [V, H]": size * embed_elements,
+        "frozen embedding [V, H]" if embed_elements else "frozen embedding [V, H] (on the host)": size * embed_elements,
         "teacher head [Vd, Ht]": size * head_elements,
     }
 

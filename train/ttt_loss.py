@@ -210,11 +210,12 @@ class TTTLoss:
         self.autocast_cache = not any(mode.startswith("selective")
                                       for mode in checkpoint_modes(tc.activation_checkpoint, tc.ttt_steps))
 
-    def __call__(self, draft, aux_hidden_states, input_ids, last_hidden, loss_mask, target_argmax):
+    def __call__(self, draft, aux_hidden_states, input_ids, last_hidden, loss_mask, target_argmax, input_embeds=None):
+        """input_embeds: [B, T + K, H] gathered on the host (train.embed_device=host), else None."""
         tc = self.tc
         with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=tc.bf16, cache_enabled=self.autocast_cache):
             hiddens = draft.forward_ttt(aux_hidden_states, input_ids, tc.ttt_steps, attention=tc.attention,
-                                        checkpoint=tc.activation_checkpoint,
+                                        checkpoint=tc.activation_checkpoint, embeds=input_embeds,
                                         compile="dynamic" if tc.compile else False)  # batches vary in length
         if tc.loss not in PLAIN_LOSS_MODES:  # the TTT form: teacher shared over steps
             return ttt_loss_shared(
