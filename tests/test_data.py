@@ -170,6 +170,28 @@ def test_chat_messages_and_sharegpt_formats_agree(tmp_path):
         assert (sample["input_ids"], sample["loss_mask"]) == tuple(tokenize_messages(tokenizer, messages))
 
 
+def test_chat_file_reasoning_is_kept_without_regeneration(tmp_path):
+    """A chat file of a thinking model's answers, used as it is (data.regenerate=false): the last
+    assistant turn's reasoning (`reasoning_content`, or `reasoning` as newer vLLM sends it) is
+    trained on as it was served, <think>reasoning</think>answer plus the end of turn, all in the
+    loss mask; a reasoning that is not a string makes the row malformed."""
+    rng = random.Random()
+    words = lambda n: " ".join(rng.choice(WORDS) for _ in range(n))  # noqa: E731
+    rows, served = [], []
+    for i in range(4):
+        reasoning, answer = words(rng.randint(4, 12)), words(rng.randint(2, 8))
+        key = "reasoning_content" if i % 2 else "reasoning"
+        rows.append({"messages": [{"role": "user", "content": words(5)}, {"role": "assistant", "content": answer, key: reasoning}]})
+        served.append("<think>" + reasoning + "</think>" + answer + "<|im_end|>")
+    rows.append({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x", "reasoning_content": ["no"]}]})
+    samples, stats = _run(tmp_path, _write_lines(tmp_path / "thinking.jsonl", rows), "data.regenerate=false")
+    assert stats["samples"] == 4 and stats["skipped_malformed"] == 1
+    tokenizer = _tokenizer("smollm2")
+    for sample, want in zip(samples, served):
+        masked = [t for t, m in zip(sample["input_ids"], sample["loss_mask"]) if m]
+        assert tokenizer.decode(masked) == want
+
+
 def test_pretokenized_rows_and_default_mask(tmp_path):
     rng = random.Random()
     rows = [{"input_ids": [rng.randrange(49152) for _ in range(n)]} for n in (7, 13)]

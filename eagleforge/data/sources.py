@@ -68,7 +68,10 @@ class Stats:
 
 
 def _messages_from(turns, key: str) -> list[dict]:
-    """Chat or ShareGPT turns -> [{"role", "content"}], raising _Malformed with the reason."""
+    """Chat or ShareGPT turns -> [{"role", "content"}], raising _Malformed with the reason. An
+    assistant turn's reasoning (a thinking model's, `reasoning_content` or `reasoning` as vLLM
+    and SGLang send it) is kept as `reasoning_content`: the last turn's is rendered as served
+    (data/chat.py), so the draft learns the tokens the target spends most of its time on."""
     if not isinstance(turns, list):
         raise _Malformed(f"'{key}' is {type(turns).__name__}, expected a list of turns")
     if not turns:
@@ -88,7 +91,15 @@ def _messages_from(turns, key: str) -> list[dict]:
         if not isinstance(content, str):
             raise _Malformed(f"'{key}'[{index}] content is {type(content).__name__}, expected a string")
         _check_utf8(content, f"'{key}'[{index}] content")
-        messages.append({"role": roles[role], "content": content})
+        message = {"role": roles[role], "content": content}
+        reasoning = turn.get("reasoning_content", turn.get("reasoning"))
+        if reasoning is not None and message["role"] == "assistant":
+            if not isinstance(reasoning, str):
+                raise _Malformed(f"'{key}'[{index}] reasoning is {type(reasoning).__name__}, expected a string")
+            _check_utf8(reasoning, f"'{key}'[{index}] reasoning")
+            if reasoning:
+                message["reasoning_content"] = reasoning
+        messages.append(message)
     return messages
 
 

@@ -19,7 +19,8 @@ Writes, under RUN = cfg.run_dir:
 Inputs (cfg.data.source): "stdlib" (eagleforge.data.prompts), a local .jsonl/.json file, or a
 dataset name / directory for `datasets.load_dataset` (cfg.data.split). Row formats, detected
 per row (one file holds one of them; chat and prompt rows may mix):
-    chat         {"conversations" | "messages": [{"role", "content"}, ...]}
+    chat         {"conversations" | "messages": [{"role", "content"}, ...]}  (an assistant turn may
+                 carry "reasoning_content" or "reasoning": a thinking model's, trained on as served)
     ShareGPT     {"conversations": [{"from": "human" | "gpt" | "system", "value"}, ...]}
     prompt       {"prompt": str}                          (needs data.regenerate=true)
     pre-tokenized {"input_ids": [int], "loss_mask": [0/1]} (loss_mask optional = all ones)
