@@ -561,11 +561,12 @@ def run_main(main: typing.Callable[[Config], Any], description: str, argv: list[
     try:
         cfg = parse_cli(argv, description, sections)
         if launch is not None:
-            from eagleforge.launch import relaunch
+            from eagleforge.launch import relaunch, stop_with_launcher
 
             code = relaunch(cfg, launch, sys.argv[1:] if argv is None else argv, launch_module)
             if code is not None:
                 raise SystemExit(code)
+            stop_with_launcher()  # a rank: ends with its launcher, even one killed with SIGKILL
         main(cfg)
     except (ConfigError, FileNotFoundError, UserInputError) as err:
         failures.exit_with_user_error(err)

@@ -25,7 +25,9 @@ More processes than visible GPUs (target.tp 8 on 4 GPUs, launch.nproc 16 on 8) i
 naming the key and both numbers, before anything is loaded.
 
 Multi-node runs keep using `torchrun --nnodes N ...` on every node: under torchrun nothing here
-happens.
+happens, except that each rank asks the kernel for SIGTERM when its launcher dies
+(`stop_with_launcher`): a launcher killed with SIGKILL, which it cannot catch to stop the ranks
+itself, leaves no rank holding its GPU.
 """
 
 from __future__ import annotations
@@ -99,6 +101,28 @@ def processes_needed(cfg: Config, stage: str, gpus: int) -> Plan:
                              + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
                              + (f"; {device_key}=cpu runs it on the CPU (gloo)" if gpus == 0 else ""))
     return Plan(n, why)
+
+
+def stop_with_launcher() -> None:
+    """Under torchrun, on Linux: SIGTERM this rank when the process that started it (the
+    torchrun agent: this package's launcher or the torchrun command) dies, SIGKILL included
+    (prctl PR_SET_PDEATHSIG). A parent already gone (this process was handed to init) is an exit
+    at once. Elsewhere nothing."""
+    import ctypes
+    import signal
+
+    if not under_torchrun() or not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        if libc.prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0) != 0:
+            return  # refused (a sandbox): the rank lives on as before
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent or parent == 1:  # the launcher died before the request took effect
+        raise SystemExit(128 + int(signal.SIGTERM))
 
 
 def torchrun_argv(processes: int, module: str, argv: list[str]) -> list[str]:

@@ -6,7 +6,8 @@ what its process group says (rank, world size, a collective's result) to RUN/ran
 
 LAUNCH_PROBE_STAGE: the stage whose rule decides (extract | train; default train).
 LAUNCH_PROBE_EXIT: rank 1 exits with this code after writing its file (default 0; "kill": SIGKILL);
-"user": every rank fails at once with the same UserInputError.
+"user": every rank fails at once with the same UserInputError; "hang": every rank sleeps after
+writing its file (its pid in it) until it is stopped.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def main(cfg: Config) -> None:
     env = init_distributed("cpu")  # gloo under torchrun
     record = {"rank": env.rank, "world_size": env.world_size, "env": {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")},
               # the ranks and their sum as the process group itself adds them up
-              "reduced": all_reduce_sum([1.0, float(env.rank)], env)}
+              "reduced": all_reduce_sum([1.0, float(env.rank)], env), "pid": os.getpid()}
     if STAGE == "extract":  # the native backend's own grouping of the world the launch made
         from eagleforge.extract.native.parallel import state_from_world
 
@@ -37,11 +38,15 @@ def main(cfg: Config) -> None:
             record["groups"] = {"num_groups": state.num_groups, "group_index": state.group_index, "tp_rank": state.tp.rank}
     cfg.run.mkdir(parents=True, exist_ok=True)
     (cfg.run / f"rank-{env.rank}.json").write_text(json.dumps(record))
-    shutdown(env)
     code = os.environ.get("LAUNCH_PROBE_EXIT", "0")
+    if code == "hang":
+        import time
+
+        time.sleep(300)
+    shutdown(env)
     if code == "kill" and env.rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
-    if code not in ("kill", "user") and int(code) and env.rank == 1:
+    if code not in ("kill", "user", "hang") and int(code) and env.rank == 1:
         raise SystemExit(int(code))
 
 

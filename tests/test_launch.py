@@ -154,6 +154,49 @@ def test_a_failing_rank_s_exit_code_is_the_command_s(tmp_path, how, code, line):
     assert not [x for x in lines if "failed (exitcode" in x or "closing signal" in x]  # the agent's log lines left out
 
 
+def test_ranks_end_when_the_launcher_is_killed(tmp_path):
+    """The plain command's launcher (the torchrun agent) killed with SIGKILL, which it cannot
+    catch: both ranks it started, alive and waiting, are gone within seconds, not left holding
+    their devices."""
+    import signal
+    import time
+
+    run = tmp_path / "run"
+    launcher = subprocess.Popen([sys.executable, "-m", "launch_probe", f"run_dir={run}", "train.device=cpu", "launch.nproc=2"],
+                                env=_env(LAUNCH_PROBE_EXIT="hang"), cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while len(list(run.glob("rank-*.json"))) < 2:
+            assert launcher.poll() is None, launcher.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "the ranks never started"
+            time.sleep(0.2)
+        time.sleep(0.5)  # both files are whole (each rank writes its own once)
+        pids = [json.loads(p.read_text())["pid"] for p in sorted(run.glob("rank-*.json"))]
+        assert all(_alive(pid) for pid in pids)
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [pid for pid in pids if _alive(pid)], "ranks outlived their launcher"
+    finally:
+        launcher.kill()
+        for p in run.glob("rank-*.json"):
+            try:
+                os.kill(json.loads(p.read_text())["pid"], signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie (an exited child of init not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_a_user_error_of_the_ranks_stays_one_line(tmp_path):
     """Every rank fails with the same UserInputError: stderr is that one line (printed once over
     the ranks by eagleforge/failures.py, nothing added by the launch), the exit code 2."""
