@@ -20,9 +20,9 @@ Our step mirrors the trainer (train/loop.py) with the memory changes measured he
                                / (rows of step j); the target argmax comes with the shards
     loss.backward(); clip_grad_norm_(0.5); AdamW(fused=True).step(); zero_grad(set_to_none=True)
 
-Parameters are bf16 and AdamW keeps bf16 states (the same as SpecForge's step, which trains
-bf16 parameters with plain AdamW; the trainer's fp32 master weights would add 8 bytes per
-parameter, 8.9 GiB here). The frozen target embedding [163840, 7168] (2.2 GiB) stays on the
+Parameters are bf16 and AdamW keeps bf16 states (as SpecForge's step is driven here: plain
+AdamW over its bf16 weights; SpecForge's own trainer wraps them in BF16Optimizer, whose fp32
+masters and moments would add 8 bytes per parameter, 8.9 GiB here, to its rows). The frozen target embedding [163840, 7168] (2.2 GiB) stays on the
 host by default (--embed-device cpu): only the T rows a batch uses are gathered there (into
 pinned memory) and copied over, inside the timed step.
 
@@ -617,7 +617,9 @@ def run_trainer(name: str, config_file: str | None, overrides: list[str], s: Sha
                 seconds, peak = time_steps(trainer.train_step, device, steps_warm, steps_timed)
                 row = result_row(label, tokens, seconds, peak, flops_per_token(s, tokens, s.draft_vocab), peak_tflops)
                 row["settings"] = {k: str(getattr(trainer, k, "")) for k in ("param_dtype", "parallel")}
-                row["settings"].update({k: str(getattr(cfg.train, k)) for k in ("activation_checkpoint", "compile", "attention")})
+                row["settings"].update(activation_checkpoint=trainer.step_plan.activation_checkpoint,
+                                       compile=str(trainer.step_plan.compile), attention=cfg.train.attention,
+                                       embedding="host" if trainer.host_embedding is not None else "device")
             except torch.OutOfMemoryError as err:
                 row = {"method": label, "tokens": tokens, "error": "OOM: " + str(err).splitlines()[0][:200]}
             except Exception as err:  # noqa: BLE001 - recorded; the next T still runs

@@ -105,13 +105,14 @@ def processes_needed(cfg: Config, stage: str, gpus: int) -> Plan:
 
 def stop_with_launcher() -> None:
     """Under torchrun, on Linux: SIGTERM this rank when the process that started it (the
-    torchrun agent: this package's launcher or the torchrun command) dies, SIGKILL included
-    (prctl PR_SET_PDEATHSIG). A parent already gone (this process was handed to init) is an exit
-    at once. Elsewhere nothing."""
+    torchrun agent: this package's launcher or the torchrun command, which starts its ranks from
+    its main thread) dies, SIGKILL included (prctl PR_SET_PDEATHSIG). A parent that died before
+    the request took effect is an exit at once. Elsewhere nothing."""
     import ctypes
     import signal
 
-    if not under_torchrun() or not sys.platform.startswith("linux"):
+    # TORCHELASTIC_RUN_ID: set by torchrun's agent alone (RANK may come from any script)
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return
     parent = os.getppid()
     try:
@@ -121,7 +122,7 @@ def stop_with_launcher() -> None:
             return  # refused (a sandbox): the rank lives on as before
     except (OSError, AttributeError):
         return
-    if os.getppid() != parent or parent == 1:  # the launcher died before the request took effect
+    if os.getppid() != parent:  # the launcher died before the request took effect (torchrun may be PID 1 in a container)
         raise SystemExit(128 + int(signal.SIGTERM))
 
 

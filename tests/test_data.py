@@ -183,9 +183,16 @@ def test_chat_file_reasoning_is_kept_without_regeneration(tmp_path):
         key = "reasoning_content" if i % 2 else "reasoning"
         rows.append({"messages": [{"role": "user", "content": words(5)}, {"role": "assistant", "content": answer, key: reasoning}]})
         served.append("<think>" + reasoning + "</think>" + answer + "<|im_end|>")
+    # two turns: the earlier one's reasoning goes to the template (SmolLM2's renders content only),
+    # the last one's as served; a null reasoning_content beside a real `reasoning` takes the latter
+    r1, c1, r2, c2 = words(5), words(3), words(6), words(4)
+    rows.append({"messages": [{"role": "user", "content": words(3)}, {"role": "assistant", "content": c1, "reasoning_content": r1},
+                              {"role": "user", "content": words(2)},
+                              {"role": "assistant", "content": c2, "reasoning_content": None, "reasoning": r2}]})
+    served.append(c1 + "<|im_end|>" + "<think>" + r2 + "</think>" + c2 + "<|im_end|>")
     rows.append({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x", "reasoning_content": ["no"]}]})
     samples, stats = _run(tmp_path, _write_lines(tmp_path / "thinking.jsonl", rows), "data.regenerate=false")
-    assert stats["samples"] == 4 and stats["skipped_malformed"] == 1
+    assert stats["samples"] == 5 and stats["skipped_malformed"] == 1
     tokenizer = _tokenizer("smollm2")
     for sample, want in zip(samples, served):
         masked = [t for t, m in zip(sample["input_ids"], sample["loss_mask"]) if m]

@@ -354,6 +354,9 @@ def test_embedding_on_the_host_gives_the_same_losses(tmp_path, tiny_llama_config
         "device": dict(embed_device="device"), "host": dict(embed_device="host")})
     assert len(losses["host"]) == 5
     assert losses["host"] == pytest.approx(losses["device"], rel=1e-6), losses
+    heldout = {name: json.loads((tmp_path / name / "train_summary.json").read_text())["heldout"] for name in losses}
+    assert heldout["host"]["loss"] == pytest.approx(heldout["device"]["loss"], rel=1e-6)
+    assert heldout["host"]["accuracy_per_step"] == pytest.approx(heldout["device"]["accuracy_per_step"], abs=1e-9)
 
     from eagleforge.vocab import main as vocab_main
 
@@ -370,6 +373,16 @@ def test_embedding_on_the_host_gives_the_same_losses(tmp_path, tiny_llama_config
         assert batch.input_embeds.shape == want.shape and torch.equal(batch.input_embeds, want)
     finally:
         trainer.prefetch.close()
+
+
+@pytest.mark.gpu
+def test_embedding_on_the_host_on_cuda_gives_the_device_losses(tmp_path, tiny_llama_config):
+    """On CUDA in bf16, the embedding rows gathered on the host into pinned memory and copied
+    with the batch give the losses of the embedding kept on the GPU."""
+    _, losses = _losses_of_step_options(tmp_path, tiny_llama_config, dict(bf16=True, device="cuda"), {
+        "device": dict(embed_device="device"), "host": dict(embed_device="host")})
+    assert len(losses["host"]) == 5 and all(math.isfinite(x) for x in losses["host"])
+    assert losses["host"] == pytest.approx(losses["device"], rel=1e-3), losses
 
 
 def test_embed_device_resolution():

@@ -92,7 +92,7 @@ def _messages_from(turns, key: str) -> list[dict]:
             raise _Malformed(f"'{key}'[{index}] content is {type(content).__name__}, expected a string")
         _check_utf8(content, f"'{key}'[{index}] content")
         message = {"role": roles[role], "content": content}
-        reasoning = turn.get("reasoning_content", turn.get("reasoning"))
+        reasoning = turn.get("reasoning_content") or turn.get("reasoning")  # as chat_client.split_reasoning reads a reply
         if reasoning is not None and message["role"] == "assistant":
             if not isinstance(reasoning, str):
                 raise _Malformed(f"'{key}'[{index}] reasoning is {type(reasoning).__name__}, expected a string")
