@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from eagleforge.config import Config, UserInputError
-from eagleforge.train.step_plan import AUTO_MODES, GIB, draft_activation_bytes_per_token, fixed_bytes, resolve_param_dtype
+from eagleforge.train.step_plan import AUTO_MODES, GIB, draft_activation_bytes_per_token, fixed_bytes, resolve_param_dtype, trainable_parameter_count
 
 
 @dataclass
@@ -78,8 +78,7 @@ def _draft_parameters(cfg: Config, text_config: dict, aux_ids: list[int]) -> tup
     config = Eagle3Config.from_target_config(text_config, vd, aux_ids, **overrides)
     with torch.device("meta"):
         draft = Eagle3Draft(config)
-    trainable = sum(p.numel() for n, p in draft.named_parameters() if not n.startswith("embed_tokens"))
-    return trainable, draft.embed_tokens.weight.numel(), config.hidden_size, vd
+    return trainable_parameter_count(draft), draft.embed_tokens.weight.numel(), config.hidden_size, vd
 
 
 def plan_online(cfg: Config, world: int | None = None, args=None, quantized: bool = True) -> OnlinePlan:

@@ -117,6 +117,11 @@ class StepPlan:
         return out
 
 
+def trainable_parameter_count(draft) -> int:
+    """The draft's trained parameters: all but the frozen embed_tokens (a real or a meta draft)."""
+    return sum(p.numel() for name, p in draft.named_parameters() if not name.startswith("embed_tokens"))
+
+
 def fixed_bytes(trainable: int, embed_elements: int, head_elements: int, param_dtype, world: int = 1) -> dict:
     size = param_dtype.itemsize
     return {
@@ -133,7 +138,7 @@ def plan_step(tc, draft, param_dtype, device, world: int = 1, gpu_bytes: int | N
     gpu_bytes: the device's memory (default: the current CUDA device's total)."""
     import torch
 
-    trainable = sum(p.numel() for n, p in draft.named_parameters() if p.requires_grad and not n.startswith("embed_tokens"))
+    trainable = trainable_parameter_count(draft)
     config = draft.config
     fixed = fixed_bytes(trainable, draft.embed_tokens.weight.numel(), config.draft_vocab_size * config.target_hidden_size,
                         param_dtype, world)
