@@ -271,10 +271,12 @@ class Trainer:
         parameters: half the bytes of fp32 on the GPU; fp32 otherwise, as autocast expects)."""
         return self.prefetch.get(ids).to(self.device, self.param_dtype)
 
-    def _micro_batches(self, step_batches: list[list[int]]) -> list[list[int]]:
-        """The sample ids this rank reads for the step (past the epoch's tail: the first batch)."""
-        return [ids if ids is not None else step_batches[0]
-                for ids in rank_micro_batches(step_batches, self.env.rank, self.env.world_size)]
+    def _micro_batches(self, step_batches: list[list[int]], own: list | None = None) -> list[list[int]]:
+        """The sample ids this rank reads for the step (past the epoch's tail: the first batch);
+        own: this rank's rank_micro_batches of them, when already at hand."""
+        if own is None:
+            own = rank_micro_batches(step_batches, self.env.rank, self.env.world_size)
+        return [ids if ids is not None else step_batches[0] for ids in own]
 
     def _rank_batches(self, step_batches: list[list[int]], training: bool = False):
         """This rank's (ids or None, Batch) of the step's global batches, in slot order; None: past
@@ -285,7 +287,7 @@ class Trainer:
             yield from self.reader.rank_batches(self, step_batches, training)
             return
         own = rank_micro_batches(step_batches, self.env.rank, self.env.world_size)
-        reads = self._micro_batches(step_batches)
+        reads = self._micro_batches(step_batches, own)
         if training:
             self.prefetch.ensure(reads)  # queued a step ago, except at the first step
             if self.step + 1 < getattr(self, "last_step", self.total_steps):
