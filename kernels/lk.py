@@ -72,7 +72,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from eagleforge.kernels.soft_ce import _row_pass1
+    from eagleforge.kernels.soft_ce import _row_operands, _row_pass1
 
 VARIANTS = LK_VARIANTS
 # -log of an acceptance below this is this constant (no gradient): only an exact 0 (every q_v
@@ -139,13 +139,7 @@ if HAS_TRITON:
         Pass 3 (not for ACCEPT): G over z in z's dtype. w_ptr: [rows, 2] fp32 (c_ce, c_acc).
         HAS_TIDX / HAS_PSUM as soft_ce._soft_ce_rows_kernel."""
         row = tl.program_id(0).to(tl.int64)
-        z_row = z_ptr + row * z_stride
-        if HAS_TIDX:
-            trow = tl.load(tidx_ptr + row).to(tl.int64)
-        else:
-            trow = row
-        t_row = t_ptr + trow * t_stride
-        tlse = tl.load(tlse_ptr + trow)
+        z_row, trow, t_row, tlse = _row_operands(row, z_ptr, t_ptr, tidx_ptr, tlse_ptr, z_stride, t_stride, HAS_TIDX)
         c_ce = tl.load(w_ptr + 2 * row)
         c_acc = tl.load(w_ptr + 2 * row + 1)
         offs = tl.arange(0, BLOCK)

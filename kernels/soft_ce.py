@@ -103,6 +103,18 @@ def _lse_psum_torch(teacher_logits: torch.Tensor) -> tuple[torch.Tensor, torch.T
 if HAS_TRITON:
 
     @triton.jit
+    def _row_operands(row, z_ptr, t_ptr, tidx_ptr, tlse_ptr, z_stride, t_stride, HAS_TIDX: tl.constexpr):
+        """Where a row kernel's program `row` reads (the soft CE's here, the LK's in kernels/lk.py):
+        -> (its draft logits' row, its teacher row index, the teacher logits' row, the teacher lse).
+        HAS_TIDX: the teacher row is tidx[row] (the packed TTT form shares one teacher row among
+        steps), else `row`."""
+        if HAS_TIDX:
+            trow = tl.load(tidx_ptr + row).to(tl.int64)
+        else:
+            trow = row
+        return z_ptr + row * z_stride, trow, t_ptr + trow * t_stride, tl.load(tlse_ptr + trow)
+
+    @triton.jit
     def _row_pass1(z_row, t_row, tlse, psum_at, vocab, BLOCK: tl.constexpr, HAS_PSUM: tl.constexpr):
         """The first pass of a row kernel over its Vd blocks (the soft CE's here, the LK's in
         kernels/lk.py): online max / sum-exp of the draft logits z -> their lse, the first
@@ -144,13 +156,7 @@ if HAS_TRITON:
         HAS_TIDX: row r's teacher (logits, lse, S) is teacher row tidx[r] (the packed TTT form
         shares one teacher row among steps). With HAS_PSUM pass 1 reads no teacher logits at all."""
         row = tl.program_id(0).to(tl.int64)
-        z_row = z_ptr + row * z_stride
-        if HAS_TIDX:
-            trow = tl.load(tidx_ptr + row).to(tl.int64)
-        else:
-            trow = row
-        t_row = t_ptr + trow * t_stride
-        tlse = tl.load(tlse_ptr + trow)
+        z_row, trow, t_row, tlse = _row_operands(row, z_ptr, t_ptr, tidx_ptr, tlse_ptr, z_stride, t_stride, HAS_TIDX)
         w = tl.load(w_ptr + row)
         offs = tl.arange(0, BLOCK)
 
