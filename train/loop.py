@@ -165,7 +165,8 @@ class Trainer:
         self.env = env or init_distributed(tc.device)
         self.device = self.env.device
         torch.manual_seed(tc.seed)  # the same initial draft on every rank
-        if check_source(cfg) == "online":  # the target runs here; its states stand in for the shards
+        online = check_source(cfg) == "online"
+        if online:  # the target runs here; its states stand in for the shards
             from eagleforge.train.online import OnlineSource
 
             self.reader = OnlineSource(cfg, self.env)
@@ -183,7 +184,7 @@ class Trainer:
         draft = build_draft(cfg, manifest, self.vocab, head)
         # [V, H] on the host in the parameters' dtype, or None (on the device inside the draft)
         self.host_embedding = (embedding_to_host(draft, self.param_dtype)
-                               if resolve_embed_device(tc, self.device, check_source(cfg) == "online") else None)
+                               if resolve_embed_device(tc, self.device, online) else None)
         self.draft = draft.to(self.device, self.param_dtype)
         fuse_weight_grads(self.draft, self.param_dtype == torch.bfloat16)
         self.prefetch = BatchPrefetch(self._read_host)  # closed by train()
