@@ -42,11 +42,10 @@ from _bench_common import import_eagleforge, matmul_tflops  # noqa: E402
 from _bench_common import median_ms as _median_ms  # noqa: E402
 
 import_eagleforge()
-from kimi_shaped import build_bench_model, kimi_args, tiny_args  # noqa: E402
+from kimi_shaped import bench_layout, build_bench_model, kimi_args, tiny_args  # noqa: E402
 
 from eagleforge.extract.capture import HiddenStateCapture  # noqa: E402
 from eagleforge.extract.native import model as native_model  # noqa: E402
-from eagleforge.extract.native.parallel import init_parallel, shutdown  # noqa: E402
 from eagleforge.extract.native.plan import plan_memory  # noqa: E402
 from eagleforge.extract.writer import OverlappedWriter, fp8_error  # noqa: E402
 
@@ -105,11 +104,11 @@ def shard_sink(directory: str, args, aux_layers: list[int]):
     return ShardSink(ShardWriter(directory, header, "bfloat16"))
 
 
-def capture_write_modes(model, args, state, ids, reps: int, aux_layers: list[int], write_dir: str | None) -> dict:
+def capture_write_modes(model, args, layout, ids, reps: int, aux_layers: list[int], write_dir: str | None) -> dict:
     """ms per forward of: forward, + head argmax, + capture, + overlapped copy (null sink), + overlapped shard write."""
     from eagleforge.extract.writer import BatchRows
 
-    device = state.device
+    device = layout.device
     T = ids.shape[1]
     row = {"id": 0, "input_ids": ids[0].tolist(), "loss_mask": [1] * T}
     r, counter = {}, [0]
@@ -131,7 +130,7 @@ def capture_write_modes(model, args, state, ids, reps: int, aux_layers: list[int
         if write_dir is not None:
             sinks["write"] = lambda: shard_sink(write_dir, args, aux_layers)
         for name, make_sink in sinks.items():
-            writer = OverlappedWriter(make_sink(), max_pending=2) if state.is_group_leader else None
+            writer = OverlappedWriter(make_sink(), max_pending=2) if layout.is_group_leader else None
 
             def step():
                 out = captured()
@@ -163,12 +162,12 @@ def layer_inputs(model, args, device, T: int):
     return x, (angles.cos() * model.model.rope_scale).to(x.dtype), (angles.sin() * model.model.rope_scale).to(x.dtype)
 
 
-def profile_moe_layer(model, args, state, T: int) -> None:
+def profile_moe_layer(model, args, layout, T: int) -> None:
     """Print (rank 0) the CUDA kernels of three calls of one MoE layer, every rank running them
     (the layer holds all-reduces): what does not shrink from tp 1 to tp 2 shows here by name."""
     from torch.profiler import ProfilerActivity, profile
 
-    x, cos, sin = layer_inputs(model, args, state.device, T)
+    x, cos, sin = layer_inputs(model, args, layout.device, T)
     layer = model.model.layers[args.first_k_dense_replace]
     for _ in range(2):
         layer(x, cos, sin)
@@ -177,16 +176,16 @@ def profile_moe_layer(model, args, state, T: int) -> None:
         for _ in range(3):
             layer(x, cos, sin)
         torch.cuda.synchronize()
-    if state.is_main:
-        print(f"=== profile: one MoE layer x 3 calls, tp {state.tp.size}, T = {T}")
+    if layout.is_main:
+        print(f"=== profile: one MoE layer x 3 calls, tp {model.tp.size}, T = {T}")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
 
 
-def components(model, args, state, T: int) -> dict:
+def components(model, args, layout, T: int) -> dict:
     """Each part alone on the same kind of input (medians of 20 calls between CUDA events, the
     same count at every tp so the tp 1 and tp 2 columns compare), ms; at tp > 1 the layers
     include their all-reduces, and every rank times the same number of calls (see median_ms)."""
-    device, tp = state.device, state.tp
+    device, tp = layout.device, model.tp
     median_ms = functools.partial(_median_ms, fixed_iters=20)
 
     x, cos, sin = layer_inputs(model, args, device, T)
@@ -212,21 +211,21 @@ def components(model, args, state, T: int) -> dict:
     return {k: round(v, 3) for k, v in comp.items()}
 
 
-def bench_length(model, args, state, T, reps, aux_layers, write_dir, matmul, profile: bool = False):
-    device, tp = state.device, state.tp
+def bench_length(model, args, layout, T, reps, aux_layers, write_dir, matmul, profile: bool = False):
+    device, tp = layout.device, model.tp
     # the same ids on every rank (a tp group sees one batch): drawn on the CPU from a fixed seed,
     # not from each rank's own CUDA generator
     ids = torch.randint(0, args.vocab_size, (1, T), generator=torch.Generator().manual_seed(T)).to(device)
     with torch.inference_mode():
-        r = capture_write_modes(model, args, state, ids, reps, aux_layers, write_dir)
-        comp = components(model, args, state, T)
+        r = capture_write_modes(model, args, layout, ids, reps, aux_layers, write_dir)
+        comp = components(model, args, layout, T)
         r["components_ms"] = comp
-        if profile and state.device.type == "cuda":
-            profile_moe_layer(model, args, state, T)
+        if profile and layout.device.type == "cuda":
+            profile_moe_layer(model, args, layout, T)
         with HiddenStateCapture(model.model.layers, aux_layers, model.model.norm) as capture:
             model(ids)  # on every rank: the forward holds collectives
             aux = capture.aux_hidden_states[0]
-        if state.is_main:
+        if layout.is_main:
             r["fp8_vs_bf16"] = fp8_error(aux, block=args.hidden_size)
     n_moe = args.num_hidden_layers - args.first_k_dense_replace
     flops = layer_flops(args, T, tp.size, False) * args.first_k_dense_replace + layer_flops(args, T, tp.size, True) * n_moe
@@ -275,20 +274,20 @@ def project_full_model(r: dict, T: int, gpus: int, tp: int, efficiency_1_to_2: f
 AB_SWITCHES = {"split_rows": "split_rows_min_tokens", "overlap_halves": "overlap_min_rows"}
 
 
-def ab_forward(model, state, T: int, switch: str, rounds: int, reps: int) -> dict:
+def ab_forward(model, layout, T: int, switch: str, rounds: int, reps: int) -> dict:
     """Forward-only ms with `switch` on (its default) and off, INTERLEAVED: `rounds` rounds of
     (on, off), each `reps` pipelined forwards, so the machine's drift over the run (about 3% between
     runs of the tp 2 forward on an H200 pair) falls on both alike. Off = its threshold set past any batch."""
-    module, name = state.tp, AB_SWITCHES[switch]
+    module, name = model.tp, AB_SWITCHES[switch]
     default = getattr(module, name)
-    ids = torch.randint(0, model.args.vocab_size, (1, T), generator=torch.Generator().manual_seed(T)).to(state.device)
+    ids = torch.randint(0, model.args.vocab_size, (1, T), generator=torch.Generator().manual_seed(T)).to(layout.device)
     times = {"on": [], "off": []}
     try:
         with torch.inference_mode():
             for _ in range(rounds):
                 for mode in ("on", "off"):
                     setattr(module, name, default if mode == "on" else 1 << 62)
-                    times[mode].append(pipelined_ms(lambda: model(ids), state.device, 1, reps))
+                    times[mode].append(pipelined_ms(lambda: model(ids), layout.device, 1, reps))
     finally:
         setattr(module, name, default)
     med = {m: statistics.median(v) for m, v in times.items()}
@@ -337,8 +336,7 @@ def main(argv=None) -> dict:
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if int(os.environ.get("RANK", "0")) == 0 else logging.WARNING, format="%(message)s")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    state = init_parallel(world, "cpu" if a.cpu_check else "cuda")
+    layout, tp = bench_layout(a.cpu_check)
     try:
         if a.cpu_check:
             args, tokens = tiny_args(a.layers), [33, 70]
@@ -347,19 +345,19 @@ def main(argv=None) -> dict:
             args, tokens = kimi_args(a.layers), a.tokens
         aux_layers = sorted({1, max(1, args.num_hidden_layers // 2), args.num_hidden_layers - 1})
         t0 = time.perf_counter()
-        model = build_bench_model(args, state.device, tp=state.tp)
-        res = {"device": torch.cuda.get_device_name() if state.device.type == "cuda" else "cpu", "tp": state.tp.size,
+        model = build_bench_model(args, layout.device, tp=tp)
+        res = {"device": torch.cuda.get_device_name() if layout.device.type == "cuda" else "cpu", "tp": tp.size,
                "layers": args.num_hidden_layers, "aux_layers": aux_layers, "build_s": round(time.perf_counter() - t0, 1),
-               "matmul_TFLOPs": round(matmul_tflops(state.device), 1), "moe_backend": model.args.moe_backend,
+               "matmul_TFLOPs": round(matmul_tflops(layout.device), 1), "moe_backend": model.args.moe_backend,
                "torch": torch.__version__}
         # the memory planner beside the measurement (benchmarks/check_plan.py compares them per GPU)
-        res["planner_weights_GiB"] = round(plan_memory(args, state.tp.size, "ep").weights_bytes / 2**30, 2)
-        if state.device.type == "cuda":
+        res["planner_weights_GiB"] = round(plan_memory(args, tp.size, "ep").weights_bytes / 2**30, 2)
+        if layout.device.type == "cuda":
             res["memory_GiB_after_build"] = round(torch.cuda.memory_allocated() / 2**30, 2)
         log.info("%s", res)
         if a.ab_off:
-            res["ab"] = [ab_forward(model, state, T, a.ab_off, a.ab_rounds, a.reps) for T in tokens]
-            if state.is_main:
+            res["ab"] = [ab_forward(model, layout, T, a.ab_off, a.ab_rounds, a.reps) for T in tokens]
+            if layout.is_main:
                 print(json.dumps(res["ab"]))
                 if a.json:
                     with open(a.json, "w") as f:
@@ -373,23 +371,23 @@ def main(argv=None) -> dict:
         for T in tokens:
             write_dir = None
             if not a.no_write and T <= a.write_max_tokens:  # the same modes on every rank; the leader writes
-                write_dir = os.path.join(root, f"T{T}-rank{state.rank}")
+                write_dir = os.path.join(root, f"T{T}-rank{layout.rank}")
             try:
-                if state.device.type == "cuda":
+                if layout.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats()
-                r = bench_length(model, args, state, T, a.reps, aux_layers, write_dir, res["matmul_TFLOPs"], a.profile)
-                plan = plan_memory(args, state.tp.size, "ep", batch_tokens=T, max_length=T, aux_layers=aux_layers)
+                r = bench_length(model, args, layout, T, a.reps, aux_layers, write_dir, res["matmul_TFLOPs"], a.profile)
+                plan = plan_memory(args, tp.size, "ep", batch_tokens=T, max_length=T, aux_layers=aux_layers)
                 r["planner_weights_plus_activations_GiB"] = round((plan.weights_bytes + plan.components["activations"]) / 2**30, 2)
-                if state.device.type == "cuda":
+                if layout.device.type == "cuda":
                     r["peak_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
                 eff = a.scaling_efficiency
                 base = (baseline or {}).get(f"T={T}", {})
                 if "forward_ms" in base:
                     # tokens/s per GPU at this tp over tokens/s of one GPU: t1 / (tp * t_tp)
-                    r["scaling_efficiency_1_to_2"] = round(base["forward_ms"] / (state.tp.size * r["forward_ms"]), 4)
-                    r["scaling_efficiency_forward_head"] = round(base["forward_head_ms"] / (state.tp.size * r["forward_head_ms"]), 4)
+                    r["scaling_efficiency_1_to_2"] = round(base["forward_ms"] / (tp.size * r["forward_ms"]), 4)
+                    r["scaling_efficiency_forward_head"] = round(base["forward_head_ms"] / (tp.size * r["forward_head_ms"]), 4)
                     eff = eff or r["scaling_efficiency_1_to_2"]
-                r["projection_61_layers_8_gpus"] = project_full_model(r, T, 8, state.tp.size, eff)
+                r["projection_61_layers_8_gpus"] = project_full_model(r, T, 8, tp.size, eff)
             except torch.OutOfMemoryError as err:
                 r = {"error": repr(err)[:300]}
                 torch.cuda.empty_cache()
@@ -397,24 +395,24 @@ def main(argv=None) -> dict:
                 if write_dir is not None:
                     shutil.rmtree(write_dir, ignore_errors=True)
             res[f"T={T}"] = r
-            if state.is_main:
+            if layout.is_main:
                 log.info("T=%d %s", T, json.dumps(r))
         if a.cpu_check:
             for T in tokens:
                 r = res[f"T={T}"]
                 assert "error" not in r, r
-                if state.is_group_leader:
+                if layout.is_group_leader:
                     for name in ("copy",) if a.no_write else ("copy", "write"):
                         assert r[f"writer_{name}"]["items"] == a.reps + 4, r[f"writer_{name}"]
-            log.info("cpu-check passed (tp %d)", state.tp.size)
-        if state.is_main:
+            log.info("cpu-check passed (tp %d)", tp.size)
+        if layout.is_main:
             if a.json:
                 with open(a.json, "w") as f:
                     json.dump(res, f, indent=1)
             summary(res, tokens)
         return res
     finally:
-        shutdown(state)
+        layout.shutdown()
 
 
 if __name__ == "__main__":

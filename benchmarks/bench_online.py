@@ -6,10 +6,10 @@ DraftWithLoss + TTTLoss and AdamW, as train/loop.py runs it).
 
 Three timings on the same batches of --tokens tokens (sequences of --seq tokens):
 - extraction alone: the target forward with the capture hooks and the greedy head
-  (extract/native/run.py forward_batch), the rows padded into a training batch on the device;
+  (extract/native/target.py forward_batch), the rows padded into a training batch on the device;
 - training alone: optimizer steps on one captured batch;
-- online: both, the target's forward of the next batch queued on a side stream by the online
-  trainer's own Prefetcher (train/online.py) while the draft trains on the current one.
+- online: both, the target's forward of the next batch queued on a side stream by the trainer's
+  own feed (train/prefetch.py Prefetcher) while the draft trains on the current one.
 Prints tokens/s of each, the serial ideal 1 / (1/extract + 1/train) and online's ratio to it, and
 the peak memory against train/online_plan.py's plan for this shape.
 
@@ -40,13 +40,26 @@ from kimi_shaped import KIMI_K25_TEXT, build_bench_model, kimi_args, tiny_args  
 from eagleforge.config import Config  # noqa: E402
 from eagleforge.draft import Eagle3Config, Eagle3Draft  # noqa: E402
 from eagleforge.extract.capture import HiddenStateCapture  # noqa: E402
-from eagleforge.extract.native.run import forward_batch  # noqa: E402
+from eagleforge.extract.native.target import forward_batch  # noqa: E402
+from eagleforge.train.batching import pad_batch  # noqa: E402
 from eagleforge.train.distributed import DraftWithLoss, clip_grad_norm  # noqa: E402
-from eagleforge.train.online import Prefetcher, collate_rows, overlap_report  # noqa: E402
+from eagleforge.train.loop import ttt_loss_of  # noqa: E402
 from eagleforge.train.online_plan import GIB, plan_online  # noqa: E402
+from eagleforge.train.prefetch import Prefetcher  # noqa: E402
 from eagleforge.train.step_plan import resolve_param_dtype  # noqa: E402
-from eagleforge.train.ttt_loss import TTTLoss  # noqa: E402
 from eagleforge.train.weight_grads import fuse_weight_grads  # noqa: E402
+
+
+def overlap_report(target_tokens: int, target_seconds: float, train_tokens: int, train_seconds: float,
+                   online_tokens: int, online_seconds: float) -> dict:
+    """Rates in tokens/s and the online rate over the serial ideal 1 / (1/extract + 1/train):
+    above 1 when the target's forwards overlap the draft's training."""
+    extract = target_tokens / target_seconds if target_seconds else float("nan")
+    train = train_tokens / train_seconds if train_seconds else float("nan")
+    online = online_tokens / online_seconds if online_seconds else float("nan")
+    serial = 1.0 / (1.0 / extract + 1.0 / train)
+    return {"extract_tokens_per_s": extract, "train_tokens_per_s": train, "online_tokens_per_s": online,
+            "serial_ideal_tokens_per_s": serial, "ratio_to_serial": online / serial}
 
 
 def sync(device: torch.device) -> None:
@@ -96,7 +109,7 @@ def main(argv=None) -> dict:
     draft.set_vocab_map(torch.zeros(vd, dtype=torch.int64), torch.arange(args.vocab_size) < vd)  # draft ids = the first Vd
     draft.embed_tokens.weight.requires_grad_(False)
     teacher_head = (torch.randn(vd, args.hidden_size, device=device) * 0.02).to(torch.bfloat16 if tc.bf16 else torch.float32)
-    model = DraftWithLoss(draft, TTTLoss(tc, teacher_head, device))
+    model = DraftWithLoss(draft, ttt_loss_of(cfg, teacher_head, device, tc.activation_checkpoint, tc.compile))
     params = [q for q in model.parameters() if q.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95))
 
@@ -118,7 +131,7 @@ def main(argv=None) -> dict:
             rows.append({"input_ids": torch.tensor(seq, device=device), "loss_mask": torch.ones(n, dtype=torch.bool, device=device),
                          **{k: v[row:row + n] for k, v in packed.items()}})
             row += n
-        return None, collate_rows(rows, device)
+        return pad_batch(rows).to(device, param_dtype)  # the trainer's batch, in the draft's input dtype
 
     def train_step(batch) -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -141,7 +154,7 @@ def main(argv=None) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     extract_s = timed(lambda i, warm: produce(i))
-    one = produce(0)[1]
+    one = produce(0)
     train_s = timed(lambda i, warm: train_step(one))  # noqa: F821 (bound above; deleted only after the call)
     del one
 
@@ -151,9 +164,9 @@ def main(argv=None) -> dict:
         includes filling it (no forward is done before the clock starts)."""
         if opt.prefetch == 0:
             for i in range(first, first + count):
-                train_step(produce(i)[1])
+                train_step(produce(i))
             return
-        prefetcher = Prefetcher(produce, list(range(first, first + count)), opt.prefetch, device)
+        prefetcher = Prefetcher(produce, list(range(first, first + count)), opt.prefetch, device, side_stream=True)
         try:
             for _ in range(count):
                 train_step(prefetcher.get()[1])

@@ -14,8 +14,8 @@ data, hidden and vocab are links to RUN's.
              fp32 masters of bf16 weights, grad clip) with the trainer's lr, weight decay, clip and
              lr schedule (train.loop.lr_lambda swapped in for SpecForge's own).
              Batches: the trainer's (step_schedule below: make_batches with train.seed, epoch by
-             epoch, world x grad_accum batches a step), read from the shards by ShardReader and
-             padded by collate_host on the same read-ahead thread (BatchPrefetch), fed as
+             epoch, world x grad_accum batches a step), read from the shards by the trainer's ShardSource and
+             padded on the same read-ahead worker (train/prefetch.py), fed as
              SpecForge's offline pipeline feeds its step (TargetHead.preprocess: input ids and
              target states shifted left by one, loss mask not). --specforge-mask aligned (the
              default) shifts the loss mask left by two so SpecForge scores the same rows as the
@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import subprocess
 import sys
@@ -69,7 +68,11 @@ import_eagleforge()  # a bare checkout runs without `pip install -e .`
 
 from eagleforge.config import Config, load_config  # noqa: E402
 from eagleforge.draft import EXPORT_TENSOR_NAMES, Eagle3Config, Eagle3Draft, save_draft  # noqa: E402
-from eagleforge.train.batching import Batch, BatchPrefetch, collate_host, make_batches  # noqa: E402
+from eagleforge.layout import Layout  # noqa: E402
+from eagleforge.train.batching import Batch  # noqa: E402
+from eagleforge.train.prefetch import Prefetcher  # noqa: E402
+from eagleforge.train.schedule import Position, Schedule, step_slots  # noqa: E402
+from eagleforge.train.sources import ShardSource  # noqa: E402
 
 log = logging.getLogger("bench_quality")
 
@@ -89,27 +92,12 @@ TINY_TRAIN = ["train.max_steps=6", "train.batch_tokens=1024", "train.holdout_sam
 def step_schedule(lengths, train_ids, batch_tokens: int, seed: int, epochs: int, max_steps: int,
                   batches_per_step: int) -> list[list[list[int]]]:
     """The trainer's optimizer steps, each the list of its global batches (lists of sample ids),
-    in order: epoch e's batches are make_batches(lengths, train_ids, batch_tokens, seed, e), a
-    step takes the next `batches_per_step` of them (fewer at an epoch's end, never across
-    epochs), and the run has max_steps steps (continuing into further epochs) or, with
-    max_steps 0, all steps of `epochs` epochs (Trainer._total_steps and _next_batches)."""
+    in order: the trainer's own Schedule (train/schedule.py) of one process with grad_accum =
+    batches_per_step."""
     if not train_ids:
         raise ValueError("step_schedule: no training samples")
-    per_epoch = lambda e: make_batches(lengths, train_ids, batch_tokens, seed, e)  # noqa: E731
-    if max_steps > 0:
-        total = max_steps
-    else:
-        total = sum(math.ceil(len(per_epoch(e)) / batches_per_step) for e in range(epochs))
-    steps: list[list[list[int]]] = []
-    epoch = 0
-    while len(steps) < total:
-        batches = per_epoch(epoch)
-        for i in range(0, len(batches), batches_per_step):
-            if len(steps) == total:
-                break
-            steps.append(batches[i : i + batches_per_step])
-        epoch += 1
-    return steps
+    schedule = Schedule(lengths, train_ids, batch_tokens, seed, 1, batches_per_step, epochs, max_steps)
+    return [step.batches for step in schedule.steps(Position(), 0, schedule.total_steps)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -253,19 +241,20 @@ def train_specforge(cfg: Config, attention_backend: str, mask_mode: str) -> dict
     from specforge.optimizer import BF16Optimizer
 
     from eagleforge.target import target_path
-    from eagleforge.train.loop import build_draft, lr_lambda, open_reader
+    from eagleforge.train.build import build_draft
+    from eagleforge.train.loop import lr_lambda
     from eagleforge.vocab import load_target_head, load_vocab_map, read_target_head, training_sample_count
 
     t_start = time.perf_counter()
     tc = cfg.train
     device = torch.device("cuda" if tc.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # SpecForge trains bf16 weights on GPUs
-    reader = open_reader(cfg)
+    source = ShardSource(cfg.run / "hidden", Layout(device=device), tc.verify_checksums, tc.skip_corrupt_shards)
     vocab, head = load_vocab_map(cfg.run), load_target_head(cfg.run)
-    config = build_draft(cfg, reader.manifest, vocab, head).config  # our draft's shape: the same for both
+    config = build_draft(cfg, source.manifest, vocab, head).config  # our draft's shape: the same for both
     full_head, _ = read_target_head(target_path(cfg.target), cfg.target)  # [V, Ht]: SpecForge's teacher
-    n_train = training_sample_count(len(reader), tc.holdout_samples, str(cfg.run / "hidden"))
-    steps = step_schedule(reader.sample_lengths(), list(range(n_train)), tc.batch_tokens, tc.seed, tc.epochs,
+    n_train = training_sample_count(len(source), tc.holdout_samples, str(cfg.run / "hidden"))
+    steps = step_schedule(source.sample_lengths(), list(range(n_train)), tc.batch_tokens, tc.seed, tc.epochs,
                           tc.max_steps, max(1, tc.grad_accum))
 
     draft = build_specforge_draft(config, vocab["d2t"], vocab["t2d"], head["embed_tokens"], attention_backend, tc.seed)
@@ -279,18 +268,18 @@ def train_specforge(cfg: Config, attention_backend: str, mask_mode: str) -> dict
     opt.scheduler = torch.optim.lr_scheduler.LambdaLR(opt.optimizer, lr_lambda(len(steps), tc.warmup_ratio, tc.min_lr_ratio))
     head_weight = full_head.to(device, dtype)
     all_positions = tc.loss_positions == "all"
-    prefetch = BatchPrefetch(lambda ids: collate_host([reader[i] for i in ids], pin=device.type == "cuda"))
+    # read and padded a step ahead on one worker, as the trainer's feed does
+    feed = Prefetcher(source.load, (slot for step in steps for slot in step_slots(step, 1)), max(1, tc.grad_accum), device)
     model.train()
     tokens, losses = 0, []
     t0 = time.perf_counter()
     try:
-        prefetch.ahead(steps[0])
         for n, step_batches in enumerate(steps):
-            if n + 1 < len(steps):
-                prefetch.ahead(steps[n + 1])  # read while this step trains, as the trainer does
             step_loss = 0.0
             for ids in step_batches:
-                batch = prefetch.get(ids).to(device, dtype)
+                slot, batch = feed.get()
+                assert list(slot.read_of(0, 1)) == ids, (slot, ids)
+                batch = batch.to(device, dtype)
                 out = model(**specforge_inputs(batch, all_positions, mask_mode), target_head_weight=head_weight)
                 loss = sum(tc.step_weight_decay**j * step for j, step in enumerate(out[0])) / len(step_batches)
                 loss.backward()
@@ -304,7 +293,7 @@ def train_specforge(cfg: Config, attention_backend: str, mask_mode: str) -> dict
             torch.cuda.synchronize()
         train_s = time.perf_counter() - t0
     finally:
-        prefetch.close()
+        feed.close()
     ours = specforge_to_draft(draft.state_dict(), config, vocab["d2t"], vocab["t2d"])
     if ours.nonfinite_tensors():
         raise RuntimeError(f"SpecForge's trained draft holds NaN/Inf in {ours.nonfinite_tensors()[:4]}")
@@ -333,7 +322,7 @@ def heldout_acceptance(cfg: Config) -> dict:
             trainer.draft.load_state_dict({k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}, strict=False)
         stats = trainer.evaluate(trainer.heldout_ids)
     finally:
-        trainer.prefetch.close()
+        trainer.close()
     k = min(cfg.eval.k, cfg.train.ttt_steps)
     heldout = {"tokens": stats.tokens, "accuracy_per_step": stats.accuracy_per_step(),
                "simulated_acceptance_length_by_k": {str(i): stats.acceptance_length(i) for i in range(1, cfg.train.ttt_steps + 1)}}

@@ -608,12 +608,13 @@ def run_trainer(name: str, config_file: str | None, overrides: list[str], s: Sha
                 if trainer is None:
                     trainer = Trainer(cfg)
                 if source == "synthetic batch":
-                    # no reading at all: the worker's queue is dropped and nothing more is queued
-                    # (reads queued but never taken would pile up host batches)
-                    first = trainer._load(trainer.epoch_batches(0)[0])
-                    trainer.prefetch.close()
-                    trainer.prefetch.ahead = trainer.prefetch.ensure = lambda batches: None
-                    trainer._load = lambda ids, first=first: first
+                    # no reading at all: the feed is stopped and remade with a worker that hands
+                    # over the same device batch for every slot (nothing read, padded or copied)
+                    first = trainer.load_batch(trainer.schedule.epoch_batches(0)[0])
+                    if trainer.feed is not None:
+                        trainer.feed.close()
+                        trainer.feed = None
+                    trainer.read = lambda slot, first=first: first
                 seconds, peak = time_steps(trainer.train_step, device, steps_warm, steps_timed)
                 row = result_row(label, tokens, seconds, peak, flops_per_token(s, tokens, s.draft_vocab), peak_tflops)
                 row["settings"] = {k: str(getattr(trainer, k, "")) for k in ("param_dtype", "parallel")}
@@ -629,7 +630,7 @@ def run_trainer(name: str, config_file: str | None, overrides: list[str], s: Sha
             if save is not None:
                 save()
         if trainer is not None:
-            trainer.prefetch.close()
+            trainer.close()
         del trainer
         free_memory(device)
         shutil.rmtree(run, ignore_errors=True)
@@ -817,7 +818,7 @@ def print_table(rows: list[dict]) -> None:
                   f"{r['GFLOP_per_token']} | {r['TFLOPs']} | {r['MFU']} | {vs} |")
 
 
-def main(argv=None) -> dict:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192, 32768])
     ap.add_argument("--specforge-tokens", type=int, nargs="+", default=[2048, 8192, 16384, 32768])
@@ -851,9 +852,31 @@ def main(argv=None) -> dict:
     ap.add_argument("--workdir", type=Path, default=Path("runs/bench_train"), help="where the trainer rows' shards go")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--cpu-check", action="store_true", help="tiny shapes on the CPU (checks the script)")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    return ap.parse_args(argv)
 
+
+@dataclasses.dataclass
+class Bench:
+    """One run's shape, device, step variants, draft-vocabulary ids and report (saved as it grows)."""
+
+    args: argparse.Namespace
+    shape: Shape
+    device: torch.device
+    variants: list
+    used_ids: torch.Tensor
+    report: dict
+
+    def save(self) -> None:
+        if self.args.json:
+            self.args.json.parent.mkdir(parents=True, exist_ok=True)
+            self.args.json.write_text(json.dumps(self.report, indent=1))
+
+    def our_step(self, v: "Variant"):
+        return v.step(self.shape, self.device, self.used_ids, self.args.embed_device, self.args.chunk_tokens)
+
+
+def set_up(args: argparse.Namespace) -> Bench:
+    """The shape and device (tiny on the CPU with --cpu-check), the step variants, the report."""
     if args.cpu_check:
         s, device = Shape.tiny(), torch.device("cpu")
         args.tokens, args.specforge_tokens, args.check_tokens = [64, 150], [64], 150
@@ -875,88 +898,103 @@ def main(argv=None) -> dict:
     report: dict = {"shape": vars(s), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                     "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()},
                     "variants": [v.name for v in variants], "results": [], "checks": {}}
+    return Bench(args, s, device, variants, used_ids, report)
 
-    def save():
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(report, indent=1))
 
-    if args.attention_bench or not (args.no_attention_bench or args.profile or args.varying):
-        report["results"] = attention_bench(s, device, args.attention_tokens, args.attention_modes, args.warmup, args.iters)
-        save()
-        if args.attention_bench:
-            print_table(report["results"])
-            return report
+def varying_mode(b: Bench) -> None:
+    """--varying N: N steps of lengths varying in [T/2, T] per variant."""
+    lengths = varying_lengths(max(b.args.tokens), b.args.varying)
+    for v in b.variants:
+        run_varying(f"ours {v.name}", lambda v=v: b.our_step(v), b.shape, lengths, b.device, b.used_ids,
+                    b.args.peak_tflops, b.shape.draft_vocab, b.report["results"])
+        b.save()
+    print_table(b.report["results"])
 
-    if args.varying:
-        lengths = varying_lengths(max(args.tokens), args.varying)
-        for v in variants:
-            run_varying(f"ours {v.name}",
-                        lambda v=v: v.step(s, device, used_ids, args.embed_device, args.chunk_tokens),
-                        s, lengths, device, used_ids, args.peak_tflops, s.draft_vocab, report["results"])
-            save()
-        print_table(report["results"])
-        return report
 
-    if args.profile:
-        for v in variants:
-            method = v.step(s, device, used_ids, args.embed_device, args.chunk_tokens)
-            report["results"].append(profile_step(f"ours {v.name}", method, s, args.profile, device, used_ids))
-            save()
-            del method
-            free_memory(device)
-        if not args.no_specforge:
-            report["results"].append(profile_step("specforge", SpecForgeStep(s, device, used_ids), s, args.profile, device,
-                                                  used_ids))
-            save()
-        return report
+def profile_mode(b: Bench) -> None:
+    """--profile T: one profiled step of each variant (and SpecForge's) at T."""
+    for v in b.variants:
+        method = b.our_step(v)
+        b.report["results"].append(profile_step(f"ours {v.name}", method, b.shape, b.args.profile, b.device, b.used_ids))
+        b.save()
+        del method
+        free_memory(b.device)
+    if not b.args.no_specforge:
+        b.report["results"].append(profile_step("specforge", SpecForgeStep(b.shape, b.device, b.used_ids), b.shape,
+                                                b.args.profile, b.device, b.used_ids))
+        b.save()
 
-    if not args.no_checks:
-        # Correctness first, at the real head shapes (small T for the explicit-mask attention reference).
-        for mode in sorted({v.attn for v in variants} - {"reference"}):
-            report["checks"][f"attention_{mode}"] = check_attention(s, device, min(1024, args.check_tokens), mode)
-            log.info("attention check: %s", report["checks"][f"attention_{mode}"])
-        ours = OurStep(s, device, used_ids, "none", variants[0].attn if variants else "auto", args.embed_device, args.chunk_tokens)
-        report["checks"]["loss"] = check_loss(ours, make_batch(s, args.check_tokens, device, used_ids, seed=3))
-        log.info("loss check: %s", report["checks"]["loss"])
+
+def correctness_checks(b: Bench) -> None:
+    """Correctness first, at the real head shapes (small T for the explicit-mask attention reference)."""
+    s, device, used_ids, args, checks = b.shape, b.device, b.used_ids, b.args, b.report["checks"]
+    for mode in sorted({v.attn for v in b.variants} - {"reference"}):
+        checks[f"attention_{mode}"] = check_attention(s, device, min(1024, args.check_tokens), mode)
+        log.info("attention check: %s", checks[f"attention_{mode}"])
+    ours = OurStep(s, device, used_ids, "none", b.variants[0].attn if b.variants else "auto", args.embed_device, args.chunk_tokens)
+    checks["loss"] = check_loss(ours, make_batch(s, args.check_tokens, device, used_ids, seed=3))
+    log.info("loss check: %s", checks["loss"])
+    del ours
+    free_memory(device)
+    fused = next((v for v in b.variants if v.fusegrad), None)
+    if fused:
+        ours = OurStep(s, device, used_ids, fused.ckpt, fused.attn, args.embed_device, args.chunk_tokens, fused.compile,
+                       fused.packed)
+        checks["fusegrad"] = check_fused_weight_grads(ours, make_batch(s, min(1024, args.check_tokens), device, used_ids, seed=4))
+        log.info("fused weight-gradient check: %s", checks["fusegrad"])
         del ours
-        free_memory(device)
-        fused = next((v for v in variants if v.fusegrad), None)
-        if fused:
-            ours = OurStep(s, device, used_ids, fused.ckpt, fused.attn, args.embed_device, args.chunk_tokens, fused.compile,
-                           fused.packed)
-            report["checks"]["fusegrad"] = check_fused_weight_grads(
-                ours, make_batch(s, min(1024, args.check_tokens), device, used_ids, seed=4))
-            log.info("fused weight-gradient check: %s", report["checks"]["fusegrad"])
-            del ours
-        free_memory(device)
-        save()
+    free_memory(device)
+    b.save()
 
+
+def timing_rows(b: Bench) -> None:
+    """The trainer's rows per --trainer-configs, each step-only variant, then SpecForge's step."""
+    s, device, used_ids, args, results = b.shape, b.device, b.used_ids, b.args, b.report["results"]
     for config_file in args.trainer_configs:
         run_trainer(f"trainer {Path(config_file).stem}", config_file, args.trainer_overrides, s, args.tokens, device,
-                    used_ids, args.warmup, args.iters, args.peak_tflops, args.workdir, report["results"], save)
-    for v in variants:
+                    used_ids, args.warmup, args.iters, args.peak_tflops, args.workdir, results, b.save)
+    for v in b.variants:
         tokens = [t for t in args.tokens if v.ckpt != "none" or t <= args.no_ckpt_max_tokens]
-        run_method(f"step-only {v.name}",
-                   lambda v=v: v.step(s, device, used_ids, args.embed_device, args.chunk_tokens),
-                   s, tokens, device, used_ids, args.warmup, args.iters, args.peak_tflops, s.draft_vocab, report["results"])
-        versus_specforge(report["results"])
-        save()
+        run_method(f"step-only {v.name}", lambda v=v: b.our_step(v), s, tokens, device, used_ids, args.warmup, args.iters,
+                   args.peak_tflops, s.draft_vocab, results)
+        versus_specforge(results)
+        b.save()
     # SpecForge last: rows measured after it in the same process carried ~10 GiB more fixed
     # memory (most likely its model kept alive by compile caches), so nothing of ours follows it.
     if not args.no_specforge:
         try:
             import specforge  # noqa: F401
         except ImportError as err:
-            report["results"].append({"method": "specforge", "tokens": 0, "error": f"not installed: {err}"})
+            results.append({"method": "specforge", "tokens": 0, "error": f"not installed: {err}"})
         else:
             run_method("specforge 0.2.0", lambda: SpecForgeStep(s, device, used_ids), s, args.specforge_tokens, device,
-                       used_ids, args.warmup, args.iters, args.peak_tflops, s.vocab, report["results"])
-        versus_specforge(report["results"])
-        save()
-    print_table(report["results"])
-    print(json.dumps(report["checks"]))
-    return report
+                       used_ids, args.warmup, args.iters, args.peak_tflops, s.vocab, results)
+        versus_specforge(results)
+        b.save()
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    b = set_up(args)
+    if args.attention_bench or not (args.no_attention_bench or args.profile or args.varying):
+        b.report["results"] = attention_bench(b.shape, b.device, args.attention_tokens, args.attention_modes, args.warmup, args.iters)
+        b.save()
+        if args.attention_bench:
+            print_table(b.report["results"])
+            return b.report
+    if args.varying:
+        varying_mode(b)
+        return b.report
+    if args.profile:
+        profile_mode(b)
+        return b.report
+    if not args.no_checks:
+        correctness_checks(b)
+    timing_rows(b)
+    print_table(b.report["results"])
+    print(json.dumps(b.report["checks"]))
+    return b.report
 
 
 if __name__ == "__main__":

@@ -53,7 +53,6 @@ def build(args, env) -> tuple:
     from bench_train import Shape, use_compiled_block_masks, write_kimi_shaped_run
 
     from eagleforge.config import load_config
-    from eagleforge.train.distributed import barrier
     from eagleforge.train.loop import Trainer
 
     shape = Shape.tiny() if args.tiny else Shape()
@@ -66,7 +65,7 @@ def build(args, env) -> tuple:
 
         shutil.rmtree(run, ignore_errors=True)
         write_kimi_shaped_run(run, shape, args.tokens, env.world_size * (args.warmup + args.steps), used_ids)
-    barrier(env)
+    env.barrier()
     overrides = [f"run_dir={run}", f"train.batch_tokens={args.tokens}", "train.holdout_samples=0", "train.epochs=1",
                  f"train.device={env.device.type}", "train.save_every=0", f"train.parallel={args.parallel}",
                  f"train.attention={args.attention}", f"train.ttt_steps={shape.ttt}", *args.override]
@@ -78,9 +77,9 @@ def worker(args) -> dict:
     """One rank under torchrun (or alone): time --steps trainer steps after --warmup."""
     from bench_train import flops_per_token
 
-    from eagleforge.train.distributed import all_reduce_sum, init_distributed, shutdown
+    from eagleforge.layout import init_layout
 
-    env = init_distributed("cpu" if args.tiny else "cuda")
+    env = init_layout("cpu" if args.tiny else "cuda")
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     shape, trainer = build(args, env)
     for _ in range(args.warmup):
@@ -88,7 +87,7 @@ def worker(args) -> dict:
     if env.device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    all_reduce_sum([0.0], env)  # line the ranks up before the clock starts
+    env.all_reduce_sum([0.0])  # line the ranks up before the clock starts
     start = time.perf_counter()
     for _ in range(args.steps):
         trainer.train_step()
@@ -109,15 +108,13 @@ def worker(args) -> dict:
         log.info("%s", row)
         if args.json:
             Path(args.json).write_text(json.dumps(row))
-    trainer.prefetch.close()
-    shutdown(env)
+    trainer.close()
+    env.shutdown()
     return row
 
 
 def _max_over_ranks(value: float, env) -> float:
-    from eagleforge.train.distributed import all_reduce_sum
-
-    return max(all_reduce_sum([value if r == env.rank else 0.0 for r in range(env.world_size)], env))
+    return max(env.all_reduce_sum([value if r == env.rank else 0.0 for r in range(env.world_size)]))
 
 
 def launch(args) -> list[dict]:

@@ -2,7 +2,7 @@
 
 Builds the Kimi-shaped bench model (real K2.5 dimensions, `--layers` layers, random weights) at
 this run's tensor-parallel size in each expert layout asked for, and runs the extraction loop of
-extract/native/run.py on it: `forward_batch` (forward, capture of the aux layers and the final
+extract/driver.py on it as a NativeTarget: `forward_batch` (forward, capture of the aux layers and the final
 norm, the packed rows, the full-vocabulary argmax) and the overlapped writer (pinned copies on a
 side stream; a sink that drops them, so the disk plays no part). Per rank and batch size:
 
@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import sys
-from types import SimpleNamespace
 
 import torch
 
@@ -37,12 +36,12 @@ from _bench_common import import_eagleforge, memory_at_peak  # noqa: E402
 from bench_extract import NullSink  # noqa: E402  (the writer's sink that drops the host copies)
 
 import_eagleforge()
-from kimi_shaped import build_bench_model, kimi_args, tiny_args  # noqa: E402
+from kimi_shaped import bench_layout, build_bench_model, kimi_args, tiny_args  # noqa: E402
 
 from eagleforge.extract.capture import HiddenStateCapture  # noqa: E402
-from eagleforge.extract.native.parallel import gather_objects, init_parallel, shutdown  # noqa: E402
+from eagleforge.extract.driver import extract_chunk  # noqa: E402
 from eagleforge.extract.native.plan import GIB, plan_memory  # noqa: E402
-from eagleforge.extract.native.run import extract_chunk, forward_batch  # noqa: E402
+from eagleforge.extract.native.target import NativeTarget, forward_batch  # noqa: E402
 from eagleforge.extract.writer import make_writer  # noqa: E402
 
 log = logging.getLogger("check_plan")
@@ -57,25 +56,27 @@ def samples(vocab: int, batch_tokens: int, max_length: int, count: int, seed: in
             for j in range(n)]
 
 
-def run_loop(model, state, aux_layers: list[int], rows: list[dict], batch_tokens: int) -> None:
-    """The extraction loop itself (run.extract_chunk over one chunk, batched by tokens as extraction
-    batches it); the group leader submits each batch to the overlapped writer."""
-    cfg = SimpleNamespace(extract=SimpleNamespace(batch_tokens=batch_tokens, write_target_argmax=True))
-    writer = make_writer(NullSink(), overlap=True) if state.is_group_leader else None
-    with HiddenStateCapture(model.model.layers, aux_layers, model.model.norm) as capture:
-        extract_chunk(model, capture, 0, rows, cfg, state, writer)
+def run_loop(model, job, aux_layers: list[int], rows: list[dict], batch_tokens: int) -> None:
+    """The extraction loop itself (driver.extract_chunk over one chunk, batched by tokens as
+    extraction batches it); the group leader submits each batch to the overlapped writer."""
+    writer = make_writer(NullSink(), overlap=True) if job.is_group_leader else None
+    target = NativeTarget(model, job, aux_layers, write_target_argmax=True)
+    try:
+        extract_chunk(target, 0, rows, batch_tokens, writer)
+    finally:
+        target.close()
     if writer is not None:
         writer.close()
 
 
-def measure(model, args, state, layout: str, aux_layers: list[int], batch_tokens: int, max_length: int,
+def measure(model, args, job, layout: str, aux_layers: list[int], batch_tokens: int, max_length: int,
             reps: int, breakdown: bool) -> dict:
     """One rank's measured bytes for one batch size, beside the planner's."""
-    cuda = state.device.type == "cuda"
-    plan = plan_memory(args, state.tp.size, layout, batch_tokens=batch_tokens, max_length=max_length,
+    cuda = job.device.type == "cuda"
+    plan = plan_memory(args, job.tp, layout, batch_tokens=batch_tokens, max_length=max_length,
                        aux_layers=aux_layers)
     rows = samples(args.vocab_size, batch_tokens, max_length, reps, seed=batch_tokens)
-    r = {"rank": state.rank, "layout": layout, "batch_tokens": batch_tokens, "max_length": max_length,
+    r = {"rank": job.rank, "layout": layout, "batch_tokens": batch_tokens, "max_length": max_length,
          "plan_weights_GiB": plan.weights_bytes / GIB, "plan_activations_GiB": plan.components["activations"] / GIB,
          "plan_total_GiB": plan.total_bytes / GIB}
     if cuda:
@@ -83,7 +84,7 @@ def measure(model, args, state, layout: str, aux_layers: list[int], batch_tokens
         torch.cuda.empty_cache()  # the build's and earlier runs' cached blocks are not this loop's
         weights = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    run_loop(model, state, aux_layers, rows, batch_tokens)
+    run_loop(model, job, aux_layers, rows, batch_tokens)
     if not cuda:
         return r
     torch.cuda.synchronize()
@@ -95,7 +96,7 @@ def measure(model, args, state, layout: str, aux_layers: list[int], batch_tokens
         def one_forward():
             with HiddenStateCapture(model.model.layers, aux_layers, model.model.norm) as capture:
                 forward_batch(model, capture, [r["input_ids"] for r in rows[:max(1, batch_tokens // max_length)]],
-                              state.device, True)
+                              job.device, True)
         r["breakdown"] = memory_at_peak(one_forward)
     return r
 
@@ -131,32 +132,32 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if int(os.environ.get("RANK", "0")) == 0 else logging.WARNING, format="%(message)s")
-    state = init_parallel(int(os.environ.get("WORLD_SIZE", "1")), "cpu" if a.cpu_check else "cuda")
+    job, tp = bench_layout(a.cpu_check)
     rows: list[dict] = []
     try:
         args = tiny_args(a.layers) if a.cpu_check else kimi_args(a.layers)
         tokens = [64, 96] if a.cpu_check else a.batch_tokens
         aux_layers = sorted({1, max(1, args.num_hidden_layers // 2), args.num_hidden_layers - 1})
         for layout in a.layouts:
-            model = build_bench_model(args, state.device, tp=state.tp, layout=layout)
+            model = build_bench_model(args, job.device, tp=tp, layout=layout)
             for T in tokens:
-                r = measure(model, args, state, layout, aux_layers, T, min(a.max_length or T, T), a.reps,
-                            a.breakdown and state.device.type == "cuda")
-                r["tp"] = state.tp.size
-                rows.extend(gather_objects(state, r))
-                if state.is_main and "breakdown" in r:
-                    log.info("peak of one forward, tp %d %s %d tokens: %s", state.tp.size, layout, T,
+                r = measure(model, args, job, layout, aux_layers, T, min(a.max_length or T, T), a.reps,
+                            a.breakdown and job.device.type == "cuda")
+                r["tp"] = tp.size
+                rows.extend(job.all_gather_object(r))
+                if job.is_main and "breakdown" in r:
+                    log.info("peak of one forward, tp %d %s %d tokens: %s", tp.size, layout, T,
                              json.dumps(r["breakdown"], indent=1))
             del model
-            if state.device.type == "cuda":
+            if job.device.type == "cuda":
                 torch.cuda.empty_cache()
-        if state.is_main:
+        if job.is_main:
             print(table(rows))
             if a.json:
                 with open(a.json, "w") as f:
                     json.dump(rows, f, indent=1)
     finally:
-        shutdown(state)
+        job.shutdown()
     return rows
 
 

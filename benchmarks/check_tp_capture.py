@@ -23,10 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _bench_common import import_eagleforge  # noqa: E402
 
 import_eagleforge()
-from kimi_shaped import build_bench_model, kimi_args, tiny_args  # noqa: E402
+from kimi_shaped import bench_layout, build_bench_model, kimi_args, tiny_args  # noqa: E402
 
 from eagleforge.extract.capture import HiddenStateCapture  # noqa: E402
-from eagleforge.extract.native.parallel import init_parallel, shutdown  # noqa: E402
 
 
 def main(argv=None) -> dict:
@@ -35,14 +34,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--cpu-check", action="store_true")
     a = ap.parse_args(argv)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    state = init_parallel(world, "cpu" if a.cpu_check else "cuda")
+    layout, tp = bench_layout(a.cpu_check)
     try:
         args = tiny_args(a.layers) if a.cpu_check else kimi_args(a.layers)
         tokens = 40 if a.cpu_check else a.tokens
-        model = build_bench_model(args, state.device, tp=state.tp,
+        model = build_bench_model(args, layout.device, tp=tp,
                                   dtype=torch.float32 if a.cpu_check else torch.bfloat16)
-        ids = torch.randint(0, args.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(1)).to(state.device)
+        ids = torch.randint(0, args.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(1)).to(layout.device)
         aux_layers = list(range(1, args.num_hidden_layers))
         with torch.inference_mode(), HiddenStateCapture(model.model.layers, aux_layers, model.model.norm) as capture:
             model(ids)
@@ -50,20 +48,20 @@ def main(argv=None) -> dict:
             last = capture.last_hidden_state[0].float()
         per_layer = aux.view(tokens, len(aux_layers), -1)
         report = {
-            "rank": state.rank, "tp": state.tp.size, "tokens": tokens,
+            "rank": layout.rank, "tp": tp.size, "tokens": tokens,
             "finite": bool(torch.isfinite(aux).all()),
             "min_token_norm_per_aux_layer": [round(float(per_layer[:, i].norm(dim=-1).min()), 6) for i in range(len(aux_layers))],
             "argmin_token_per_aux_layer": [int(per_layer[:, i].norm(dim=-1).argmin()) for i in range(len(aux_layers))],
             "max_abs": round(float(aux.abs().max()), 4),
         }
         report["last_finite"] = bool(torch.isfinite(last).all())
-        if state.tp.size > 1:
-            gathered = state.tp.all_gather(aux.contiguous())
+        if tp.size > 1:
+            gathered = tp.all_gather(aux.contiguous())
             report["max_diff_between_ranks"] = max(float((g - aux).abs().max()) for g in gathered)
         print(json.dumps(report), flush=True)
         return report
     finally:
-        shutdown(state)
+        layout.shutdown()
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ from _bench_common import import_eagleforge  # noqa: E402
 
 import_eagleforge()
 from eagleforge.extract.native.model import DeepseekV3ForExtraction, ModelArgs  # noqa: E402
-from eagleforge.extract.native.parallel import TensorParallel  # noqa: E402
+from eagleforge.extract.native.parallel import TensorParallel, tensor_parallel, use_expandable_segments  # noqa: E402
+from eagleforge.layout import Layout, init_layout, world_size_from_env  # noqa: E402
 
 KIMI_K25_TEXT = dict(
     vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
@@ -38,6 +39,15 @@ KIMI_K25_TEXT = dict(
                   "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
     max_position_embeddings=262144,
 )
+
+
+def bench_layout(cpu_check: bool) -> tuple[Layout, TensorParallel]:
+    """The job (one process, or torchrun's) as one tensor-parallel group over all its ranks, on
+    the GPUs (NCCL, the allocator set up as extraction sets it) or on the CPU (gloo)."""
+    if not cpu_check:
+        use_expandable_segments()
+    layout = init_layout("cpu" if cpu_check else "cuda", tp=world_size_from_env())
+    return layout, tensor_parallel(layout)
 
 
 def kimi_args(num_layers: int = 4, **overrides) -> ModelArgs:

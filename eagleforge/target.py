@@ -170,7 +170,7 @@ def device_map_kwargs(cfg: TargetConfig) -> dict:
     if cfg.device_map == "none":
         return {}
     from eagleforge.config import parse_max_memory
-    from eagleforge.process_group import world_size_from_env
+    from eagleforge.layout import world_size_from_env
 
     world = world_size_from_env()
     if world > 1:

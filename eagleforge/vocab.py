@@ -352,6 +352,27 @@ def write_vocab_files(cfg: Config, counts: torch.Tensor, identity: str) -> tuple
     return d2t, t2d, coverage(counts, t2d)
 
 
+def build_vocab_from_samples(cfg: Config, samples: list[dict], header: dict) -> None:
+    """RUN/vocab from the samples' loss-masked ids of the training samples (the vocab stage counts
+    the same tokens from the shards); reused when the samples, holdout, Vd and target are unchanged."""
+    from eagleforge.shards import rows_sha256
+
+    out = cfg.run / "vocab"
+    files = [out / VOCAB_MAP, out / TARGET_HEAD]
+    key = {"samples": rows_sha256(samples),
+           "holdout_samples": cfg.train.holdout_samples, "draft_vocab_size": cfg.vocab.draft_vocab_size,
+           "target_path": cfg.target.path, "source": "online"}
+    identity = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    if vocab_up_to_date(files, identity):
+        log.info("%s is up to date with the samples", out)
+        return
+    vocab_size = int(header["target"]["vocab_size"])
+    n_train = training_sample_count(len(samples), cfg.train.holdout_samples, str(cfg.run / "data" / "samples.jsonl"))
+    counts = count_tokens(((torch.tensor(s["input_ids"]), torch.tensor(s["loss_mask"])) for s in samples[:n_train]), vocab_size)
+    d2t, _, cov = write_vocab_files(cfg, counts, identity)
+    log.info("draft vocabulary from the samples: Vd=%d of V=%d, coverage %.4f -> %s", d2t.shape[0], vocab_size, cov, out)
+
+
 def check_shards_match_samples(run_dir: Path) -> None:
     """The shards were made from the samples RUN/data/samples.jsonl holds now: each shard's
     recorded content_sha256 (rows_sha256 of its chunk, cut to the manifest's max_length as the

@@ -8,8 +8,9 @@ Started outside torchrun, the stage runs itself under torch.distributed.run when
 needs several processes here: target.tp x the whole groups the visible GPUs hold, one group on
 the CPU (eagleforge/launch.py; launch.nproc=N, launch.mode=none).
 
-target.backend=hf runs any transformers causal LM (extract/hf.py); target.backend=native runs
-the DeepSeek-V3 / Kimi-K2.5 tensor-parallel backend (extract/native/).
+One loop for both backends (extract/driver.py): target.backend=hf runs any transformers causal LM
+(extract/hf.py); target.backend=native runs the DeepSeek-V3 / Kimi-K2.5 tensor-parallel backend
+(extract/native/).
 """
 
 from __future__ import annotations
@@ -18,14 +19,9 @@ from eagleforge.config import Config, run_main
 
 
 def main(cfg: Config) -> None:
-    if cfg.target.backend == "native":
-        from eagleforge.extract.native import extract_native  # imported lazily: heavy, and only for that backend
+    from eagleforge.extract.driver import extract
 
-        extract_native(cfg)
-        return
-    from eagleforge.extract.hf import extract_hf
-
-    extract_hf(cfg)
+    extract(cfg)
 
 
 if __name__ == "__main__":

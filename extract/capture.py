@@ -17,7 +17,7 @@ and the native backend build a new residual tensor per layer).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -28,14 +28,19 @@ def _first(output):
 
 
 class HiddenStateCapture:
-    def __init__(self, layers: Sequence[torch.nn.Module], aux_layer_ids: Sequence[int],
+    """`layers`: the decoder layers in order (layer i = layers[i]), or a mapping {layer id: layer}
+    for a model that holds some of them (the native backend's LayerStack, keyed by global id)."""
+
+    def __init__(self, layers: Sequence[torch.nn.Module] | Mapping, aux_layer_ids: Sequence[int],
                  final_norm: torch.nn.Module | None):
         ids = sorted(int(i) for i in aux_layer_ids)
         if len(set(ids)) != len(ids) or not ids:
             raise ValueError(f"aux_layer_ids must be distinct and non-empty, got {list(aux_layer_ids)}")
-        if ids[0] < 0 or ids[-1] >= len(layers):
-            raise ValueError(f"aux_layer_ids {ids} out of range for a model with {len(layers)} decoder layers")
-        self.layers = layers
+        by_id = {int(i): layer for i, layer in layers.items()} if hasattr(layers, "items") else dict(enumerate(layers))
+        if any(i not in by_id for i in ids):
+            raise ValueError(f"aux_layer_ids {ids} out of range for a model with {len(layers)} decoder layers"
+                             + ("" if sorted(by_id) == list(range(len(by_id))) else f" (ids {min(by_id)}..{max(by_id)})"))
+        self.layers = by_id
         self.aux_layer_ids = ids
         self.final_norm = final_norm
         self._aux: dict[int, torch.Tensor] = {}

@@ -24,18 +24,15 @@ STAGE = os.environ.get("LAUNCH_PROBE_STAGE", "train")
 def main(cfg: Config) -> None:
     if os.environ.get("LAUNCH_PROBE_EXIT") == "user":
         raise UserInputError(f"{cfg.run / 'probe.jsonl'}: line 3: not what the probe expects")
-    from eagleforge.train.distributed import all_reduce_sum, init_distributed, shutdown
+    from eagleforge.layout import init_layout
 
-    env = init_distributed("cpu")  # gloo under torchrun
+    # gloo under torchrun; for extract, the native backend's grouping of the world the launch made
+    env = init_layout("cpu", tp=cfg.target.tp if STAGE == "extract" else 1)
     record = {"rank": env.rank, "world_size": env.world_size, "env": {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")},
               # the ranks and their sum as the process group itself adds them up
-              "reduced": all_reduce_sum([1.0, float(env.rank)], env), "pid": os.getpid()}
-    if STAGE == "extract":  # the native backend's own grouping of the world the launch made
-        from eagleforge.extract.native.parallel import state_from_world
-
-        if env.distributed:
-            state = state_from_world(cfg.target.tp, env.device, initialized_here=False)
-            record["groups"] = {"num_groups": state.num_groups, "group_index": state.group_index, "tp_rank": state.tp.rank}
+              "reduced": env.all_reduce_sum([1.0, float(env.rank)]), "pid": os.getpid()}
+    if STAGE == "extract" and env.distributed:
+        record["groups"] = {"num_groups": env.num_groups, "group_index": env.group_index, "tp_rank": env.tp_rank}
     cfg.run.mkdir(parents=True, exist_ok=True)
     (cfg.run / f"rank-{env.rank}.json").write_text(json.dumps(record))
     code = os.environ.get("LAUNCH_PROBE_EXIT", "0")
@@ -43,7 +40,7 @@ def main(cfg: Config) -> None:
         import time
 
         time.sleep(300)
-    shutdown(env)
+    env.shutdown()
     if code == "kill" and env.rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     if code not in ("kill", "user", "hang") and int(code) and env.rank == 1:

@@ -18,8 +18,9 @@ import bench_quality  # noqa: E402
 @pytest.mark.parametrize("grad_accum,epochs,max_steps", [(1, 2, 0), (2, 3, 0), (3, 1, 7)])
 def test_step_schedule_is_the_trainers(tmp_path, tiny_llama_config, grad_accum, epochs, max_steps):
     """The steps the SpecForge side trains on are the ones Trainer.train_step takes, in order (the
-    trainer's own _next_batches is the reference), across epochs and with max_steps past one epoch."""
+    trainer's own schedule is the reference), across epochs and with max_steps past one epoch."""
     from eagleforge.train.loop import Trainer
+    from eagleforge.train.schedule import Position
     from eagleforge.vocab import main as vocab_main
 
     cfg, _, _ = build_tiny_run(tmp_path, tiny_llama_config, n_samples=30)
@@ -33,10 +34,10 @@ def test_step_schedule_is_the_trainers(tmp_path, tiny_llama_config, grad_accum, 
     vocab_main(cfg)
     trainer = Trainer(cfg)
     try:
-        expected = [trainer._next_batches(trainer.batches_per_step) for _ in range(trainer.total_steps)]
-        lengths, train_ids = trainer.reader.sample_lengths(), trainer.train_ids
+        expected = [step.batches for step in trainer.schedule.steps(Position(), 0, trainer.total_steps)]
+        lengths, train_ids = trainer.source.sample_lengths(), trainer.train_ids
     finally:
-        trainer.prefetch.close()
+        trainer.close()
     got = bench_quality.step_schedule(lengths, train_ids, cfg.train.batch_tokens, cfg.train.seed, epochs, max_steps,
                                       grad_accum)
     assert got == expected

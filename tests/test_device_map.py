@@ -101,16 +101,18 @@ def test_extract_stage_with_device_map_writes_the_plain_runs_states(tiny_target,
 
 
 def test_online_target_with_device_map_matches_the_plain_one(tiny_target, tmp_path):
-    """Online training's target (train/online.py HFTarget) loads through the same map."""
-    from eagleforge.train.online import HFTarget
+    """Online training's target (extract/hf.py HFTarget, the same as extraction's) loads through the same map."""
+    from eagleforge.extract.hf import HFTarget
+    from eagleforge.layout import Layout
 
     rows = [{"id": 0, "input_ids": [5, 6, 7], "loss_mask": [1, 1, 1]}]
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "samples.jsonl").write_text(json.dumps(rows[0]) + "\n")
     base = [f"target.path={tiny_target}", "target.device=cpu", "target.dtype=float32", f"extract.aux_layers={AUX}",
             f"run_dir={tmp_path}"]
-    plain = HFTarget(load_config(None, base), torch.device("cpu"))
-    mapped = HFTarget(load_config(None, [*base, "target.device_map=auto", f"target.max_memory=[{CPU_BUDGET}]"]), torch.device("cpu"))
+    plain = HFTarget(load_config(None, base), Layout(), write_target_argmax=True)
+    mapped = HFTarget(load_config(None, [*base, "target.device_map=auto", f"target.max_memory=[{CPU_BUDGET}]"]), Layout(),
+                      write_target_argmax=True)
     try:
         assert "disk" in mapped.model.hf_device_map.values()
         samples = _random_samples()

@@ -110,7 +110,7 @@ def test_capture_tuple_outputs_and_errors():
 ])
 def test_bad_sample_rows_are_named_before_any_forward(row, named):
     from eagleforge.config import UserInputError
-    from eagleforge.extract.hf import check_samples
+    from eagleforge.extract.samples import check_samples
 
     good = {"id": 0, "input_ids": [4, 5], "loss_mask": [0, 1]}
     with pytest.raises(UserInputError, match="samples.jsonl: .*" + named):
@@ -118,7 +118,7 @@ def test_bad_sample_rows_are_named_before_any_forward(row, named):
 
 
 def test_samples_over_max_length_are_truncated_or_dropped(caplog):
-    from eagleforge.extract.hf import check_samples
+    from eagleforge.extract.samples import check_samples
 
     rows = [{"id": 9, "input_ids": list(range(10)), "loss_mask": [0] * 4 + [1] * 6},
             {"id": 2, "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]},

@@ -24,7 +24,8 @@ from safetensors.torch import load_file, save_file
 
 from eagleforge.extract.capture import HiddenStateCapture
 from eagleforge.extract.native.loader import build_model, load_weights, read_checkpoint_info
-from eagleforge.extract.native.parallel import TensorParallel, split_range, state_from_world
+from eagleforge.extract.native.parallel import TensorParallel, split_range, tensor_parallel
+from eagleforge.layout import layout_of_world
 
 AUX_LAYERS = [1, 2]
 REFERENCES = {}  # case -> transformers reference model (float64), filled by the fixture
@@ -78,11 +79,11 @@ def _worker(rank: int, world: int, port: int, path: str, input_ids: torch.Tensor
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        state = state_from_world(world, torch.device("cpu"), True)
+        tp = tensor_parallel(layout_of_world(world, 1, torch.device("cpu")))
         for name, value in tp_options.items():
-            setattr(state.tp, name, value)
+            setattr(tp, name, value)
         for layout in ("ep", "tp"):
-            result = run_native(path, layout, state.tp, input_ids)
+            result = run_native(path, layout, tp, input_ids)
             names = result.pop("names")
             save_file({k: v.clone().contiguous() for k, v in result.items()}, os.path.join(out_dir, f"{layout}-rank{rank}.safetensors"))
             with open(os.path.join(out_dir, f"{layout}-rank{rank}.names.json"), "w") as f:
@@ -182,7 +183,7 @@ def test_tensor_parallel_matches_transformers(checkpoints, tmp_path, world):
 def _split_rows_worker(rank: int, world: int, port: int, n: int, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        tp = state_from_world(world, torch.device("cpu"), True).tp
+        tp = tensor_parallel(layout_of_world(world, 1, torch.device("cpu")))
         x = torch.arange(n * 3, dtype=torch.float64).view(n, 3)
         seen = []
 
@@ -283,9 +284,9 @@ def _nccl_worker(rank: int, world: int, port: int, path: str, input_ids: torch.T
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        state = state_from_world(world, torch.device("cuda", rank), True)
+        tp = tensor_parallel(layout_of_world(world, 1, torch.device("cuda", rank)))
         for layout in ("ep", "tp"):
-            result = run_native(path, layout, state.tp, input_ids, device=state.device)
+            result = run_native(path, layout, tp, input_ids, device=torch.device("cuda", rank))
             result.pop("names")
             save_file({k: v.clone().contiguous() for k, v in result.items()}, os.path.join(out_dir, f"{layout}-rank{rank}.safetensors"))
     finally:

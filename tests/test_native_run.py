@@ -20,7 +20,7 @@ import torch
 import torch.multiprocessing as mp
 
 from eagleforge.config import UserInputError, load_config
-from eagleforge.extract.native import extract_native
+from eagleforge.extract.driver import extract as extract_native
 from eagleforge.extract.native.loader import read_checkpoint_info
 from eagleforge.extract.native.model import ModelArgs
 from eagleforge.extract.native.plan import KIMI_K25_TEXT_CONFIG, check_fits, count_parameters, plan_memory

@@ -55,21 +55,21 @@ def test_prefetcher_keeps_order_and_hands_errors_to_the_consumer():
     in a forward reaches the training thread as an exception (never a hang)."""
     import torch
 
-    from eagleforge.train.online import Prefetcher
+    from eagleforge.train.prefetch import Prefetcher
 
     seen = []
-    prefetcher = Prefetcher(lambda i: (seen.append(i) or [i], i * 10), list(range(5)), 2, torch.device("cpu"))
-    assert [prefetcher.get() for _ in range(5)] == [([i], i * 10) for i in range(5)]
+    prefetcher = Prefetcher(lambda i: (seen.append(i) or i * 10), list(range(5)), 2, torch.device("cpu"))
+    assert [prefetcher.get() for _ in range(5)] == [(i, i * 10) for i in range(5)]
     prefetcher.close()
     assert seen == list(range(5))
 
     def failing(i):
         if i == 1:
             raise ValueError("target forward broke")
-        return [i], i
+        return i
 
-    prefetcher = Prefetcher(failing, [0, 1, 2], 1, torch.device("cpu"))
-    assert prefetcher.get() == ([0], 0)
+    prefetcher = Prefetcher(failing, [0, 1, 2], 1, torch.device("cpu"), what="the online target forward")
+    assert prefetcher.get() == (0, 0)
     with pytest.raises(RuntimeError, match="online target forward failed") as err:
         prefetcher.get()
     assert isinstance(err.value.__cause__, ValueError)

@@ -71,16 +71,17 @@ def _build(path, tp):
 
 
 def _counting_worker(rank: int, world: int, port: int, path: str, out_dir: str) -> None:
-    from eagleforge.extract.native.parallel import state_from_world
+    from eagleforge.extract.native.parallel import tensor_parallel
+    from eagleforge.layout import layout_of_world
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        state = state_from_world(world, torch.device("cpu"), True)
-        model = _build(path, state.tp)
+        tp = tensor_parallel(layout_of_world(world, 1, torch.device("cpu")))
+        model = _build(path, tp)
         result = {}
         for split, min_tokens in (("split", 1), ("replicated", 1 << 30)):
-            state.tp.split_rows_min_tokens = min_tokens
+            tp.split_rows_min_tokens = min_tokens
             result[split] = _count_forward(model)
         with open(f"{out_dir}/rank{rank}.json", "w") as f:
             json.dump(result, f)

@@ -9,9 +9,10 @@ import pytest
 import torch
 from test_vocab import build_tiny_run
 
-from eagleforge.train.batching import collate, make_batches
+from eagleforge.train.batching import collate
 from eagleforge.train.loop import lr_lambda
 from eagleforge.train.metrics import simulated_acceptance_length
+from eagleforge.train.schedule import make_batches
 from eagleforge.train.ttt_loss import target_argmax_from_hidden
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one thread is faster
@@ -206,7 +207,7 @@ def test_loss_positions_all_reads_every_real_position(tmp_path, tiny_llama_confi
     for mode in ("assistant", "all"):
         cfg.train.loss_positions = mode
         trainer = Trainer(cfg)
-        batch = trainer._load([0, 1, 2])
+        batch = trainer.load_batch([0, 1, 2])
         counts[mode] = (trainer.batch_loss(batch, training=True)[1].n_valid, trainer.batch_loss(batch)[1].n_valid)
     lengths = [int(samples[i]["input_ids"].shape[0]) for i in (0, 1, 2)]
     masks = [samples[i]["loss_mask"].bool() for i in (0, 1, 2)]
@@ -300,45 +301,50 @@ def test_train_step_on_cuda_makes_no_host_sync(tmp_path, tiny_llama_config):
 
 
 def test_next_steps_batches_are_read_ahead_on_the_worker(tmp_path, tiny_llama_config):
-    """Shards are read and padded on the prefetch worker: after a step, the next step's batches
-    (as _next_batches will return them, across an epoch boundary too) are already queued or read,
-    and every sample read of the steps happened on the worker; the batches equal collate's."""
+    """Shards are read and padded on the feed's worker: after a step, the next step's batches
+    (as the schedule gives them, across an epoch boundary too) are read without the training
+    thread asking, every sample read of the steps happened on the worker, and the batches the
+    steps train equal collate's."""
     import collections
     import threading
+    import time
 
     from eagleforge.train.loop import Trainer
+    from eagleforge.train.prefetch import THREAD_NAME
     from eagleforge.vocab import main as vocab_main
 
     cfg, _, _ = build_tiny_run(tmp_path, tiny_llama_config, n_samples=14, with_argmax=True)
     _configure(cfg, epochs=3, grad_accum=2, device="cpu")
     vocab_main(cfg)
     trainer = Trainer(cfg)
-    reads = []
-    original = type(trainer.reader).__getitem__
-    trainer.reader.__class__ = type("Recording", (type(trainer.reader),), {
+    reads, trained = [], []
+    reader = trainer.source.reader
+    original = type(reader).__getitem__
+    reader.__class__ = type("Recording", (type(reader),), {
         "__getitem__": lambda self, i: (reads.append((threading.current_thread().name, i)), original(self, i))[1]})
-    per_epoch = len(trainer.epoch_batches(0))
+    rank_batches = trainer._rank_batches
+    trainer._rank_batches = lambda slots, feed: ((trained.append((ids, batch)), (ids, batch))[1] for ids, batch in rank_batches(slots, feed))
+    per_epoch = len(trainer.schedule.epoch_batches(0))
+    wanted = collections.Counter()  # the samples of the steps taken and of the next one
     try:
         for _ in range(per_epoch):  # crosses into epoch 1
+            wanted.update(i for ids in trainer.schedule.step_at(trainer.position, trainer.step + 1).batches for i in ids)
             trainer.train_step()
-            upcoming = trainer._upcoming_batches(trainer.batches_per_step)
-            pending = trainer.prefetch._pending
-            assert sorted((key, len(q)) for key, q in pending.items()) == sorted(collections.Counter(map(tuple, upcoming)).items())
-            for future in (f for queue in pending.values() for f in queue):
-                future.result()  # read without the main thread asking
-            queued = len(reads)
-            step_batches = trainer._upcoming_batches(trainer.batches_per_step)
-            batch = trainer._load(step_batches[0])
-            assert len(reads) == queued, "a batch read ahead was read again"
-            expected = collate([trainer.reader[i] for i in step_batches[0]])
-            pending.setdefault(tuple(step_batches[0]), collections.deque()).appendleft(trainer.prefetch._pool.submit(lambda b=batch: b))
+            wanted.update(i for ids in trainer.schedule.step_at(trainer.position, trainer.step + 1).batches for i in ids)
+            deadline = time.monotonic() + 60
+            while wanted - collections.Counter(i for _, i in reads):
+                assert time.monotonic() < deadline, "the next step's batches were not read ahead"
+                time.sleep(0.01)
+            wanted.subtract(i for ids in trainer.schedule.step_at(trainer.position, trainer.step + 1).batches for i in ids)
+        assert trainer.epoch == 1
+        assert reads and {name for name, _ in reads} == {THREAD_NAME}, {name for name, _ in reads}
+        reader.__class__ = type(reader).__mro__[1]  # the reference reads below are not the worker's
+        for ids, batch in trained:
+            expected = collate([reader[i] for i in ids])
             for name in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state", "target_argmax", "lengths"):
                 assert torch.equal(getattr(batch, name), getattr(expected, name)), name
-            del reads[queued:]  # the reference reads above ran here, on purpose
-        assert trainer.epoch == 1
-        assert reads and {name for name, _ in reads} == {"batch-prefetch_0"}, {name for name, _ in reads}
     finally:
-        trainer.prefetch.close()
+        trainer.close()
 
 
 def test_embedding_on_the_host_gives_the_same_losses(tmp_path, tiny_llama_config):
@@ -366,13 +372,13 @@ def test_embedding_on_the_host_gives_the_same_losses(tmp_path, tiny_llama_config
     trainer = Trainer(cfg)
     try:
         assert trainer.draft.embed_tokens.weight.numel() == 0
-        ids = trainer.epoch_batches(0)[0]
-        batch = trainer._load(ids)
+        ids = trainer.schedule.epoch_batches(0)[0]
+        batch = trainer.load_batch(ids)
         embedding = load_target_head(cfg.run)["embed_tokens"].float()  # [V, H]
         want = F.embedding(F.pad(batch.input_ids, (0, cfg.train.ttt_steps)), embedding)  # [B, T + K, H]
         assert batch.input_embeds.shape == want.shape and torch.equal(batch.input_embeds, want)
     finally:
-        trainer.prefetch.close()
+        trainer.close()
 
 
 @pytest.mark.gpu
@@ -418,7 +424,7 @@ def test_adam_beta2_reaches_the_optimizer_and_one_is_refused(tmp_path, tiny_llam
     try:
         assert [g["betas"] for g in trainer.optimizer.param_groups] == [(0.9, 0.999)] * len(trainer.optimizer.param_groups)
     finally:
-        trainer.prefetch.close()
+        trainer.close()
     with pytest.raises(ConfigError, match="train.adam_beta2"):
         load_config(None, ["train.adam_beta2=1.0"])
 

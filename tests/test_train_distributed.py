@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_vocab import build_tiny_run
 
-from eagleforge.train.batching import make_batches, rank_micro_batches
+from eagleforge.train.schedule import make_batches, rank_micro_batches
 
 STOP_AT = 3  # the interrupted run stops (checkpoint, exit) after this step
 WORLD = 2
@@ -274,8 +274,8 @@ def _disk_full_on_one_rank(rank: int, world: int, port: int, run_dir: str, out_d
     import torch.distributed as dist
 
     from eagleforge.config import Config, UserInputError
+    from eagleforge.layout import Layout
     from eagleforge.train import checkpoint
-    from eagleforge.train.distributed import DistEnv
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -301,7 +301,7 @@ def _disk_full_on_one_rank(rank: int, world: int, port: int, run_dir: str, out_d
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     cfg = Config(run_dir=run_dir)
     try:
-        checkpoint.save_checkpoint(cfg, 3, model, optimizer, scheduler, {}, DistEnv(rank, world))
+        checkpoint.save_checkpoint(cfg, 3, model, optimizer, scheduler, {}, Layout(world_size=world, rank=rank))
         outcome = "saved"
     except UserInputError as err:
         outcome = f"UserInputError: {err}"

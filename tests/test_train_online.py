@@ -137,7 +137,7 @@ def hf(tmp_path_factory):
     (extract -> vocab -> train, one process, grad_accum 2) and the online run at one process."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from eagleforge.extract.hf import extract_hf
+    from eagleforge.extract.driver import extract as extract_hf
     from eagleforge.target import embedded_target_dir
     from eagleforge.train.loop import train
 
@@ -280,7 +280,7 @@ def native(tmp_path_factory):
     reference (native extract at tp 1 -> vocab -> train, one process, grad_accum 2)."""
     from test_native_fixtures import write_tiny_kimi
 
-    from eagleforge.extract.native import extract_native
+    from eagleforge.extract.driver import extract as extract_native
 
     root = tmp_path_factory.mktemp("online_native")
     ckpt = root / "kimi"
@@ -320,18 +320,19 @@ def test_native_target_runs_with_the_configured_kernels_and_thresholds(native):
     """The native backend's runtime keys reach the online target as they reach extraction:
     target.prefill_attention / moe_backend on the model, split_rows_min_tokens / overlap_min_rows
     on its tensor-parallel view."""
-    from eagleforge.train.distributed import DistEnv
-    from eagleforge.train.online import NativeTarget, target_group
+    from eagleforge.extract.target import open_target
+    from eagleforge.train.loop import training_layout
 
     cfg = load_config(None, _native_overrides(native["offline"], native["ckpt"], "target.tp=1", "train.source=online",
                                               "target.moe_backend=loop", "target.prefill_attention=flash",
                                               "target.split_rows_min_tokens=7", "target.overlap_min_rows=9"))
-    ranks, view = target_group(cfg, DistEnv())
-    assert ranks == [0] and (view.split_rows_min_tokens, view.overlap_min_rows) == (7, 9)
-    target = NativeTarget(cfg, torch.device("cpu"), view)
+    layout = training_layout(cfg)
+    target = open_target(cfg, layout, write_target_argmax=True, rows_to="group")
+    view = target.model.tp
+    assert layout.group_ranks == [0] and (view.split_rows_min_tokens, view.overlap_min_rows) == (7, 9)
     try:
         args = target.model.args
         assert (args.moe_backend, args.prefill_attention) == ("loop", "flash")
-        assert all(layer.mlp.experts.backend == "loop" for layer in target.model.model.layers if hasattr(layer.mlp, "experts"))
+        assert all(layer.mlp.experts.backend == "loop" for layer in target.model.model.layers.values() if hasattr(layer.mlp, "experts"))
     finally:
         target.close()

@@ -39,7 +39,7 @@ and the data position is global.
 """
 
 from eagleforge.config import Config, run_main, save_config
-from eagleforge.train.distributed import env_rank
+from eagleforge.layout import env_rank
 from eagleforge.train.loop import train
 
 

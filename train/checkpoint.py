@@ -42,9 +42,9 @@ from safetensors.torch import load_file, save_file
 
 from eagleforge.atomic import replace_dir
 from eagleforge.config import Config, UserInputError, save_config
+from eagleforge.layout import Layout
 from eagleforge.shards import disk_full_errno, disk_full_error
 from eagleforge.train.checkpoint_integrity import dcp_errors, describe_files, safe_reader, verify_checksums, write_checksums
-from eagleforge.train.distributed import DistEnv, all_gather_object, barrier, broadcast_object
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ FROZEN_KEYS = ("embed_tokens.weight",)
 MODEL_PREFIX = "draft."  # DraftWithLoss holds the draft as `draft`
 STATE_FILE = "state.json"
 DRAFT_CONFIG_FILE = "draft_config.json"
-SINGLE = DistEnv()
+SINGLE = Layout()
 
 
 def checkpoint_dir(run_dir: str | os.PathLike) -> Path:
@@ -117,17 +117,17 @@ def _jsonable(state: dict) -> dict:
 
 
 def save_checkpoint(cfg: Config, step: int, model: torch.nn.Module, optimizer, scheduler, state: dict,
-                    env: DistEnv = SINGLE) -> Path:
+                    layout: Layout = SINGLE) -> Path:
     """Write RUN/checkpoints/step-{step:06d}/ (collective: every rank calls it), then prune to
     cfg.train.keep_last. `model` is the (possibly FSDP/DDP-wrapped) DraftWithLoss."""
     root = checkpoint_dir(cfg.run)
     final = root / f"step-{step:06d}"
     tmp = root / f".tmp-{final.name}"
-    if env.is_main:
+    if layout.is_main:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-    barrier(env)
+    layout.barrier()
     model_state, optim_state = _state_dicts(model, optimizer)
     payload = {"model": model_state, "optim": optim_state["state"]}
     _check_tensors(payload, "state")
@@ -135,41 +135,41 @@ def save_checkpoint(cfg: Config, step: int, model: torch.nn.Module, optimizer, s
     # error into a line, and one collective after it decides for all (a rank that failed alone
     # must not leave the others waiting at a barrier until the process-group timeout).
     failure = _attempt(final, lambda: _write_files(tmp, cfg, step, model, scheduler, state, payload,
-                                                   optim_state["param_groups"], env))
-    _raise_any(all_gather_object(failure, env), tmp, env)  # every rank's files are written
+                                                   optim_state["param_groups"], layout))
+    _raise_any(layout.all_gather_object(failure), tmp, layout)  # every rank's files are written
     described = {}
 
     def describe():
-        described.update(describe_files(_fsync_own_files(tmp, env)))  # each rank hashes what it wrote
+        described.update(describe_files(_fsync_own_files(tmp, layout)))  # each rank hashes what it wrote
 
     failure = _attempt(final, describe)
-    results = all_gather_object((failure, described), env)
-    _raise_any([f for f, _ in results], tmp, env)
+    results = layout.all_gather_object((failure, described))
+    _raise_any([f for f, _ in results], tmp, layout)
     failure = None
-    if env.is_main:
+    if layout.is_main:
         def publish():
             write_checksums(tmp, {name: v for _, files in results for name, v in files.items()})
             replace_dir(tmp, final)  # the same step saved again (the final save after a periodic one) replaces it
             _prune(cfg.run, cfg.train.keep_last)
 
         failure = _attempt(final, publish)
-    _raise_any([broadcast_object(failure, env)], tmp, env)
-    if env.is_main:
+    _raise_any([layout.broadcast_object(failure)], tmp, layout)
+    if layout.is_main:
         log.info("checkpoint %s", final)
     return final
 
 
 def _write_files(tmp: Path, cfg: Config, step: int, model, scheduler, state: dict, payload: dict, param_groups: list,
-                 env: DistEnv) -> None:
+                 layout: Layout) -> None:
     """This rank's share of a checkpoint: its DCP shards of `payload` (through DCP's own
     collectives), its RNG state, and on rank 0 state.json, draft_config.json and config.yaml."""
     import torch.distributed.checkpoint as dcp
 
     with _single_process_ok():
-        dcp.save(payload, checkpoint_id=str(tmp), no_dist=not env.distributed)
-    _save_rng(tmp / f"rng-{env.rank:05d}.safetensors", env)
-    if env.is_main:
-        record = {"step": step, "world_size": env.world_size, "scheduler": _jsonable(scheduler.state_dict()),
+        dcp.save(payload, checkpoint_id=str(tmp), no_dist=not layout.distributed)
+    _save_rng(tmp / f"rng-{layout.rank:05d}.safetensors", layout)
+    if layout.is_main:
+        record = {"step": step, "world_size": layout.world_size, "scheduler": _jsonable(scheduler.state_dict()),
                   "optimizer_param_groups": _param_groups_json(param_groups), **state}
         (tmp / STATE_FILE).write_text(json.dumps(record, indent=1), encoding="utf-8")
         draft = _inner_draft(model)
@@ -196,21 +196,21 @@ def _attempt(final: Path, work) -> tuple[bool, str] | None:
     return None
 
 
-def _raise_any(failures: list, tmp: Path, env: DistEnv) -> None:
+def _raise_any(failures: list, tmp: Path, layout: Layout) -> None:
     """Every rank raises the first rank's failure, if any (rank 0 removes the unfinished directory)."""
     failures = [f for f in failures if f is not None]
     if failures:
-        if env.is_main:
+        if layout.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
         user_error, message = failures[0]
         raise (UserInputError if user_error else RuntimeError)(message)
 
 
-def _fsync_own_files(tmp: Path, env: DistEnv) -> list[Path]:
+def _fsync_own_files(tmp: Path, layout: Layout) -> list[Path]:
     """The files this rank wrote into `tmp` (DCP names a rank's data `__{rank}_{n}.distcp`; rank 0
     also writes the metadata and the JSON/YAML files), each fsynced."""
-    own = [f for f in tmp.iterdir() if f.name.startswith(f"__{env.rank}_") or f.name == f"rng-{env.rank:05d}.safetensors"]
-    if env.is_main:
+    own = [f for f in tmp.iterdir() if f.name.startswith(f"__{layout.rank}_") or f.name == f"rng-{layout.rank:05d}.safetensors"]
+    if layout.is_main:
         own += [tmp / name for name in (".metadata", STATE_FILE, DRAFT_CONFIG_FILE, "config.yaml")]
     for file in own:
         with open(file, "rb") as f:
@@ -239,10 +239,10 @@ def _inner_draft(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "module", model).draft
 
 
-def _save_rng(path: Path, env: DistEnv) -> None:
+def _save_rng(path: Path, layout: Layout) -> None:
     rng = {"cpu": torch.get_rng_state()}
-    if env.device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state(env.device)
+    if layout.device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(layout.device)
     save_file(rng, str(path))
 
 
@@ -256,12 +256,12 @@ def _prune(run_dir: Path, keep_last: int) -> None:
 # ----------------------------------------------------------------------------- load
 
 
-def read_state(path: str | os.PathLike, env: DistEnv = SINGLE) -> dict:
+def read_state(path: str | os.PathLike, layout: Layout = SINGLE) -> dict:
     """state.json of a checkpoint whose files all match their checksums (rank 0 verifies them, every
     rank gets the verdict); a one-line error when the directory is not a whole, intact checkpoint."""
     path = Path(path)
     failure = None
-    if env.is_main:
+    if layout.is_main:
         try:
             for name in (".metadata", STATE_FILE):
                 if not (path / name).is_file():
@@ -269,25 +269,25 @@ def read_state(path: str | os.PathLike, env: DistEnv = SINGLE) -> dict:
             verify_checksums(path)
         except (UserInputError, OSError) as err:  # an unreadable file too: every rank gets the verdict
             failure = str(err)
-    failure = broadcast_object(failure, env)
+    failure = layout.broadcast_object(failure)
     if failure is not None:
         raise UserInputError(failure)
     return json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
 
 
-def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer, scheduler, env: DistEnv = SINGLE) -> dict:
+def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer, scheduler, layout: Layout = SINGLE) -> dict:
     """Restore model, optimizer, scheduler and this rank's RNG from `path` (collective); returns
     state.json's dict. The world size may differ from the one that wrote it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     path = Path(path)
-    state = read_state(path, env)
+    state = read_state(path, layout)
     model_state, optim_state = _state_dicts(model, optimizer)
     reader = safe_reader(path)
     try:
         with _single_process_ok(), dcp_errors(reader, path):
-            dcp.load({"model": model_state, "optim": optim_state["state"]}, storage_reader=reader, no_dist=not env.distributed)
+            dcp.load({"model": model_state, "optim": optim_state["state"]}, storage_reader=reader, no_dist=not layout.distributed)
     except (RuntimeError, ValueError, KeyError) as err:
         raise UserInputError(f"{path}: cannot load the checkpoint into this draft ({str(err).splitlines()[0][:300]}); "
                              f"a changed model config? delete {path} to start over") from None
@@ -300,24 +300,24 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer, 
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
                    options=StateDictOptions(ignore_frozen_params=True, strict=False))
     scheduler.load_state_dict({**scheduler.state_dict(), **state["scheduler"]})
-    _load_rng(path / f"rng-{env.rank:05d}.safetensors", env)
+    _load_rng(path / f"rng-{layout.rank:05d}.safetensors", layout)
     return state
 
 
-def _load_rng(path: Path, env: DistEnv) -> None:
+def _load_rng(path: Path, layout: Layout) -> None:
     if not path.is_file():
-        log.warning("%s: no RNG state for rank %d (the run had fewer ranks); keeping the current one", path, env.rank)
+        log.warning("%s: no RNG state for rank %d (the run had fewer ranks); keeping the current one", path, layout.rank)
         return
     rng = load_file(str(path))
     torch.set_rng_state(rng["cpu"])
-    if "cuda" in rng and env.device.type == "cuda":
-        torch.cuda.set_rng_state(rng["cuda"], env.device)
+    if "cuda" in rng and layout.device.type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"], layout.device)
 
 
-def find_resume_checkpoint(cfg: Config, env: DistEnv = SINGLE) -> Path | None:
+def find_resume_checkpoint(cfg: Config, layout: Layout = SINGLE) -> Path | None:
     """The newest complete checkpoint as rank 0 sees it (every rank gets the same answer)."""
-    found = latest_checkpoint(cfg.run) if env.is_main else None
-    found = broadcast_object(None if found is None else str(found), env)
+    found = latest_checkpoint(cfg.run) if layout.is_main else None
+    found = layout.broadcast_object(None if found is None else str(found))
     return None if found is None else Path(found)
 
 

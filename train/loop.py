@@ -1,10 +1,11 @@
 """The EAGLE-3 training loop with training-time test (TTT), held-out evaluation and export.
 
-Per optimizer step: `grad_accum` batches of whole samples (train/batching.py); per batch the
-draft runs `ttt_steps` chained steps (Eagle3Draft.forward_ttt) and each step's normed hidden
+Per optimizer step: `grad_accum` batches of whole samples per rank (train/schedule.py); per batch
+the draft runs `ttt_steps` chained steps (Eagle3Draft.forward_ttt) and each step's normed hidden
 states are scored against the target with the soft cross-entropy (train/ttt_loss.py, which
 also says how the steps align with the target and how the loss is normalized). The batches come
-from RUN/hidden's shards, or from the target itself with train.source=online (train/online.py).
+from one BatchSource (train/sources.py): RUN/hidden's shards, or the target itself with
+train.source=online (train/online.py), made ahead of the step by one worker (train/prefetch.py).
 
 An optimizer step averages the batch losses of its n global batches (world x grad_accum, fewer
 at an epoch's end), wherever they ran: 1 process with grad_accum 2 and 2 ranks with grad_accum
@@ -16,11 +17,9 @@ torch.distributed.checkpoint (checkpoint.py).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
-from dataclasses import fields
 from pathlib import Path
 from typing import Callable
 
@@ -28,9 +27,11 @@ import torch
 
 from eagleforge.atomic import write_json_atomic
 from eagleforge.config import Config, UserInputError
+from eagleforge.layout import Layout, init_layout
 from eagleforge.modes import PLAIN_LOSS_MODES
 from eagleforge.target import target_path
-from eagleforge.train.batching import Batch, BatchPrefetch, collate_host, gather_embeddings, make_batches, rank_micro_batches
+from eagleforge.train.batching import Batch, gather_embeddings
+from eagleforge.train.build import build_draft, embedding_to_host
 from eagleforge.train.checkpoint import (
     check_resume_config,
     checkpoint_dir,
@@ -39,20 +40,12 @@ from eagleforge.train.checkpoint import (
     load_draft_from_checkpoint,
     save_checkpoint,
 )
-from eagleforge.train.distributed import (
-    DistEnv,
-    DraftWithLoss,
-    all_reduce_tensor,
-    barrier,
-    clip_grad_norm,
-    gradient_sync,
-    init_distributed,
-    parallelize,
-    resolve_parallel,
-    shutdown,
-)
+from eagleforge.train.distributed import DraftWithLoss, clip_grad_norm, gradient_sync, parallelize, resolve_parallel
+from eagleforge.train.loss import lk_options
 from eagleforge.train.metrics import MetricLogger, TTTStats, reduce_stats
-from eagleforge.train.online import check_source
+from eagleforge.train.prefetch import Prefetcher
+from eagleforge.train.schedule import Position, Schedule, Slot, make_batches, step_slots
+from eagleforge.train.sources import BatchSource, check_source, open_source
 from eagleforge.train.step_plan import plan_step, resolve_embed_device, resolve_param_dtype
 from eagleforge.train.ttt_loss import TTTLoss, target_argmax_from_hidden
 from eagleforge.train.weight_grads import fuse_weight_grads
@@ -61,9 +54,6 @@ from eagleforge.vocab import check_vocab_files, coverage, load_target_head, load
 log = logging.getLogger(__name__)
 
 SUMMARY_NAME = "train_summary.json"
-
-
-# ----------------------------------------------------------------------------- schedule and model
 
 
 def lr_lambda(total_steps: int, warmup_ratio: float, min_lr_ratio: float) -> Callable[[int], float]:
@@ -80,223 +70,178 @@ def lr_lambda(total_steps: int, warmup_ratio: float, min_lr_ratio: float) -> Cal
     return factor
 
 
-def target_hf_config(cfg: Config, manifest: dict):
-    """The target's HF config: stored in the manifest when the extractor put it there, else
-    read from the target directory (AutoConfig)."""
-    stored = manifest.get("target", {}).get("config")
-    if isinstance(stored, dict):
-        return stored
-    from transformers import AutoConfig
+def training_layout(cfg: Config) -> Layout:
+    """The job's Layout for training: the draft over the whole world; online, the target's groups
+    of target.tp ranks inside it (extract/driver.py target_layout)."""
+    if check_source(cfg.train.source, cfg.train.cache_gb) == "online":
+        from eagleforge.extract.driver import target_layout
 
-    path = target_path(cfg.target)
-    kwargs = {"gguf_file": cfg.target.gguf_file} if cfg.target.gguf_file else {}
-    try:
-        return AutoConfig.from_pretrained(path, trust_remote_code=cfg.target.trust_remote_code, **kwargs)
-    except (OSError, ValueError) as err:
-        raise UserInputError(f"target.path {path}: cannot read the target's config ({str(err).splitlines()[0]})") from None
+        return target_layout(cfg, cfg.train.device)
+    return init_layout(cfg.train.device)
 
 
-def build_draft(cfg: Config, manifest: dict, vocab: dict, head: dict) -> torch.nn.Module:
-    """Eagle3Draft sized from the target config (+ cfg.draft overrides), with the frozen target
-    embedding and d2t/t2d. lm_head keeps its random init: in a short SmolLM2 trial, starting it
-    from the target's head rows gave a ~1.5x higher initial loss, grad norms ~50x larger (so
-    clipping dominated) and no accuracy gain."""
-    from eagleforge.draft import Eagle3Config, Eagle3Draft
-    from eagleforge.draft.config import RopeConflictError
-
-    overrides = {f.name: getattr(cfg.draft, f.name) for f in fields(cfg.draft)}
-    try:
-        draft_config = Eagle3Config.from_target_config(
-            target_hf_config(cfg, manifest), int(vocab["d2t"].shape[0]), manifest["aux_layer_ids"], **overrides
-        )
-    except RopeConflictError as err:  # the target's own config, not the draft.* keys
-        raise UserInputError(f"target.path {cfg.target.path or 'embedded default'}: {err}") from None
-    except ValueError as err:  # a draft.* override that does not fit the target or itself
-        set_keys = ", ".join(f"draft.{k}={v}" for k, v in overrides.items() if v not in (None, 0, ""))
-        raise UserInputError(f"draft config ({set_keys or 'defaults'}) does not fit the target of {cfg.run / 'hidden'}: {err}") from None
-    shard_hidden = manifest.get("target", {}).get("hidden_size")
-    if shard_hidden is not None and int(shard_hidden) != draft_config.target_hidden_size:
-        raise UserInputError(
-            f"{cfg.run / 'hidden'}: the shards hold hidden_size {shard_hidden} but the target "
-            f"({cfg.target.path or 'embedded default'}) has {draft_config.target_hidden_size}; extract again for this target"
-        )
-    draft = Eagle3Draft(draft_config)
-    try:
-        draft.set_embed_tokens(head["embed_tokens"])
-        draft.set_vocab_map(vocab["d2t"], vocab["t2d"])
-    except ValueError as err:
-        raise UserInputError(f"{cfg.run / 'vocab'}: {err} (target changed since the vocab stage? rerun it)") from None
-    draft.embed_tokens.weight.requires_grad_(False)
-    return draft
-
-
-def embedding_to_host(draft: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    """Take the draft's frozen embedding out of it: returns its weight [V, H] as `dtype` on the
-    host and leaves an empty [0, H] one in the draft (moved with it, holding no memory), so
-    the batches bring their embedding rows (Batch.input_embeds) instead."""
-    weight = draft.embed_tokens.weight.detach().to("cpu", dtype)
-    draft.embed_tokens.weight = torch.nn.Parameter(weight.new_empty(0, weight.shape[1]), requires_grad=False)
-    return weight
-
-
-# ----------------------------------------------------------------------------- the trainer
-
-
-def open_reader(cfg: Config):
-    """ShardReader of RUN/hidden; with train.skip_corrupt_shards, shards failing the size or
-    sha256 check are left out (logged) instead of stopping the run."""
-    from eagleforge.shards import ShardReader
-
+def ttt_loss_of(cfg: Config, teacher_head: torch.Tensor, device: torch.device, activation_checkpoint, compile: bool) -> TTTLoss:
+    """The TTT loss with the run's train.* keys, its checkpointing and compile as the step plan
+    resolved them (train/step_plan.py)."""
     tc = cfg.train
-    reader = ShardReader(cfg.run / "hidden", verify_checksums=tc.verify_checksums, skip_corrupt=tc.skip_corrupt_shards)
-    if reader.skipped_shards:
-        log.warning("skipped %d corrupt shard(s) holding %d samples: %s", len(reader.skipped_shards),
-                    reader.skipped_samples, ", ".join(map(str, reader.skipped_shards)))
-    return reader
+    return TTTLoss(teacher_head, device, ttt_steps=tc.ttt_steps, step_weight_decay=tc.step_weight_decay, loss=tc.loss,
+                   bf16=tc.bf16, attention=tc.attention, checkpoint=activation_checkpoint, compile=compile,
+                   chunk_tokens=tc.loss_chunk_tokens, packed=tc.loss_packed, lk=lk_options(tc))
 
 
 class Trainer:
     """State of one training run (one rank of it under torchrun); `run()` trains, evaluates on the
     held-out samples and exports. Distributed pieces come from train/distributed.py."""
 
-    def __init__(self, cfg: Config, env: DistEnv | None = None):
+    def __init__(self, cfg: Config, layout: Layout | None = None):
         self.cfg = cfg
         tc = cfg.train
-        self.env = env or init_distributed(tc.device)
-        self.device = self.env.device
+        self.layout = layout or training_layout(cfg)
+        self.device = self.layout.device
         torch.manual_seed(tc.seed)  # the same initial draft on every rank
-        online = check_source(cfg) == "online"
-        if online:  # the target runs here; its states stand in for the shards
-            from eagleforge.train.online import OnlineSource
-
-            self.reader = OnlineSource(cfg, self.env)
-        else:
-            self.reader = open_reader(cfg)
-        manifest = self.reader.manifest
-        self.vocab = load_vocab_map(cfg.run)  # both checked: readable, sha256, shapes, finite head
-        head = load_target_head(cfg.run)
-        check_vocab_files(self.vocab, head, cfg.run / "vocab")
-        self.parallel = resolve_parallel(tc.parallel, self.env)
-        self.param_dtype = resolve_param_dtype(tc, self.device, self.parallel)
+        self.source: BatchSource = open_source(cfg, self.layout)
+        self.vocab, head = self._read_vocab()
+        self.parallel = resolve_parallel(tc.parallel, self.layout)
         # float32: fp32 masters under autocast. bfloat16: weights, gradients and AdamW moments in
         # bf16 (the frozen embedding too) and the midlayer's weight gradients accumulated by the
         # GEMMs themselves (train/weight_grads.py).
-        draft = build_draft(cfg, manifest, self.vocab, head)
-        # [V, H] on the host in the parameters' dtype, or None (on the device inside the draft)
-        self.host_embedding = (embedding_to_host(draft, self.param_dtype)
-                               if resolve_embed_device(tc, self.device, online) else None)
-        self.draft = draft.to(self.device, self.param_dtype)
-        fuse_weight_grads(self.draft, self.param_dtype == torch.bfloat16)
-        self.prefetch = BatchPrefetch(self._read_host)  # closed by train()
-        # [Vd, Ht]; the fused loss runs its matmuls in bf16 under train.bf16: stored so, no cast
-        # copy per step (the plain-torch reference loss reads it in fp32)
-        head_dtype = torch.bfloat16 if tc.bf16 and tc.loss not in PLAIN_LOSS_MODES else torch.float32
-        self.teacher_head = head["lm_head"].to(self.device, head_dtype)
-        self.full_head = None
-        if not manifest.get("has_target_argmax", False):
-            log.info("the shards have no target_argmax: computing it from last_hidden_state and the full target head")
-            full, _ = read_target_head(target_path(cfg.target), cfg.target)
-            self.full_head = full.to(self.device, torch.float32)
-        n_samples = len(self.reader)
-        n_train = training_sample_count(n_samples, tc.holdout_samples, str(cfg.run / "hidden" / "manifest.json"))
-        self.train_ids = list(range(n_train))
-        self.heldout_ids = list(range(n_train, n_samples))
-        self.lengths = self.reader.sample_lengths()
-        self._epoch_cache: dict[int, list[list[int]]] = {}
-        self.total_steps = self._total_steps()
+        self.param_dtype = resolve_param_dtype(tc, self.device, self.parallel)
+        self.draft, self.host_embedding = self._build_draft(head)
+        self.teacher_head, self.full_head = self._teacher_heads(head)
+        self.schedule, self.train_ids, self.heldout_ids = self._schedule()
+        self.lengths = self.schedule.lengths
         # train.activation_checkpoint / compile on auto: from the batch size and the GPU's memory
         self.step_plan = plan_step(tc, self.draft, self.param_dtype, self.device,
-                                   world=self.env.world_size if self.parallel == "fsdp" else 1)
-        step_options = dataclasses.replace(tc, activation_checkpoint=self.step_plan.activation_checkpoint,
-                                           compile=self.step_plan.compile)
-        loss = TTTLoss(step_options, self.teacher_head, self.device)
-        self.model = parallelize(DraftWithLoss(self.draft, loss), self.env, self.parallel, tc.bf16)
+                                   world=self.layout.world_size if self.parallel == "fsdp" else 1)
+        loss = ttt_loss_of(cfg, self.teacher_head, self.device, self.step_plan.activation_checkpoint, self.step_plan.compile)
+        self.model = parallelize(DraftWithLoss(self.draft, loss), self.layout, self.parallel, tc.bf16)
         self.params = [p for p in self.model.parameters() if p.requires_grad]  # sharded under FSDP
-        # fused: its step reads `found_inf` (a device flag) and then leaves weights, moments and
-        # step counts as they were, so a step with a NaN/Inf loss or gradient is skipped on the
-        # device, without a host sync (train_step).
-        self.optimizer = torch.optim.AdamW(self.params, lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, tc.adam_beta2), fused=True)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.total_steps, tc.warmup_ratio, tc.min_lr_ratio))
-        self.step, self.epoch, self.batch_index = 0, 0, 0
-        self.train_tokens = 0
+        self.optimizer, self.scheduler = self._optimizer()
+        self.step, self.position, self.train_tokens = 0, Position(), 0
+        self.last_step = self.schedule.total_steps  # run() may stop earlier; the feed reads up to it
         # Skipped (non-finite) steps: counted before this process (state.json) and, per step of
         # the current log window, device flags with the step's global batches (read at log time).
         self.nonfinite_before = 0
         # (step, step skipped, its inputs held NaN/Inf, its global batches): device flags, read at log steps
         self._window_flags: list[tuple[int, torch.Tensor, torch.Tensor, list[list[int]]]] = []
         self.train_seconds, self.session_tokens = 0.0, 0  # this process only (not restored on resume)
-        if self.env.is_main:
-            log.info(
-                "draft: %s parameters trainable, Vd=%d, coverage %.4f; %d training / %d held-out samples; %d optimizer "
-                "steps of %d batches (%d ranks x grad_accum %d, parallel=%s)",
-                f"{sum(p.numel() for p in self.draft.parameters() if p.requires_grad):,}", self.vocab["d2t"].shape[0],
-                coverage(self.vocab["counts"], self.vocab["t2d"]), n_train, len(self.heldout_ids), self.total_steps,
-                self.batches_per_step, self.env.world_size, max(1, tc.grad_accum), self.parallel,
-            )
-            log.info("draft step: parameters %s, activation_checkpoint=%s, compile=%s; memory per rank by the plan:\n%s",
-                     str(self.param_dtype).removeprefix("torch."), self.step_plan.activation_checkpoint,
-                     self.step_plan.compile, "\n".join(self.step_plan.lines()))
+        # the training feed: made at the first step, from the position then (after a resume)
+        self.feed: Prefetcher | None = None
+        # what the feed's worker makes of a slot (a benchmark may swap in a fixed batch)
+        self.read: Callable[[Slot], Batch] = self._read
+        self._log_setup()
 
-    # -- data
+    # -- construction steps
+
+    def _read_vocab(self) -> tuple[dict, dict]:
+        """RUN/vocab's map and target head, both checked: readable, sha256, shapes, finite head."""
+        vocab = load_vocab_map(self.cfg.run)
+        head = load_target_head(self.cfg.run)
+        check_vocab_files(vocab, head, self.cfg.run / "vocab")
+        return vocab, head
+
+    def _build_draft(self, head: dict) -> tuple[torch.nn.Module, torch.Tensor | None]:
+        """(the draft on the device in the parameters' dtype, the frozen embedding [V, H] on the
+        host when the step plan keeps it there, else None: inside the draft)."""
+        tc = self.cfg.train
+        draft = build_draft(self.cfg, self.source.manifest, self.vocab, head)
+        host_embedding = (embedding_to_host(draft, self.param_dtype)
+                          if resolve_embed_device(tc, self.device, online=self.source.on_device) else None)
+        draft = draft.to(self.device, self.param_dtype)
+        fuse_weight_grads(draft, self.param_dtype == torch.bfloat16)
+        return draft, host_embedding
+
+    def _teacher_heads(self, head: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the teacher head [Vd, Ht], the full target head [V, Ht] when the source has no
+        target_argmax). The fused loss runs its matmuls in bf16 under train.bf16: stored so, no
+        cast copy per step (the plain-torch reference loss reads it in fp32)."""
+        tc = self.cfg.train
+        head_dtype = torch.bfloat16 if tc.bf16 and tc.loss not in PLAIN_LOSS_MODES else torch.float32
+        teacher_head = head["lm_head"].to(self.device, head_dtype)
+        full_head = None
+        if not self.source.manifest.get("has_target_argmax", False):
+            log.info("the shards have no target_argmax: computing it from last_hidden_state and the full target head")
+            full, _ = read_target_head(target_path(self.cfg.target), self.cfg.target)
+            full_head = full.to(self.device, torch.float32)
+        return teacher_head, full_head
+
+    def _schedule(self) -> tuple[Schedule, list[int], list[int]]:
+        """The run's schedule over the training samples, and the training and held-out sample indices."""
+        tc = self.cfg.train
+        n_samples = len(self.source)
+        n_train = training_sample_count(n_samples, tc.holdout_samples, str(self.cfg.run / "hidden" / "manifest.json"))
+        train_ids, heldout_ids = list(range(n_train)), list(range(n_train, n_samples))
+        schedule = Schedule(self.source.sample_lengths(), train_ids, tc.batch_tokens, tc.seed, self.layout.world_size,
+                            tc.grad_accum, tc.epochs, tc.max_steps)
+        return schedule, train_ids, heldout_ids
+
+    def _optimizer(self):
+        """AdamW over the trainable parameters, fused: its step reads `found_inf` (a device flag) and
+        then leaves weights, moments and step counts as they were, so a step with a NaN/Inf loss or
+        gradient is skipped on the device, without a host sync (train_step); the lr schedule."""
+        tc = self.cfg.train
+        optimizer = torch.optim.AdamW(self.params, lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, tc.adam_beta2), fused=True)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(self.schedule.total_steps, tc.warmup_ratio, tc.min_lr_ratio))
+        return optimizer, scheduler
+
+    def _log_setup(self) -> None:
+        if not self.layout.is_main:
+            return
+        tc = self.cfg.train
+        log.info(
+            "draft: %s parameters trainable, Vd=%d, coverage %.4f; %d training / %d held-out samples; %d optimizer "
+            "steps of %d batches (%d ranks x grad_accum %d, parallel=%s)",
+            f"{sum(p.numel() for p in self.draft.parameters() if p.requires_grad):,}", self.vocab["d2t"].shape[0],
+            coverage(self.vocab["counts"], self.vocab["t2d"]), len(self.train_ids), len(self.heldout_ids), self.total_steps,
+            self.schedule.batches_per_step, self.layout.world_size, max(1, tc.grad_accum), self.parallel,
+        )
+        log.info("draft step: parameters %s, activation_checkpoint=%s, compile=%s; memory per rank by the plan:\n%s",
+                 str(self.param_dtype).removeprefix("torch."), self.step_plan.activation_checkpoint,
+                 self.step_plan.compile, "\n".join(self.step_plan.lines()))
 
     @property
-    def batches_per_step(self) -> int:
-        """Global batches per optimizer step: world size x grad_accum."""
-        return self.env.world_size * max(1, self.cfg.train.grad_accum)
+    def total_steps(self) -> int:
+        return self.schedule.total_steps
 
-    def epoch_batches(self, epoch: int) -> list[list[int]]:
-        """The epoch's global batch list: a pure function of the seed, identical on every rank."""
-        if epoch not in self._epoch_cache:
-            self._epoch_cache = {epoch: make_batches(self.lengths, self.train_ids, self.cfg.train.batch_tokens, self.cfg.train.seed, epoch)}
-        return self._epoch_cache[epoch]
+    @property
+    def epoch(self) -> int:
+        return self.position.epoch
 
-    def _total_steps(self) -> int:
-        tc = self.cfg.train
-        if tc.max_steps > 0:
-            return tc.max_steps
-        if tc.epochs < 1:
-            raise UserInputError(f"train.epochs={tc.epochs} and train.max_steps={tc.max_steps}: one must be >= 1")
-        return sum(math.ceil(len(self.epoch_batches(e)) / self.batches_per_step) for e in range(tc.epochs))
+    # -- batches
 
-    def _read_host(self, ids: list[int]) -> Batch:
-        """The padded batch of samples `ids` on the host (pinned for a GPU), with its embedding
-        rows when the frozen embedding is kept here: the prefetch worker's job."""
-        pin = self.device.type == "cuda"
-        batch = collate_host([self.reader[i] for i in ids], pin=pin)
+    def _read(self, slot: Slot) -> Batch:
+        """This rank's batch of `slot` from the source, with its embedding rows when the frozen
+        embedding is kept on the host: the feed worker's job (off the training thread)."""
+        batch = self.source.load(slot)
         if self.host_embedding is not None:
-            batch.input_embeds = gather_embeddings(self.host_embedding, batch.input_ids, self.cfg.train.ttt_steps, pin)
+            batch.input_embeds = gather_embeddings(self.host_embedding, batch.input_ids, self.cfg.train.ttt_steps,
+                                                   pin=self.device.type == "cuda")
         return batch
 
-    def _load(self, ids: list[int]) -> Batch:
-        """The batch on the device, its states in the draft's input dtype (bf16 with bf16
-        parameters: half the bytes of fp32 on the GPU; fp32 otherwise, as autocast expects)."""
-        return self.prefetch.get(ids).to(self.device, self.param_dtype)
+    def _feed(self, slots) -> Prefetcher:
+        """A worker making this rank's batches of `slots` ahead of the consumer: online, the next
+        train.prefetch slots' target forwards (0: in line) on a side stream; from shards, a step's
+        worth of reads (its grad_accum slots) while the current step trains."""
+        tc = self.cfg.train
+        depth = tc.prefetch if self.source.on_device else max(1, tc.grad_accum)
+        what = "the online target forward" if self.source.on_device else "reading a batch"
+        return Prefetcher(self.read, slots, depth, self.device, side_stream=self.source.on_device, what=what)
 
-    def _micro_batches(self, step_batches: list[list[int]], own: list | None = None) -> list[list[int]]:
-        """The sample ids this rank reads for the step (past the epoch's tail: the first batch);
-        own: this rank's rank_micro_batches of them, when already at hand."""
-        if own is None:
-            own = rank_micro_batches(step_batches, self.env.rank, self.env.world_size)
-        return [ids if ids is not None else step_batches[0] for ids in own]
+    def _rank_batches(self, slots: list[Slot], feed: Prefetcher):
+        """This rank's (ids or None, Batch on the device) of `slots`, in order; None: past the
+        epoch's tail, the step's first batch stands in (weight 0). The states in the draft's input
+        dtype (bf16 with bf16 parameters: half the bytes of fp32 on the GPU; fp32 otherwise, as
+        autocast expects)."""
+        rank, world = self.layout.rank, self.layout.world_size
+        for expected in slots:
+            slot, batch = feed.get()
+            if slot != expected:  # the feed follows the trainer's schedule; a mismatch is a bug
+                raise RuntimeError(f"batch feed out of order: got slot {slot}, the trainer expects {expected}")
+            yield slot.batch_of(rank, world), batch.to(self.device, self.param_dtype)
 
-    def _rank_batches(self, step_batches: list[list[int]], training: bool = False):
-        """This rank's (ids or None, Batch) of the step's global batches, in slot order; None: past
-        the epoch's tail, the step's first batch stands in (weight 0). Online: train/online.py.
-        In training the next step's batches are handed to the prefetch worker first, so they are
-        read while this step trains."""
-        if hasattr(self.reader, "rank_batches"):
-            yield from self.reader.rank_batches(self, step_batches, training)
-            return
-        own = rank_micro_batches(step_batches, self.env.rank, self.env.world_size)
-        reads = self._micro_batches(step_batches, own)
-        if training:
-            self.prefetch.ensure(reads)  # queued a step ago, except at the first step
-            if self.step + 1 < getattr(self, "last_step", self.total_steps):
-                self.prefetch.ahead(self._micro_batches(self._upcoming_batches(self.batches_per_step)))
-        for i, ids in enumerate(own):
-            if not training:  # evaluation: one batch ahead (not every held-out batch at once)
-                self.prefetch.ensure(reads[i + 1 : i + 2])
-            yield ids, self._load(reads[i])
+    def load_batch(self, ids: list[int]) -> Batch:
+        """The batch of samples `ids` on the device, as the trainer would train it (tests, benchmarks)."""
+        return self.read(step_slots([ids], 1)[0]).to(self.device, self.param_dtype)
 
     # -- one batch
 
@@ -324,16 +269,18 @@ class Trainer:
         single-process gradient over the same n batches. A rank past the epoch's tail runs a
         batch with weight 0: every rank does the same forwards and backwards (no hang)."""
         tc = self.cfg.train
+        if self.feed is None:  # from here to the last step this process will take
+            self.feed = self._feed(self.schedule.slots(self.position, self.step, self.last_step))
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         stats = TTTStats(tc.ttt_steps)
-        step_batches = self._next_batches(self.batches_per_step)
-        micro = rank_micro_batches(step_batches, self.env.rank, self.env.world_size)
-        share = len(step_batches) / self.env.world_size
+        step = self.schedule.step_at(self.position, self.step + 1)
+        slots = step_slots(step.batches, self.layout.world_size, step.epoch)
+        share = len(step.batches) / self.layout.world_size
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         inputs_bad = torch.zeros((), dtype=torch.float32, device=self.device)
-        for i, (ids, batch) in enumerate(self._rank_batches(step_batches, training=True)):
-            with gradient_sync(self.model, enabled=i == len(micro) - 1):
+        for i, (ids, batch) in enumerate(self._rank_batches(slots, self.feed)):
+            with gradient_sync(self.model, enabled=i == len(slots) - 1):
                 loss, batch_stats = self.batch_loss(batch, training=True)
                 (loss / share if ids is not None else loss * 0.0).backward()
             if ids is not None:
@@ -344,54 +291,43 @@ class Trainer:
                 inputs_bad = inputs_bad + (~torch.isfinite(batch.aux_hidden_states)).any() \
                     + (~torch.isfinite(batch.last_hidden_state)).any()
         # the step's tokens over all ranks, from the host's own lengths (every rank knows the global batches)
-        global_tokens = sum(self.lengths[i] for ids in step_batches for i in ids)
-        stats = reduce_stats(stats, self.env, global_tokens)
+        global_tokens = sum(self.lengths[i] for ids in step.batches for i in ids)
+        stats = reduce_stats(stats, self.layout, global_tokens)
         grad_norm = clip_grad_norm(self.params, tc.grad_clip)
         # A NaN/Inf loss or gradient norm (a poisoned input, or divergence): skip the update on
         # the device. The norm is global; the loss is this rank's, so under torchrun the flag is
         # summed over the ranks and every rank skips the same steps.
         flags = torch.stack([(~(torch.isfinite(loss_sum) & torch.isfinite(grad_norm.float()))).float(),
                              (inputs_bad > 0).float()])  # [step bad, inputs bad]
-        if self.env.distributed:
-            flags = (all_reduce_tensor(flags.to(self.env.device), self.env) > 0).float()
+        if self.layout.distributed:
+            flags = (self.layout.all_reduce_tensor(flags.to(self.device)) > 0).float()
         nonfinite = flags.max()  # non-finite inputs skip the step even where the loss masks them out
         self.optimizer.found_inf = nonfinite.to(self.params[0].device)
         self.optimizer.step()
-        self._window_flags.append((self.step + 1, nonfinite, flags[1], step_batches))
+        self._window_flags.append((step.number, nonfinite, flags[1], step.batches))
         self.scheduler.step()
-        self.step += 1
+        self.step, self.position = step.number, step.after
         self.train_tokens += stats.tokens
         self.session_tokens += stats.tokens  # train_seconds: counted by run() between host syncs
         return stats, grad_norm
 
-    def _upcoming_batches(self, count: int) -> list[list[int]]:
-        """What _next_batches(count) will return next, without moving the position."""
-        epoch, index = self.epoch, self.batch_index
-        if index >= len(self.epoch_batches(epoch)):
-            epoch, index = epoch + 1, 0
-        return self.epoch_batches(epoch)[index : index + count]
-
-    def _next_batches(self, count: int) -> list[list[int]]:
-        """The next `count` global batches of the epoch (fewer at its end); moves to the next
-        epoch when the current one is exhausted."""
-        if self.batch_index >= len(self.epoch_batches(self.epoch)):
-            self.epoch, self.batch_index = self.epoch + 1, 0
-        batches = self.epoch_batches(self.epoch)[self.batch_index : self.batch_index + count]
-        self.batch_index += len(batches)
-        return batches
-
     @torch.no_grad()
     def evaluate(self, ids: list[int]) -> TTTStats:
         """TTT loss and accuracies over the samples `ids` (the held-out ones), no gradient; the
-        batches are split over the ranks like training batches and the sums reduced."""
+        batches are split over the ranks like one step's batches and the sums reduced."""
         self.model.eval()
         stats = TTTStats(self.cfg.train.ttt_steps)
         batches = make_batches(self.lengths, ids, self.cfg.train.batch_tokens, self.cfg.train.seed, 0)
-        for batch_ids, batch in self._rank_batches(batches):
-            batch_stats = self.batch_loss(batch)[1]
-            if batch_ids is not None:
-                stats.merge(batch_stats)
-        return reduce_stats(stats, self.env)
+        slots = step_slots(batches, self.layout.world_size)
+        feed = self._feed(slots)
+        try:
+            for batch_ids, batch in self._rank_batches(slots, feed):
+                batch_stats = self.batch_loss(batch)[1]
+                if batch_ids is not None:
+                    stats.merge(batch_stats)
+        finally:
+            feed.close()
+        return reduce_stats(stats, self.layout)
 
     # -- non-finite steps
 
@@ -403,7 +339,7 @@ class Trainer:
     def _check_nonfinite(self) -> None:
         """At a log step: name the cause of the window's skipped steps and stop past
         train.max_nonfinite_steps. A non-finite hidden state in the skipped steps' samples is a
-        damaged shard: an error naming it at once (the extractor never writes one)."""
+        damaged input (the source names it): an error at once."""
         flags, self._window_flags = self._window_flags, []
         if not flags:
             return
@@ -412,18 +348,8 @@ class Trainer:
         if not skipped:
             return
         for step, batches, inputs_bad in skipped:
-            if not inputs_bad:
-                continue
-            if self.cfg.train.source == "online":  # the states are not kept: the target made them
-                raise UserInputError(f"step {step}: the target's hidden states held NaN/Inf (train.source=online); "
-                                     f"check the target in its own dtype (target.dtype={self.cfg.target.dtype})")
-            for i in (i for ids in batches for i in ids):
-                problem = self.reader.nonfinite(i)
-                if problem is not None:
-                    raise UserInputError(f"{problem} (step {step}); the extractor never writes one: re-extract it "
-                                         f"or set train.skip_corrupt_shards=true after deleting it from the manifest")
-            raise UserInputError(f"step {step}: a batch's hidden states held NaN/Inf after reading "
-                                 f"(extract.storage_dtype of the shards: {self.reader.manifest.get('storage_dtype')})")
+            if inputs_bad:
+                raise UserInputError(self.source.nonfinite_error(step, [i for ids in batches for i in ids]))
         self.nonfinite_before += len(skipped)
         limit = self.cfg.train.max_nonfinite_steps
         steps = ", ".join(str(step) for step, _, _ in skipped)
@@ -432,34 +358,34 @@ class Trainer:
                 f"training diverged: {self.nonfinite_before} steps had a NaN/Inf loss or gradient norm (skipped; the last: "
                 f"{steps}), more than train.max_nonfinite_steps={limit}; the inputs of those steps are finite: lower "
                 f"train.lr (now {self.cfg.train.lr}) or train.grad_clip")
-        if self.env.is_main:
+        if self.layout.is_main:
             log.warning("step(s) %s: NaN/Inf loss or gradient norm, update skipped (%d so far, train.max_nonfinite_steps=%d)",
                         steps, self.nonfinite_before, limit)
 
     # -- state
 
     def data_state(self) -> dict:
-        return {"epoch": self.epoch, "batch_index": self.batch_index, "train_tokens": self.train_tokens,
+        return {"epoch": self.position.epoch, "batch_index": self.position.batch_index, "train_tokens": self.train_tokens,
                 "nonfinite_steps": self.nonfinite_steps()}
 
     def save(self) -> Path:
-        return save_checkpoint(self.cfg, self.step, self.model, self.optimizer, self.scheduler, self.data_state(), self.env)
+        return save_checkpoint(self.cfg, self.step, self.model, self.optimizer, self.scheduler, self.data_state(), self.layout)
 
     def maybe_resume(self) -> None:
         if not self.cfg.train.resume:
             return
-        path = find_resume_checkpoint(self.cfg, self.env)
+        path = find_resume_checkpoint(self.cfg, self.layout)
         if path is None:
             return
-        check_resume_config(self.cfg, path, self.env.world_size)
-        state = load_checkpoint(path, self.model, self.optimizer, self.scheduler, self.env)
+        check_resume_config(self.cfg, path, self.layout.world_size)
+        state = load_checkpoint(path, self.model, self.optimizer, self.scheduler, self.layout)
         self._check_finite_state(path)
-        self.step, self.epoch, self.batch_index = int(state["step"]), int(state["epoch"]), int(state["batch_index"])
+        self.step, self.position = int(state["step"]), Position(int(state["epoch"]), int(state["batch_index"]))
         self.train_tokens = int(state.get("train_tokens", 0))
         self.nonfinite_before = int(state.get("nonfinite_steps", 0))
-        if self.env.is_main:
+        if self.layout.is_main:
             log.info("resumed from %s: step %d, epoch %d, batch %d (written by %s rank(s))", path, self.step,
-                     self.epoch, self.batch_index, state.get("world_size", 1))
+                     self.position.epoch, self.position.batch_index, state.get("world_size", 1))
 
     def _check_finite_state(self, path: Path) -> None:
         """A checkpoint whose weights or optimizer moments hold NaN/Inf would train (and export)
@@ -470,8 +396,8 @@ class Trainer:
         for t in tensors:
             local = t.to_local() if hasattr(t, "to_local") else t  # FSDP2: this rank's shard
             bad = bad + (~torch.isfinite(local.detach())).any().float().to(self.device)
-        if self.env.distributed:
-            bad = all_reduce_tensor(bad, self.env)
+        if self.layout.distributed:
+            bad = self.layout.all_reduce_tensor(bad)
         if float(bad) > 0:
             raise UserInputError(f"{path}: the checkpoint holds NaN/Inf weights or optimizer state; delete it to resume "
                                  f"from an earlier one, or delete {path.parent} to start over")
@@ -484,9 +410,9 @@ class Trainer:
         from tqdm import tqdm
 
         tc = self.cfg.train
-        main = self.env.is_main
+        main = self.layout.is_main
         self.maybe_resume()
-        self.last_step = min(self.total_steps, stop_after_step or self.total_steps)  # online prefetch stops there
+        self.last_step = min(self.total_steps, stop_after_step or self.total_steps)  # the feed stops there
         logger = MetricLogger(self.cfg.run, tc.ttt_steps, resumed_step=self.step) if main else None
         window = TTTStats(tc.ttt_steps)
         window_start, grad_norm = time.perf_counter(), 0.0
@@ -513,7 +439,7 @@ class Trainer:
                 self.save()
                 window_start += time.perf_counter() - saving  # a checkpoint is not training time
         bar.close()
-        latest = find_resume_checkpoint(self.cfg, self.env)
+        latest = find_resume_checkpoint(self.cfg, self.layout)
         if latest is None or latest.name != f"step-{self.step:06d}":
             self.save()
         if logger is not None:
@@ -525,15 +451,15 @@ class Trainer:
         RUN/draft from the final checkpoint (rank 0)."""
         tc = self.cfg.train
         summary = {
-            "steps": self.step, "epochs": self.epoch + (1 if self.batch_index else 0), "ttt_steps": tc.ttt_steps,
+            "steps": self.step, "epochs": self.position.epoch + (1 if self.position.batch_index else 0), "ttt_steps": tc.ttt_steps,
             "train_samples": len(self.train_ids), "heldout_samples": len(self.heldout_ids), "train_tokens": self.train_tokens,
             "train_tokens_per_s": self.session_tokens / self.train_seconds if self.train_seconds else None,
             "draft_vocab_size": int(self.vocab["d2t"].shape[0]),
             "vocab_coverage": coverage(self.vocab["counts"], self.vocab["t2d"]),
-            "world_size": self.env.world_size, "parallel": self.parallel,
-            "skipped_samples": self.reader.skipped_samples,
+            "world_size": self.layout.world_size, "parallel": self.parallel,
+            "skipped_samples": self.source.skipped_samples,
         }
-        summary.update(getattr(self.reader, "summary", dict)())  # online: the target's share
+        summary.update(self.source.summary())  # online: the target's share
         k = min(self.cfg.eval.k, tc.ttt_steps)
         if self.heldout_ids:
             stats = self.evaluate(self.heldout_ids)
@@ -546,20 +472,27 @@ class Trainer:
             }
             summary["simulated_acceptance_length"] = stats.acceptance_length(k)
             summary["simulated_acceptance_length_k"] = k
-            if self.env.is_main:
+            if self.layout.is_main:
                 log.info(
                     "held-out: loss %.4f, accuracy per step %s, simulated acceptance length %.3f at k=%d",
                     summary["heldout"]["loss"], " ".join(f"{a:.3f}" for a in stats.accuracy_per_step()), summary["simulated_acceptance_length"], k,
                 )
         else:
-            if self.env.is_main:
+            if self.layout.is_main:
                 log.warning("train.holdout_samples=0: no held-out evaluation, simulated_acceptance_length is null")
             summary["simulated_acceptance_length"] = None
-        if self.env.is_main:
+        if self.layout.is_main:
             write_json_atomic(self.cfg.run / SUMMARY_NAME, summary, indent=1)
             export_finite(checkpoint_dir(self.cfg.run) / f"step-{self.step:06d}", self.cfg.run / "draft", self.vocab)
-        barrier(self.env)
+        self.layout.barrier()
         return summary
+
+    def close(self) -> None:
+        """Stop the feed's worker and release the source (online: the target's hooks)."""
+        if self.feed is not None:
+            self.feed.close()
+            self.feed = None
+        self.source.close()
 
 
 def export_finite(checkpoint: Path, out_dir: Path, vocab: dict | None = None) -> Path:
@@ -586,18 +519,12 @@ def train(cfg: Config, stop_after_step: int | None = None) -> dict | None:
     """Train (resuming when RUN holds a checkpoint), evaluate held-out, export; the summary dict.
     Under torchrun every rank calls it; the process group is created and ended here unless the
     caller made it."""
-    if cfg.train.source == "online" and cfg.target.backend == "native":
-        from eagleforge.extract.native.parallel import use_expandable_segments
-
-        use_expandable_segments()  # before CUDA starts, as the native extraction (its plan's reserve assumes it)
-    env = init_distributed(cfg.train.device)
+    layout = training_layout(cfg)
     trainer = None
     try:
-        trainer = Trainer(cfg, env)
+        trainer = Trainer(cfg, layout)
         return trainer.run(stop_after_step)
     finally:
         if trainer is not None:
-            trainer.prefetch.close()
-            if hasattr(trainer.reader, "close"):  # online: the producer thread
-                trainer.reader.close()
-        shutdown(env)
+            trainer.close()
+        layout.shutdown()

@@ -10,11 +10,7 @@ from pathlib import Path
 
 import torch
 
-from eagleforge.train.distributed import (
-    DistEnv,
-    all_reduce_sum,
-    all_reduce_tensor,
-)
+from eagleforge.layout import Layout
 
 log = logging.getLogger(__name__)
 
@@ -94,25 +90,25 @@ def simulated_acceptance_length(accuracy_per_step: list[float], k: int) -> float
     return total
 
 
-def reduce_stats(stats: TTTStats, env: DistEnv, global_tokens: int | None = None) -> TTTStats:
+def reduce_stats(stats: TTTStats, layout: Layout, global_tokens: int | None = None) -> TTTStats:
     """The per-step sums of all ranks (one small all-reduce). One process: the stats as they
     are, their device sums not read back (the logger reads them once per window).
 
     Under torchrun with `global_tokens` (the step's token count over all ranks, which every rank
     knows on the host): one all-reduce of the [4, steps] sums on the device, no host sync. Every
     rank must take the same branch (a rank that ran only a zero-weight batch sends zeros)."""
-    if not env.distributed:
+    if not layout.distributed:
         return stats
     k = stats.steps
     if global_tokens is not None:
         sums = stats.pending_device_sums()
-        sums = torch.zeros(4, k, dtype=torch.float64, device=env.device) if sums is None else sums.to(env.device)
+        sums = torch.zeros(4, k, dtype=torch.float64, device=layout.device) if sums is None else sums.to(layout.device)
         if any(any(v) for v in stats.host_lists()):  # the reference loss keeps its sums on the host (a copy)
-            sums = sums + torch.tensor(stats.host_lists(), dtype=torch.float64).to(env.device)
+            sums = sums + torch.tensor(stats.host_lists(), dtype=torch.float64).to(layout.device)
         summed = TTTStats(k, tokens=global_tokens)
-        summed.add_device_sums(all_reduce_tensor(sums, env))
+        summed.add_device_sums(layout.all_reduce_tensor(sums))
         return summed
-    flat = all_reduce_sum(stats.ce_sum + stats.n_loss + stats.n_correct + stats.n_valid + [stats.tokens], env)
+    flat = layout.all_reduce_sum(stats.ce_sum + stats.n_loss + stats.n_correct + stats.n_valid + [stats.tokens])
     whole = [round(x) for x in flat[k:]]
     return TTTStats(k, list(flat[:k]), whole[:k], whole[k : 2 * k], whole[2 * k : 3 * k], whole[3 * k])
 

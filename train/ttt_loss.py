@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from eagleforge.kernels.soft_ce import teacher_logsumexp
 from eagleforge.modes import LK_LOSS_MODES, PLAIN_LOSS_MODES, checkpoint_modes
-from eagleforge.train.loss import get_loss_fn, lk_options
+from eagleforge.train.loss import get_loss_fn
 from eagleforge.train.metrics import TTTStats
 
 log = logging.getLogger(__name__)
@@ -197,32 +197,40 @@ def target_argmax_from_hidden(last_hidden: torch.Tensor, full_head: torch.Tensor
 
 class TTTLoss:
     """forward_ttt and the TTT loss of one batch: what DraftWithLoss runs inside its forward, so
-    FSDP has lm_head gathered when the loss reads it. Returns (loss, TTTStats) as ttt_loss."""
+    FSDP has lm_head gathered when the loss reads it. Returns (loss, TTTStats) as ttt_loss.
 
-    def __init__(self, tc, teacher_head: torch.Tensor, device: torch.device):
-        self.tc, self.teacher_head, self.device_type = tc, teacher_head, device.type
-        # the per-step loss of the plain path (the LK loss with this config's options)
-        self.loss_fn = get_loss_fn(tc.loss, device, lk_options(tc) if tc.loss in LK_LOSS_MODES else None)
+    teacher_head [Vd, Ht]; the rest are the train.* keys of the same names (docs/training.md):
+    loss (a LOSS_MODES name), lk (the LK loss's options, `train.loss.lk_options`, for the LK modes),
+    checkpoint (one of CHECKPOINT_MODES or a list per step) and compile as the step plan resolved them."""
+
+    def __init__(self, teacher_head: torch.Tensor, device: torch.device, *, ttt_steps: int, step_weight_decay: float,
+                 loss: str = "auto", bf16: bool = True, attention: str = "auto", checkpoint="none", compile: bool = False,
+                 chunk_tokens: int = 0, packed: bool = False, lk: dict | None = None):
+        self.teacher_head, self.device_type = teacher_head, device.type
+        self.ttt_steps, self.step_weight_decay, self.loss, self.bf16 = ttt_steps, step_weight_decay, loss, bf16
+        self.attention, self.checkpoint, self.compile = attention, checkpoint, compile
+        self.chunk_tokens, self.packed = chunk_tokens or None, packed
+        self.lk = lk if loss in LK_LOSS_MODES else None
+        # the per-step loss of the plain path (the LK loss with its options)
+        self.loss_fn = get_loss_fn(loss, device, self.lk)
         # Autocast caches each weight's bf16 copy for the whole region, so with fp32 masters only
         # TTT step 0 casts; a selectively checkpointed step j > 0 recomputes its casts, and the
         # checkpoint refuses a recompute whose casts differ from the forward's: no cache there.
         # (bf16 parameters are not cast at all.)
-        self.autocast_cache = not any(mode.startswith("selective")
-                                      for mode in checkpoint_modes(tc.activation_checkpoint, tc.ttt_steps))
+        self.autocast_cache = not any(mode.startswith("selective") for mode in checkpoint_modes(checkpoint, ttt_steps))
 
     def __call__(self, draft, aux_hidden_states, input_ids, last_hidden, loss_mask, target_argmax, input_embeds=None):
         """input_embeds: [B, T + K, H] gathered on the host (train.embed_device=host), else None."""
-        tc = self.tc
-        with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=tc.bf16, cache_enabled=self.autocast_cache):
-            hiddens = draft.forward_ttt(aux_hidden_states, input_ids, tc.ttt_steps, attention=tc.attention,
-                                        checkpoint=tc.activation_checkpoint, embeds=input_embeds,
-                                        compile="dynamic" if tc.compile else False)  # batches vary in length
-        if tc.loss not in PLAIN_LOSS_MODES:  # the TTT form: teacher shared over steps
+        with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.bf16, cache_enabled=self.autocast_cache):
+            hiddens = draft.forward_ttt(aux_hidden_states, input_ids, self.ttt_steps, attention=self.attention,
+                                        checkpoint=self.checkpoint, embeds=input_embeds,
+                                        compile="dynamic" if self.compile else False)  # batches vary in length
+        if self.loss not in PLAIN_LOSS_MODES:  # the TTT form: teacher shared over steps
             return ttt_loss_shared(
                 hiddens, draft.lm_head.weight, last_hidden, self.teacher_head, loss_mask, target_argmax, draft.t2d,
-                draft.d2t, tc.step_weight_decay, torch.bfloat16 if tc.bf16 else torch.float32, tc.loss_chunk_tokens or None,
-                packed=tc.loss_packed, lk=lk_options(tc) if tc.loss in LK_LOSS_MODES else None,
+                draft.d2t, self.step_weight_decay, torch.bfloat16 if self.bf16 else torch.float32, self.chunk_tokens,
+                packed=self.packed, lk=self.lk,
             )
         lse = batch_teacher_lse(last_hidden, loss_mask, self.teacher_head)
         return ttt_loss(hiddens, draft.lm_head.weight, last_hidden, self.teacher_head, lse, loss_mask, target_argmax,
-                        draft.t2d, draft.d2t, tc.step_weight_decay, self.loss_fn)
+                        draft.t2d, draft.d2t, self.step_weight_decay, self.loss_fn)

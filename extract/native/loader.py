@@ -256,7 +256,7 @@ def plan_reads(model: DeepseekV3ForExtraction, info: CheckpointInfo) -> list[tup
     text = model.model
     steps = [("embed, norm, head", _param_reads(model, info, "model.embed_tokens", text.embed_tokens)
               + _param_reads(model, info, "model.norm", text.norm) + _param_reads(model, info, "lm_head", model.lm_head))]
-    for i, layer in enumerate(text.layers):
+    for i, layer in text.layers.items():
         reads = _param_reads(model, info, f"model.layers.{i}", layer)
         experts = getattr(layer.mlp, "experts", None)
         if experts is not None:

@@ -8,8 +8,9 @@ except the routed experts, which are stacked per layer (`RoutedExperts`).
 
 Shapes: B batch, T tokens, H hidden, n local heads (heads / tp), E_l local experts, I_l local
 intermediate. The forward returns the final-normed state at ALL positions, and the decoder
-layers are `model.layers` (an nn.ModuleList) with `model.norm` after them, so capture hooks
-see every position of every layer.
+layers are `model.layers` (a `LayerStack`, keyed by global layer id, so a model holding only
+some layers keeps the checkpoint's names and the capture's layer ids) with `model.norm` after
+them, so capture hooks see every position of every layer.
 
 Numerics follow transformers (the reference the tests compare against), which matches
 DeepSeek's own inference code: RMSNorm in fp32, router in fp32, YaRN frequencies in fp32,
@@ -546,6 +547,20 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class LayerStack(nn.ModuleDict):
+    """Decoder layers keyed by their global layer id (0-indexed, as in the checkpoint's
+    `model.layers.{i}` and the aux-layer convention), in ascending order; indexed by int."""
+
+    def __getitem__(self, layer_id: int | str) -> nn.Module:
+        return super().__getitem__(str(layer_id))
+
+    def __contains__(self, layer_id: int | str) -> bool:
+        return super().__contains__(str(layer_id))
+
+    def ids(self) -> list[int]:
+        return [int(key) for key in self.keys()]
+
+
 class DeepseekV3TextModel(nn.Module):
     """Embedding, decoder layers, final norm: the `model.` part of the checkpoint."""
 
@@ -553,9 +568,8 @@ class DeepseekV3TextModel(nn.Module):
         super().__init__()
         self.args = args
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp, dtype)
-        self.layers = nn.ModuleList(
-            DecoderLayer(args, i, tp, layout, dtype, quantized) for i in range(args.num_hidden_layers)
-        )
+        self.layers = LayerStack({str(i): DecoderLayer(args, i, tp, layout, dtype, quantized)
+                                  for i in range(args.num_hidden_layers)})
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         inv_freq, self.rope_scale = rope_inv_freq(args)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -566,7 +580,7 @@ class DeepseekV3TextModel(nn.Module):
         positions = torch.arange(input_ids.shape[1], device=input_ids.device, dtype=torch.float32)
         angles = positions[:, None] * self.inv_freq.float()[None, :]  # [T, rope/2], fp32 like the reference
         cos, sin = (angles.cos() * self.rope_scale).to(x.dtype), (angles.sin() * self.rope_scale).to(x.dtype)
-        for layer in self.layers:
+        for layer in self.layers.values():
             x = layer(x, cos, sin)
         return self.norm(x)
 

@@ -13,9 +13,10 @@ Inside a group, tensor parallelism cuts every layer so that each rank holds 1/tp
     MoE / MLP block  one all-reduce of (routed + shared) partial sums
     lm_head          vocab-parallel rows; the argmax is combined across ranks
 
-After each block all-reduce every rank of a group holds the same hidden states, so hooks on any
-rank see the full tensors. Groups are independent replicas (data parallelism): each extracts its
-own slice of the samples. With one process nothing here communicates (`TensorParallel()`).
+After each block all-reduce every rank of a tp group holds the same hidden states, so hooks on any
+rank see the full tensors. Where the ranks sit (groups, stages, tp ranks) and their process groups
+are the job's Layout (eagleforge/layout.py); `tensor_parallel(layout)` is the model's view of it.
+With one process nothing here communicates (`TensorParallel()`).
 
 Modules record which slice of the checkpoint tensor they hold in `shard_spec`
 ({param name: (dim, start, end, full size)}); the loader reads exactly that slice.
@@ -26,7 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagleforge.config import UserInputError
-from eagleforge.process_group import join_process_group, world_size_from_env
+from eagleforge.layout import Layout
 
 log = logging.getLogger(__name__)
 
@@ -250,27 +251,6 @@ class VocabParallelHead(_VocabRows):
         return out
 
 
-@dataclass
-class ParallelState:
-    """Where this process sits: global rank, its data-parallel group and its tensor-parallel view."""
-
-    world_size: int = 1
-    rank: int = 0
-    num_groups: int = 1
-    group_index: int = 0
-    tp: TensorParallel = field(default_factory=TensorParallel)
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    initialized_here: bool = False
-
-    @property
-    def is_group_leader(self) -> bool:
-        return self.tp.rank == 0
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
 ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 
@@ -287,57 +267,7 @@ def use_expandable_segments() -> bool:
     return True
 
 
-def init_parallel(tp_size: int, device: str = "auto", split_rows_min_tokens: int = 1024,
-                  overlap_min_rows: int = 4096) -> ParallelState:
-    """Join torchrun's world (or stay single-process) and build the tensor-parallel groups.
-
-    NCCL on CUDA, gloo on CPU. Ranks [g*tp, (g+1)*tp) form group g. On CUDA the allocator gets
-    expandable segments first (`use_expandable_segments`).
-    """
-    world_size = world_size_from_env()
-    if world_size % tp_size:
-        raise UserInputError(f"target.tp = {tp_size} does not divide the world size {world_size} (torchrun --nproc-per-node x --nnodes)")
-    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    if use_cuda:
-        use_expandable_segments()
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        dev = torch.device("cuda", local_rank)
-    else:
-        dev = torch.device("cpu")
-    if world_size == 1:
-        return ParallelState(device=dev)
-    state = state_from_world(tp_size, dev, join_process_group(dev))
-    state.tp.split_rows_min_tokens, state.tp.overlap_min_rows = split_rows_min_tokens, overlap_min_rows
-    return state
-
-
-def state_from_world(tp_size: int, device: torch.device, initialized_here: bool) -> ParallelState:
-    world_size, rank = dist.get_world_size(), dist.get_rank()
-    num_groups = world_size // tp_size
-    my_group = None
-    for g in range(num_groups):  # every rank must take part in creating every group
-        group = dist.new_group(list(range(g * tp_size, (g + 1) * tp_size)))
-        if rank // tp_size == g:
-            my_group = group
-    tp = TensorParallel(size=tp_size, rank=rank % tp_size, group=my_group)
-    return ParallelState(world_size, rank, num_groups, rank // tp_size, tp, device, initialized_here)
-
-
-def barrier(state: ParallelState) -> None:
-    if state.world_size > 1:
-        dist.barrier()
-
-
-def gather_objects(state: ParallelState, obj) -> list:
-    """Every rank's `obj` (small, JSON-like), on every rank, in rank order."""
-    if state.world_size == 1:
-        return [obj]
-    out = [None] * state.world_size
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def shutdown(state: ParallelState) -> None:
-    if state.initialized_here and dist.is_initialized():
-        dist.destroy_process_group()
+def tensor_parallel(layout: Layout, split_rows_min_tokens: int = 1024, overlap_min_rows: int = 4096) -> TensorParallel:
+    """The model's view of this rank's tensor-parallel group in the job's Layout."""
+    return TensorParallel(size=layout.tp, rank=layout.tp_rank, group=layout.tp_group,
+                          split_rows_min_tokens=split_rows_min_tokens, overlap_min_rows=overlap_min_rows)

@@ -288,7 +288,7 @@ def run_preflight(cfg: Config, device: torch.device, sizes: list[int] | None = N
 def main(cfg: Config) -> None:
     import torch.distributed as dist
 
-    from eagleforge.process_group import join_process_group, world_size_from_env
+    from eagleforge.layout import join_process_group, world_size_from_env
     from eagleforge.target import resolve_device
 
     device = resolve_device(cfg.target.device)

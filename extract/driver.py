@@ -1,0 +1,126 @@
+"""The extract stage: samples -> target forwards with hooks -> RUN/hidden shards, one loop for both backends.
+
+    python -m eagleforge.extract run_dir=runs/x                                  # the processes the config needs
+    torchrun --nproc-per-node 8 -m eagleforge.extract --config configs/kimi_k25_pilot.yaml
+
+Samples (extract/samples.py, id order) are cut into fixed chunks of `extract.samples_per_shard`;
+chunk c is shard c and belongs to group c % groups (eagleforge/layout.py: a group is one copy of
+the target over target.tp ranks; with the hf backend every rank is a group). Within a chunk,
+samples are batched up to `extract.batch_tokens` padded tokens, longest first; every rank of a
+group forwards the same batches (extract/target.py) and the group's leader hands each batch's rows
+to the writer (extract/writer.py), whose thread copies and writes chunk c while the forwards of
+chunk c+1 run. Because a chunk's batches depend only on the chunk, a killed and resumed run (or a
+run on another number of processes) writes the same shards; resume skips the chunks the manifests
+already list. Rank 0 merges the groups' manifest parts at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from eagleforge.config import Config, save_config
+from eagleforge.extract.samples import batch_by_tokens, read_samples
+from eagleforge.extract.target import Target, open_target
+from eagleforge.extract.writer import BatchRows, ShardSink, make_writer, writer_summary
+from eagleforge.layout import Layout, init_layout
+from eagleforge.shards import ShardWriter, load_manifest, merge_manifests
+
+log = logging.getLogger(__name__)
+
+
+def target_layout(cfg: Config, device: str) -> Layout:
+    """The job's Layout for a stage that runs the target: groups of target.tp ranks (native
+    backend; the hf backend is tp 1). On CUDA the native backend's allocator is set up first."""
+    if cfg.target.backend != "native":
+        return init_layout(device)
+    from eagleforge.extract.native.parallel import use_expandable_segments
+
+    use_expandable_segments()  # before CUDA starts (its plan's reserve assumes it)
+    return init_layout(device, tp=cfg.target.tp)
+
+
+def extract(cfg: Config) -> dict | None:
+    """Extract every sample into RUN/hidden/; rank 0 returns the manifest."""
+    start_s = time.perf_counter()
+    layout = target_layout(cfg, cfg.target.device)
+    if not layout.is_main:
+        logging.getLogger("eagleforge").setLevel(logging.WARNING)  # logs from rank 0 only
+    try:
+        if layout.is_main:
+            save_config(cfg, cfg.run / "config.yaml")
+        samples: list[dict] = []
+        target = open_target(cfg, layout, check_inputs=lambda vocab_size: samples.extend(read_samples(cfg, vocab_size)[0]))
+        try:
+            return _extract(cfg, layout, target, samples, start_s)
+        finally:
+            target.close()
+    finally:
+        layout.shutdown()
+
+
+def _extract(cfg: Config, layout: Layout, target: Target, samples: list[dict], start_s: float) -> dict | None:
+    hidden_dir = cfg.run / "hidden"
+    size = cfg.extract.samples_per_shard
+    chunks = [samples[i:i + size] for i in range(0, len(samples), size)]
+    mine = [c for c in range(len(chunks)) if c % layout.num_groups == layout.group_index]
+    writer, todo = None, None
+    if layout.is_group_leader:
+        writer = ShardWriter(hidden_dir, target.header, cfg.extract.storage_dtype,
+                             group=layout.group_index if layout.num_groups > 1 else None)
+        # Keyed on content: a chunk whose samples' tokens changed under the same ids is refused.
+        todo = [c for c in mine if not writer.is_complete(c, [row["id"] for row in chunks[c]], chunks[c])]
+    # the group's other ranks follow their leader's list (collectives need the same forwards)
+    todo = layout.all_gather_object(todo)[layout.leader]
+    log.info("%d samples in %d chunks, %d groups of %d rank(s); group 0 has %d chunks, %d already done; aux layers %s",
+             len(samples), len(chunks), layout.num_groups, layout.group_size, len(mine), len(mine) - len(todo),
+             target.header["aux_layer_ids"])
+    total_tokens = sum(len(row["input_ids"]) for c in todo for row in chunks[c])
+    # Only the group leader writes: its writer thread copies and writes chunk c while the group
+    # runs the forwards of chunk c+1. The other ranks take part in the forwards and keep nothing.
+    sink = ShardSink(writer) if writer is not None else None
+    out = make_writer(sink, cfg.extract.overlap_writes) if sink is not None else None
+    with (out if out is not None else contextlib.nullcontext()), \
+            tqdm(total=total_tokens, unit="tok", unit_scale=True, desc="extract", disable=not layout.is_main) as progress:
+        for c in todo:
+            extract_chunk(target, c, chunks[c], cfg.extract.batch_tokens, out, progress)
+        if out is not None:
+            log.info(writer_summary(out.close(), time.perf_counter() - start_s))  # every shard is on disk, or its error raised
+    layout.barrier()
+    if not layout.is_main:
+        return None
+    manifest = merge_manifests(hidden_dir) if layout.num_groups > 1 else load_manifest(hidden_dir)
+    log_extraction_summary(manifest, hidden_dir, sink.skipped if sink is not None else 0, time.perf_counter() - start_s)
+    return manifest
+
+
+def extract_chunk(target: Target, index: int, chunk: list[dict], batch_tokens: int, writer=None,
+                  progress: tqdm | None = None) -> None:
+    """Forward chunk `index` (rows in id order) batch by batch, every rank of the group alike; the
+    leader submits each batch's rows to `writer` (OverlappedWriter or InlineWriter around a
+    ShardSink, which writes the shard)."""
+    lengths = [len(row["input_ids"]) for row in chunk]
+    for positions in batch_by_tokens(lengths, batch_tokens):
+        packed = target.forward([chunk[j]["input_ids"] for j in positions])
+        if writer is not None:
+            writer.submit(packed, BatchRows(index, chunk, positions))
+        if progress is not None:
+            progress.update(sum(lengths[j] for j in positions))
+
+
+def log_extraction_summary(manifest: dict, hidden_dir: Path, skipped_here: int, wall_s: float) -> None:
+    shards = manifest["shards"]
+    samples = sum(e["samples"] for e in shards)
+    tokens = sum(e["tokens"] for e in shards)
+    total_bytes = sum(e["bytes"] for e in shards)
+    skipped = sum(len(e.get("skipped_ids", [])) for e in shards)
+    print(
+        f"extract: {len(shards)} shards in {hidden_dir}: {samples} samples, {tokens} tokens, "
+        f"{total_bytes / max(tokens, 1):.0f} bytes/token ({total_bytes / 2**20:.1f} MiB), "
+        f"{skipped} samples skipped for NaN/Inf ({skipped_here} this run), wall time {wall_s:.1f} s",
+        flush=True,
+    )

@@ -1,0 +1,70 @@
+"""The draft a run trains: sized from the target's config, given the target's frozen embedding and
+the draft vocabulary, its embedding placed where the step plan wants it."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import torch
+
+from eagleforge.config import Config, UserInputError
+from eagleforge.target import target_path
+
+
+def target_hf_config(cfg: Config, manifest: dict):
+    """The target's HF config: stored in the manifest when the extractor put it there, else
+    read from the target directory (AutoConfig)."""
+    stored = manifest.get("target", {}).get("config")
+    if isinstance(stored, dict):
+        return stored
+    from transformers import AutoConfig
+
+    path = target_path(cfg.target)
+    kwargs = {"gguf_file": cfg.target.gguf_file} if cfg.target.gguf_file else {}
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=cfg.target.trust_remote_code, **kwargs)
+    except (OSError, ValueError) as err:
+        raise UserInputError(f"target.path {path}: cannot read the target's config ({str(err).splitlines()[0]})") from None
+
+
+def build_draft(cfg: Config, manifest: dict, vocab: dict, head: dict) -> torch.nn.Module:
+    """Eagle3Draft sized from the target config (+ cfg.draft overrides), with the frozen target
+    embedding and d2t/t2d. lm_head keeps its random init: in a short SmolLM2 trial, starting it
+    from the target's head rows gave a ~1.5x higher initial loss, grad norms ~50x larger (so
+    clipping dominated) and no accuracy gain."""
+    from eagleforge.draft import Eagle3Config, Eagle3Draft
+    from eagleforge.draft.config import RopeConflictError
+
+    overrides = {f.name: getattr(cfg.draft, f.name) for f in fields(cfg.draft)}
+    try:
+        draft_config = Eagle3Config.from_target_config(
+            target_hf_config(cfg, manifest), int(vocab["d2t"].shape[0]), manifest["aux_layer_ids"], **overrides
+        )
+    except RopeConflictError as err:  # the target's own config, not the draft.* keys
+        raise UserInputError(f"target.path {cfg.target.path or 'embedded default'}: {err}") from None
+    except ValueError as err:  # a draft.* override that does not fit the target or itself
+        set_keys = ", ".join(f"draft.{k}={v}" for k, v in overrides.items() if v not in (None, 0, ""))
+        raise UserInputError(f"draft config ({set_keys or 'defaults'}) does not fit the target of {cfg.run / 'hidden'}: {err}") from None
+    shard_hidden = manifest.get("target", {}).get("hidden_size")
+    if shard_hidden is not None and int(shard_hidden) != draft_config.target_hidden_size:
+        raise UserInputError(
+            f"{cfg.run / 'hidden'}: the shards hold hidden_size {shard_hidden} but the target "
+            f"({cfg.target.path or 'embedded default'}) has {draft_config.target_hidden_size}; extract again for this target"
+        )
+    draft = Eagle3Draft(draft_config)
+    try:
+        draft.set_embed_tokens(head["embed_tokens"])
+        draft.set_vocab_map(vocab["d2t"], vocab["t2d"])
+    except ValueError as err:
+        raise UserInputError(f"{cfg.run / 'vocab'}: {err} (target changed since the vocab stage? rerun it)") from None
+    draft.embed_tokens.weight.requires_grad_(False)
+    return draft
+
+
+def embedding_to_host(draft: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """Take the draft's frozen embedding out of it: returns its weight [V, H] as `dtype` on the
+    host and leaves an empty [0, H] one in the draft (moved with it, holding no memory), so
+    the batches bring their embedding rows (Batch.input_embeds) instead."""
+    weight = draft.embed_tokens.weight.detach().to("cpu", dtype)
+    draft.embed_tokens.weight = torch.nn.Parameter(weight.new_empty(0, weight.shape[1]), requires_grad=False)
+    return weight

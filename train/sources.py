@@ -1,0 +1,109 @@
+"""Where the trainer's batches come from: one protocol, two sources.
+
+    source = open_source(cfg, layout)        # ShardSource (RUN/hidden) or OnlineSource (the target)
+    source.manifest                          # target header: sizes, aux layer ids, has_target_argmax
+    len(source), source.sample_lengths()     # the samples in id order: sample index i
+    batch = source.load(slot)                # this rank's Batch of one schedule slot (train/schedule.py)
+
+The trainer asks for slots in its schedule's order on one worker thread (train/prefetch.py);
+`load` makes this rank's batch of the slot: its samples (or the step's first batch standing in
+past the epoch's tail). A shard source pads host rows (pinned for a GPU); an online source runs
+the target and returns rows on the device (`on_device`: the worker then works on a side stream).
+Both return the states in their own dtype; the trainer moves and casts them.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Protocol
+
+from eagleforge.config import Config, UserInputError
+from eagleforge.layout import Layout
+from eagleforge.train.batching import Batch, pad_batch
+from eagleforge.train.schedule import Slot
+
+log = logging.getLogger(__name__)
+
+
+class BatchSource(Protocol):
+    manifest: dict  # the target's header (docs/shards.md), the draft is sized from it
+    skipped_samples: int  # samples left out (corrupt shards), recorded in train_summary.json
+    on_device: bool  # load() returns tensors on the device (made on the worker's side stream)
+
+    def __len__(self) -> int: ...
+
+    def sample_lengths(self) -> list[int]: ...
+
+    def load(self, slot: Slot) -> Batch: ...
+
+    def nonfinite_error(self, step: int, samples: list[int]) -> str:
+        """The one-line error for a step whose input states held NaN/Inf."""
+
+    def summary(self) -> dict: ...
+
+    def close(self) -> None: ...
+
+
+def check_source(source: str, cache_gb: float) -> str:
+    """train.source, checked against the keys that go with it (the config layer checks each key's
+    choices and range)."""
+    if cache_gb > 0 and source != "online":
+        raise UserInputError(f"config key 'train.cache_gb' = {cache_gb}: only train.source=online has a cache "
+                             f"(got train.source={source})")
+    return source
+
+
+class ShardSource:
+    """RUN/hidden's shards (ShardReader, memory-mapped); with skip_corrupt, shards failing the
+    size or sha256 check are left out (logged) instead of stopping the run."""
+
+    on_device = False
+
+    def __init__(self, hidden_dir: Path, layout: Layout, verify_checksums: bool = True, skip_corrupt: bool = False):
+        from eagleforge.shards import ShardReader
+
+        self.layout = layout
+        self.reader = ShardReader(hidden_dir, verify_checksums=verify_checksums, skip_corrupt=skip_corrupt)
+        if self.reader.skipped_shards:
+            log.warning("skipped %d corrupt shard(s) holding %d samples: %s", len(self.reader.skipped_shards),
+                        self.reader.skipped_samples, ", ".join(map(str, self.reader.skipped_shards)))
+        self.manifest = self.reader.manifest
+        self.skipped_samples = self.reader.skipped_samples
+        self.pin = layout.device.type == "cuda"
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def sample_lengths(self) -> list[int]:
+        return self.reader.sample_lengths()
+
+    def load(self, slot: Slot) -> Batch:
+        """The padded host batch of this rank's samples of `slot` (pinned for a GPU)."""
+        ids = slot.read_of(self.layout.rank, self.layout.world_size)
+        return pad_batch([self.reader[i] for i in ids], pin=self.pin)
+
+    def nonfinite_error(self, step: int, samples: list[int]) -> str:
+        for i in samples:
+            problem = self.reader.nonfinite(i)
+            if problem is not None:
+                return (f"{problem} (step {step}); the extractor never writes one: re-extract it "
+                        f"or set train.skip_corrupt_shards=true after deleting it from the manifest")
+        return (f"step {step}: a batch's hidden states held NaN/Inf after reading "
+                f"(extract.storage_dtype of the shards: {self.manifest.get('storage_dtype')})")
+
+    def summary(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def open_source(cfg: Config, layout: Layout) -> BatchSource:
+    """The configured train.source on this rank."""
+    tc = cfg.train
+    if check_source(tc.source, tc.cache_gb) == "online":  # the target runs here; its states stand in for the shards
+        from eagleforge.train.online import OnlineSource
+
+        return OnlineSource(cfg, layout)
+    return ShardSource(cfg.run / "hidden", layout, tc.verify_checksums, tc.skip_corrupt_shards)

@@ -1,0 +1,92 @@
+"""The bounded cache of online training (`train.cache_gb`): part of the first epoch's target
+states kept as shards in RUN/hidden, read back by later epochs instead of forwarded again."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from eagleforge.config import UserInputError
+from eagleforge.layout import Layout
+
+log = logging.getLogger(__name__)
+
+
+class StateCache:
+    """`train.cache_gb` = N > 0: the first epoch's states of up to N GB (1e9 bytes, in
+    extract.storage_dtype, counted as the shards store them) kept as checksummed shards in the
+    existing format (eagleforge/shards.py) under RUN/hidden; later epochs read those samples back and
+    run the target only for the rest.
+
+    Which samples are cached is a pure function of the schedule: the batches of epoch 0 in order,
+    while their running total of bytes stays within N GB. So every rank of a target group agrees
+    on which rows it must forward without talking, and a resumed run caches the same ones. Each
+    rank writes its own batches' rows (one shard per epoch-0 batch, index = its position in the
+    epoch, group = the rank under torchrun); a shard already complete on disk is not rewritten."""
+
+    def __init__(self, hidden_dir: Path, cache_gb: float, storage_dtype: str, layout: Layout, header: dict,
+                 samples: list[dict], epoch0_batches: list[list[int]], verify_checksums: bool = True):
+        from eagleforge.shards import STORAGE_DTYPES, ShardWriter
+
+        self.hidden_dir, self.layout, self.samples, self.verify_checksums = hidden_dir, layout, samples, verify_checksums
+        hidden = int(header["target"]["hidden_size"])
+        k = len(header["aux_layer_ids"])
+        width = STORAGE_DTYPES[storage_dtype].itemsize
+        scales = 4 * (k + 1) if storage_dtype.startswith("float8") else 0
+        self.bytes_per_token = (k + 1) * hidden * width + scales + 4 + 1 + 4  # states, ids int32, mask uint8, argmax int32
+        budget = cache_gb * 1e9
+        self.batch_index: dict[tuple, int] = {}  # epoch-0 batch (its sample positions) -> shard index
+        self.cached: set[int] = set()  # sample positions whose states are cached
+        lengths = [len(s["input_ids"]) for s in samples]
+        used = 0
+        for index, batch in enumerate(epoch0_batches):
+            size = sum(lengths[i] for i in batch) * self.bytes_per_token
+            if used + size > budget:
+                break
+            used += size
+            self.batch_index[tuple(batch)] = index
+            self.cached.update(batch)
+        self.planned_bytes = used
+        self.writer = ShardWriter(hidden_dir, header, storage_dtype, group=layout.rank if layout.world_size > 1 else None)
+        self._reader, self._reader_index = None, {}
+        self.read_tokens = 0
+        log.info("train.cache_gb=%g: %d of %d training samples (%.3f GB) cached in %s during the first epoch",
+                 cache_gb, len(self.cached), sum(len(b) for b in epoch0_batches), used / 1e9, hidden_dir)
+
+    def write(self, batch: list[int], rows: list[dict]) -> None:
+        """Write this rank's epoch-0 batch `batch` (sample positions) with its rows, if it is one
+        the cache keeps and not already on disk."""
+        index = self.batch_index.get(tuple(batch))
+        if index is None:
+            return
+        ids = [self.samples[i]["id"] for i in batch]
+        if self.writer.is_complete(index, ids):
+            return
+        host = [{"input_ids": r["input_ids"].to("cpu", torch.int32), "loss_mask": r["loss_mask"].to("cpu", torch.uint8),
+                 "aux_hidden_states": r["aux_hidden_states"].cpu(), "last_hidden_state": r["last_hidden_state"].cpu(),
+                 "target_argmax": r["target_argmax"].to("cpu", torch.int32)} for r in rows]
+        self.writer.write_shard(index, host, ids)
+
+    def read(self, position: int, device: torch.device, wait_s: float = 600.0) -> dict:
+        """The cached states of sample `position` (on `device`). Another rank may still be writing
+        the shard (the producer runs ahead): the manifests are read again until it is listed."""
+        from eagleforge.shards import ShardReader
+
+        sample_id = self.samples[position]["id"]
+        deadline = time.monotonic() + wait_s
+        while sample_id not in self._reader_index:
+            if self.hidden_dir.is_dir() and any(self.hidden_dir.glob("manifest*.json")):
+                self._reader = ShardReader(self.hidden_dir, verify_checksums=self.verify_checksums)
+                self._reader_index = {sid: i for i, sid in enumerate(self._reader.sample_ids())}
+            if sample_id in self._reader_index:
+                break
+            if time.monotonic() > deadline:
+                raise UserInputError(f"{self.hidden_dir}: cached sample {sample_id} was never written "
+                                     f"(a rank of the first epoch failed?); rerun with train.cache_gb=0")
+            time.sleep(0.5)
+        row = self._reader[self._reader_index[sample_id]]
+        self.read_tokens += int(row["input_ids"].shape[0])
+        return {key: row[key].to(device) for key in ("aux_hidden_states", "last_hidden_state", "target_argmax")}
