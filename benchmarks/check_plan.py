@@ -39,9 +39,10 @@ import_eagleforge()
 from kimi_shaped import bench_layout, build_bench_model, kimi_args, tiny_args  # noqa: E402
 
 from eagleforge.extract.capture import HiddenStateCapture  # noqa: E402
-from eagleforge.extract.driver import extract_chunk  # noqa: E402
+from eagleforge.extract.driver import forward_batches  # noqa: E402
 from eagleforge.extract.native.plan import GIB, plan_memory  # noqa: E402
 from eagleforge.extract.native.target import NativeTarget, forward_batch  # noqa: E402
+from eagleforge.extract.samples import batch_by_tokens  # noqa: E402
 from eagleforge.extract.writer import make_writer  # noqa: E402
 
 log = logging.getLogger("check_plan")
@@ -57,12 +58,13 @@ def samples(vocab: int, batch_tokens: int, max_length: int, count: int, seed: in
 
 
 def run_loop(model, job, aux_layers: list[int], rows: list[dict], batch_tokens: int) -> None:
-    """The extraction loop itself (driver.extract_chunk over one chunk, batched by tokens as
+    """The extraction loop itself (driver.forward_batches over one chunk, batched by tokens as
     extraction batches it); the group leader submits each batch to the overlapped writer."""
     writer = make_writer(NullSink(), overlap=True) if job.is_group_leader else None
     target = NativeTarget(model, job, aux_layers, write_target_argmax=True)
     try:
-        extract_chunk(target, 0, rows, batch_tokens, writer)
+        batches = [(0, positions) for positions in batch_by_tokens([len(r["input_ids"]) for r in rows], batch_tokens)]
+        forward_batches(target, [rows], batches, writer)
     finally:
         target.close()
     if writer is not None:

@@ -55,6 +55,11 @@ class TargetConfig:
     # native backend only: tensor-parallel group size and routed-expert layout ("ep" or "tp").
     tp: int = 1
     expert_layout: str = "ep"
+    # native backend only: pipeline stages, each a contiguous range of layers on tp ranks (a group
+    # of one target copy is tp x pp ranks). On PCIe machines stages send one activation per hop
+    # instead of two all-reduces per layer (docs/kimi-k25.md, "Layouts"; `make preflight` says
+    # which layout to use).
+    pp: int = 1
     # native backend: GPU memory the planner assumes; 0 = the device's real size.
     gpu_memory_gib: float = 0.0
     # native backend, how the forward runs (same results to rounding; BENCHMARKS.md measures them):
@@ -372,6 +377,7 @@ def _validate(cfg: Config) -> None:
 UNBOUNDED = None
 RANGES: dict[str, tuple] = {
     "target.tp": (1, UNBOUNDED),
+    "target.pp": (1, UNBOUNDED),
     "target.gpu_memory_gib": (0.0, UNBOUNDED),  # 0 = the device's real size
     "target.split_rows_min_tokens": (1, UNBOUNDED),  # a huge value turns the split off
     "target.overlap_min_rows": (2, UNBOUNDED),  # two row halves need two rows
@@ -487,7 +493,10 @@ def _validate_device_map(target: TargetConfig) -> None:
         raise ConfigError(f"config key {key!r} is set but target.device_map is none: set target.device_map=auto (or balanced, ...)")
     if target.device_map != "none" and target.backend != "hf":
         raise ConfigError(f"config key 'target.device_map' = {target.device_map!r} is for the hf backend; "
-                          f"the {target.backend} backend splits the target over GPUs with target.tp")
+                          f"the {target.backend} backend splits the target over GPUs with target.tp and target.pp")
+    if target.pp > 1 and target.backend != "native":
+        raise ConfigError(f"config key 'target.pp' = {target.pp} is for the native backend (target.backend=native); "
+                          f"the hf backend spreads a target over GPUs with target.device_map")
 
 
 def _validate_checkpoint(value: str, ttt_steps: int) -> None:

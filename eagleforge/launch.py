@@ -9,17 +9,17 @@ standalone rendezvous on this node, OMP_NUM_THREADS=1 unless set) with the same 
 line on stdout saying so. The parent then only waits, and exits with the first failed rank's
 exit code (0 when all succeed).
 
-How many processes (`processes_needed`; a group = target.tp ranks running one target forward,
-native backend only, the hf backend's group is one rank):
+How many processes (`processes_needed`; a group = the target.tp x target.pp ranks running one
+target forward, native backend only, the hf backend's group is one rank):
 
     launch.mode=none      one process: the stage runs as it was started (no re-launch)
     launch.nproc=N        N processes (on GPUs N <= the visible GPUs; a multiple of the group)
-    on GPUs (device cuda, or auto with a GPU visible or a group of target.tp > 1 to run)
+    on GPUs (device cuda, or auto with a GPU visible or a group of more than one to run)
                           every visible GPU, in whole groups: extract and online training
-                          run 8 // target.tp groups on 8 GPUs; offline training 8 ranks
+                          run 8 // (target.tp x target.pp) groups on 8 GPUs; offline training 8 ranks
     on the CPU (device cpu, or auto with no GPU and a group of one)
-                          one group: target.tp processes (gloo) for native extract and online
-                          training, else one
+                          one group: target.tp x target.pp processes (gloo) for native extract
+                          and online training, else one
 
 More processes than visible GPUs (target.tp 8 on 4 GPUs, launch.nproc 16 on 8) is an error line
 naming the key and both numbers, before anything is loaded.
@@ -78,7 +78,9 @@ def processes_needed(cfg: Config, stage: str, gpus: int) -> Plan:
                                  f"{cfg.target.device_map}: the map spreads one copy of the target from one process; "
                                  f"set launch.nproc=0, or target.device_map=none for a copy per process")
         return Plan(1, f"target.device_map={cfg.target.device_map}")
-    group = cfg.target.tp if runs_target and cfg.target.backend == "native" else 1
+    native = runs_target and cfg.target.backend == "native"
+    group = cfg.target.tp * cfg.target.pp if native else 1  # the ranks of one target copy
+    group_key = "target.tp" if cfg.target.pp == 1 else "target.tp x target.pp"
     # extract runs on target.device; the train stage (and online, its target) on train.device.
     # auto with no GPU visible and a tp group to run is taken as GPUs (and refused below): a
     # node whose driver is down must not start a Kimi-sized group on its CPUs.
@@ -88,13 +90,13 @@ def processes_needed(cfg: Config, stage: str, gpus: int) -> Plan:
     if cfg.launch.nproc > 0:
         n, key, value, why = cfg.launch.nproc, "launch.nproc", cfg.launch.nproc, f"launch.nproc={cfg.launch.nproc}"
         if n % group:
-            raise UserInputError(f"config key 'launch.nproc' = {n} is not a multiple of target.tp = {group} "
-                                 f"(each group of target.tp processes runs one target)")
+            raise UserInputError(f"config key 'launch.nproc' = {n} is not a multiple of {group_key} = {group} "
+                                 f"(each group of {group_key} processes runs one target)")
     elif on_gpu:  # every visible GPU, in whole groups (at least one group)
-        n, key, value = max(gpus // group, 1) * group, "target.tp", group
-        why = f"target.tp {group} x {n // group} group(s)" if group > 1 else f"every visible GPU ({n})"
+        n, key, value = max(gpus // group, 1) * group, group_key, group
+        why = f"{group_key} {group} x {n // group} group(s)" if group > 1 else f"every visible GPU ({n})"
     else:  # the CPU: one group
-        n, key, value, why = group, "target.tp", group, f"target.tp {group} on the CPU"
+        n, key, value, why = group, group_key, group, f"{group_key} {group} on the CPU"
     if on_gpu and n > max(gpus, 1):  # one process on no GPU is left to the stage's own error
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         raise UserInputError(f"config key {key!r} = {value} needs {n} GPUs, {gpus} visible on this node"

@@ -29,13 +29,14 @@ def _first(output):
 
 class HiddenStateCapture:
     """`layers`: the decoder layers in order (layer i = layers[i]), or a mapping {layer id: layer}
-    for a model that holds some of them (the native backend's LayerStack, keyed by global id)."""
+    for a model that holds some of them (the native backend's LayerStack, keyed by global id; a
+    pipeline stage captures the aux layers it holds, none at all for some stages)."""
 
     def __init__(self, layers: Sequence[torch.nn.Module] | Mapping, aux_layer_ids: Sequence[int],
                  final_norm: torch.nn.Module | None):
         ids = sorted(int(i) for i in aux_layer_ids)
-        if len(set(ids)) != len(ids) or not ids:
-            raise ValueError(f"aux_layer_ids must be distinct and non-empty, got {list(aux_layer_ids)}")
+        if len(set(ids)) != len(ids) or not (ids or final_norm is not None):
+            raise ValueError(f"aux_layer_ids must be distinct and non-empty (or a final norm given), got {list(aux_layer_ids)}")
         by_id = {int(i): layer for i, layer in layers.items()} if hasattr(layers, "items") else dict(enumerate(layers))
         if any(i not in by_id for i in ids):
             raise ValueError(f"aux_layer_ids {ids} out of range for a model with {len(layers)} decoder layers"
@@ -73,7 +74,7 @@ class HiddenStateCapture:
     def aux_hidden_states(self) -> torch.Tensor:
         """[B, T, k*H]: the aux layers' outputs concatenated in ascending layer order."""
         missing = [i for i in self.aux_layer_ids if i not in self._aux]
-        if missing:
+        if missing or not self.aux_layer_ids:
             raise RuntimeError(f"no output captured for decoder layers {missing}: run a forward inside the context")
         # Under a device_map (target.device_map) the layers sit on several devices: gathered on
         # the first aux layer's (a no-op when they share one).

@@ -41,7 +41,7 @@ def target_layout(cfg: Config, device: str) -> Layout:
     from eagleforge.extract.native.parallel import use_expandable_segments
 
     use_expandable_segments()  # before CUDA starts (its plan's reserve assumes it)
-    return init_layout(device, tp=cfg.target.tp)
+    return init_layout(device, tp=cfg.target.tp, pp=cfg.target.pp)
 
 
 def extract(cfg: Config) -> dict | None:
@@ -84,10 +84,17 @@ def _extract(cfg: Config, layout: Layout, target: Target, samples: list[dict], s
     # runs the forwards of chunk c+1. The other ranks take part in the forwards and keep nothing.
     sink = ShardSink(writer) if writer is not None else None
     out = make_writer(sink, cfg.extract.overlap_writes) if sink is not None else None
+    batches = [(c, positions) for c in todo for positions in batch_by_tokens(
+        [len(row["input_ids"]) for row in chunks[c]], cfg.extract.batch_tokens)]
+    if layout.pp > 1:
+        # The run's forwards stream through the stages: each is a micro-batch; the pipeline
+        # fills and drains once per run, so each stage idles (pp - 1) / (M + pp - 1) of the time.
+        log.info("pipeline: %d stages, %d micro-batches (the run's forwards of up to extract.batch_tokens=%d tokens), "
+                 "bubble %.1f%%", layout.pp, len(batches), cfg.extract.batch_tokens,
+                 100 * (layout.pp - 1) / max(1, len(batches) + layout.pp - 1))
     with (out if out is not None else contextlib.nullcontext()), \
             tqdm(total=total_tokens, unit="tok", unit_scale=True, desc="extract", disable=not layout.is_main) as progress:
-        for c in todo:
-            extract_chunk(target, c, chunks[c], cfg.extract.batch_tokens, out, progress)
+        forward_batches(target, chunks, batches, out, progress)
         if out is not None:
             log.info(writer_summary(out.close(), time.perf_counter() - start_s))  # every shard is on disk, or its error raised
     layout.barrier()
@@ -98,18 +105,21 @@ def _extract(cfg: Config, layout: Layout, target: Target, samples: list[dict], s
     return manifest
 
 
-def extract_chunk(target: Target, index: int, chunk: list[dict], batch_tokens: int, writer=None,
-                  progress: tqdm | None = None) -> None:
-    """Forward chunk `index` (rows in id order) batch by batch, every rank of the group alike; the
-    leader submits each batch's rows to `writer` (OverlappedWriter or InlineWriter around a
-    ShardSink, which writes the shard)."""
-    lengths = [len(row["input_ids"]) for row in chunk]
-    for positions in batch_by_tokens(lengths, batch_tokens):
-        packed = target.forward([chunk[j]["input_ids"] for j in positions])
+def forward_batches(target: Target, chunks: list[list[dict]], batches: list[tuple[int, list[int]]], writer=None,
+                    progress: tqdm | None = None) -> None:
+    """Forward each (chunk c, positions in it) of `batches` in order, every rank of the group
+    alike; the leader submits each batch's rows to `writer` (OverlappedWriter or InlineWriter
+    around a ShardSink, which writes chunk c's shard when its last batch arrives)."""
+    for i, (c, positions) in enumerate(batches):
+        then = None
+        if i + 1 < len(batches):  # the next forward's input: a pipeline stage posts its receive ahead
+            c_next, next_positions = batches[i + 1]
+            then = [chunks[c_next][j]["input_ids"] for j in next_positions]
+        packed = target.forward([chunks[c][j]["input_ids"] for j in positions], then=then)
         if writer is not None:
-            writer.submit(packed, BatchRows(index, chunk, positions))
+            writer.submit(packed, BatchRows(c, chunks[c], positions))
         if progress is not None:
-            progress.update(sum(lengths[j] for j in positions))
+            progress.update(sum(len(chunks[c][j]["input_ids"]) for j in positions))
 
 
 def log_extraction_summary(manifest: dict, hidden_dir: Path, skipped_here: int, wall_s: float) -> None:

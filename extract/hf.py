@@ -17,7 +17,7 @@ import torch
 
 from eagleforge.config import Config, UserInputError
 from eagleforge.extract.capture import HiddenStateCapture
-from eagleforge.extract.target import CapturingTarget, forward_packed
+from eagleforge.extract.target import CapturingTarget, forward_packed, select_rows
 from eagleforge.layout import Layout
 from eagleforge.target import decoder_layers, final_norm, load_target, padding_id, resolve_aux_layers, target_path, text_config
 
@@ -33,7 +33,7 @@ class HFTarget(CapturingTarget):
     """A transformers causal LM on this rank's device (or spread by target.device_map), hooks attached."""
 
     def __init__(self, cfg: Config, layout: Layout, write_target_argmax: bool):
-        self.device = layout.device
+        self.device, self.rank = layout.device, layout.rank
         self.model, tokenizer = load_target(cfg.target, device=self.device)
         config = text_config(self.model.config)
         self.vocab_size = int(config.vocab_size)
@@ -45,9 +45,14 @@ class HFTarget(CapturingTarget):
         self.hf_config = self.model.config.to_dict()
         super().__init__(decoder_layers(self.model), aux_layers, final_norm(self.model))
 
-    def forward(self, input_ids: list[list[int]]) -> dict[str, torch.Tensor]:
+    def forward(self, input_ids: list[list[int]], then: list[list[int]] | None = None,
+                rows_for: dict[int, list[int]] | None = None) -> dict[str, torch.Tensor] | None:
         """The packed rows of the samples (forward_batch); every rank is its own group's leader."""
-        return forward_batch(self.model, self.capture, input_ids, self.pad, self.device, self.write_target_argmax)
+        packed = forward_batch(self.model, self.capture, input_ids, self.pad, self.device, self.write_target_argmax)
+        if rows_for is None:
+            return packed
+        mine = rows_for.get(self.rank)
+        return None if mine is None else select_rows(packed, [len(ids) for ids in input_ids], mine)
 
 
 def forward_batch(model, capture: HiddenStateCapture, input_ids: list[list[int]], pad_id: int,

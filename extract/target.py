@@ -5,19 +5,24 @@
     # on the group's leader: {"aux_hidden_states": [sum n, k*H], "last_hidden_state": [sum n, H],
     #                         "target_argmax": [sum n] int32 (when asked)}, the samples' rows end
     #                         to end, on the rank's device (no host sync); None on the other ranks
+    rows = target.forward(input_ids, then=next_ids, rows_for={rank: [sample positions], ...})
+    # each rank named in rows_for gets the rows of its positions, in that order: a dict, or a
+    # PendingRows (wait() -> the dict) where they are still on their way from the leader
     target.header                            # the manifest's header (docs/shards.md)
     target.close()
 
 Every rank of a target group calls `forward` with the same ids, in the same order: the group's
-collectives (tensor-parallel all-reduces, the vocabulary-parallel argmax) must pair up. The hf
-backend (extract/hf.py) is one rank per group; the native backend (extract/native/target.py)
-spreads a group over target.tp ranks. Both capture through extract/capture.py's hooks and pack
-rows with `forward_packed`, so the shards, the manifest and online training see the same rows
-whichever backend made them.
+collectives (tensor-parallel all-reduces, the vocabulary-parallel argmax, the pipeline's sends
+and receives) must pair up. `then` is the next call's input ids when known: a pipeline stage
+posts that forward's receive ahead. The hf backend (extract/hf.py) is one rank per group; the
+native backend (extract/native/target.py) spreads a group over target.tp x target.pp ranks. Both
+capture through extract/capture.py's hooks and pack rows with `pack_rows`, so the shards, the
+manifest and online training see the same rows whichever backend made them.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Protocol, Sequence
 
 import torch
@@ -26,13 +31,16 @@ from eagleforge.config import Config
 from eagleforge.extract.capture import HiddenStateCapture
 from eagleforge.layout import Layout
 
+Rows = dict  # {"aux_hidden_states": [N, k*H], "last_hidden_state": [N, H], "target_argmax": [N] int32}
+
 
 class Target(Protocol):
     header: dict  # the manifest's header: target (path, architecture, sizes), aux layer ids, tokenizer, ...
     hf_config: dict  # the target's config as a dict: the draft is sized from it
     vocab_size: int  # every token id must stay under it
 
-    def forward(self, input_ids: list[list[int]]) -> dict[str, torch.Tensor] | None: ...
+    def forward(self, input_ids: list[list[int]], then: list[list[int]] | None = None,
+                rows_for: dict[int, list[int]] | None = None) -> "Rows | PendingRows | None": ...
 
     def close(self) -> None: ...
 
@@ -46,6 +54,47 @@ class CapturingTarget:
 
     def close(self) -> None:
         self.capture.__exit__(None, None, None)
+
+
+def select_rows(packed: Rows, lengths: list[int], positions: list[int]) -> Rows:
+    """The rows of the samples at `positions` (indices into the forward's samples, whose row
+    counts are `lengths`), end to end in that order."""
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    if positions == list(range(len(lengths))):
+        return packed
+    return {key: torch.cat([value[starts[p]:starts[p + 1]] for p in positions]) for key, value in packed.items()}
+
+
+def rows_to_bytes(rows: Rows) -> torch.Tensor:
+    """The rows as one contiguous [N, bytes per row] uint8 tensor (one message to send)."""
+    parts = [rows[key].reshape(rows[key].shape[0], -1).contiguous().view(torch.uint8) for key in sorted(rows)]
+    return torch.cat(parts, dim=1)
+
+
+def rows_from_bytes(buffer: torch.Tensor, like: dict[str, tuple[tuple, torch.dtype]]) -> Rows:
+    """rows_to_bytes inverted: like = {key: (a row's shape, dtype)} of the rows sent, e.g.
+    {"last_hidden_state": ((H,), bf16), "target_argmax": ((), int32)}."""
+    out, col = {}, 0
+    for key in sorted(like):
+        row_shape, dtype = like[key]
+        width = math.prod(row_shape) * dtype.itemsize
+        out[key] = buffer[:, col:col + width].contiguous().view(dtype).reshape(buffer.shape[0], *row_shape)
+        col += width
+    return out
+
+
+class PendingRows:
+    """Rows on their way from the group's leader to this rank: a receive posted into `buffer`
+    ([N, bytes per row] uint8); wait() -> the rows."""
+
+    def __init__(self, buffer: torch.Tensor, work, like: dict[str, tuple[tuple, torch.dtype]]):
+        self.buffer, self.work, self.like = buffer, work, like
+
+    def wait(self) -> Rows:
+        self.work.wait()
+        return rows_from_bytes(self.buffer, self.like)
 
 
 def pad_right(input_ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,34 +123,40 @@ def forward_packed(run: Callable[[torch.Tensor, torch.Tensor], object], capture:
     run(tokens.to(device), mask.to(device))
     # Under target.device_map the aux layers and the final norm may sit on other devices than
     # `device` (other GPUs, or the CPU for offloaded ones): the rows are gathered on `device`.
-    aux, last = capture.aux_hidden_states.to(device), capture.last_hidden_state.to(device)  # [B, T, k*H], [B, T, H]
+    padded = {"aux": capture.aux_hidden_states.to(device), "last": capture.last_hidden_state.to(device)}  # [B, T, k*H], [B, T, H]
     capture.clear()
+    return pack_rows(padded, lengths, greedy_tokens)
+
+
+def pack_rows(padded: dict[str, torch.Tensor], lengths: list[int],
+              greedy_tokens: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """padded {"aux": [B, T, k*H], "last": [B, T, H]} -> the samples' unpadded rows end to end
+    (+ target_argmax [sum n] int32 from `greedy_tokens`). The padded tensors are taken out of
+    the dict, so once packed they are freed before the argmax's logits take their place (the
+    memory planner counts them apart)."""
+    aux, last = padded.pop("aux"), padded.pop("last")
     # Unpadded rows by slicing (lengths are known on the host): unlike a boolean mask, no sync.
     packed = {"aux_hidden_states": torch.cat([aux[b, :n] for b, n in enumerate(lengths)]),  # [sum n, k*H]
               "last_hidden_state": torch.cat([last[b, :n] for b, n in enumerate(lengths)])}  # [sum n, H]
-    del aux, last  # the padded copies are not needed by the argmax: its logits take their place
+    del aux, last
     if greedy_tokens is not None:
         packed["target_argmax"] = greedy_tokens(packed["last_hidden_state"])  # [sum n] int32
     return packed
 
 
-def open_target(cfg: Config, layout: Layout, *, write_target_argmax: bool | None = None, rows_to: str = "leader",
+def open_target(cfg: Config, layout: Layout, *, write_target_argmax: bool | None = None,
                 check_memory: Callable | None = None, check_inputs: Callable[[int], None] | None = None) -> Target:
     """The configured backend's target on this rank, hooks attached. write_target_argmax: default
-    extract.write_target_argmax. rows_to: which ranks of a group `forward` returns the rows on,
-    "leader" (the one that writes shards) or "group" (every rank: online training, where each
-    rank trains on its own rows). check_memory(info): the native backend's refusal of a layout
+    extract.write_target_argmax. check_memory(info): the native backend's refusal of a layout
     that does not fit (default: the extraction plan's). check_inputs(vocab_size): the caller's
     check of its samples against the target's vocabulary, run as soon as the vocabulary is
     known: before any weight is read with the native backend (a Kimi-K2.5 load takes minutes),
     once the model is loaded with the hf backend (whose errors about the target come first)."""
-    if rows_to not in ("leader", "group"):
-        raise ValueError(f"open_target: rows_to must be 'leader' or 'group', got {rows_to!r}")
     argmax = cfg.extract.write_target_argmax if write_target_argmax is None else write_target_argmax
     if cfg.target.backend == "native":
         from eagleforge.extract.native.target import load_native_target  # imported lazily: heavy, and only for that backend
 
-        return load_native_target(cfg, layout, argmax, rows_to, check_memory, check_inputs)
+        return load_native_target(cfg, layout, argmax, check_memory, check_inputs)
     from eagleforge.extract.hf import HFTarget
 
     target = HFTarget(cfg, layout, argmax)

@@ -316,6 +316,21 @@ def test_online_equals_offline_native_tp2_group(native):
     _assert_cache(cached, n_train=14)
 
 
+def test_online_equals_offline_native_pipeline_stages(native):
+    """2 gloo ranks as two pipeline stages (layers 0-1 and 2-3, pp 2): each forward streams through
+    both stages, the last stage sends the first stage's rank its own rows, and each rank trains on
+    them: the offline losses. The feed runs a forward ahead (train.prefetch=1) so the stages work
+    on consecutive slots at once; again with the cache holding part of the first epoch."""
+    run = _new_run(native["root"], "online_pp2", native["rows"])
+    cached = _new_run(native["root"], "online_pp2_cached", native["rows"])
+    _spawn(2, [_native_overrides(run, native["ckpt"], "target.pp=2", "train.source=online", "train.prefetch=1"),
+               _native_overrides(cached, native["ckpt"], "target.pp=2", "train.source=online", "train.cache_gb=0.0001")])
+    _assert_same_losses(run, native["offline"])
+    _assert_no_hidden(run)
+    _assert_same_losses(cached, native["offline"])
+    _assert_cache(cached, n_train=14)
+
+
 def test_native_target_runs_with_the_configured_kernels_and_thresholds(native):
     """The native backend's runtime keys reach the online target as they reach extraction:
     target.prefill_attention / moe_backend on the model, split_rows_min_tokens / overlap_min_rows
@@ -327,7 +342,7 @@ def test_native_target_runs_with_the_configured_kernels_and_thresholds(native):
                                               "target.moe_backend=loop", "target.prefill_attention=flash",
                                               "target.split_rows_min_tokens=7", "target.overlap_min_rows=9"))
     layout = training_layout(cfg)
-    target = open_target(cfg, layout, write_target_argmax=True, rows_to="group")
+    target = open_target(cfg, layout, write_target_argmax=True)
     view = target.model.tp
     assert layout.group_ranks == [0] and (view.split_rows_min_tokens, view.overlap_min_rows) == (7, 9)
     try:

@@ -225,7 +225,9 @@ class Trainer:
         tc = self.cfg.train
         depth = tc.prefetch if self.source.on_device else max(1, tc.grad_accum)
         what = "the online target forward" if self.source.on_device else "reading a batch"
-        return Prefetcher(self.read, slots, depth, self.device, side_stream=self.source.on_device, what=what)
+        # pipeline stages: forwards started pp - 1 slots ahead of the one whose rows are awaited
+        lookahead = self.layout.pp - 1 if self.source.on_device else 0
+        return Prefetcher(self.read, slots, depth, self.device, side_stream=self.source.on_device, what=what, lookahead=lookahead)
 
     def _rank_batches(self, slots: list[Slot], feed: Prefetcher):
         """This rank's (ids or None, Batch on the device) of `slots`, in order; None: past the

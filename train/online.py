@@ -69,7 +69,7 @@ class OnlineSource:
         # Building the target draws from the global RNG (module inits before the weights load);
         # the trainer seeded it for the draft's init, so the target is built on a forked RNG.
         with torch.random.fork_rng(devices=[layout.device] if layout.device.type == "cuda" else []):
-            self.target = open_target(cfg, layout, write_target_argmax=True, rows_to="group",
+            self.target = open_target(cfg, layout, write_target_argmax=True,
                                       check_memory=lambda info: _check_online_memory(cfg, layout),
                                       check_inputs=lambda vocab_size: read.extend(read_samples(cfg, vocab_size)))
         self.samples, source = read
@@ -100,17 +100,20 @@ class OnlineSource:
     def sample_lengths(self) -> list[int]:
         return [len(s["input_ids"]) for s in self.samples]
 
-    def load(self, slot: Slot) -> Batch:
+    def load(self, slot: Slot) -> "Batch | PendingBatch":
         """This rank's Batch of `slot` on the device: one target forward of the union of the group's
-        batches of that slot, this rank's rows kept. Training slots (slot.epoch set): from the
-        second epoch on, samples the cache holds are read instead of forwarded; in the first,
-        this rank's batch is written to the cache when it is one the cache keeps."""
+        batches of that slot (chunked by extract.batch_tokens), this rank's rows kept. Training
+        slots (slot.epoch set): from the second epoch on, samples the cache holds are read instead
+        of forwarded; in the first, this rank's batch is written to the cache when it is one the
+        cache keeps. With pipeline stages a rank's rows come from the last stage later: then a
+        PendingBatch, whose wait() makes the Batch (the feed waits while later forwards run)."""
         layout = self.layout
         mine = slot.batch_of(layout.rank, layout.world_size)
+        reads = {r: slot.read_of(r, layout.world_size) for r in layout.group_ranks}  # what each rank of the group trains
         union: list[int] = []
         for r in layout.group_ranks:
-            union += [i for i in slot.read_of(r, layout.world_size) if i not in union]
-        ids = mine if mine is not None else list(slot.step_batches[0])
+            union += [i for i in reads[r] if i not in union]
+        ids = reads[layout.rank]
         start = time.perf_counter()
         states: dict[int, dict] = {}
         if self.cache is not None and slot.epoch is not None and slot.epoch > 0:
@@ -119,22 +122,35 @@ class OnlineSource:
             states = {i: self.cache.read(i, self.device) for i in ids if i in self.cache.cached}
             union = [i for i in union if i not in self.cache.cached]
         lengths = [len(self.samples[i]["input_ids"]) for i in union]
-        for positions in batch_by_tokens(lengths, self.batch_tokens):
-            chunk = [union[p] for p in positions]
-            packed = self.target.forward([self.samples[i]["input_ids"] for i in chunk])
-            row = 0
-            for i in chunk:
-                n = len(self.samples[i]["input_ids"])
-                states[i] = {key: value[row : row + n] for key, value in packed.items()}
-                row += n
-        rows = [{"input_ids": self._ids[i].to(self.device), "loss_mask": self._masks[i].to(self.device), **states[i]}
-                for i in ids]
-        if self.cache is not None and slot.epoch == 0 and mine is not None:
-            self.cache.write(mine, rows)
-        batch = pad_batch(rows)
-        self.target_seconds += time.perf_counter() - start
+        chunks = [[union[p] for p in positions] for positions in batch_by_tokens(lengths, self.batch_tokens)]
+        arriving = []  # (this rank's samples of a chunk, in order; their rows or PendingRows)
+        for n, chunk in enumerate(chunks):
+            rows_for = {r: [chunk.index(i) for i in reads[r] if i in chunk] for r in layout.group_ranks}
+            rows_for = {r: positions for r, positions in rows_for.items() if positions}
+            then = [self.samples[i]["input_ids"] for i in chunks[n + 1]] if n + 1 < len(chunks) else None
+            rows = self.target.forward([self.samples[i]["input_ids"] for i in chunk], then=then, rows_for=rows_for)
+            arriving.append(([chunk[p] for p in rows_for.get(layout.rank, [])], rows))
         self.target_tokens += sum(lengths)  # forwarded by the target (cached rows not counted)
-        return batch
+
+        def finish() -> Batch:
+            for samples, rows in arriving:
+                rows = rows.wait() if hasattr(rows, "wait") else rows
+                row = 0
+                for i in samples:
+                    n = len(self.samples[i]["input_ids"])
+                    states[i] = {key: value[row : row + n] for key, value in rows.items()}
+                    row += n
+            batch_rows = [{"input_ids": self._ids[i].to(self.device), "loss_mask": self._masks[i].to(self.device), **states[i]}
+                          for i in ids]
+            if self.cache is not None and slot.epoch == 0 and mine is not None:
+                self.cache.write(mine, batch_rows)
+            batch = pad_batch(batch_rows)
+            self.target_seconds += time.perf_counter() - start
+            return batch
+
+        if any(hasattr(rows, "wait") for _, rows in arriving):
+            return PendingBatch(finish)
+        return finish()
 
     def nonfinite_error(self, step: int, samples: list[int]) -> str:
         # the states are not kept: the target made them
@@ -151,6 +167,13 @@ class OnlineSource:
 
     def close(self) -> None:
         self.target.close()
+
+
+class PendingBatch:
+    """A batch whose rows are still on their way from the pipeline's last stage: wait() -> Batch."""
+
+    def __init__(self, finish):
+        self.wait = finish
 
 
 def _check_online_memory(cfg: Config, layout: Layout) -> None:

@@ -91,14 +91,14 @@ def plan_online(cfg: Config, world: int | None = None, args=None, quantized: boo
     else:
         a = args
     aux = target_plan._aux_ids(cfg, a)
-    tp = cfg.target.tp
-    t = target_plan.plan_memory(a, tp, cfg.target.expert_layout, quantized, target_plan._dtype_bytes(cfg),
-                                cfg.extract.batch_tokens, cfg.data.max_length, aux)
+    tp, pp = cfg.target.tp, cfg.target.pp
+    # the fullest pipeline stage (the whole target when target.pp = 1): every rank trains the draft beside it
+    t = max(target_plan.config_stages(cfg, a, quantized), key=lambda stage: stage.total_bytes)
     text = {k: getattr(a, k) for k in ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers",
                                        "intermediate_size", "kv_lora_rank", "v_head_dim", "qk_nope_head_dim",
                                        "max_position_embeddings", "rms_norm_eps", "rope_theta") if hasattr(a, k)}
     trainable, embed, hidden, vd = _draft_parameters(cfg, text, aux)
-    world = world or tp
+    world = world or tp * pp
     ht, k, tc = a.hidden_size, len(aux), cfg.train
     plan = OnlinePlan(t, world, tc.batch_tokens)
     import torch
@@ -108,10 +108,13 @@ def plan_online(cfg: Config, world: int | None = None, args=None, quantized: boo
     plan.gathered, plan.grads = 2 * trainable, 6 * trainable
     mode = tc.activation_checkpoint if tc.activation_checkpoint in AUTO_MODES else "selective_all"
     plan.activations_per_token = draft_activation_bytes_per_token(hidden, tc.ttt_steps, mode)
+    row = (k + 1) * ht * target_plan._dtype_bytes(cfg)  # one token's captured states
     plan.in_flight_per_token = {
         f"captured states in flight (prefetch {tc.prefetch} + 1, fp32)": (tc.prefetch + 1) * (k + 1) * ht * 4,
-        f"group union of one forward ({tp} batches)": tp * (k + 1) * ht * target_plan._dtype_bytes(cfg),
+        f"group union of one forward ({tp * pp} batches)": tp * pp * row,
     }
+    if pp > 1:  # the slots whose forwards run while this one's rows come back from the last stage
+        plan.in_flight_per_token[f"rows arriving from the last stage ({pp - 1} slots ahead)"] = (pp - 1) * row
     return plan
 
 
@@ -151,7 +154,8 @@ def check_online_fits(cfg: Config, gpu_bytes: int, world: int) -> OnlinePlan:
         best = plan.max_batch_tokens(gpu_bytes)
         hint = f"train.batch_tokens <= {best} fits" if best else "no train.batch_tokens fits at this layout"
         raise UserInputError(
-            f"online training, target.tp = {cfg.target.tp}, train.batch_tokens = {cfg.train.batch_tokens}: needs "
+            f"online training, target.tp = {cfg.target.tp}" + (f", target.pp = {cfg.target.pp}" if cfg.target.pp > 1 else "")
+            + f", train.batch_tokens = {cfg.train.batch_tokens}: needs "
             f"{plan.total_bytes() / GIB:.1f} GiB per GPU (target {plan.target.total_bytes / GIB:.1f}, draft "
             f"{plan.draft_bytes() / GIB:.1f}) but the GPU has {gpu_bytes / GIB:.1f} GiB: short by "
             f"{(plan.total_bytes() - gpu_bytes) / GIB:.1f} GiB; {hint} (see `make plan CONFIG=... OVERRIDES=train.source=online`)"

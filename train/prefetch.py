@@ -6,7 +6,9 @@
 
 The worker runs `produce(item)` for each item of an iterable (consumed lazily: the trainer's
 schedule to its last step) and puts `(item, result)` in a bounded queue of `depth` results, so it
-is never more than `depth` items ahead; `depth` 0 produces in line, in `get`. From shards it
+is never more than `depth` items ahead; `depth` 0 produces in line, in `get`. A result with a
+`wait()` (online rows still on their way from a later pipeline stage) is waited for only once
+`lookahead` more items have been started, so the stages keep working on the next forwards. From shards it
 reads and pads the coming micro-batches on the host (mmap page faults, fp8 dequantization,
 the embedding rows) while the GPU trains; online it runs the target's forwards. With
 `side_stream` on CUDA it works on its own stream: each result carries an event the consumer's
@@ -17,6 +19,7 @@ its `get` (never a hang), and `close` stops the worker wherever it is.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import queue
 import threading
@@ -31,9 +34,10 @@ class Prefetcher:
     _DONE = object()
 
     def __init__(self, produce: Callable, items: Iterable, depth: int, device: torch.device | None = None,
-                 side_stream: bool = False, what: str = "reading a batch"):
-        self.produce, self.what = produce, what
+                 side_stream: bool = False, what: str = "reading a batch", lookahead: int = 0):
+        self.produce, self.what, self.lookahead = produce, what, lookahead
         self.items = iter(items)
+        self._started: collections.deque = collections.deque()  # (item, result not waited for yet)
         self.device = device
         self.stream = torch.cuda.Stream(device) if side_stream and device is not None and device.type == "cuda" else None
         self.thread = None
@@ -43,8 +47,21 @@ class Prefetcher:
             self.thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
             self.thread.start()
 
-    def _make(self, item):
-        result = self.produce(item)
+    def _next(self):
+        """The next (item, result, event), or _DONE: `produce` runs up to `lookahead` items ahead
+        of the one finished here (a result with a wait(), such as rows still coming from a later
+        pipeline stage, is waited for only now, while the forwards started after it run)."""
+        while len(self._started) <= self.lookahead:
+            try:
+                item = next(self.items)
+            except StopIteration:
+                break
+            self._started.append((item, self.produce(item)))
+        if not self._started:
+            return self._DONE
+        item, result = self._started.popleft()
+        if hasattr(result, "wait"):
+            result = result.wait()
         event = None
         if self.stream is not None:
             event = torch.cuda.Event()
@@ -54,14 +71,13 @@ class Prefetcher:
     def _run(self) -> None:
         try:
             with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-                for item in self.items:
-                    if self.stop.is_set():
+                while not self.stop.is_set():
+                    entry = self._next()
+                    self._put(entry)
+                    if entry is self._DONE:
                         return
-                    self._put(self._make(item))
         except BaseException as err:  # noqa: BLE001 - handed to the consumer, which raises it
             self._put(err)
-        else:
-            self._put(self._DONE)
 
     def _put(self, entry) -> None:
         while not self.stop.is_set():
@@ -74,10 +90,7 @@ class Prefetcher:
     def get(self):
         """The next (item, result), its tensors ready for the current stream."""
         if self.thread is None:  # in line
-            try:
-                entry = self._make(next(self.items))
-            except StopIteration:
-                entry = self._DONE
+            entry = self._next()
         else:
             entry = self.queue.get()
         if isinstance(entry, BaseException):

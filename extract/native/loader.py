@@ -161,12 +161,14 @@ def _check_weight_map(weight_map, index_path: Path) -> None:
 
 
 def build_model(info: CheckpointInfo, tp: TensorParallel, layout: str, dtype: torch.dtype,
-                device: torch.device, prefill_attention: str = "auto", moe_backend: str = "auto") -> DeepseekV3ForExtraction:
-    """This rank's model with uninitialized local weights, allocated on `device` directly; the two
-    kernel choices are target.prefill_attention and target.moe_backend."""
+                device: torch.device, prefill_attention: str = "auto", moe_backend: str = "auto",
+                layers: range | None = None, first: bool = True, last: bool = True) -> DeepseekV3ForExtraction:
+    """This rank's model (one pipeline stage's `layers`, `first`, `last`; default all) with
+    uninitialized local weights, allocated on `device` directly; the two kernel choices are
+    target.prefill_attention and target.moe_backend."""
     args = dataclasses.replace(info.args, prefill_attention=prefill_attention, moe_backend=moe_backend)
     with torch.device(device):
-        model = DeepseekV3ForExtraction(args, tp, layout, dtype, info.quantized_experts)
+        model = DeepseekV3ForExtraction(args, tp, layout, dtype, info.quantized_experts, layers, first, last)
     return model.eval().requires_grad_(False)
 
 
@@ -254,8 +256,9 @@ def _expect_values(info: CheckpointInfo, name: str, expected: list, tensor: torc
 def plan_reads(model: DeepseekV3ForExtraction, info: CheckpointInfo) -> list[tuple[str, list[TensorRead]]]:
     """Every tensor this rank reads, in steps (the embedding, norm and head, then one per layer)."""
     text = model.model
-    steps = [("embed, norm, head", _param_reads(model, info, "model.embed_tokens", text.embed_tokens)
-              + _param_reads(model, info, "model.norm", text.norm) + _param_reads(model, info, "lm_head", model.lm_head))]
+    ends = [(name, module) for name, module in (("model.embed_tokens", text.embed_tokens), ("model.norm", text.norm),
+                                                  ("lm_head", model.lm_head)) if module is not None]  # a stage holds some
+    steps = [("embed, norm, head", [read for name, module in ends for read in _param_reads(model, info, name, module)])]
     for i, layer in text.layers.items():
         reads = _param_reads(model, info, f"model.layers.{i}", layer)
         experts = getattr(layer.mlp, "experts", None)

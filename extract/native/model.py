@@ -562,37 +562,50 @@ class LayerStack(nn.ModuleDict):
 
 
 class DeepseekV3TextModel(nn.Module):
-    """Embedding, decoder layers, final norm: the `model.` part of the checkpoint."""
+    """Embedding, decoder layers, final norm: the `model.` part of the checkpoint. A pipeline
+    stage holds `layers` only, the embedding on the first stage (`first`), the final norm on the
+    last (`last`); by default the whole model."""
 
-    def __init__(self, args: ModelArgs, tp: TensorParallel, layout: str, dtype: torch.dtype, quantized: bool):
+    def __init__(self, args: ModelArgs, tp: TensorParallel, layout: str, dtype: torch.dtype, quantized: bool,
+                 layers: range | None = None, first: bool = True, last: bool = True):
         super().__init__()
         self.args = args
-        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp, dtype)
-        self.layers = LayerStack({str(i): DecoderLayer(args, i, tp, layout, dtype, quantized)
-                                  for i in range(args.num_hidden_layers)})
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        layers = range(args.num_hidden_layers) if layers is None else layers
+        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp, dtype) if first else None
+        self.layers = LayerStack({str(i): DecoderLayer(args, i, tp, layout, dtype, quantized) for i in layers})
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype) if last else None
         inv_freq, self.rope_scale = rope_inv_freq(args)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [B, T] (right-padded) -> final-normed hidden states [B, T, H], all positions."""
-        x = self.embed_tokens(input_ids)
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device, dtype=torch.float32)
+    def rope(self, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, rope/2] of positions 0..T-1 (right-padded rows all start at 0), in `dtype`."""
+        positions = torch.arange(length, device=self.inv_freq.device, dtype=torch.float32)
         angles = positions[:, None] * self.inv_freq.float()[None, :]  # [T, rope/2], fp32 like the reference
-        cos, sin = (angles.cos() * self.rope_scale).to(x.dtype), (angles.sin() * self.rope_scale).to(x.dtype)
+        return (angles.cos() * self.rope_scale).to(dtype), (angles.sin() * self.rope_scale).to(dtype)
+
+    def run_layers(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, H] -> [B, T, H] through this model's decoder layers, in layer order."""
+        cos, sin = self.rope(x.shape[1], x.dtype)
         for layer in self.layers.values():
             x = layer(x, cos, sin)
-        return self.norm(x)
+        return x
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, T] (right-padded) -> final-normed hidden states [B, T, H], all positions."""
+        return self.norm(self.run_layers(self.embed_tokens(input_ids)))
 
 
 class DeepseekV3ForExtraction(nn.Module):
-    """`model` + a vocab-parallel `lm_head` used only for the target's greedy token."""
+    """`model` + a vocab-parallel `lm_head` used only for the target's greedy token (on the last
+    pipeline stage). `layers`, `first`, `last`: one pipeline stage's share, default all."""
 
-    def __init__(self, args: ModelArgs, tp: TensorParallel, layout: str = "ep", dtype: torch.dtype = torch.bfloat16, quantized: bool = True):
+    def __init__(self, args: ModelArgs, tp: TensorParallel, layout: str = "ep", dtype: torch.dtype = torch.bfloat16,
+                 quantized: bool = True, layers: range | None = None, first: bool = True, last: bool = True):
         super().__init__()
         self.args, self.tp, self.layout, self.quantized = args, tp, layout, quantized
-        self.model = DeepseekV3TextModel(args, tp, layout, dtype, quantized)
-        self.lm_head = VocabParallelHead(args.vocab_size, args.hidden_size, tp, dtype)
+        self.first, self.last = first, last
+        self.model = DeepseekV3TextModel(args, tp, layout, dtype, quantized, layers, first, last)
+        self.lm_head = VocabParallelHead(args.vocab_size, args.hidden_size, tp, dtype) if last else None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)

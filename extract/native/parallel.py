@@ -267,6 +267,52 @@ def use_expandable_segments() -> bool:
     return True
 
 
+class StageLink:
+    """This rank's point-to-point links in its pipeline: from the same tp rank of the previous
+    stage, to the same tp rank of the next (every rank of a tp group holds the whole hidden state
+    after the block all-reduces, so each sends its own copy: no gather at the receiver).
+
+    Sends are asynchronous and at most `max_sends` stay in flight (their buffers are kept alive
+    until they complete); a receive can be posted ahead (`post_recv`) for the next forward's
+    shape, so that transfer runs while this stage computes the current one. Messages between a
+    pair of ranks arrive in the order they were sent; every forward's shape is known to both
+    sides (the same token rows), so no header travels."""
+
+    def __init__(self, layout: Layout, max_sends: int = 2):
+        self.prev = layout.rank - layout.tp if layout.stage > 0 else None
+        self.next = layout.rank + layout.tp if layout.stage < layout.pp - 1 else None
+        self.max_sends = max_sends
+        self._sends: list = []  # (buffer, work) in flight, oldest first
+        self._posted: list = []  # (shape, dtype, buffer, work) of receives posted ahead, oldest first
+
+    def post_recv(self, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
+        """Post the receive of a [shape] message from the previous stage (its buffer allocated here)."""
+        buffer = torch.empty(shape, dtype=dtype, device=device)
+        self._posted.append((tuple(shape), dtype, buffer, dist.irecv(buffer, src=self.prev)))
+
+    def recv(self, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The next message from the previous stage: the oldest receive posted ahead, else one posted now."""
+        if not self._posted:
+            self.post_recv(shape, dtype, device)
+        posted_shape, posted_dtype, buffer, work = self._posted.pop(0)
+        if (posted_shape, posted_dtype) != (tuple(shape), dtype):
+            raise RuntimeError(f"pipeline receive posted for {posted_shape} {posted_dtype}, the forward expects {tuple(shape)} {dtype}")
+        work.wait()
+        return buffer
+
+    def send(self, tensor: torch.Tensor) -> None:
+        """Send `tensor` to the next stage without waiting (the oldest send first when max_sends are in flight)."""
+        tensor = tensor.contiguous()
+        self._sends.append((tensor, dist.isend(tensor, dst=self.next)))
+        while len(self._sends) > self.max_sends:
+            self._sends.pop(0)[1].wait()
+
+    def drain(self) -> None:
+        """Wait for every send in flight (before the buffers or the process group go away)."""
+        while self._sends:
+            self._sends.pop(0)[1].wait()
+
+
 def tensor_parallel(layout: Layout, split_rows_min_tokens: int = 1024, overlap_min_rows: int = 4096) -> TensorParallel:
     """The model's view of this rank's tensor-parallel group in the job's Layout."""
     return TensorParallel(size=layout.tp, rank=layout.tp_rank, group=layout.tp_group,

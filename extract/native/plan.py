@@ -101,6 +101,66 @@ def flops_per_token(a: ModelArgs, tp: int, seq_len: int, split_replicated: bool)
     return 2.0 * per_token  # a multiply-add is 2 FLOPs
 
 
+def layer_flops_per_token(a: ModelArgs, tp: int, seq_len: int, split_replicated: bool) -> list[float]:
+    """flops_per_token's per-layer terms, layer by layer (dense layers first, then MoE): the
+    compute each layer costs one rank of a tp group, what pipeline stages are balanced by."""
+    H, heads = a.hidden_size, a.num_attention_heads / tp
+    split = tp if split_replicated else 1
+    latents = H * ((a.q_lora_rank or 0) + a.kv_lora_rank + a.qk_rope_head_dim) / split
+    q = (a.q_lora_rank or H) * heads * a.qk_head_dim
+    kv_b = a.kv_lora_rank * heads * (a.qk_nope_head_dim + a.v_head_dim)
+    core = heads * (seq_len / 2) * (a.qk_head_dim + a.v_head_dim)
+    attention = latents + q + kv_b + core + heads * a.v_head_dim * H
+    dense = 3 * H * a.intermediate_size / tp
+    moe = 3 * H * a.moe_intermediate_size * (a.num_experts_per_tok + a.n_shared_experts) / tp + H * a.n_routed_experts / split
+    return [2.0 * (attention + (dense if i < a.first_k_dense_replace else moe)) for i in range(a.num_hidden_layers)]
+
+
+def head_flops_per_token(a: ModelArgs, tp: int) -> float:
+    """The greedy head's matmul FLOPs per token on one rank (its 1/tp of the vocabulary)."""
+    return 2.0 * a.hidden_size * a.vocab_size / tp
+
+
+def cut_stages(costs: Sequence[float], pp: int, last_extra: float = 0.0) -> list[range]:
+    """`pp` contiguous ranges of the layers 0..len(costs)-1, each non-empty, that make the largest
+    stage cost (the sum of its layers' costs, plus `last_extra` on the last stage: the final norm
+    and the greedy head) as small as it can be (exact, by dynamic programming over cut points;
+    ties go to the earliest cuts, so the layout is deterministic)."""
+    n = len(costs)
+    if not 1 <= pp <= n:
+        raise UserInputError(f"target.pp = {pp} must be between 1 and the {n} decoder layers (a stage holds at least one)")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[s][i]: the smallest largest-stage cost of layers 0..i-1 in s stages; cut[s][i]: where the last starts
+    best = [[inf] * (n + 1) for _ in range(pp + 1)]
+    cut = [[0] * (n + 1) for _ in range(pp + 1)]
+    best[0][0] = 0.0
+    for stages in range(1, pp + 1):
+        extra = last_extra if stages == pp else 0.0
+        for i in range(stages, n + 1):
+            for j in range(stages - 1, i):
+                value = max(best[stages - 1][j], prefix[i] - prefix[j] + (extra if i == n else 0.0))
+                if value < best[stages][i] - 1e-9 * max(1.0, abs(value)):
+                    best[stages][i], cut[stages][i] = value, j
+    ranges, end = [], n
+    for stages in range(pp, 0, -1):
+        start = cut[stages][end]
+        ranges.append(range(start, end))
+        end = start
+    return ranges[::-1]
+
+
+def stage_layers(a: ModelArgs, pp: int, tp: int = 1, seq_len: int = 2048, split_replicated: bool = False,
+                 greedy_head: bool = True) -> list[range]:
+    """The layers of each pipeline stage, balanced by compute (layer_flops_per_token; the greedy
+    head on the last stage when target_argmax is written). The embedding sits on the first
+    stage, the final norm and the head on the last."""
+    costs = layer_flops_per_token(a, tp, seq_len, split_replicated)
+    return cut_stages(costs, pp, head_flops_per_token(a, tp) if greedy_head else 0.0)
+
+
 def collective_bytes_per_token(a: ModelArgs, tp: int, dtype_bytes: int, split_replicated: bool) -> dict[str, int]:
     """Bytes per token of each collective one rank of a tp group takes part in (extract/native/
     model.py, parallel.py): all-reduces of the [T, H] activations (the vocab-parallel embedding,
@@ -122,6 +182,16 @@ class MemoryPlan:
     tp: int
     expert_layout: str
     components: dict = field(default_factory=dict)  # name -> bytes on the fullest rank
+    stage: int = 0  # the pipeline stage this plan is for (of pp)
+    pp: int = 1
+    layers: range | None = None  # the decoder layers the stage holds (all when pp = 1)
+
+    @property
+    def where(self) -> str:
+        """'stage s (layers a-b)' when there are stages, else ''."""
+        if self.pp == 1 or self.layers is None:
+            return ""
+        return f"stage {self.stage} of {self.pp} (layers {self.layers.start}-{self.layers.stop - 1})"
 
     @property
     def weights_bytes(self) -> int:
@@ -138,15 +208,21 @@ def _int4_bytes(rows: int, cols: int) -> int:
 
 
 def plan_memory(a: ModelArgs, tp: int, expert_layout: str, quantized: bool = True, dtype_bytes: int = 2,
-                batch_tokens: int = 8192, max_length: int = 2048, aux_layers: int | Sequence[int] = 3) -> MemoryPlan:
+                batch_tokens: int = 8192, max_length: int = 2048, aux_layers: int | Sequence[int] = 3,
+                layers: range | None = None, stage: int = 0, pp: int = 1) -> MemoryPlan:
     """Bytes per GPU by component for the rank holding the most (uneven expert ranges).
     aux_layers: the captured layer ids, or only their count (then planned as if apart and before
-    the last layer, the most a forward can hold)."""
+    the last layer, the most a forward can hold). layers, stage, pp: one pipeline stage's share
+    (its layers; the embedding on stage 0, the final norm and head on the last; its pipeline
+    buffers), default the whole model."""
     if a.num_attention_heads % tp:
         raise UserInputError(f"num_attention_heads = {a.num_attention_heads} cannot be split over tp = {tp}")
+    layers = range(a.num_hidden_layers) if layers is None else layers
+    first, last = stage == 0, stage == pp - 1
     H, b = a.hidden_size, dtype_bytes
     heads = a.num_attention_heads // tp
-    moe_layers = a.num_hidden_layers - a.first_k_dense_replace
+    dense_layers = sum(1 for i in layers if i < a.first_k_dense_replace)
+    moe_layers = len(layers) - dense_layers
     vocab_rows = split_range(a.vocab_size, 0, tp)[1]  # rank 0 holds the largest range
     replicated_attn = H * (a.q_lora_rank or 0) + (a.q_lora_rank or 0) + H * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank
     q_out = heads * a.qk_head_dim * (a.q_lora_rank or H)
@@ -157,18 +233,41 @@ def plan_memory(a: ModelArgs, tp: int, expert_layout: str, quantized: bool = Tru
         experts, inter = a.n_routed_experts, a.moe_intermediate_size // tp
     per_expert = (2 * _int4_bytes(inter, H) + _int4_bytes(H, inter)) if quantized else 3 * H * inter * b
     c = {
-        "embedding": vocab_rows * H * b,
-        "lm_head": vocab_rows * H * b,
-        "attention (replicated q_a, kv_a, norms)": a.num_hidden_layers * (replicated_attn + 2 * H) * b,
-        "attention (split q_b, kv_b, o_proj)": a.num_hidden_layers * split_attn * b,
-        "dense MLP": a.first_k_dense_replace * 3 * H * (a.intermediate_size // tp) * b,
+        "embedding": vocab_rows * H * b if first else 0,
+        "lm_head": vocab_rows * H * b if last else 0,
+        "attention (replicated q_a, kv_a, norms)": len(layers) * (replicated_attn + 2 * H) * b,
+        "attention (split q_b, kv_b, o_proj)": len(layers) * split_attn * b,
+        "dense MLP": dense_layers * 3 * H * (a.intermediate_size // tp) * b,
         "router (bf16 weight, fp32 bias)": moe_layers * a.n_routed_experts * (H * b + 4),
         "shared experts": moe_layers * 3 * H * (a.moe_intermediate_size * a.n_shared_experts // tp) * b,
         "routed experts (" + ("INT4" if quantized else "bf16") + ")": moe_layers * experts * per_expert,
     }
-    c["activations"] = _activation_bytes(a, tp, expert_layout, b, batch_tokens, max_length, aux_layers)
-    c["runtime reserve (context, NCCL, cache)"] = runtime_reserve(tp, c["activations"])
-    return MemoryPlan(tp, expert_layout, c)
+    c["activations"] = _activation_bytes(a, tp, expert_layout, b, batch_tokens, max_length, aux_layers, layers, first, last)
+    if pp > 1:
+        c["pipeline buffers (recv posted ahead, 2 sends in flight)"] = _pipeline_bytes(a, b, batch_tokens, aux_layers, layers, first, last)
+    c["runtime reserve (context, NCCL, cache)"] = runtime_reserve(tp * pp, c["activations"])
+    return MemoryPlan(tp, expert_layout, c, stage, pp, layers)
+
+
+def plan_stages(a: ModelArgs, tp: int, pp: int, expert_layout: str, quantized: bool = True, dtype_bytes: int = 2,
+                batch_tokens: int = 8192, max_length: int = 2048, aux_layers: int | Sequence[int] = 3,
+                split_replicated: bool = False, greedy_head: bool = True) -> list[MemoryPlan]:
+    """One MemoryPlan per pipeline stage of the tp x pp layout, the layers cut by stage_layers."""
+    ranges = stage_layers(a, pp, tp, min(max_length, batch_tokens), split_replicated, greedy_head)
+    return [plan_memory(a, tp, expert_layout, quantized, dtype_bytes, batch_tokens, max_length, aux_layers, layers, s, pp)
+            for s, layers in enumerate(ranges)]
+
+
+def _pipeline_bytes(a: ModelArgs, b: int, T: int, aux_layers: int | Sequence[int], layers: range, first: bool,
+                    last: bool) -> int:
+    """A stage's P2P buffers of one forward of T tokens: the next batch's receive posted ahead
+    (hidden plus the aux rows captured before the stage) and up to two sends in flight (hidden
+    plus the aux rows captured up to the stage's end), each [T, (1 + carried) H]."""
+    ids = range(a.num_hidden_layers) if isinstance(aux_layers, int) else sorted(aux_layers)
+    k_in = (aux_layers if isinstance(aux_layers, int) else sum(i < layers.start for i in ids))
+    k_out = (aux_layers if isinstance(aux_layers, int) else sum(i < layers.stop for i in ids))
+    row = T * a.hidden_size * b
+    return (0 if first else (1 + k_in) * row) + (0 if last else 2 * (1 + k_out) * row)
 
 
 def runtime_reserve(tp: int, activations: int) -> int:
@@ -186,7 +285,8 @@ def _held_states(a: ModelArgs, aux_layers: int | Sequence[int], layers: range) -
 
 
 def _activation_bytes(a: ModelArgs, tp: int, layout: str, b: int, T: int, max_length: int,
-                      aux_layers: int | Sequence[int]) -> int:
+                      aux_layers: int | Sequence[int], layers: range | None = None, first: bool = True,
+                      last: bool = True) -> int:
     """Peak transient bytes of one forward of T tokens (extract.batch_tokens): the largest of the
     forward's phases, counted from the tensors each phase holds (benchmarks/check_plan.py measures
     them on the GPU with the extraction loop and lists the blocks live at the peak).
@@ -209,11 +309,13 @@ def _activation_bytes(a: ModelArgs, tp: int, layout: str, b: int, T: int, max_le
     H, heads = a.hidden_size, a.num_attention_heads // tp
     nh = T * H * b  # one [T, H] tensor
     k = aux_layers if isinstance(aux_layers, int) else len(aux_layers)
-    dense_layers, all_layers = range(a.first_k_dense_replace), range(a.num_hidden_layers)
-    moe_layers = range(a.first_k_dense_replace, a.num_hidden_layers)
+    all_layers = range(a.num_hidden_layers) if layers is None else layers
+    dense_layers = [i for i in all_layers if i < a.first_k_dense_replace]
+    moe_layers = [i for i in all_layers if i >= a.first_k_dense_replace]
     inter = a.moe_intermediate_size if layout == "ep" else a.moe_intermediate_size // tp
     slots = T * a.num_experts_per_tok
-    moe = _held_states(a, aux_layers, moe_layers) * nh + 5 * nh + slots * (inter + H) * b + slots * 20  # order int64, tokens/rows int32, weight fp32
+    moe = (_held_states(a, aux_layers, moe_layers) * nh + 5 * nh + slots * (inter + H) * b + slots * 20  # order int64, tokens/rows int32, weight fp32
+           if moe_layers else 0)
     latents = T * ((a.q_lora_rank or 0) + a.kv_lora_rank + a.qk_rope_head_dim) * b
     per_head = 3 * a.qk_head_dim + (a.qk_nope_head_dim + a.v_head_dim) + a.v_head_dim  # q, q roped, k; kv; out
     if b <= 2:  # bf16/fp16 on CUDA: one fused call (model.prefill_attention), linear in T
@@ -221,15 +323,17 @@ def _activation_bytes(a: ModelArgs, tp: int, layout: str, b: int, T: int, max_le
     else:  # unfused (CPU, fp32): query chunks of the math kernel's fp32 scores [n, chunk, L]
         kernel = T * min(min(max_length, T), ATTENTION_CHUNK_TOKENS) * heads * 4
     attention = _held_states(a, aux_layers, all_layers) * nh + 2 * nh + latents + T * heads * per_head * b + kernel
-    dense = _held_states(a, aux_layers, dense_layers) * nh + 2 * nh + 4 * T * (a.intermediate_size // tp) * b
-    end = max((2 * k + 2) * nh, (k + 1) * nh + ARGMAX_CHUNK_TOKENS * math.ceil(a.vocab_size / tp) * b)
+    dense = _held_states(a, aux_layers, dense_layers) * nh + 2 * nh + 4 * T * (a.intermediate_size // tp) * b if dense_layers else 0
+    end = max((2 * k + 2) * nh, (k + 1) * nh + ARGMAX_CHUNK_TOKENS * math.ceil(a.vocab_size / tp) * b) if last else 0
     return max(moe, attention, dense, end)
 
 
 def format_plan(plan: MemoryPlan, gpu_bytes: float | None = None) -> str:
-    lines = [f"tp = {plan.tp}, expert_layout = {plan.expert_layout}: bytes per GPU (fullest rank)"]
+    where = f", {plan.where}" if plan.where else ""
+    lines = [f"tp = {plan.tp}, expert_layout = {plan.expert_layout}{where}: bytes per GPU (fullest rank)"]
     for name, value in plan.components.items():
-        lines.append(f"  {name:<42} {value / GIB:9.2f} GiB")
+        if value or plan.pp == 1:
+            lines.append(f"  {name:<42} {value / GIB:9.2f} GiB")
     lines.append(f"  {'weights':<42} {plan.weights_bytes / GIB:9.2f} GiB")
     lines.append(f"  {'total':<42} {plan.total_bytes / GIB:9.2f} GiB ({plan.total_bytes / 1e9:.1f} GB)")
     if gpu_bytes:
@@ -239,20 +343,27 @@ def format_plan(plan: MemoryPlan, gpu_bytes: float | None = None) -> str:
     return "\n".join(lines)
 
 
+# The layouts the grid compares: tensor parallel only, and tensor parallel inside pipeline stages
+# (8 GPUs a group: tp 8, tp 4 x pp 2, tp 2 x pp 4, pp 8; and 4 and 16).
+GRID_LAYOUTS = ((4, 1), (8, 1), (16, 1), (4, 2), (2, 4), (1, 8))
+
+
 def format_grid(a: ModelArgs, quantized: bool, dtype_bytes: int, batch_tokens: int, max_length: int,
                 aux_layers: int | Sequence[int]) -> str:
-    header = f"{'layout':<16}{'weights GiB':>12}{'total GiB':>11}" + "".join(f"{name:>24}" for name in GPU_SIZES_GB)
+    header = f"{'layout':<22}{'weights GiB':>12}{'total GiB':>11}" + "".join(f"{name:>24}" for name in GPU_SIZES_GB)
     lines = [header]
-    for tp in (4, 8, 16):
-        for layout in ("ep", "tp"):
+    for tp, pp in GRID_LAYOUTS:
+        for layout in ("ep", "tp") if tp > 1 else ("ep",):  # at tp 1 a rank holds every expert either way
+            name = f"tp {tp}" + (f" x pp {pp}" if pp > 1 else "") + (f" {layout}" if tp > 1 else "")
             try:
-                plan = plan_memory(a, tp, layout, quantized, dtype_bytes, batch_tokens, max_length, aux_layers)
+                plans = plan_stages(a, tp, pp, layout, quantized, dtype_bytes, batch_tokens, max_length, aux_layers)
             except ValueError as err:
-                lines.append(f"tp {tp:<3} {layout:<8} not possible: {err}")
+                lines.append(f"{name:<22} not possible: {err}")
                 continue
+            plan = max(plans, key=lambda p: p.total_bytes)  # the fullest stage decides
             cells = "".join(f"{('fits, ' if size >= plan.total_bytes else 'short ') + f'{(size - plan.total_bytes) / GIB:+.1f}':>24}"
                             for size in GPU_SIZES_GB.values())
-            lines.append(f"tp {tp:<3} {layout:<8}{plan.weights_bytes / GIB:>12.1f}{plan.total_bytes / GIB:>11.1f}{cells}")
+            lines.append(f"{name:<22}{plan.weights_bytes / GIB:>12.1f}{plan.total_bytes / GIB:>11.1f}{cells}")
     return "\n".join(lines)
 
 
@@ -279,18 +390,40 @@ def _aux_ids(cfg: Config, a: ModelArgs) -> list[int]:
     return sorted(int(i) for i in cfg.extract.aux_layers) or default_aux_layers(a.num_hidden_layers)
 
 
-def check_fits(cfg: Config, a: ModelArgs, quantized: bool, gpu_bytes: int) -> MemoryPlan:
-    """Raise UserInputError, naming the shortfall, when this layout does not fit `gpu_bytes`."""
-    plan = plan_memory(a, cfg.target.tp, cfg.target.expert_layout, quantized, _dtype_bytes(cfg),
-                       cfg.extract.batch_tokens, cfg.data.max_length, _aux_ids(cfg, a))
-    if plan.total_bytes > gpu_bytes:
-        raise UserInputError(
-            f"target.tp = {cfg.target.tp}, target.expert_layout = {cfg.target.expert_layout}: needs "
-            f"{plan.total_bytes / GIB:.1f} GiB per GPU ({plan.weights_bytes / GIB:.1f} GiB weights) but the GPU has "
-            f"{gpu_bytes / GIB:.1f} GiB: short by {(plan.total_bytes - gpu_bytes) / GIB:.1f} GiB. Use a larger tp, a "
-            f"smaller extract.batch_tokens, or see `make plan CONFIG=...`"
-        )
-    return plan
+def _splits_rows(cfg: Config) -> bool:
+    """Whether the router and the latents split over the tp ranks at the config's batch size."""
+    return cfg.target.tp > 1 and cfg.extract.batch_tokens >= cfg.target.split_rows_min_tokens
+
+
+def config_stage_layers(cfg: Config, a: ModelArgs) -> list[range]:
+    """The layers of each pipeline stage of the configured layout (one range when target.pp = 1):
+    what the planner plans and what each rank builds and loads."""
+    return stage_layers(a, cfg.target.pp, cfg.target.tp, min(cfg.data.max_length, cfg.extract.batch_tokens),
+                        _splits_rows(cfg), cfg.extract.write_target_argmax)
+
+
+def config_stages(cfg: Config, a: ModelArgs, quantized: bool) -> list[MemoryPlan]:
+    """The configured layout's plan, one MemoryPlan per pipeline stage (one when target.pp = 1)."""
+    return [plan_memory(a, cfg.target.tp, cfg.target.expert_layout, quantized, _dtype_bytes(cfg), cfg.extract.batch_tokens,
+                        cfg.data.max_length, _aux_ids(cfg, a), layers, stage, cfg.target.pp)
+            for stage, layers in enumerate(config_stage_layers(cfg, a))]
+
+
+def check_fits(cfg: Config, a: ModelArgs, quantized: bool, gpu_bytes: int) -> list[MemoryPlan]:
+    """The stages' plans; UserInputError naming the stage that is short, and by how much, when
+    any does not fit `gpu_bytes` (before any weight is read)."""
+    plans = config_stages(cfg, a, quantized)
+    for plan in plans:
+        if plan.total_bytes > gpu_bytes:
+            where = f" {plan.where}" if plan.where else ""
+            layout = f"target.tp = {cfg.target.tp}" + (f", target.pp = {cfg.target.pp}" if cfg.target.pp > 1 else "")
+            raise UserInputError(
+                f"{layout}, target.expert_layout = {cfg.target.expert_layout}:{where} needs "
+                f"{plan.total_bytes / GIB:.1f} GiB per GPU ({plan.weights_bytes / GIB:.1f} GiB weights) but the GPU has "
+                f"{gpu_bytes / GIB:.1f} GiB: short by {(plan.total_bytes - gpu_bytes) / GIB:.1f} GiB. Use a larger tp or pp, a "
+                f"smaller extract.batch_tokens, or see `make plan CONFIG=...`"
+            )
+    return plans
 
 
 def main(cfg: Config) -> None:
@@ -306,13 +439,13 @@ def main(cfg: Config) -> None:
 
         gpu_bytes = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
     try:
-        plan = plan_memory(a, cfg.target.tp, cfg.target.expert_layout, quantized, _dtype_bytes(cfg),
-                           cfg.extract.batch_tokens, cfg.data.max_length, _aux_ids(cfg, a))
+        plans = config_stages(cfg, a, quantized)
     except ValueError as err:
-        raise UserInputError(f"target.tp = {cfg.target.tp}: {err}") from None
+        raise UserInputError(f"target.tp = {cfg.target.tp}, target.pp = {cfg.target.pp}: {err}") from None
     print(f"\nconfigured layout, {cfg.extract.batch_tokens} tokens per forward:")
-    print(format_plan(plan, gpu_bytes))
-    split = cfg.target.tp > 1 and cfg.extract.batch_tokens >= cfg.target.split_rows_min_tokens
+    for plan in plans:
+        print(format_plan(plan, gpu_bytes))
+    split = _splits_rows(cfg)
     traffic = collective_bytes_per_token(a, cfg.target.tp, _dtype_bytes(cfg), split)
     print(f"  per token on each rank: {flops_per_token(a, cfg.target.tp, min(cfg.data.max_length, cfg.extract.batch_tokens), split) / 1e9:.2f} "
           f"GFLOP, {traffic['all_reduce'] / 1024:.0f} KiB all-reduced, {traffic['all_gather'] / 1024:.1f} KiB all-gathered "

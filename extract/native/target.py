@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from typing import Callable
 
 import torch
@@ -23,9 +24,9 @@ from eagleforge.config import Config
 from eagleforge.extract.capture import HiddenStateCapture
 from eagleforge.extract.native.loader import build_model, load_weights, read_checkpoint_info
 from eagleforge.extract.native.model import DeepseekV3ForExtraction
-from eagleforge.extract.native.parallel import tensor_parallel
-from eagleforge.extract.native.plan import GIB, check_fits, format_plan
-from eagleforge.extract.target import CapturingTarget, forward_packed
+from eagleforge.extract.native.parallel import StageLink, tensor_parallel
+from eagleforge.extract.native.plan import GIB, check_fits, config_stage_layers, format_plan
+from eagleforge.extract.target import CapturingTarget, PendingRows, Rows, forward_packed, pack_rows, pad_right, rows_to_bytes, select_rows
 from eagleforge.layout import Layout
 from eagleforge.target import resolve_aux_layers, target_path, torch_dtype
 
@@ -33,29 +34,132 @@ log = logging.getLogger(__name__)
 
 
 class NativeTarget(CapturingTarget):
-    """This rank's slices of the target (a built model on its tensor-parallel group), hooks
-    attached; `forward` returns the rows on the group's leader, None on its other ranks."""
+    """This rank's slices of the target (a built model: its stage's layers on its tensor-parallel
+    group), hooks attached. `forward` (extract/target.py) returns the rows on the group's leader,
+    None on its other ranks, or, with rows_for, each named rank's own rows.
+
+    Pipeline stages (target.pp > 1): stage s receives [B, T, (1 + c) H] from stage s - 1 (the
+    hidden state and the c aux states captured before it: they travel with the activation, one
+    message a hop, so the rows the last stage packs are the ones a one-stage model captures), runs
+    its layers, captures its own aux layers and sends on without waiting; the last stage norms,
+    packs the rows and runs the greedy head. Every rank loops over the same forwards (the
+    extraction driver, online training's batches), so the stages work on consecutive forwards at
+    once: the run's forwards are the pipeline's micro-batches, filled and drained once per run.
+    Online training's rows go from the leader to each rank that trains on them (rows_for)."""
 
     def __init__(self, model: DeepseekV3ForExtraction, layout: Layout, aux_layers: list[int], write_target_argmax: bool,
-                 rows_to: str = "leader", header: dict | None = None, hf_config: dict | None = None):
+                 header: dict | None = None, hf_config: dict | None = None):
         self.model, self.layout, self.device = model, layout, layout.device
-        # every rank of the group holds the rows after the last all-reduce; the others drop theirs
-        self.keep_rows = rows_to == "group" or layout.is_group_leader
         self.vocab_size = model.args.vocab_size
         self.write_target_argmax = write_target_argmax
         self.header, self.hf_config = header or {}, hf_config or {}
-        super().__init__(model.model.layers, aux_layers, model.model.norm)
+        self.link = None
+        if layout.pp == 1:
+            super().__init__(model.model.layers, aux_layers, model.model.norm)
+            return
+        held = model.model.layers.ids()
+        here = [i for i in aux_layers if i in held]  # this stage's aux layers; the final norm is run below
+        self.aux_layers = aux_layers
+        self.capture = HiddenStateCapture(model.model.layers, here, None).__enter__() if here else None
+        self.carried_in = sum(i < held[0] for i in aux_layers)  # aux states arriving with the activation
+        self.link = StageLink(layout)
+        self._row_sends: list = []  # the leader's rows in flight to other ranks (buffer, work)
 
-    def forward(self, input_ids: list[list[int]]) -> dict[str, torch.Tensor] | None:
+    def forward(self, input_ids: list[list[int]], then: list[list[int]] | None = None,
+                rows_for: dict[int, list[int]] | None = None) -> Rows | PendingRows | None:
         """Every rank of the group calls it with the same ids (collectives)."""
-        return forward_batch(self.model, self.capture, input_ids, self.device, self.write_target_argmax, keep=self.keep_rows)
+        lengths = [len(ids) for ids in input_ids]
+        if self.link is None:  # one stage: every rank of the group ends with every row
+            keep = self.layout.is_group_leader if rows_for is None else self.layout.rank in rows_for
+            packed = forward_batch(self.model, self.capture, input_ids, self.device, self.write_target_argmax, keep=keep)
+            if packed is None or rows_for is None:
+                return packed
+            return select_rows(packed, lengths, rows_for[self.layout.rank])
+        return self._stage_forward(input_ids, lengths, then, rows_for)
+
+    @torch.inference_mode()
+    def _stage_forward(self, input_ids, lengths, then, rows_for):
+        model, H = self.model, self.model.args.hidden_size
+        dtype = next(model.parameters()).dtype
+        tokens, _ = pad_right(input_ids, 0)  # [B, T]
+        b, t = tokens.shape
+        if model.first:
+            x = model.model.embed_tokens(tokens.to(self.device))  # [B, T, H]
+            carried = x.new_empty(b, t, 0)
+        else:
+            message = self.link.recv((b, t, (1 + self.carried_in) * H), dtype, self.device)  # [B, T, (1 + c) H]
+            x, carried = message[..., :H].contiguous(), message[..., H:]
+        if then is not None and not model.first:  # the next forward's transfer runs during this one's layers
+            self.link.post_recv((len(then), max(len(ids) for ids in then), (1 + self.carried_in) * H), dtype, self.device)
+        if self.capture is not None:
+            self.capture.clear()
+        x = model.model.run_layers(x)
+        if self.capture is not None:
+            carried = torch.cat([carried, self.capture.aux_hidden_states], dim=-1)  # ascending layer order
+            self.capture.clear()
+        if not model.last:
+            self.link.send(torch.cat([x, carried], dim=-1))  # [B, T, (1 + c') H]
+            return self._rows_from_leader(lengths, rows_for)
+        normed = model.model.norm(x)  # [B, T, H]
+        del x
+        greedy = model.greedy_tokens if self.write_target_argmax else None  # a tp collective of the last stage
+        packed = pack_rows({"aux": carried, "last": normed}, lengths, greedy)
+        del carried, normed
+        if rows_for is None:
+            return packed if self.layout.is_group_leader else None
+        if self.layout.is_group_leader:
+            self._send_rows(packed, lengths, rows_for)
+        mine = rows_for.get(self.layout.rank)
+        return None if mine is None else select_rows(packed, lengths, mine)
+
+    def _row_shapes(self) -> dict[str, tuple[tuple, torch.dtype]]:
+        H, k = self.model.args.hidden_size, len(self.aux_layers)
+        dtype = next(self.model.parameters()).dtype
+        shapes = {"aux_hidden_states": ((k * H,), dtype), "last_hidden_state": ((H,), dtype)}
+        if self.write_target_argmax:
+            shapes["target_argmax"] = ((), torch.int32)
+        return shapes
+
+    def _send_rows(self, packed: Rows, lengths: list[int], rows_for: dict[int, list[int]]) -> None:
+        """The leader: each rank of an earlier stage named in rows_for gets its rows (one message,
+        sent without waiting; at most two per rank of the group stay in flight)."""
+        import torch.distributed as dist
+
+        last_stage = self.layout.rank_of(self.layout.group_index, self.layout.pp - 1, 0)
+        for rank, positions in sorted(rows_for.items()):
+            if last_stage <= rank < last_stage + self.layout.tp:  # the last stage holds every row already
+                continue
+            buffer = rows_to_bytes(select_rows(packed, lengths, positions))
+            self._row_sends.append((buffer, dist.isend(buffer, dst=rank)))
+        while len(self._row_sends) > 2 * self.layout.group_size:
+            self._row_sends.pop(0)[1].wait()
+
+    def _rows_from_leader(self, lengths: list[int], rows_for: dict[int, list[int]] | None) -> PendingRows | None:
+        """An earlier stage's rank: post the receive of its rows from the leader (rows_for), or nothing."""
+        import torch.distributed as dist
+
+        if rows_for is None or self.layout.rank not in rows_for:
+            return None
+        shapes = self._row_shapes()
+        row_bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in shapes.values())
+        n = sum(lengths[p] for p in rows_for[self.layout.rank])
+        buffer = torch.empty(n, row_bytes, dtype=torch.uint8, device=self.device)
+        return PendingRows(buffer, dist.irecv(buffer, src=self.layout.leader), shapes)
+
+    def close(self) -> None:
+        if self.link is not None:
+            self.link.drain()
+            while self._row_sends:
+                self._row_sends.pop(0)[1].wait()
+        if self.capture is not None:
+            self.capture.__exit__(None, None, None)
 
 
-def load_native_target(cfg: Config, layout: Layout, write_target_argmax: bool, rows_to: str = "leader",
-                       check_memory: Callable | None = None, check_inputs: Callable[[int], None] | None = None) -> NativeTarget:
+def load_native_target(cfg: Config, layout: Layout, write_target_argmax: bool, check_memory: Callable | None = None,
+                       check_inputs: Callable[[int], None] | None = None) -> NativeTarget:
     """The target of target.path on this rank: checkpoint info, the memory check (check_memory(info),
     default: the extraction plan's) and the caller's check_inputs(vocab_size) before any weight is
-    read, then this rank's slices loaded."""
+    read, then this rank's slices (its stage's layers, its tp share) loaded."""
     info = read_checkpoint_info(target_path(cfg.target))
     (check_memory or (lambda i: check_extract_memory(cfg, i, layout)))(info)
     if check_inputs is not None:
@@ -66,11 +170,16 @@ def load_native_target(cfg: Config, layout: Layout, write_target_argmax: bool, r
     # the raw config.json (text_config inside for Kimi): the draft is sized from it
     hf_config = json.loads((info.path / "config.json").read_text(encoding="utf-8"))
     tp = tensor_parallel(layout, cfg.target.split_rows_min_tokens, cfg.target.overlap_min_rows)
+    stages = config_stage_layers(cfg, info.args)
+    layers = stages[layout.stage]
+    if layout.pp > 1 and layout.is_main:
+        log.info("pipeline: %d stages of layers %s", layout.pp, ", ".join(f"{r.start}-{r.stop - 1}" for r in stages))
     model = build_model(info, tp, cfg.target.expert_layout, torch_dtype(cfg.target.dtype), layout.device,
-                        cfg.target.prefill_attention, cfg.target.moe_backend)
+                        cfg.target.prefill_attention, cfg.target.moe_backend, layers, layout.stage == 0,
+                        layout.stage == layout.pp - 1)
     stats = load_weights(model, info, show_progress=layout.is_main)
     log.info("rank 0 read %.2f GiB in %d tensors", stats.bytes_read / GIB, stats.tensors_read)
-    return NativeTarget(model, layout, aux_layers, write_target_argmax, rows_to, header, hf_config)
+    return NativeTarget(model, layout, aux_layers, write_target_argmax, header, hf_config)
 
 
 def forward_batch(model: DeepseekV3ForExtraction, capture: HiddenStateCapture, input_ids: list[list[int]],
@@ -110,6 +219,6 @@ def check_extract_memory(cfg: Config, info, layout: Layout) -> None:
         gpu_bytes = torch.cuda.get_device_properties(layout.device).total_memory
     else:
         return
-    plan = check_fits(cfg, info.args, info.quantized_experts, gpu_bytes)
+    plans = check_fits(cfg, info.args, info.quantized_experts, gpu_bytes)  # every stage, before any weight is read
     if layout.is_main:
-        log.info("memory plan:\n%s", format_plan(plan, gpu_bytes))
+        log.info("memory plan:\n%s", "\n".join(format_plan(plan, gpu_bytes) for plan in plans))
