@@ -9,7 +9,8 @@
 #                                   needs several processes (eagleforge/launch.py; launch.mode=none: never)
 #   make train OVERRIDES="train.lr=1e-4 train.epochs=2"
 #   make train-online               data, then training with the target in the loop (no shards on disk)
-#   make preflight CONFIG=...       all-reduce busbw and matmul rate of the GPUs, projected extraction tokens/s
+#   make preflight CONFIG=...       all-reduce busbw, send/recv and matmul rates of the GPUs, projected
+#                                   extraction tokens/s per tp x pp layout and the one to set
 #
 # Each target first installs what it needs into .venv (a stamp file makes the second call instant).
 
@@ -27,7 +28,7 @@ PY := $(VENV)/bin/python
 ARGS := $(if $(CONFIG),--config $(CONFIG)) run_dir=$(RUN) $(OVERRIDES)
 STAMP := $(VENV)/.installed
 
-.PHONY: install data extract vocab train train-online eval plan preflight test lint bench-extract-cpu bench-extract bench-moe bench-loss bench-train bench-prefill-attention bench-teacher-forced bench-online bench-quality bench-gpu clean
+.PHONY: install data extract vocab train train-online eval plan preflight test lint bench-extract-cpu bench-extract bench-pipeline bench-moe bench-loss bench-train bench-prefill-attention bench-teacher-forced bench-online bench-quality bench-gpu clean
 
 install: $(STAMP)
 
@@ -83,6 +84,11 @@ bench-moe: $(STAMP)
 
 bench-extract: $(STAMP)
 	$(PY) benchmarks/bench_extract.py
+
+# Pipeline stages on one GPU: the loop's overhead at pp 1, two stages in turn against pp 1, the
+# pilot's projection per layout (BENCH_ARGS=--cpu-check: toy shapes on the CPU).
+bench-pipeline: $(STAMP)
+	$(PY) benchmarks/bench_pipeline.py $(BENCH_ARGS)
 
 bench-loss: $(STAMP)
 	$(PY) benchmarks/bench_loss.py

@@ -6,7 +6,7 @@
 #
 #   make bench-gpu                                   # = bash benchmarks/run_all.sh
 #   bash benchmarks/run_all.sh moe loss              # a subset, by name:
-#        moe loss train attention prefill extract plan train-dist tp-capture online quality quality-specforge
+#        moe loss train attention prefill extract pipeline plan train-dist tp-capture online quality quality-specforge
 #   OUT=runs/bench PYTHON=python3 bash benchmarks/run_all.sh
 #
 # Single-GPU benchmarks run on GPU 0; with two or more GPUs, extract, plan, train-dist and
@@ -47,7 +47,7 @@ run() {  # run NAME COMMAND...: prints and logs the output, remembers a failure
   [ "${PIPESTATUS[0]}" -eq 0 ] || failed+=("$name")
 }
 
-for bench in ${*:-moe loss train attention prefill extract plan train-dist tp-capture online quality quality-specforge}; do
+for bench in ${*:-moe loss train attention prefill extract pipeline plan train-dist tp-capture online quality quality-specforge}; do
   case $bench in
     moe)  # one Kimi-K2.5 MoE layer: INT4 kernels vs bf16 grouped_mm
       run moe "${ONE[@]}" benchmarks/bench_moe.py --tokens 4096 16384 --json "$OUT/moe.json" ;;
@@ -68,6 +68,8 @@ for bench in ${*:-moe loss train attention prefill extract plan train-dist tp-ca
         run "extract_tp$GPUS" "${TORCHRUN[@]}" benchmarks/bench_extract.py --tokens 16384 32768 --no-write \
           --baseline-json "$OUT/extract_tp1.json" --json "$OUT/extract_tp$GPUS.json"
       fi ;;
+    pipeline)  # pipeline stages: the loop at pp 1, two stages in turn against pp 1, the pilot's projection
+      run pipeline "${ONE[@]}" benchmarks/bench_pipeline.py --json "$OUT/pipeline.json" ;;
     plan)  # the memory planner against the extraction loop's memory per GPU
       run plan_tp1 "${ONE[@]}" benchmarks/check_plan.py --batch-tokens 8192 16384 32768 --json "$OUT/plan_tp1.json"
       if [ "$GPUS" -ge 2 ]; then
@@ -100,7 +102,7 @@ for bench in ${*:-moe loss train attention prefill extract plan train-dist tp-ca
       run quality-specforge "${ONE[@]}" benchmarks/bench_quality.py --config configs/smollm2_gpu.yaml \
         --run "$OUT/smollm2_gpu" --json "$OUT/quality_specforge.json" ;;
     *)
-      echo "unknown benchmark '$bench' (moe loss train attention prefill extract plan train-dist tp-capture online quality quality-specforge)" >&2
+      echo "unknown benchmark '$bench' (moe loss train attention prefill extract pipeline plan train-dist tp-capture online quality quality-specforge)" >&2
       failed+=("$bench") ;;
   esac
 done

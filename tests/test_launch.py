@@ -29,8 +29,8 @@ def _needed(config: str | None, stage: str, gpus: int, *overrides: str) -> int:
 
 @pytest.mark.parametrize("config", [PILOT, B300])
 def test_kimi_configs_on_gpus(config):
-    """tp 8, native: extraction and online training run whole tp-8 groups over the visible GPUs,
-    offline training every visible GPU."""
+    """Groups of 8 (the B300's tp 8, the pilot's 8 pipeline stages), native: extraction and
+    online training run whole groups over the visible GPUs, offline training every visible GPU."""
     assert _needed(config, "extract", 8) == 8
     assert _needed(config, "extract", 16) == 16  # two groups
     assert _needed(config, "extract", 12) == 8  # whole groups only
@@ -39,8 +39,9 @@ def test_kimi_configs_on_gpus(config):
     assert _needed(config, "train", 1) == 1
     assert _needed(config, "train", 16, "train.source=online") == 16
     assert _needed(config, "train", 12, "train.source=online") == 8
-    assert _needed(config, "extract", 8, "target.tp=4") == 8  # two groups of 4
-    assert _needed(config, "extract", 8, "launch.nproc=4", "target.tp=4") == 4
+    assert _needed(config, "extract", 8, "target.tp=4", "target.pp=1") == 8  # two groups of 4
+    assert _needed(config, "extract", 8, "launch.nproc=4", "target.tp=4", "target.pp=1") == 4
+    assert _needed(config, "extract", 8, "target.tp=2", "target.pp=2") == 8  # two groups of 2 stages of tp 2
     assert _needed(config, "train", 8, "launch.nproc=2") == 2
 
 
@@ -75,13 +76,15 @@ def test_launch_mode_none_is_one_process_even_when_it_would_not_fit():
 
 
 @pytest.mark.parametrize("config,stage,gpus,overrides,line", [
-    (PILOT, "extract", 4, (), "config key 'target.tp' = 8 needs 8 GPUs, 4 visible on this node"),
-    (PILOT, "train", 4, ("train.source=online",), "config key 'target.tp' = 8 needs 8 GPUs, 4 visible on this node"),
+    (B300, "extract", 4, (), "config key 'target.tp' = 8 needs 8 GPUs, 4 visible on this node"),
+    (B300, "train", 4, ("train.source=online",), "config key 'target.tp' = 8 needs 8 GPUs, 4 visible on this node"),
+    (PILOT, "extract", 4, (), "config key 'target.tp x target.pp' = 8 needs 8 GPUs, 4 visible on this node"),
     (None, "train", 8, ("launch.nproc=16",), "config key 'launch.nproc' = 16 needs 16 GPUs, 8 visible on this node"),
     (None, "extract", 0, ("target.device=cuda", "launch.nproc=2"), "config key 'launch.nproc' = 2 needs 2 GPUs, 0 visible on this node"),
-    (PILOT, "extract", 8, ("launch.nproc=12",), "config key 'launch.nproc' = 12 is not a multiple of target.tp = 8"),
+    (B300, "extract", 8, ("launch.nproc=12",), "config key 'launch.nproc' = 12 is not a multiple of target.tp = 8"),
+    (PILOT, "extract", 8, ("launch.nproc=12",), "config key 'launch.nproc' = 12 is not a multiple of target.tp x target.pp = 8"),
     # device auto on a node whose GPUs are not visible: refused, not run as 8 CPU ranks
-    (PILOT, "extract", 0, (), "config key 'target.tp' = 8 needs 8 GPUs, 0 visible on this node; target.device=cpu runs it on the CPU (gloo)"),
+    (B300, "extract", 0, (), "config key 'target.tp' = 8 needs 8 GPUs, 0 visible on this node; target.device=cpu runs it on the CPU (gloo)"),
 ])
 def test_more_processes_than_gpus_is_one_line_naming_the_key_and_both_numbers(config, stage, gpus, overrides, line, monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -100,7 +103,7 @@ def test_under_torchrun_nothing_is_launched(monkeypatch):
     assert relaunch(cfg, "extract", []) is None
     monkeypatch.delenv("RANK")
     assert relaunch(load_config(PILOT, ["launch.mode=none"]), "extract", []) is None
-    with pytest.raises(UserInputError, match="'target.tp' = 8 needs 8 GPUs, 0 visible"):  # this CPU machine
+    with pytest.raises(UserInputError, match=r"'target.tp x target.pp' = 8 needs 8 GPUs, 0 visible"):  # this CPU machine
         relaunch(cfg, "extract", [])
 
 

@@ -11,8 +11,10 @@ from eagleforge.train.online_plan import GIB, check_online_fits, plan_online
 
 
 def _cfg(name: str, *extra: str):
-    # target.path that does not exist here: the built-in Kimi-K2.5 config (the planner says so)
-    return load_config(f"configs/{name}.yaml", ["train.source=online", "target.path=/nonexistent/Kimi-K2.5", *extra])
+    # target.path that does not exist here: the built-in Kimi-K2.5 config (the planner says so);
+    # the pilot trains online at tp 8 (README: its pipeline stages leave the draft no room)
+    layout = ["target.tp=8", "target.pp=1"] if name == "kimi_k25_pilot" else []
+    return load_config(f"configs/{name}.yaml", ["train.source=online", "target.path=/nonexistent/Kimi-K2.5", *layout, *extra])
 
 
 def test_draft_parameters_by_hand():
@@ -39,6 +41,18 @@ def test_pilot_refused_with_the_shortfall_and_b300_fits():
     plan = check_online_fits(b300, int(288e9), 8)
     assert plan.total_bytes() <= 288e9 and plan.max_batch_tokens(288e9) >= b300.train.batch_tokens
     assert plan.target.total_bytes / GIB == pytest.approx(82.2, abs=0.1)  # the extraction plan of README's grid
+
+
+def test_pipeline_stages_plan_their_fullest_stage_beside_the_draft():
+    """Online at the pilot config's own 8 stages: every GPU holds its stage and the draft's share;
+    on 96 GB cards no batch fits (README), on 141 GB ones the same layout fits a batch."""
+    stages = _cfg("kimi_k25_pilot", "target.tp=1", "target.pp=8")
+    plan = plan_online(stages, world=8)
+    assert plan.target.pp == 8 and plan.target.total_bytes / GIB == pytest.approx(78.3, abs=0.1)  # the fullest stage
+    assert any("rows arriving from the last stage (7 slots ahead)" in name for name in plan.in_flight_per_token)
+    with pytest.raises(UserInputError, match=r"target.tp = 1, target.pp = 8, .* no train.batch_tokens fits"):
+        check_online_fits(stages, int(96e9), 8)
+    assert plan.max_batch_tokens(141e9) > 0
 
 
 def test_largest_batch_is_the_edge_of_the_refusal():

@@ -200,6 +200,34 @@ def test_projection_is_the_hand_computation():
     assert project_tokens_per_s(8e9, {"all_reduce": 0, "all_gather": 0}, 500.0, math.nan, tp=1, groups=3, mfu=0.5)["comm_us"] == 0
 
 
+def test_stage_projection_is_the_hand_computation_and_tp_only_agrees_with_the_tp_projection():
+    from eagleforge.extract.native.model import ModelArgs
+    from eagleforge.extract.native.plan import KIMI_K25_TEXT_CONFIG, collective_bytes_per_token, flops_per_token
+    from eagleforge.extract.native.preflight import Rates, layout_projections, project_stages
+
+    rates = Rates(matmul_tflops=500.0, busbw_gbs=20.0, p2p_gbs=10.0, mfu=0.5)
+    # two stages: 4 and 6 GFLOP per token, stage 0 sends 30 KB per token (3 us at 10 GB/s: hidden under its 16 us)
+    stages = [{"flops": 4e9, "all_reduce": 0, "all_gather": 0, "recv": 0, "send": 3e4},
+              {"flops": 6e9, "all_reduce": 0, "all_gather": 0, "recv": 3e4, "send": 0}]
+    p = project_stages(stages, tp=1, groups=3, rates=rates)
+    assert [t["compute_us"] for t in p["stages"]] == pytest.approx([16.0, 24.0])
+    assert p["slowest_stage"] == 1 and p["per_group"] == pytest.approx(1e6 / 24.0) and p["total"] == pytest.approx(3e6 / 24.0)
+    slow_link = project_stages(stages, tp=1, groups=1, rates=Rates(500.0, 20.0, 1.0, 0.5))  # a 30 us hop outlasts the compute
+    assert slow_link["per_group"] == pytest.approx(1e6 / 30.0)
+    # one stage of tp 8: the tensor-parallel projection of the whole model
+    a = ModelArgs.from_config(KIMI_K25_TEXT_CONFIG)
+    rows = {(r["tp"], r["pp"]): r for r in layout_projections(a, 8, rates, 2, 2048, [1, 29, 57], batch_tokens=8192)}
+    assert sorted(rows) == [(1, 8), (2, 4), (4, 2), (8, 1)]
+    tp8 = project_tokens_per_s(flops_per_token(a, 8, 2048, True), collective_bytes_per_token(a, 8, 2, True), 500.0, 20.0,
+                               tp=8, groups=1, mfu=0.5)
+    assert rows[(8, 1)]["per_group"] == pytest.approx(tp8["per_group"], rel=1e-9)
+    # PCIe-like rates: stages beat tensor parallelism by far (no all-reduce per layer)
+    assert rows[(1, 8)]["per_group"] > 3 * rows[(8, 1)]["per_group"]
+    # the recommendation skips layouts that do not fit
+    best = layout_projections(a, 8, rates, 2, 2048, [1, 29, 57], fits=lambda tp, pp: tp == 8)
+    assert [r["fits"] for r in best] == [r["tp"] == 8 for r in best] and best[0]["tp"] == 1
+
+
 def test_busbw_factor_is_nccl_tests():
     assert [busbw_factor(n) for n in (2, 4, 8)] == [1.0, 1.5, 1.75]
 

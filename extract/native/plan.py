@@ -87,18 +87,7 @@ def flops_per_token(a: ModelArgs, tp: int, seq_len: int, split_replicated: bool)
     target.split_rows_min_tokens), this rank's heads of q_b/kv_b/o_proj, causal attention over
     seq_len / 2 keys on average, 1/tp of the dense MLP, shared expert and k routed slots (ep: k/tp
     slots on average; tp: every slot, 1/tp of its width); then 1/tp of the greedy head."""
-    H, heads = a.hidden_size, a.num_attention_heads / tp
-    split = tp if split_replicated else 1
-    latents = H * ((a.q_lora_rank or 0) + a.kv_lora_rank + a.qk_rope_head_dim) / split
-    q = (a.q_lora_rank or H) * heads * a.qk_head_dim
-    kv_b = a.kv_lora_rank * heads * (a.qk_nope_head_dim + a.v_head_dim)
-    core = heads * (seq_len / 2) * (a.qk_head_dim + a.v_head_dim)  # QK^T and PV per key
-    attention = latents + q + kv_b + core + heads * a.v_head_dim * H
-    dense = 3 * H * a.intermediate_size / tp
-    moe = 3 * H * a.moe_intermediate_size * (a.num_experts_per_tok + a.n_shared_experts) / tp + H * a.n_routed_experts / split
-    moe_layers = a.num_hidden_layers - a.first_k_dense_replace
-    per_token = a.num_hidden_layers * attention + a.first_k_dense_replace * dense + moe_layers * moe + H * a.vocab_size / tp
-    return 2.0 * per_token  # a multiply-add is 2 FLOPs
+    return sum(layer_flops_per_token(a, tp, seq_len, split_replicated)) + head_flops_per_token(a, tp)
 
 
 def layer_flops_per_token(a: ModelArgs, tp: int, seq_len: int, split_replicated: bool) -> list[float]:
@@ -167,14 +156,33 @@ def collective_bytes_per_token(a: ModelArgs, tp: int, dtype_bytes: int, split_re
     then after each attention and each MLP/MoE block); all-gathers (their gathered output) of
     the split latents and router outputs (fp32 weight + int64 id per slot), and the head's
     per-rank best logit (fp32) and id (int64). 0 at tp = 1."""
-    if tp == 1:
-        return {"all_reduce": 0, "all_gather": 0}
-    H, moe_layers = a.hidden_size, a.num_hidden_layers - a.first_k_dense_replace
-    gathered = 12 * tp  # the head: each rank's best (fp32) and its index (int64)
-    if split_replicated:
-        gathered += a.num_hidden_layers * ((a.q_lora_rank or 0) + a.kv_lora_rank + a.qk_rope_head_dim) * dtype_bytes
-        gathered += moe_layers * a.num_experts_per_tok * 12
-    return {"all_reduce": (2 * a.num_hidden_layers + 1) * H * dtype_bytes, "all_gather": gathered}
+    work = stage_work_per_token(a, tp, range(a.num_hidden_layers), True, True, dtype_bytes, 1, split_replicated)
+    return {"all_reduce": work["all_reduce"], "all_gather": work["all_gather"]}
+
+
+def stage_work_per_token(a: ModelArgs, tp: int, layers: range, first: bool, last: bool, dtype_bytes: int,
+                         seq_len: int, split_replicated: bool, greedy_head: bool = True,
+                         aux_layers: Sequence[int] = ()) -> dict[str, float]:
+    """One rank's work per token in a pipeline stage holding `layers` (the embedding when `first`,
+    the norm and greedy head when `last`): matmul FLOPs, bytes all-reduced and all-gathered in
+    its tp group (collective_bytes_per_token's terms, 0 at tp 1), and the bytes it receives from
+    the previous stage and sends to the next (the hidden state plus the aux states captured
+    before: [1 + c] x H per token)."""
+    H, b = a.hidden_size, dtype_bytes
+    moe_layers = sum(1 for i in layers if i >= a.first_k_dense_replace)
+    costs = layer_flops_per_token(a, tp, seq_len, split_replicated)
+    flops = sum(costs[i] for i in layers) + (head_flops_per_token(a, tp) if last and greedy_head else 0.0)
+    all_reduce = all_gather = 0
+    if tp > 1:
+        all_reduce = (2 * len(layers) + (1 if first else 0)) * H * b
+        all_gather = 12 * tp if last and greedy_head else 0  # the head: each rank's best (fp32) and its index (int64)
+        if split_replicated:
+            all_gather += len(layers) * ((a.q_lora_rank or 0) + a.kv_lora_rank + a.qk_rope_head_dim) * b
+            all_gather += moe_layers * a.num_experts_per_tok * 12
+    carried_in = sum(1 for i in aux_layers if i < layers.start)
+    carried_out = sum(1 for i in aux_layers if i < layers.stop)
+    return {"flops": flops, "all_reduce": all_reduce, "all_gather": all_gather,
+            "recv": 0 if first else (1 + carried_in) * H * b, "send": 0 if last else (1 + carried_out) * H * b}
 
 
 @dataclass

@@ -6,11 +6,15 @@
 Every process measures at once, as extraction runs: the all-reduce over the whole group at a
 few message sizes (1 MiB, 16 MiB and the config's own [extract.batch_tokens, H] activation),
 reported as nccl-tests does (algbw = bytes / time, busbw = algbw * 2(n-1)/n, the rate each link
-carries, comparable across group sizes), and each GPU's bf16 matmul rate. From these and the
-planner's FLOPs and collective bytes per token (plan.py `flops_per_token`,
-`collective_bytes_per_token`) it projects the native backend's extraction tokens/s for the
-config; one line warns when the bus bandwidth is under half of what the link should give
-(nvidia-smi: NVLink's link rates, else the PCIe generation and width), naming what to check.
+carries, comparable across group sizes), the one-way send/recv rate between neighbouring ranks
+(the link of two pipeline stages), and each GPU's bf16 matmul rate. From these and the planner's
+FLOPs and bytes per token (plan.py `flops_per_token`, `collective_bytes_per_token`,
+`stage_work_per_token`) it projects the native backend's extraction tokens/s for the config,
+and for every tp x pp layout of the GPUs (tensor parallel inside pipeline stages: on PCIe
+machines stages move one activation per hop where tp moves two all-reduces per layer), printing
+the fastest that fits as the keys to set (`target.tp=2 target.pp=4`); one line warns when the
+bus bandwidth is under half of what the link should give (nvidia-smi: NVLink's link rates, else
+the PCIe generation and width), naming what to check.
 
 On CPUs the same runs over gloo (mechanics only: the numbers say nothing of a GPU machine).
 """
@@ -117,6 +121,33 @@ def measure_matmul_tflops(device: torch.device, n: int, iters: int) -> float:
     return 2 * n**3 * iters / (time.perf_counter() - start) / 1e12
 
 
+def measure_send_recv(nbytes: int, device: torch.device, iters: int, warmup: int) -> float | None:
+    """One-way send/recv rate between neighbouring ranks (0 -> 1, 2 -> 3, ...: the link two
+    pipeline stages use), GB/s of the slowest pair, each direction timed; None with one rank."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world < 2:
+        return None
+    x = torch.ones(max(1, nbytes // 2), dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, device=device)
+    peer = rank + 1 if rank % 2 == 0 else rank - 1
+    paired = peer < world
+    seconds = 0.0
+    for sender_parity in (0, 1):  # even ranks send, then odd ranks send
+        for timed in (False, True):
+            _sync(device)
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(iters if timed else warmup):
+                if paired:
+                    (dist.send if rank % 2 == sender_parity else dist.recv)(x, peer)
+            _sync(device)
+            if timed:
+                seconds = max(seconds, (time.perf_counter() - start) / iters)
+    slowest = _slowest(seconds if paired else 0.0, device)
+    return x.numel() * x.element_size() / slowest / 1e9
+
+
 def gather_floats(value: float, device: torch.device) -> list[float]:
     """Every rank's `value`, in rank order (a tensor all-gather, no pickled objects)."""
     import torch.distributed as dist
@@ -146,6 +177,77 @@ def project_tokens_per_s(flops_per_token: float, bytes_per_token: dict, matmul_t
     per_group = 1.0 / (compute_s + comm_s)
     return {"compute_us": compute_s * 1e6, "comm_us": comm_s * 1e6, "per_group": per_group, "total": per_group * groups,
             "comm_share": comm_s / (compute_s + comm_s)}
+
+
+@dataclass
+class Rates:
+    """What a projection assumes of a machine: measured (preflight) or stated (the README's)."""
+
+    matmul_tflops: float  # bf16, one GPU
+    busbw_gbs: float  # all-reduce bus bandwidth over a tp group
+    p2p_gbs: float  # one-way send/recv between neighbouring GPUs
+    mfu: float = FORWARD_MFU
+
+
+def project_stages(stages: list[dict], tp: int, groups: int, rates: Rates) -> dict:
+    """Extraction tokens/s of `groups` groups of len(stages) pipeline stages of tp ranks, from each
+    stage's work per token (plan.stage_work_per_token). A stage's time per token is its compute
+    plus its tp group's collectives (not overlapped; project_tokens_per_s's model), or its
+    receive or its send when longer: the receive is posted ahead and the send does not wait, so
+    the transfers overlap the compute. Consecutive forwards fill the stages, so a group moves at
+    its slowest stage's pace (the fill and drain once per run are left out: (pp - 1) forwards)."""
+    times = []
+    for work in stages:
+        # seconds per token measured elsewhere (bench_pipeline scales measured layer times), else from the FLOPs
+        compute = work["compute_s"] if "compute_s" in work else work["flops"] / (rates.matmul_tflops * 1e12 * rates.mfu)
+        comm = 0.0
+        if tp > 1:
+            comm = (work["all_reduce"] * busbw_factor(tp) + work["all_gather"] * (tp - 1) / tp) / (rates.busbw_gbs * 1e9)
+        hop = max(work["recv"], work["send"]) / (rates.p2p_gbs * 1e9)
+        times.append({"compute_us": compute * 1e6, "comm_us": comm * 1e6, "hop_us": hop * 1e6,
+                      "stage_us": max(compute + comm, hop) * 1e6})
+    slowest = max(range(len(times)), key=lambda s: times[s]["stage_us"])
+    per_group = 1e6 / times[slowest]["stage_us"]
+    busy = sum(t["compute_us"] for t in times) / (len(times) * times[slowest]["stage_us"])
+    return {"stages": times, "slowest_stage": slowest, "per_group": per_group, "total": per_group * groups,
+            "compute_share": busy}
+
+
+def layout_projections(a, gpus: int, rates: Rates, dtype_bytes: int, seq_len: int, aux_layers: list[int],
+                       greedy_head: bool = True, split_min_tokens: int = 1024, batch_tokens: int = 8192,
+                       fits=None) -> list[dict]:
+    """Every tp x pp layout of `gpus` GPUs a group (tp dividing the attention heads), projected
+    with `rates`, fastest first; fits(tp, pp) -> bool marks those whose stages fit the GPUs (the
+    planner's check), the others are listed but never recommended."""
+    from eagleforge.extract.native.plan import stage_layers, stage_work_per_token
+
+    rows = []
+    for tp in (t for t in range(gpus, 0, -1) if gpus % t == 0 and a.num_attention_heads % t == 0):
+        pp = gpus // tp
+        if pp > a.num_hidden_layers:
+            continue
+        split = tp > 1 and batch_tokens >= split_min_tokens
+        ranges = stage_layers(a, pp, tp, seq_len, split, greedy_head)
+        work = [stage_work_per_token(a, tp, r, s == 0, s == pp - 1, dtype_bytes, seq_len, split, greedy_head, aux_layers)
+                for s, r in enumerate(ranges)]
+        projection = project_stages(work, tp, 1, rates)
+        rows.append({"tp": tp, "pp": pp, "fits": True if fits is None else bool(fits(tp, pp)),
+                     "keys": f"target.tp={tp} target.pp={pp}", **projection})
+    return sorted(rows, key=lambda r: -r["per_group"])
+
+
+def format_layouts(rows: list[dict], groups: int = 1) -> str:
+    """The layouts' table, and the recommendation: the fastest that fits."""
+    lines = [f"  {'layout':<14}{'tokens/s per group':>19}{'x ' + str(groups) + ' groups':>14}{'slowest stage':>15}"
+             f"{'compute us':>12}{'tp comm us':>12}{'hop us':>9}{'  fits':>7}"]
+    for r in rows:
+        t = r["stages"][r["slowest_stage"]]
+        name = f"tp {r['tp']}" + (f" x pp {r['pp']}" if r["pp"] > 1 else "")
+        lines.append(f"  {name:<14}{r['per_group']:>19,.0f}{r['per_group'] * groups:>14,.0f}{r['slowest_stage']:>15}"
+                     f"{t['compute_us']:>12.2f}{t['comm_us']:>12.2f}{t['hop_us']:>9.2f}{'yes' if r['fits'] else 'no':>7}")
+    best = next((r for r in rows if r["fits"]), None)
+    lines.append(f"  recommended: {best['keys']}" if best else "  no layout of these GPUs fits: more GPUs a group")
+    return "\n".join(lines)
 
 
 def bandwidth_warning(busbw_gbs: float, link: Link | None) -> str | None:
@@ -241,12 +343,13 @@ def run_preflight(cfg: Config, device: torch.device, sizes: list[int] | None = N
     # gloo has no bf16 sum on every build; the bytes are what the measurement is about
     dtype = torch.bfloat16 if cuda else torch.float32
     rows = measure_all_reduce(sizes, device, dtype, iters or (20 if cuda else 3), warmup=5 if cuda else 1) if world > 1 else []
+    p2p = measure_send_recv(sizes[-1], device, iters or (20 if cuda else 3), warmup=5 if cuda else 1)
     rates = gather_floats(measure_matmul_tflops(device, matmul_n or (8192 if cuda else 256), iters or (20 if cuda else 3)), device)
     if rank != 0:
         return None
     link = link if link is not None else (detect_link() if cuda else None)
-    report = {"world": world, "backend": dist.get_backend(), "all_reduce": rows, "matmul_tflops": rates,
-              "link": dataclasses.asdict(link) if link is not None else None, "projection": None}
+    report = {"world": world, "backend": dist.get_backend(), "all_reduce": rows, "send_recv_gbs": p2p, "matmul_tflops": rates,
+              "link": dataclasses.asdict(link) if link is not None else None, "projection": None, "layouts": None}
     names = f"{world} x {torch.cuda.get_device_name(device)}" if cuda else f"{world} CPU process{'es' if world > 1 else ''}"
     settings = ", ".join(f"{k}={os.environ[k]}" for k in NCCL_VARS if k in os.environ) or "no NCCL_* topology variables set"
     print(f"preflight: {names} ({report['backend']}); {settings}")
@@ -257,6 +360,9 @@ def run_preflight(cfg: Config, device: torch.device, sizes: list[int] | None = N
             print(f"  {r['bytes'] / MIB:>8.2f} MiB {r['seconds'] * 1e6:>10.1f} {r['algbw_gbs']:>11.2f} {r['busbw_gbs']:>11.2f}")
     else:
         print("one process: no all-reduce to measure (run it under torchrun --nproc-per-node N; make preflight does)")
+    if p2p is not None:
+        print(f"send/recv between neighbouring ranks (0 -> 1, 2 -> 3, ...: pipeline stages' link), {sizes[-1] / MIB:.2f} MiB: "
+              f"{p2p:.2f} GB/s one way (slowest pair)")
     print("bf16 matmul TFLOP/s per rank: " + ", ".join(f"{r:.1f}" for r in rates) + f" (slowest {min(rates):.1f})")
     if link is not None:
         print(f"link: {link.kind} {link.detail}, {link.raw_gbs:.0f} GB/s one way: expect ~{link.expected_busbw_gbs:.0f} GB/s busbw")
@@ -276,6 +382,8 @@ def run_preflight(cfg: Config, device: torch.device, sizes: list[int] | None = N
             print(f"  compute {p['compute_us']:.2f} us (at {FORWARD_MFU:.0%} of the slowest matmul rate) + communication {p['comm_us']:.2f} us "
                   f"({p['comm_share']:.0%}) per token: {p['per_group']:,.0f} tokens/s per group, {p['total']:,.0f} on {groups} group(s) "
                   f"(bound at 100% MFU: {bound['total']:,.0f})")
+        if busbw is not None and p2p is not None:
+            report["layouts"] = recommend_layout(cfg, a, world, Rates(min(rates), busbw, p2p), device)
     else:
         print(f"projection: for the native backend's layout (target.backend = {cfg.target.backend})")
     warning = bandwidth_warning(busbw, link) if busbw is not None else None
@@ -283,6 +391,32 @@ def run_preflight(cfg: Config, device: torch.device, sizes: list[int] | None = N
     if warning:
         print(warning)
     return report
+
+
+def recommend_layout(cfg: Config, a, gpus: int, rates: Rates, device: torch.device) -> list[dict]:
+    """Every tp x pp layout of `gpus` GPUs a group projected with the measured rates, the fastest
+    that fits (the planner's check for this GPU's memory) printed as the keys to set."""
+    import dataclasses as dc
+
+    from eagleforge.extract.native.plan import GIB, _aux_ids, _dtype_bytes, config_stages, target_args
+
+    gpu_gib = cfg.target.gpu_memory_gib
+    gpu_bytes = gpu_gib * GIB if gpu_gib else (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None)
+    _, quantized, _ = target_args(cfg)
+
+    def fits(tp: int, pp: int) -> bool:
+        if gpu_bytes is None:
+            return True
+        trial = dc.replace(cfg, target=dc.replace(cfg.target, tp=tp, pp=pp))
+        return max(p.total_bytes for p in config_stages(trial, a, quantized)) <= gpu_bytes
+
+    seq = min(cfg.data.max_length, cfg.extract.batch_tokens)
+    layouts = layout_projections(a, gpus, rates, _dtype_bytes(cfg), seq, _aux_ids(cfg, a), cfg.extract.write_target_argmax,
+                                 cfg.target.split_rows_min_tokens, cfg.extract.batch_tokens, fits)
+    print(f"layouts of {gpus} GPUs a group, projected from these rates ({rates.matmul_tflops:.0f} TFLOP/s at {rates.mfu:.0%}, "
+          f"all-reduce {rates.busbw_gbs:.1f} GB/s busbw, send/recv {rates.p2p_gbs:.1f} GB/s):")
+    print(format_layouts(layouts))
+    return layouts
 
 
 def main(cfg: Config) -> None:

@@ -48,7 +48,7 @@ class NativeTarget(CapturingTarget):
     Online training's rows go from the leader to each rank that trains on them (rows_for)."""
 
     def __init__(self, model: DeepseekV3ForExtraction, layout: Layout, aux_layers: list[int], write_target_argmax: bool,
-                 header: dict | None = None, hf_config: dict | None = None):
+                 header: dict | None = None, hf_config: dict | None = None, link=None):
         self.model, self.layout, self.device = model, layout, layout.device
         self.vocab_size = model.args.vocab_size
         self.write_target_argmax = write_target_argmax
@@ -62,7 +62,7 @@ class NativeTarget(CapturingTarget):
         self.aux_layers = aux_layers
         self.capture = HiddenStateCapture(model.model.layers, here, None).__enter__() if here else None
         self.carried_in = sum(i < held[0] for i in aux_layers)  # aux states arriving with the activation
-        self.link = StageLink(layout)
+        self.link = link or StageLink(layout)  # a benchmark may run two stages in one process through a queue
         self._row_sends: list = []  # the leader's rows in flight to other ranks (buffer, work)
 
     def forward(self, input_ids: list[list[int]], then: list[list[int]] | None = None,
