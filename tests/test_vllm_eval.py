@@ -189,3 +189,29 @@ def _trained_run_or_skip() -> Path:
         pytest.skip(f"no trained draft at {run / 'draft'}: `make test-vllm` trains the embedded default's first "
                     "(make extract train), or set EAGLEFORGE_TEST_RUN to a run directory with one")
     return run
+
+
+@pytest.mark.slow
+def test_vllm_measures_the_trained_draft_as_the_project_does(tmp_path, capsys):
+    """The embedded default's trained draft (RUN/draft) through vLLM's eagle3 method and through
+    the project's engine on the same 10 HumanEval prompts, float32, k = 5: vLLM's acceptance length
+    within 7% of the project's, and vLLM's greedy output the target's greedy output (the project's
+    engine's output equals plain greedy decoding, tests/test_specdec.py) token for token."""
+    from eagleforge.eval.evaluate import main
+
+    python, run = _vllm_python_or_skip(), _trained_run_or_skip()
+    cfg = load_config(None, [f"run_dir={tmp_path / 'run'}", f"eval.draft_path={run / 'draft'}", "target.device=cpu",
+                             "target.dtype=float32", "eval.n_prompts=10", "eval.k=5", "eval.engine=vllm", f"eval.vllm_python={python}"])
+    results = main(cfg)
+    project, v = results["eagle"], results["vllm"]
+    agreement = v["outputs_vs_project"]
+    with capsys.disabled():
+        print(f"\nvLLM {v['vllm_version']} vs project on {run / 'draft'} (10 HumanEval prompts, k=5, float32): acceptance length "
+              f"{v['acceptance_length']:.3f} vs {project['acceptance_length']:.3f} ({v['rounds']} vs {project['rounds']} rounds), "
+              f"per position {[round(r, 3) for r in v['per_position_acceptance']]} vs "
+              f"{[round(r, 3) for r in project['per_position_acceptance']]}; outputs identical on {agreement['identical']}/10 prompts "
+              f"({agreement['positions']:.1%} of positions); vLLM {v['total_s']:.0f} s with its start, project {project['wall_s']:.0f} s")
+    assert project["acceptance_length"] > 1.1  # a trained draft: the comparison means something
+    assert abs(v["acceptance_length"] - project["acceptance_length"]) <= 0.07 * project["acceptance_length"]
+    assert v["generated_tokens"] == project["generated_tokens"]
+    assert agreement["identical"] == 10, agreement
