@@ -618,9 +618,9 @@ def test_vllm_serve_regeneration_resumes_and_keeps_reasoning(tmp_path, capsys):
     is killed (SIGKILL) with requests in flight, and resumes; every prompt is answered once, the
     rows written before the kill are untouched, and an answer keeps `reasoning_content` exactly
     where the server sent reasoning. Against the in-process greedy regeneration (float32, one batch)
-    the answers agree on most token positions, not all: the engines' kernels differ, and at a
-    near-tie of the top two logits one engine's rounding picks the other token, after which the
-    answers part (with vLLM 0.32: 83% of positions, 4 of 16 answers identical, by hand)."""
+    only a loose agreement is asserted: the engines' kernels differ, and at a near-tie of the top
+    two logits one engine's rounding may pick the other token, after which the answers part (with
+    vLLM 0.32.0's CPU build on a 2-core machine all 16 answers were identical)."""
     from eagleforge.eval.vllm_engine import token_agreement
     from eagleforge.target import embedded_target_dir
 
