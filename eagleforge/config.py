@@ -221,6 +221,14 @@ class EvalConfig:
     # The n-gram baseline depends only on the target, its dtype and device, the prompts, k and
     # the decoding code: reuse its last result for the same inputs (EAGLEFORGE_CACHE/ngram).
     reuse_ngram: bool = True
+    # project: the draft measured by the engine here (eval/specdec.py) | vllm: the same, and by vLLM's
+    # offline engine (method eagle3, k = eval.k, greedy) on the same prompts, before the target is
+    # loaded here; results.json `vllm` (docs/eval-results.md). vLLM runs in its own environment.
+    engine: str = "project"
+    # vLLM's environment's Python; "" = $EAGLEFORGE_VLLM_PYTHON, else .venv-vllm/bin/python in the
+    # working directory (make vllm-env), else this Python when it imports vllm.
+    vllm_python: str = ""
+    vllm_batch: int = 1  # requests vLLM decodes at once (max_num_seqs); 1 = one at a time, as the project's engine
 
 
 @dataclass
@@ -347,6 +355,7 @@ _CHOICES = {
     "train.loss_positions": modes.LOSS_POSITIONS,
     "train.source": modes.TRAIN_SOURCES,
     "launch.mode": modes.LAUNCH_MODES,
+    "eval.engine": modes.EVAL_ENGINES,
 }
 
 
@@ -426,6 +435,7 @@ RANGES: dict[str, tuple] = {
     "eval.k": (1, UNBOUNDED),
     "eval.ngram_max": (1, UNBOUNDED),
     "eval.ngram_min": (1, UNBOUNDED),
+    "eval.vllm_batch": (1, UNBOUNDED),
     "launch.nproc": (0, UNBOUNDED),  # 0 = what the config needs
 }
 

@@ -47,6 +47,7 @@ TARGET_DTYPES = ("float32", "bfloat16", "float16")
 STORAGE_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn")  # extract.storage_dtype
 OVERLONG_MODES = ("truncate", "drop")  # data.overlong
 LAUNCH_MODES = ("auto", "none")  # launch.mode: re-run extract/train under torchrun when needed, or never
+EVAL_ENGINES = ("project", "vllm")  # eval.engine: the engine here, or it and vLLM (eval/vllm_engine.py)
 
 
 def checkpoint_modes(spec: str | Sequence[str], ttt_steps: int) -> list[str]:

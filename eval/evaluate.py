@@ -289,11 +289,23 @@ def evaluate(cfg: Config) -> dict:
     check_greedy = cfg.eval.check_greedy
 
     draft_path = draft_dir(cfg)
+    vllm = None
+    if cfg.eval.engine == "vllm":
+        # vLLM first, in its own process, while nothing of the target is loaded here (on a GPU it
+        # takes most of the memory); the same prompts and stop ids as the project's engine below.
+        from eagleforge.eval import vllm_engine
+        from eagleforge.target import load_tokenizer
+
+        prompts = load_prompts(cfg.eval.prompts, cfg.eval.n_prompts, load_tokenizer(cfg.target))
+        stop_ids = vllm_engine.stop_ids_of(target_path(cfg.target), load_tokenizer(cfg.target))
+        vllm = vllm_engine.measure(cfg, target_path(cfg.target), draft_path, prompts, stop_ids, out_dir)
     target, tokenizer = load_target(cfg.target)
     use_cpu_attention(target)  # batch-1 verify forwards: ~10% more tokens/s on 2 CPU cores
     draft = load_eval_draft(draft_path, target)
     prompts = load_prompts(cfg.eval.prompts, cfg.eval.n_prompts, tokenizer)
     eos_ids = eos_token_ids(target, tokenizer)
+    if vllm is not None and sorted(eos_ids) != stop_ids:
+        log.warning("eval vllm: vLLM stopped at ids %s, the project's engine stops at %s", stop_ids, sorted(eos_ids))
     log.info("eval: %d prompts, k=%d, max_new_tokens=%d, draft %s", len(prompts), k, max_new, draft_path)
 
     # Each round labelled copyable (prompt lookup's first token is the target's) or novel: where
@@ -306,6 +318,7 @@ def evaluate(cfg: Config) -> dict:
     results["teacher_forced"] = on_own_outputs(draft, target, prompts, eagle["outputs"], k)
     results["device"] = str(next(target.parameters()).device)
     results["target_dtype"] = cfg.target.dtype
+    results.update(_vllm_results(cfg.eval.engine, vllm, eagle, prompts))
     if check_greedy:
         greedy = run_greedy(target, prompts, max_new, eos_ids)
         results["greedy_tokens_per_s"] = greedy["tokens_per_s"]
@@ -431,6 +444,27 @@ def _results(cfg, target_dir, draft_path, prompts, eagle, ngram, simulated, simu
     }
 
 
+def _vllm_results(engine: str, vllm: dict | None, eagle: dict, prompts: list[dict]) -> dict:
+    """results.json's engine fields: `engine`, and with eval.engine=vllm `vllm` (vLLM's metrics
+    and how its outputs agree with the project's engine's, `outputs_vs_project`), its acceptance
+    length and per-position rates at the top level, and the gap vLLM - project; null otherwise."""
+    if vllm is None:
+        return {"engine": engine, "vllm": None, "vllm_acceptance_length": None, "vllm_per_position_acceptance": None,
+                "acceptance_gap_vllm_minus_project": None}
+    from eagleforge.eval.vllm_engine import token_agreement
+
+    metrics = dict(vllm["metrics"])
+    agreement = token_agreement(vllm["outputs"], eagle["outputs"])
+    agreement["mismatched_prompts"] = [p["id"] for p, first in zip(prompts, agreement["first_difference"]) if first is not None]
+    metrics["outputs_vs_project"] = agreement
+    if agreement["mismatched_prompts"]:
+        log.warning("eval vllm: vLLM's output differs from the project's engine's on %d of %d prompts (%.1f%% of token positions agree)",
+                    len(agreement["mismatched_prompts"]), len(prompts), 100 * agreement["positions"])
+    return {"engine": engine, "vllm": metrics, "vllm_acceptance_length": metrics["acceptance_length"],
+            "vllm_per_position_acceptance": metrics["per_position_acceptance"],
+            "acceptance_gap_vllm_minus_project": metrics["acceptance_length"] - eagle["metrics"]["acceptance_length"]}
+
+
 def _draw(results: dict, run_dir: Path, out_dir: Path) -> list[str]:
     drawn = [plots.plot_per_position(results, out_dir / "acceptance_per_position.png")]
     curves = plots.plot_training_curves(run_dir / "train_log.csv", out_dir / "training_curves.png")
@@ -466,6 +500,12 @@ def format_table(results: dict) -> str:
             lines.append(f"{name:<10} " + "; ".join(
                 f"{kind} positions ({v['share_of_rounds']:.0%} of rounds): accept_len {fmt(v['acceptance_length'])}, "
                 f"first token {fmt(v['per_position_acceptance'][0], '.2f')}" for kind, v in kinds.items()))
+    v = results.get("vllm")
+    if v:
+        rates = " ".join(f"{r:.2f}" for r in v["per_position_acceptance"])
+        lines.append(f"{'vllm':<10} {fmt(v['acceptance_length']):>10} {'-':>8} {fmt(v['tokens_per_s'], '.1f'):>8} {v['rounds']:>7}  {rates}"
+                     f"   (vLLM {v['vllm_version']}, {v['device']}; outputs equal the project's on "
+                     f"{v['outputs_vs_project']['identical']}/{v['outputs_vs_project']['rows']} prompts)")
     lines.append(
         f"simulated acceptance length {fmt(results['simulated_acceptance_length'])}, "
         f"measured - simulated {fmt(results['acceptance_gap_measured_minus_simulated'], '+.3f')}"
