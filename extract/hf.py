@@ -45,6 +45,11 @@ class HFTarget(CapturingTarget):
         self.hf_config = self.model.config.to_dict()
         super().__init__(decoder_layers(self.model), aux_layers, final_norm(self.model))
 
+    def input_embedding(self) -> torch.Tensor | None:
+        """The model's input embedding [V, H] (None when a device map may have it elsewhere)."""
+        embed = self.model.get_input_embeddings()
+        return None if embed is None or getattr(self.model, "hf_device_map", None) else embed.weight
+
     def forward(self, input_ids: list[list[int]], then: list[list[int]] | None = None,
                 rows_for: dict[int, list[int]] | None = None) -> dict[str, torch.Tensor] | None:
         """The packed rows of the samples (forward_batch); every rank is its own group's leader."""

@@ -42,6 +42,9 @@ class Target(Protocol):
     def forward(self, input_ids: list[list[int]], then: list[list[int]] | None = None,
                 rows_for: dict[int, list[int]] | None = None) -> "Rows | PendingRows | None": ...
 
+    def input_embedding(self) -> torch.Tensor | None:
+        """The whole input embedding [V, H] when this rank holds it, else None."""
+
     def close(self) -> None: ...
 
 

@@ -351,3 +351,27 @@ def test_native_target_runs_with_the_configured_kernels_and_thresholds(native):
         assert all(layer.mlp.experts.backend == "loop" for layer in target.model.model.layers.values() if hasattr(layer.mlp, "experts"))
     finally:
         target.close()
+
+
+def test_the_draft_holds_the_targets_own_embedding_where_it_is_the_same_tensor(native):
+    """Online at tp 1: the draft's frozen embedding is the target's tensor (no second copy of
+    [V, H]), which the plans say; at tp 2 a rank holds 1/2 of the target's rows, so the online
+    plan counts the draft's own copy."""
+    from eagleforge.train.loop import Trainer
+    from eagleforge.train.online_plan import plan_online
+
+    run = _new_run(native["root"], "shared_embedding", native["rows"])
+    cfg = load_config(None, _native_overrides(run, native["ckpt"], "target.tp=1", "train.source=online"))
+    trainer = Trainer(cfg)
+    try:
+        target_weight = trainer.source.target.model.model.embed_tokens.weight
+        assert trainer.draft.embed_tokens.weight.data_ptr() == target_weight.data_ptr()
+        assert trainer.embedding_place == "shared"
+        assert {name: value for name, value in trainer.step_plan.fixed.items() if "embedding" in name} == \
+            {"frozen embedding [V, H] (the target's own, shared)": 0}
+    finally:
+        trainer.close()
+    embedding = lambda plan: {n: v for n, v in plan.fixed.items() if "embedding" in n}  # noqa: E731
+    assert list(embedding(plan_online(cfg, world=1))) == ["frozen embedding [V, H] (the target's own, shared)"]
+    tp2 = load_config(None, _native_overrides(run, native["ckpt"], "target.tp=2", "train.source=online"))
+    assert list(embedding(plan_online(tp2, world=2)).values())[0] > 0

@@ -112,7 +112,7 @@ class Trainer:
         self.lengths = self.schedule.lengths
         # train.activation_checkpoint / compile on auto: from the batch size and the GPU's memory
         self.step_plan = plan_step(tc, self.draft, self.param_dtype, self.device,
-                                   world=self.layout.world_size if self.parallel == "fsdp" else 1)
+                                   world=self.layout.world_size if self.parallel == "fsdp" else 1, embedding=self.embedding_place)
         loss = ttt_loss_of(cfg, self.teacher_head, self.device, self.step_plan.activation_checkpoint, self.step_plan.compile)
         self.model = parallelize(DraftWithLoss(self.draft, loss), self.layout, self.parallel, tc.bf16)
         self.params = [p for p in self.model.parameters() if p.requires_grad]  # sharded under FSDP
@@ -147,6 +147,13 @@ class Trainer:
         draft = build_draft(self.cfg, self.source.manifest, self.vocab, head)
         host_embedding = (embedding_to_host(draft, self.param_dtype)
                           if resolve_embed_device(tc, self.device, online=self.source.on_device) else None)
+        shared = self.source.shared_embedding(self.param_dtype)
+        if shared is not None and host_embedding is None:  # online: the target's own tensor, no second copy
+            if tuple(shared.shape) != tuple(draft.embed_tokens.weight.shape):
+                raise UserInputError(f"the target's input embedding is {tuple(shared.shape)}, the draft's "
+                                     f"{tuple(draft.embed_tokens.weight.shape)}: rebuild {self.cfg.run / 'vocab'}")
+            draft.embed_tokens.weight = torch.nn.Parameter(shared, requires_grad=False)
+        self.embedding_place = "host" if host_embedding is not None else "shared" if shared is not None else "device"
         draft = draft.to(self.device, self.param_dtype)
         fuse_weight_grads(draft, self.param_dtype == torch.bfloat16)
         return draft, host_embedding

@@ -152,6 +152,15 @@ class OnlineSource:
             return PendingBatch(finish)
         return finish()
 
+    def shared_embedding(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The target's input embedding [V, H] when this rank holds all of it on its device in
+        `dtype` (native tp 1 and pp 1, or an hf target without a device map): the draft's frozen
+        embedding is the same tensor, so it takes this one instead of a copy. None elsewhere."""
+        weight = self.target.input_embedding()
+        if weight is None or weight.dtype != dtype or weight.device != self.device:
+            return None
+        return weight
+
     def nonfinite_error(self, step: int, samples: list[int]) -> str:
         # the states are not kept: the target made them
         return (f"step {step}: the target's hidden states held NaN/Inf (train.source=online); "

@@ -104,7 +104,8 @@ def plan_online(cfg: Config, world: int | None = None, args=None, quantized: boo
     import torch
 
     param_dtype = resolve_param_dtype(tc, torch.device("cuda"), "fsdp")  # online runs the target on CUDA
-    plan.fixed = fixed_bytes(trainable, embed, vd * ht, param_dtype, world)
+    # at tp 1 and pp 1 the draft's frozen embedding is the target's own tensor (OnlineSource.shared_embedding)
+    plan.fixed = fixed_bytes(trainable, embed, vd * ht, param_dtype, world, "shared" if tp * pp == 1 else "device")
     plan.gathered, plan.grads = 2 * trainable, 6 * trainable
     mode = tc.activation_checkpoint if tc.activation_checkpoint in AUTO_MODES else "selective_all"
     plan.activations_per_token = draft_activation_bytes_per_token(hidden, tc.ttt_steps, mode)

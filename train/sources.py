@@ -18,6 +18,8 @@ import logging
 from pathlib import Path
 from typing import Protocol
 
+import torch
+
 from eagleforge.config import Config, UserInputError
 from eagleforge.layout import Layout
 from eagleforge.train.batching import Batch, pad_batch
@@ -39,6 +41,10 @@ class BatchSource(Protocol):
 
     def nonfinite_error(self, step: int, samples: list[int]) -> str:
         """The one-line error for a step whose input states held NaN/Inf."""
+
+    def shared_embedding(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """A tensor on this rank equal to the draft's frozen embedding [V, H] in `dtype` (the
+        online target's own), which the draft then holds instead of a copy; else None."""
 
     def summary(self) -> dict: ...
 
@@ -91,6 +97,9 @@ class ShardSource:
                         f"or set train.skip_corrupt_shards=true after deleting it from the manifest")
         return (f"step {step}: a batch's hidden states held NaN/Inf after reading "
                 f"(extract.storage_dtype of the shards: {self.manifest.get('storage_dtype')})")
+
+    def shared_embedding(self, dtype: torch.dtype) -> None:
+        return None
 
     def summary(self) -> dict:
         return {}

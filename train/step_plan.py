@@ -122,17 +122,24 @@ def trainable_parameter_count(draft) -> int:
     return sum(p.numel() for name, p in draft.named_parameters() if not name.startswith("embed_tokens"))
 
 
-def fixed_bytes(trainable: int, embed_elements: int, head_elements: int, param_dtype, world: int = 1) -> dict:
+def fixed_bytes(trainable: int, embed_elements: int, head_elements: int, param_dtype, world: int = 1,
+                embedding: str = "device") -> dict:
+    """The draft's memory held all along. embedding: where the frozen [V, H] is: "device" (the
+    draft's own copy), "host" (rows gathered per batch) or "shared" (online training on a target
+    that holds the same tensor: the target's, counted with the target)."""
     size = param_dtype.itemsize
+    label = {"device": "frozen embedding [V, H]", "host": "frozen embedding [V, H] (on the host)",
+             "shared": "frozen embedding [V, H] (the target's own, shared)"}[embedding]
     return {
         f"weights + grads + AdamW moments ({str(param_dtype).removeprefix('torch.')}, / {world} ranks)":
             bytes_per_parameter(param_dtype) * trainable // world,
-        "frozen embedding [V, H]" if embed_elements else "frozen embedding [V, H] (on the host)": size * embed_elements,
+        label: size * embed_elements if embedding == "device" else 0,
         "teacher head [Vd, Ht]": size * head_elements,
     }
 
 
-def plan_step(tc, draft, param_dtype, device, world: int = 1, gpu_bytes: int | None = None) -> StepPlan:
+def plan_step(tc, draft, param_dtype, device, world: int = 1, gpu_bytes: int | None = None,
+              embedding: str | None = None) -> StepPlan:
     """The checkpoint mode and compile setting for `tc` (TrainConfig) and `draft` (Eagle3Draft),
     auto resolved as the module docstring says; explicit settings are kept as they are.
     gpu_bytes: the device's memory (default: the current CUDA device's total)."""
@@ -140,8 +147,10 @@ def plan_step(tc, draft, param_dtype, device, world: int = 1, gpu_bytes: int | N
 
     trainable = trainable_parameter_count(draft)
     config = draft.config
-    fixed = fixed_bytes(trainable, draft.embed_tokens.weight.numel(), config.draft_vocab_size * config.target_hidden_size,
-                        param_dtype, world)
+    embed = draft.embed_tokens.weight
+    embedding = embedding or ("device" if embed.numel() else "host")
+    fixed = fixed_bytes(trainable, config.vocab_size * config.hidden_size, config.draft_vocab_size * config.target_hidden_size,
+                        param_dtype, world, embedding)
     cuda = device.type == "cuda"
     if cuda and gpu_bytes is None:
         gpu_bytes = torch.cuda.get_device_properties(device).total_memory

@@ -65,6 +65,13 @@ class NativeTarget(CapturingTarget):
         self.link = link or StageLink(layout)  # a benchmark may run two stages in one process through a queue
         self._row_sends: list = []  # the leader's rows in flight to other ranks (buffer, work)
 
+    def input_embedding(self) -> torch.Tensor | None:
+        """The whole input embedding [V, H] when this rank holds it (tp 1, the first stage), else None."""
+        embed = self.model.model.embed_tokens
+        if embed is None or self.layout.tp > 1 or self.layout.pp > 1:
+            return None
+        return embed.weight
+
     def forward(self, input_ids: list[list[int]], then: list[list[int]] | None = None,
                 rows_for: dict[int, list[int]] | None = None) -> Rows | PendingRows | None:
         """Every rank of the group calls it with the same ids (collectives)."""
