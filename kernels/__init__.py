@@ -9,6 +9,7 @@ tests (the loss's is eagleforge.train.loss, which the trainer can also run):
   loops, checks, Triton launcher and autograd Functions.
 - `int4_moe`: the W4A16 routed experts of the native extraction (and its slot combine).
 - `rms_norm`: RMSNorm in one pass for the native extraction.
+- `optional_triton`: triton, tl and HAS_TRITON for all of them (Triton is optional).
 """
 
 from eagleforge.kernels.lk import fused_lk_loss, fused_lk_loss_ttt

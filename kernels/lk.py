@@ -103,10 +103,8 @@ def _lk_rows_torch(logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_l
         ok = alpha >= ALPHA_FLOOR
         acc_loss = -torch.log(alpha.clamp_min(ALPHA_FLOOR))
         c_g = torch.where(ok, -c_acc / torch.where(ok, alpha, 1.0), zero)
-    loss_rows = torch.where(keep, torch.where(c_ce != 0, c_ce * ce, zero) + c_acc * acc_loss, zero)
     grad = c_ce[:, None] * (q * p_sum[:, None] - p) + c_g[:, None] * (below - q * a_sum[:, None])  # [c, Vd]
-    rows.write_grad_(logits, grad, keep)
-    return loss_rows, argmax
+    return rows.torch_row_outputs(logits, keep, torch.where(c_ce != 0, c_ce * ce, zero) + c_acc * acc_loss, grad, argmax)
 
 
 if HAS_TRITON:

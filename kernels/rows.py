@@ -9,9 +9,9 @@ A loss here is a ROW PASS, a function with this contract (`RowsFn`):
 
 (one teacher row per row, c' = c, or the row named by teacher_index; teacher_psum: S = sum_v p_v
 per teacher row, summed by the row pass when not given; rows whose weights are all 0 give 0 loss
-and G = 0 whatever their inputs). A loss file holds its row pass on both backends (torch, and a
-Triton kernel built on `row_operands`, `row_pass1` and `row_block`, launched by `launch_rows`)
-and its entry points; this module holds the rest:
+and G = 0 whatever their inputs). A loss file holds its row pass on both backends (torch, from
+`torch_row_operands` to `torch_row_outputs`; a Triton kernel built on `row_operands`, `row_pass1`
+and `row_block`, launched by `launch_rows`) and its entry points; this module holds the rest:
 - backends, chunk sizes and the input checks (`prepare_row_loss`, `check_ttt_inputs`);
 - the teacher's side of a row pass (lse and S, once per teacher row): `teacher_lse_fns`;
 - the chunk loops that run the matmuls around a row pass, the gradients computed in the forward:
@@ -174,9 +174,13 @@ def torch_row_operands(logits: torch.Tensor, teacher_logits: torch.Tensor, teach
     return z, p, torch.logsumexp(z, dim=-1), z.argmax(-1), teacher_psum
 
 
-def write_grad_(logits: torch.Tensor, grad: torch.Tensor, keep: torch.Tensor) -> None:
-    """logits := G in their dtype, 0 on the rows not kept (weight 0: no 0 * inf = nan)."""
+def torch_row_outputs(logits: torch.Tensor, keep: torch.Tensor, loss: torch.Tensor, grad: torch.Tensor,
+                      argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The end of a torch row pass: G [c, Vd] written over the logits in their dtype; rows not
+    kept (all their weights 0) get loss 0 and G = 0 whatever their inputs (no 0 * inf = nan).
+    -> (loss_rows [c], argmax [c])."""
     logits.copy_(torch.where(keep[:, None], grad, torch.zeros_like(grad)))
+    return torch.where(keep, loss, torch.zeros_like(loss)), argmax
 
 
 def _lse_torch(teacher_logits: torch.Tensor) -> torch.Tensor:

@@ -58,11 +58,8 @@ def _rows_torch(logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_lse:
     z, p, lse, argmax, p_sum = rows.torch_row_operands(logits, teacher_logits, teacher_lse, teacher_index, teacher_psum)
     p_sum = p.sum(-1) if p_sum is None else p_sum  # [c]
     ce = -(p * (z - lse[:, None])).sum(-1)  # [c]
-    keep = weight != 0
-    loss_rows = torch.where(keep, weight * ce, torch.zeros_like(ce))
     grad = (torch.exp(z - lse[:, None]) * p_sum[:, None] - p) * weight[:, None]  # [c, Vd]
-    rows.write_grad_(logits, grad, keep)
-    return loss_rows, argmax
+    return rows.torch_row_outputs(logits, weight != 0, weight * ce, grad, argmax)
 
 
 if HAS_TRITON:
