@@ -7,13 +7,21 @@ TRITON_INTERPRET=1 on the CPU (as tests/test_kernels.py), and on CUDA in the tes
 
 from __future__ import annotations
 
+import functools
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from test_kernels import TOLERANCES, check_argmax, make_inputs, poisoned_empty, rel_err  # noqa: F401 - a fixture
+from test_kernels import (  # noqa: F401 - poisoned_empty: a fixture
+    TOLERANCES,
+    check_against_reference,
+    check_argmax,
+    check_bf16_at_scale,
+    make_inputs,
+    poisoned_empty,
+    rel_err,
+    run_interpreted,
+)
 
 from eagleforge.kernels import lk, soft_ce
 from eagleforge.kernels import rows as row_kernels
@@ -79,13 +87,7 @@ def test_loss_grads_argmax(options, dtype, shape, chunk):
     if dtype == torch.bfloat16:
         exact_logits(inputs[0], inputs[1])
         exact_logits(inputs[2], inputs[3])
-    (loss, argmax, gh, gw), (rloss, rlogits, rgh, rgw) = run_both(inputs, options, upstream=1.3, chunk=chunk)
-    loss_tol, grad_tol = TOLERANCES[dtype]
-    assert abs(loss.item() - rloss.item()) <= loss_tol * abs(rloss.item()), (loss.item(), rloss.item())
-    assert gh.dtype == dtype and gw.dtype == dtype
-    assert rel_err(gh, rgh) < grad_tol, rel_err(gh, rgh)
-    assert rel_err(gw, rgw) < grad_tol, rel_err(gw, rgw)
-    check_argmax(argmax, rlogits, dtype)
+    check_against_reference(*run_both(inputs, options, upstream=1.3, chunk=chunk), dtype)
 
 
 @pytest.mark.parametrize("kind", [lk.LINEAR, lk.LOG, lk.ACCEPT], ids=["linear", "log", "accept"])
@@ -237,17 +239,9 @@ def test_options_and_preconditions_name_the_values():
                     "(test_triton_cuda_*)")
 def test_triton_interpreter():
     """The Triton path on the CPU: this file's tests again, in a subprocess under TRITON_INTERPRET=1."""
-    if not soft_ce.HAS_TRITON:
-        pytest.skip("triton is not installed (pip install triton): the interpreter cannot run here")
-    env = dict(os.environ, TRITON_INTERPRET="1", EAGLEFORGE_TRITON_INNER="1", OMP_NUM_THREADS="1")
     # The interpreter runs kernels in numpy, about 100x slower: a subset of the cases.
-    select = ("not onechunk and not 5x16x33 and not chunk6 and not (ttt_shared and fp32) and not test_triton_interpreter "
-              "and not gpu and not sm90")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", select],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    run_interpreted(__file__, "not onechunk and not 5x16x33 and not chunk6 and not (ttt_shared and fp32) "
+                              "and not test_triton_interpreter and not gpu and not sm90")
 
 
 @pytest.mark.skipif(INNER, reason="compiles, does not run: outside the interpreter subprocess")
@@ -276,16 +270,7 @@ def test_triton_kernel_builds_for_sm90(kind, has_tidx, has_psum):
 @pytest.mark.parametrize("options", VARIANTS, ids=VARIANT_IDS)
 @pytest.mark.parametrize("vocab", [32000, 4093])
 def test_triton_cuda_bf16(options, vocab):
-    inputs = make_inputs(1531, 512, vocab, torch.bfloat16, seed=vocab, device="cuda")
-    inputs = tuple(x.detach().requires_grad_(x.requires_grad) for x in inputs)
-    (loss, argmax, gh, gw), (rloss, rlogits, rgh, rgw) = run_both(inputs, options, upstream=0.7, chunk=512,
-                                                                  backend="triton")
-    loss_tol, grad_tol = TOLERANCES[torch.bfloat16]
-    numbers = (f"Vd={vocab}: loss {loss.item()} vs {rloss.item()}, grad rel err hidden {rel_err(gh, rgh):.3g} "
-               f"head {rel_err(gw, rgw):.3g}")
-    assert abs(loss.item() - rloss.item()) <= loss_tol * abs(rloss.item()), numbers
-    assert rel_err(gh, rgh) < grad_tol and rel_err(gw, rgw) < grad_tol, numbers
-    check_argmax(argmax, rlogits, torch.bfloat16)
+    check_bf16_at_scale(functools.partial(run_both, options=options), vocab)
 
 
 @pytest.mark.gpu
