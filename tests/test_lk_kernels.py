@@ -266,11 +266,47 @@ def test_triton_kernel_builds_for_sm90(kind, has_tidx, has_psum):
 # ----------------------------------------------------------------------------------------------
 
 
+# How far the fused op's gradients may be from the fp32 reference's, in multiples of the
+# reference's own bf16 error (`reference_bf16_error`): the logits' rounding accounts for 1x; the
+# fused op rounds G to bf16 and runs the gradient GEMMs in bf16 on top (2.8e-3 and 3.3e-3 more,
+# measured on the CPU at Vd = 4093), and its GEMMs may round a logit the other way from the
+# measurement's own. A wrong term of G is off by far more.
+BF16_ERROR_MULTIPLE = 1.5
+
+
+def reference_bf16_error(inputs, ref, options, upstream=0.7) -> tuple[float, float]:
+    """The reference's own error in bf16 on these inputs: lk_loss given the draft and teacher
+    logits rounded to bf16, as the fused op's bf16 GEMMs give them to its row pass (as hidden
+    states, with identity heads: an exact product), its gradient carried to the hidden states
+    and the head in fp32 -> the relative errors (hidden's, head's) of those gradients against
+    the fp32 reference's `ref` (run_both's)."""
+    h, w_d, t, w_t, weight = inputs
+    with torch.no_grad():
+        z, u = (h @ w_d.T).float(), (t @ w_t.T).float()  # bf16 GEMMs: the rounded logits [N, Vd]
+        eye = torch.eye(z.shape[1], device=z.device)
+    z.requires_grad_()
+    loss, _ = lk_loss(z, eye, u, eye, torch.logsumexp(u, -1), weight, **options)
+    (loss * upstream).backward()
+    grad_h, grad_w = z.grad @ w_d.detach().float(), z.grad.T @ h.detach().float()
+    return rel_err(grad_h, ref[2]), rel_err(grad_w, ref[3])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", VARIANTS, ids=VARIANT_IDS)
 @pytest.mark.parametrize("vocab", [32000, 4093])
 def test_triton_cuda_bf16(options, vocab):
-    check_bf16_at_scale(functools.partial(run_both, options=options), vocab)
+    """The gradient tolerance follows from the reference's own bf16 error on the same inputs
+    (BF16_ERROR_MULTIPLE times it, at least TOLERANCES'). These inputs are random, not `grid`'s,
+    and the bf16 rounding of the logits moves the LK gradient more than the soft CE's: min(p, q)
+    changes branch where q meets p, and the alpha variant divides each row by its acceptance. On
+    these inputs at Vd = 4093, on the CPU (the torch row pass, the same chunk loop), the alpha
+    variant's gradients were 4.4e-2 / 4.6e-2 (hidden / head) from the fp32 reference, above
+    TOLERANCES' 4e-2, and so was the reference itself given the bf16 logits (4.4e-2 / 4.6e-2):
+    the fused op was within 3e-3 of that. (Lambda, half of it CE: 1.6e-2 both.) The Triton row
+    pass itself is held to the torch one on the same logits by test_triton_rows_match_torch_rows_cuda."""
+    run = functools.partial(run_both, options=options)
+    check_bf16_at_scale(run, vocab, grad_tols=lambda inputs, ref: tuple(
+        max(TOLERANCES[torch.bfloat16][1], BF16_ERROR_MULTIPLE * err) for err in reference_bf16_error(inputs, ref, options)))
 
 
 @pytest.mark.gpu
