@@ -51,6 +51,7 @@ from _bench_common import import_eagleforge  # noqa: E402
 
 import_eagleforge()  # a bare checkout runs without `pip install -e .`
 
+from eagleforge.kernels import rows as row_kernels  # noqa: E402
 from eagleforge.kernels import soft_ce, soft_ce_ttt  # noqa: E402
 from eagleforge.train import loss as reference_loss  # noqa: E402
 
@@ -341,17 +342,17 @@ def profile_ttt(tokens, hidden, vocab, steps, chunk, device, dtype, timer) -> di
 
 def time_row_pass(z, tb, rows: int, steps: int, device, timer) -> dict:
     """The packed row pass alone on one chunk's [rows, Vd] logits, per launch config (BLOCK,
-    warps): the default (`_launch_config`) against wider and narrower blocks. The logits are
+    warps): the default (`row_kernels.launch_config`) against wider and narrower blocks. The logits are
     overwritten by G at each call (values do not change the work)."""
     z.normal_()
     tb.normal_()
-    lse, psum = soft_ce._lse_psum_triton(tb)
+    lse, psum = row_kernels.teacher_lse_fns("triton")[1](tb)
     t_rows = tb.shape[0]
     tidx = torch.arange(t_rows, device=device, dtype=torch.int32).repeat(steps)[:rows].contiguous()
     weight = torch.ones(rows, device=device)
     loss = torch.empty(rows, device=device)
     argmax = torch.empty(rows, device=device, dtype=torch.int64)
-    out = {"default": list(soft_ce._launch_config(z.shape[1]))}
+    out = {"default": list(row_kernels.launch_config(z.shape[1]))}
     for block, warps in ((4096, 8), (8192, 8), (8192, 16), (2048, 4), (4096, 4), (2048, 8)):
         def launch():
             soft_ce._soft_ce_rows_kernel[(rows,)](z, tb, tidx, lse, psum, weight, loss, argmax, z.stride(0), tb.stride(0),
@@ -403,7 +404,7 @@ def main(argv=None) -> dict:
         device, dtype = torch.device("cuda"), torch.bfloat16
     timer = Timer(device, args.rep_ms)
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-           "triton_path": soft_ce.resolve_backend("auto", device)}
+           "triton_path": row_kernels.resolve_backend("auto", device)}
     try:
         import liger_kernel  # noqa: F401
 

@@ -42,20 +42,6 @@ from eagleforge.draft.config import Eagle3Config
 from eagleforge.modes import COMPILE_MODES, checkpoint_modes
 
 
-class RMSNorm(nn.Module):
-    """Llama RMSNorm: normalize in fp32, cast back, then scale (as transformers and vLLM)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
 def rope_parameters(config: Eagle3Config) -> tuple[torch.Tensor, float]:
     """(inv_freq [head_dim/2] fp32, attention_scaling) for the config's rope_theta/rope_scaling."""
     with torch.device("cpu"):  # also when the model is built under a meta/cuda device context
@@ -91,13 +77,24 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- elementwise pieces of a step
-# The same math as RMSNorm / Eagle3Attention.qkv / Eagle3DecoderLayer.finish, as plain functions
-# of tensors so that torch.compile can fuse them (fullgraph, static shapes) without tracing modules.
+# The midlayer's elementwise math, as plain functions of tensors: the modules below run them (serving
+# and TTT alike), and torch.compile fuses them (fullgraph) without tracing modules.
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama RMSNorm: normalize in fp32, cast back, then scale (as transformers and vLLM)."""
     x32 = x.float()
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _rms(x, self.weight, self.eps)
 
 
 def ttt_input_ids(input_ids: torch.Tensor, ttt_steps: int) -> torch.Tensor:
@@ -143,6 +140,17 @@ def _compiled_elementwise(dynamic: bool = False) -> dict:
     return {name: under_limits(torch.compile(fn, fullgraph=True, dynamic=dynamic)) for name, fn in _ELEMENTWISE.items()}
 
 
+def _module_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """How the midlayer runs a matmul by default: the module itself (Eagle3Draft.midlayer_linear
+    may name another function with this signature for TTT)."""
+    return module(x)
+
+
+# The midlayer's math is written once, in the methods below, and both paths run it: serving with
+# the eager `_ELEMENTWISE` and the modules' own matmuls (the defaults), TTT (Eagle3Draft.ttt_step)
+# with `ew` = the eager or compiled elementwise functions and `lin` = its midlayer_linear.
+
+
 class Eagle3Attention(nn.Module):
     def __init__(self, config: Eagle3Config):
         super().__init__()
@@ -154,21 +162,19 @@ class Eagle3Attention(nn.Module):
         self.v_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=False)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
 
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [B, T, 2H]; cos/sin [B or 1, T, D] -> q [B, Hq, T, D], k/v [B, Hkv, T, D] (RoPE applied)."""
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ew: dict = _ELEMENTWISE, lin=_module_linear):
+        """x [B, T, 2H]; cos/sin [B or 1, T, D] fp32 -> q [B, Hq, T, D], k/v [B, Hkv, T, D] (RoPE applied)."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = lin(self.q_proj, x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = lin(self.k_proj, x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = lin(self.v_proj, x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = cos[:, None].to(q.dtype), sin[:, None].to(q.dtype)  # [B, 1, T, D]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        return q, k, v
+        return ew["rope"](q, cos, sin), ew["rope"](k, cos, sin), v
 
-    def out(self, attn: torch.Tensor) -> torch.Tensor:
+    def out(self, attn: torch.Tensor, lin=_module_linear) -> torch.Tensor:
         """[B, Hq, T, D] -> [B, T, H]."""
         b, _, t, _ = attn.shape
-        return self.o_proj(attn.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+        return lin(self.o_proj, attn.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 
 class Eagle3MLP(nn.Module):
@@ -178,8 +184,8 @@ class Eagle3MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, ew: dict = _ELEMENTWISE, lin=_module_linear) -> torch.Tensor:
+        return lin(self.down_proj, ew["silu_mul"](lin(self.gate_proj, x), lin(self.up_proj, x)))
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -193,15 +199,17 @@ class Eagle3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = Eagle3MLP(config)
 
-    def qkv(self, embeds, hidden, cos, sin):
+    def qkv(self, embeds, hidden, cos, sin, ew: dict = _ELEMENTWISE, lin=_module_linear):
         """embeds, hidden [B, T, H] -> q, k, v of cat(norm(embeds), norm(hidden)) [B, T, 2H]."""
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        return self.self_attn.qkv(x, cos, sin)
+        x = ew["norm_cat"](embeds, hidden, self.input_layernorm.weight, self.hidden_norm.weight, self.input_layernorm.eps)
+        return self.self_attn.qkv(x, cos, sin, ew, lin)
 
-    def finish(self, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """attn [B, Hq, T, D], hidden [B, T, H] (un-normed input) -> un-normed output [B, T, H]."""
-        h = hidden + self.self_attn.out(attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def finish(self, attn: torch.Tensor, hidden: torch.Tensor, norm: RMSNorm, ew: dict = _ELEMENTWISE, lin=_module_linear):
+        """attn [B, Hq, T, D], hidden [B, T, H] (un-normed input) -> (un-normed output [B, T, H],
+        that output through `norm`, the draft's final norm: lm_head's input)."""
+        h, y = ew["add_norm"](hidden, self.self_attn.out(attn, lin), self.post_attention_layernorm.weight,
+                              self.post_attention_layernorm.eps)
+        return ew["add_norm"](h, self.mlp(y, ew, lin), norm.weight, norm.eps)
 
 
 @dataclass
@@ -236,7 +244,7 @@ class Eagle3Draft(nn.Module):
         self.inv_freq, self.attention_scaling = rope_parameters(config)
         # How ttt_step runs the midlayer's matmuls: None = each nn.Linear itself; else a function
         # (linear module, x) -> y, e.g. one that adds its weight gradient straight into .grad
-        # (benchmarks/grad_accum.py measures that; the trainer leaves it None).
+        # (train/weight_grads.py; serving always runs the modules).
         self.midlayer_linear = None
         self.reset_parameters()
 
@@ -378,30 +386,21 @@ class Eagle3Draft(nn.Module):
         return normed
 
     def ttt_step(self, attention: str, n_prev: int, hidden, embeds, cos, sin, *kv, compile: bool | str = False):
-        """One TTT step of the midlayer (the math of midlayer.qkv + finish, then norm).
+        """One TTT step of the midlayer: midlayer.qkv, the TTT attention, midlayer.finish (the
+        serving path's own methods).
 
         hidden, embeds [B, T, H]; cos/sin [1, T, D] fp32; kv = the n_prev keys then the n_prev
         values [B, Hkv, T, D] of the earlier steps -> (un-normed output [B, T, H], normed output
-        [B, T, H], k_j, v_j). The matmuls are the modules' own (so a selective checkpoint policy
-        sees them); the elementwise work between them goes through `_ELEMENTWISE` (eager) or its
-        torch.compile'd twin (fused kernels: each norm is one pass, no fp32 copies kept)."""
+        [B, T, H], k_j, v_j). The matmuls are the modules' own or `midlayer_linear`'s (either way
+        aten matmuls a selective checkpoint policy sees); the elementwise work between them goes
+        through `_ELEMENTWISE` (eager) or its torch.compile'd twin (fused kernels: each norm is
+        one pass, no fp32 copies kept)."""
         ew = _compiled_elementwise(compile == "dynamic") if compile else _ELEMENTWISE
-        layer, attn_mod, mlp = self.midlayer, self.midlayer.self_attn, self.midlayer.mlp
-        eps = self.config.rms_norm_eps
-        b, t, _ = hidden.shape
-        lin = self.midlayer_linear or (lambda m, x: m(x))
-        x = ew["norm_cat"](embeds, hidden, layer.input_layernorm.weight, layer.hidden_norm.weight, eps)  # [B, T, 2H]
-        q = lin(attn_mod.q_proj, x).view(b, t, attn_mod.num_heads, attn_mod.head_dim).transpose(1, 2)  # [B, Hq, T, D]
-        k = lin(attn_mod.k_proj, x).view(b, t, attn_mod.num_kv_heads, attn_mod.head_dim).transpose(1, 2)
-        v = lin(attn_mod.v_proj, x).view(b, t, attn_mod.num_kv_heads, attn_mod.head_dim).transpose(1, 2)
-        cos, sin = cos[:, None].to(q.dtype), sin[:, None].to(q.dtype)  # [1, 1, T, D]
-        q, k = ew["rope"](q, cos, sin), ew["rope"](k, cos, sin)
+        lin = self.midlayer_linear or _module_linear
+        q, k, v = self.midlayer.qkv(embeds, hidden, cos, sin, ew, lin)  # [B, Hq, T, D], [B, Hkv, T, D] x 2
         keys, values = list(kv[:n_prev]) + [k], list(kv[n_prev:]) + [v]
-        attn = ttt_attention(q, keys, values, attn_mod.scale, mode=attention, compile=compile)  # [B, Hq, T, D]
-        attn = attn.transpose(1, 2).reshape(b, t, attn_mod.num_heads * attn_mod.head_dim)  # [B, T, Hq * D]
-        h, y = ew["add_norm"](hidden, lin(attn_mod.o_proj, attn), layer.post_attention_layernorm.weight, eps)
-        mlp_out = lin(mlp.down_proj, ew["silu_mul"](lin(mlp.gate_proj, y), lin(mlp.up_proj, y)))
-        out, normed = ew["add_norm"](h, mlp_out, self.norm.weight, eps)
+        attn = ttt_attention(q, keys, values, self.midlayer.self_attn.scale, mode=attention, compile=compile)
+        out, normed = self.midlayer.finish(attn, hidden, self.norm, ew, lin)
         return out, normed, k, v
 
     def ttt_step_fn(self, attention: str = "auto", checkpoint: str = "none", compile: bool | str = False):
@@ -440,7 +439,8 @@ class Eagle3Draft(nn.Module):
         key_pos = torch.arange(start + n, device=hidden.device)
         mask = key_pos[None, :] <= positions[0, :, None]  # [n, L+n]
         attn = self._attend(q, cache.keys, cache.values, mask)
-        cache.hidden = torch.cat([cache.hidden, self.midlayer.finish(attn, hidden)], dim=1)
+        out, _ = self.midlayer.finish(attn, hidden, self.norm)
+        cache.hidden = torch.cat([cache.hidden, out], dim=1)
 
     def _attend(self, q, keys, values, mask=None) -> torch.Tensor:
         """Plain attention for serving: q [B, Hq, n, D] over keys/values [B, Hkv, L, D]."""
@@ -449,17 +449,18 @@ class Eagle3Draft(nn.Module):
                                               attn_mask=mask, scale=self.midlayer.self_attn.scale)
 
     def _chain_step(self, cache: DraftCache, chain_kv: list, hidden: torch.Tensor, token: torch.Tensor,
-                    step: int) -> torch.Tensor:
+                    step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One chain step j >= 1 from the last cached row: hidden [B, 1, H] (un-normed output of
         step j-1), token [B, 1]; position (L - 1) + j; attends to all cached rows plus the chain's
-        own keys of steps 1..j (appended to chain_kv). Returns the un-normed output [B, 1, H]."""
+        own keys of steps 1..j (appended to chain_kv). Returns the un-normed and the normed output
+        [B, 1, H]."""
         positions = torch.full((1, 1), cache.length - 1 + step, device=hidden.device)
         cos, sin = self.rope(positions)
         q, k, v = self.midlayer.qkv(self.embed_tokens(token), hidden, cos, sin)
         chain_kv.append((k, v))
         keys = torch.cat([cache.keys] + [kk for kk, _ in chain_kv], dim=2)
         values = torch.cat([cache.values] + [vv for _, vv in chain_kv], dim=2)
-        return self.midlayer.finish(self._attend(q, keys, values), hidden)
+        return self.midlayer.finish(self._attend(q, keys, values), hidden, self.norm)
 
     @torch.no_grad()
     def chain(self, cache: DraftCache, tokens: torch.Tensor) -> torch.Tensor:
@@ -471,8 +472,8 @@ class Eagle3Draft(nn.Module):
         hidden = cache.hidden[:, -1:]
         out, chain_kv = [self.norm(hidden)], []
         for j in range(1, tokens.shape[1] + 1):
-            hidden = self._chain_step(cache, chain_kv, hidden, tokens[:, j - 1:j], j)
-            out.append(self.norm(hidden))
+            hidden, normed = self._chain_step(cache, chain_kv, hidden, tokens[:, j - 1:j], j)
+            out.append(normed)
         return torch.cat(out, dim=1)
 
     @torch.no_grad()
@@ -490,8 +491,8 @@ class Eagle3Draft(nn.Module):
         token = self.to_target_ids(self.logits(self.norm(hidden)).argmax(-1))  # [B, 1]
         proposals, chain_kv = [token], []
         for j in range(1, k):
-            hidden = self._chain_step(cache, chain_kv, hidden, token, j)
-            token = self.to_target_ids(self.logits(self.norm(hidden)).argmax(-1))
+            hidden, normed = self._chain_step(cache, chain_kv, hidden, token, j)
+            token = self.to_target_ids(self.logits(normed).argmax(-1))
             proposals.append(token)
         return torch.cat(proposals, dim=1)
 

@@ -4,9 +4,12 @@ Each op lives in its own file with a CPU path; its plain-torch reference is besi
 tests (the loss's is eagleforge.train.loss, which the trainer can also run):
 - `soft_ce`: the EAGLE-3 fused linear soft cross-entropy, one step (docs/training.md), and the
   teacher's logsumexp; `soft_ce_ttt`: all TTT steps at once, the teacher shared.
-- `lk`: the acceptance-aware LK loss in the same two forms, on soft_ce's chunk loops.
+- `lk`: the acceptance-aware LK loss in the same two forms.
+- `rows`: what those losses share: each is a row pass (torch and Triton) run by rows' chunk
+  loops, checks, Triton launcher and autograd Functions.
 - `int4_moe`: the W4A16 routed experts of the native extraction (and its slot combine).
 - `rms_norm`: RMSNorm in one pass for the native extraction.
+- `optional_triton`: triton, tl and HAS_TRITON for all of them (Triton is optional).
 """
 
 from eagleforge.kernels.lk import fused_lk_loss, fused_lk_loss_ttt

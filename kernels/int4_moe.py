@@ -44,17 +44,9 @@ import os
 import torch
 import torch.nn.functional as F
 
+from eagleforge.kernels.optional_triton import HAS_TRITON, tl, triton
+
 log = logging.getLogger(__name__)
-
-try:  # Triton is optional: CPU machines use the torch paths.
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - depends on the machine
-    triton = None
-    tl = None
-    HAS_TRITON = False
 
 PACK_FACTOR = 8  # 4-bit values per int32
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

@@ -27,9 +27,9 @@ the draft's branch there; at a tie it takes the target's, which has no gradient)
 
 with c_ce = lam w, c_g = -(1 - lam) w (lambda) and c_ce = 0, c_g = -w / alpha (alpha; 0 below
 the floor, where the loss is the constant -log ALPHA_FLOOR). Each row's (c_ce, c_acc) pair is
-its weight [rows, 2]; the row pass reads nothing of other rows, so it runs inside the soft
-cross-entropy's chunk loops unchanged (one_chunk, soft_ce_ttt's _ttt_forward[_packed]): same
-chunking, matmuls and buffers, gradients computed in the forward. Only lam needs the whole
+its weight [rows, 2]; the row pass reads nothing of other rows, so it runs inside the chunk loops
+the soft cross-entropy runs in (kernels/rows.py: row_loss_forward, ttt_forward per step or packed):
+same chunking, matmuls and buffers, gradients computed in the forward. Only lam needs the whole
 batch: the lambda variant first runs those loops WITHOUT gradients to get abar per step
 (one more draft-logits matmul per step, and the teacher's once more), then the real pass.
 
@@ -57,22 +57,12 @@ from typing import Sequence
 
 import torch
 
-from eagleforge.kernels.soft_ce import (
-    HAS_TRITON,
-    FusedRowLoss,
-    _check_triton_rows,
-    _launch_config,
-    _soft_ce_forward,
-    prepare_row_loss,
-)
-from eagleforge.kernels.soft_ce_ttt import FusedTTTLoss, _ttt_forward, _ttt_forward_packed, check_ttt_inputs
+from eagleforge.kernels import rows
+from eagleforge.kernels.optional_triton import HAS_TRITON, tl, triton
 from eagleforge.modes import LK_VARIANTS
 
 if HAS_TRITON:
-    import triton
-    import triton.language as tl
-
-    from eagleforge.kernels.soft_ce import _row_operands, _row_pass1
+    from eagleforge.kernels.rows import row_block, row_operands, row_pass1
 
 VARIANTS = LK_VARIANTS
 # -log of an acceptance below this is this constant (no gradient): only an exact 0 (every q_v
@@ -92,18 +82,11 @@ ACCEPT = 2  # loss c_acc alpha, no G: the lambda variant's first pass (logits le
 
 def _lk_rows_torch(logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_lse: torch.Tensor, weight: torch.Tensor,
                    teacher_index: torch.Tensor | None = None, teacher_psum: torch.Tensor | None = None, *, kind: int):
-    """Torch row pass, soft_ce._rows_torch's contract with weight [c, 2] fp32 = (c_ce, c_acc):
-    logits [c, Vd] (overwritten with G unless kind is ACCEPT) -> (loss_rows [c] fp32, argmax [c]).
-    Rows whose two weights are 0 give 0 loss and G = 0 whatever their inputs."""
-    if teacher_index is not None:
-        rows = teacher_index.long()
-        teacher_logits, teacher_lse = teacher_logits[rows], teacher_lse[rows]  # [c, Vd], [c]
-        teacher_psum = teacher_psum[rows] if teacher_psum is not None else None
-    z = logits.float()  # [c, Vd]
-    p = torch.exp(teacher_logits.float() - teacher_lse[:, None])  # [c, Vd]
-    lse = torch.logsumexp(z, dim=-1)  # [c]
+    """Torch row pass (rows.RowsFn) with weight [c, 2] fp32 = (c_ce, c_acc): logits [c, Vd]
+    (overwritten with G unless kind is ACCEPT) -> (loss_rows [c] fp32, argmax [c]). Rows whose
+    two weights are 0 give 0 loss and G = 0 whatever their inputs."""
+    z, p, lse, argmax, p_sum = rows.torch_row_operands(logits, teacher_logits, teacher_lse, teacher_index, teacher_psum)
     q = torch.exp(z - lse[:, None])  # [c, Vd]
-    argmax = z.argmax(-1)
     c_ce, c_acc = weight[:, 0], weight[:, 1]  # [c], [c]
     keep = (c_ce != 0) | (c_acc != 0)
     zero = torch.zeros_like(lse)
@@ -112,7 +95,7 @@ def _lk_rows_torch(logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_l
         return torch.where(keep, c_acc * alpha, zero), argmax
     below = torch.where(q < p, q, torch.zeros_like(q))  # [c, Vd]: min's draft branch
     a_sum = below.sum(-1)  # [c]
-    p_sum = p.sum(-1) if teacher_psum is None else teacher_psum
+    p_sum = p.sum(-1) if p_sum is None else p_sum
     ce = (p * (lse[:, None] - z)).sum(-1)  # [c]
     if kind == LINEAR:
         acc_loss, c_g = 1 - alpha, -c_acc
@@ -120,10 +103,8 @@ def _lk_rows_torch(logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_l
         ok = alpha >= ALPHA_FLOOR
         acc_loss = -torch.log(alpha.clamp_min(ALPHA_FLOOR))
         c_g = torch.where(ok, -c_acc / torch.where(ok, alpha, 1.0), zero)
-    loss_rows = torch.where(keep, torch.where(c_ce != 0, c_ce * ce, zero) + c_acc * acc_loss, zero)
     grad = c_ce[:, None] * (q * p_sum[:, None] - p) + c_g[:, None] * (below - q * a_sum[:, None])  # [c, Vd]
-    logits.copy_(torch.where(keep[:, None], grad, torch.zeros_like(grad)))
-    return loss_rows, argmax
+    return rows.torch_row_outputs(logits, keep, torch.where(c_ce != 0, c_ce * ce, zero) + c_acc * acc_loss, grad, argmax)
 
 
 if HAS_TRITON:
@@ -139,22 +120,17 @@ if HAS_TRITON:
         Pass 3 (not for ACCEPT): G over z in z's dtype. w_ptr: [rows, 2] fp32 (c_ce, c_acc).
         HAS_TIDX / HAS_PSUM as soft_ce._soft_ce_rows_kernel."""
         row = tl.program_id(0).to(tl.int64)
-        z_row, trow, t_row, tlse = _row_operands(row, z_ptr, t_ptr, tidx_ptr, tlse_ptr, z_stride, t_stride, HAS_TIDX)
+        z_row, trow, t_row, tlse = row_operands(row, z_ptr, t_ptr, tidx_ptr, tlse_ptr, z_stride, t_stride, HAS_TIDX)
         c_ce = tl.load(w_ptr + 2 * row)
         c_acc = tl.load(w_ptr + 2 * row + 1)
-        offs = tl.arange(0, BLOCK)
 
-        lse, best_idx, p_sum = _row_pass1(z_row, t_row, tlse, psum_ptr + trow, vocab, BLOCK, HAS_PSUM)
+        lse, best_idx, p_sum = row_pass1(z_row, t_row, tlse, psum_ptr + trow, vocab, BLOCK, HAS_PSUM)
 
         ce = 0.0
         alpha = 0.0
         a_sum = 0.0
         for start in range(0, vocab, BLOCK):
-            cols = start + offs
-            mask = cols < vocab
-            z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
-            t = tl.load(t_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
-            p = tl.exp(t - tlse)  # masked lanes: p = q = 0
+            cols, mask, z, p = row_block(z_row, t_row, tlse, start, vocab, BLOCK)  # masked lanes: p = q = 0
             q = tl.where(mask, tl.exp(z - lse), 0.0)
             ce += tl.sum(p * (lse - z), axis=0)
             alpha += tl.sum(tl.minimum(p, q), axis=0)
@@ -172,11 +148,7 @@ if HAS_TRITON:
                 acc_loss = -tl.log(tl.maximum(alpha, floor))
                 c_g = tl.where(ok, -c_acc / tl.where(ok, alpha, 1.0), 0.0)
             for start in range(0, vocab, BLOCK):
-                cols = start + offs
-                mask = cols < vocab
-                z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
-                t = tl.load(t_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
-                p = tl.exp(t - tlse)
+                cols, mask, z, p = row_block(z_row, t_row, tlse, start, vocab, BLOCK)
                 q = tl.exp(z - lse)  # masked lanes are not stored
                 g = c_ce * (q * p_sum - p) + c_g * (tl.where(q < p, q, 0.0) - q * a_sum)
                 g = tl.where(keep, g, 0.0)
@@ -189,27 +161,18 @@ if HAS_TRITON:
 def _lk_rows_triton(logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_lse: torch.Tensor, weight: torch.Tensor,
                     teacher_index: torch.Tensor | None = None, teacher_psum: torch.Tensor | None = None, *, kind: int):
     """Triton row pass, same contract as `_lk_rows_torch`."""
-    rows, vocab = logits.shape
-    if weight.shape != (rows, 2) or weight.dtype != torch.float32 or not weight.is_contiguous():
-        raise ValueError(f"triton LK: weight must be contiguous fp32 [{rows}, 2], got {weight.dtype} {tuple(weight.shape)}")
-    _check_triton_rows(logits, teacher_logits, teacher_lse, weight[:, 0].contiguous(), teacher_index, teacher_psum)
-    loss_rows = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    argmax = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    if rows == 0:
-        return loss_rows, argmax
-    block, warps = _launch_config(vocab)
-    _lk_rows_kernel[(rows,)](
-        logits, teacher_logits, teacher_index if teacher_index is not None else teacher_lse, teacher_lse,
-        teacher_psum if teacher_psum is not None else teacher_lse, weight,
-        loss_rows, argmax, logits.stride(0), teacher_logits.stride(0), vocab, ALPHA_FLOOR,
-        BLOCK=block, HAS_TIDX=teacher_index is not None, HAS_PSUM=teacher_psum is not None, KIND=kind, num_warps=warps,
-    )
-    return loss_rows, argmax
+    return rows.launch_rows(_lk_rows_kernel, logits, teacher_logits, teacher_lse, weight, teacher_index, teacher_psum,
+                            ALPHA_FLOOR, weights_per_row=2, KIND=kind)
 
 
-def lk_rows_fn(backend: str, kind: int):
-    """The row pass of a backend for one kind, with soft_ce's row-pass signature."""
+def lk_rows_fn(backend: str, kind: int) -> rows.RowsFn:
+    """The LK row pass of one kind on a backend ("torch" or "triton")."""
     return functools.partial(_lk_rows_triton if backend == "triton" else _lk_rows_torch, kind=kind)
+
+
+def _row_pass(kind: int):
+    """backend -> the LK row pass of `kind` (the row_pass argument of rows.py's chunk loops)."""
+    return functools.partial(lk_rows_fn, kind=kind)
 
 
 def check_options(variant: str, kl_scale: float, kl_decay: float) -> None:
@@ -241,44 +204,30 @@ def _mean(weighted_sum: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def _lk_forward(draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight, need_grad_h,
-                need_grad_head, chunk, backend, variant, kl_scale, kl_decay):
-    """(loss fp32 scalar, argmax [N], grad_hidden | None, grad_head | None) through soft_ce's loop."""
+                need_grad_head, chunk, backend, *, variant, kl_scale, kl_decay):
+    """(loss fp32 scalar, argmax [N], grad_hidden | None, grad_head | None) through rows.py's loop."""
     args = (draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse)
     mean_acc = None
     if variant == "lambda":
         accept = torch.stack([torch.zeros_like(weight), weight], -1)
-        acc_sum, _, _, _ = _soft_ce_forward(*args, accept, False, False, chunk, backend, lk_rows_fn(backend, ACCEPT))
+        acc_sum, _, _, _ = rows.row_loss_forward(*args, accept, False, False, chunk, backend, row_pass=_row_pass(ACCEPT))
         mean_acc = _mean(acc_sum, weight)
     pairs = _row_weights(weight, mean_acc, variant, kl_scale, kl_decay)
-    return _soft_ce_forward(*args, pairs, need_grad_h, need_grad_head, chunk, backend,
-                            lk_rows_fn(backend, LINEAR if variant == "lambda" else LOG))
+    return rows.row_loss_forward(*args, pairs, need_grad_h, need_grad_head, chunk, backend,
+                                 row_pass=_row_pass(LINEAR if variant == "lambda" else LOG))
 
 
-def fused_lk_loss(
-    draft_hidden: torch.Tensor,
-    draft_head: torch.Tensor,
-    teacher_hidden: torch.Tensor,
-    teacher_head: torch.Tensor,
-    teacher_lse: torch.Tensor,
-    weight: torch.Tensor,
-    *,
-    variant: str = "lambda",
-    kl_scale: float = 1.0,
-    kl_decay: float = 3.0,
-    chunk_tokens: int | None = None,
-    backend: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_lk_loss(draft_hidden: torch.Tensor, draft_head: torch.Tensor, teacher_hidden: torch.Tensor,
+                  teacher_head: torch.Tensor, teacher_lse: torch.Tensor, weight: torch.Tensor, *, variant: str = "lambda",
+                  kl_scale: float = 1.0, kl_decay: float = 3.0, chunk_tokens: int | None = None,
+                  backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """(LK loss of the module docstring, fp32 scalar; draft argmax [N] int64): the interface of
     soft_ce.fused_soft_cross_entropy (shapes, dtypes, chunking, zero-weight rows) plus the
     variant and its weights; the lambda variant's abar is over this call's rows."""
     check_options(variant, kl_scale, kl_decay)
-    args, chunk, backend = prepare_row_loss(draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight,
-                                            chunk_tokens, backend)
-    options = (variant, float(kl_scale), float(kl_decay))
-    if torch.is_grad_enabled() and (draft_hidden.requires_grad or draft_head.requires_grad):
-        return FusedRowLoss.apply(lambda *inputs: _lk_forward(*inputs, *options), *args, chunk, backend)
-    loss, argmax, _, _ = _lk_forward(*args, False, False, chunk, backend, *options)
-    return loss, argmax
+    forward = functools.partial(_lk_forward, variant=variant, kl_scale=float(kl_scale), kl_decay=float(kl_decay))
+    return rows.row_loss(forward, draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight,
+                         chunk_tokens, backend)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -288,10 +237,10 @@ def fused_lk_loss(
 
 @torch.no_grad()
 def _lk_ttt_forward(draft_hiddens, draft_head, teacher_hidden, teacher_head, weight, shift, need_grad_h,
-                    need_grad_head, chunk, backend, packed, variant, kl_scale, kl_decay):
-    """soft_ce_ttt's loops (per step or packed) with the LK row pass; lambda: a first pass
+                    need_grad_head, chunk, backend, *, packed, variant, kl_scale, kl_decay):
+    """rows.py's TTT loops (per step or packed) with the LK row pass; lambda: a first pass
     without gradients for each step's abar. -> (step_losses [K], argmax [K, N], grads_h, grad_head)."""
-    forward = _ttt_forward_packed if packed else _ttt_forward
+    forward = functools.partial(rows.ttt_forward, packed=packed)
     k_steps, n_rows = weight.shape
     # Rows without a teacher are never scored: their weight must not count in abar's denominator
     # either (a caller with check_weight=False may leave weight there).
@@ -303,29 +252,17 @@ def _lk_ttt_forward(draft_hiddens, draft_head, teacher_hidden, teacher_head, wei
     if variant == "lambda":
         accept = torch.stack([torch.zeros_like(weight), weight], -1)  # [K, N, 2]
         acc_sums, _, _, _ = forward(*args, accept, shift, [False] * k_steps, False, chunk, backend,
-                                    rows_fn=lk_rows_fn(backend, ACCEPT))
+                                    row_pass=_row_pass(ACCEPT))
         mean_acc = _mean(acc_sums, weight)  # [K]
     pairs = _row_weights(weight, mean_acc, variant, kl_scale, kl_decay)  # [K, N, 2]
     return forward(*args, pairs, shift, need_grad_h, need_grad_head, chunk, backend,
-                   rows_fn=lk_rows_fn(backend, LINEAR if variant == "lambda" else LOG))
+                   row_pass=_row_pass(LINEAR if variant == "lambda" else LOG))
 
 
-def fused_lk_loss_ttt(
-    draft_hiddens: Sequence[torch.Tensor],
-    draft_head: torch.Tensor,
-    teacher_hidden: torch.Tensor,
-    teacher_head: torch.Tensor,
-    weight: torch.Tensor,
-    *,
-    variant: str = "lambda",
-    kl_scale: float = 1.0,
-    kl_decay: float = 3.0,
-    teacher_shift: int = 1,
-    chunk_tokens: int | None = None,
-    backend: str = "auto",
-    packed: bool = False,
-    check_weight: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def fused_lk_loss_ttt(draft_hiddens: Sequence[torch.Tensor], draft_head: torch.Tensor, teacher_hidden: torch.Tensor,
+                      teacher_head: torch.Tensor, weight: torch.Tensor, *, variant: str = "lambda", kl_scale: float = 1.0,
+                      kl_decay: float = 3.0, teacher_shift: int = 1, chunk_tokens: int | None = None, backend: str = "auto",
+                      packed: bool = False, check_weight: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """All K TTT steps of the LK loss, the teacher logits computed once per position: the
     interface of soft_ce_ttt.fused_soft_cross_entropy_ttt (step j's row n against teacher row
     n + teacher_shift + j; weight [K, N] fp32; packed; check_weight) plus the variant and its
@@ -333,12 +270,7 @@ def fused_lk_loss_ttt(
     draft argmax [K, N] int64). The lambda variant's abar and lam are per step, over that step's
     weighted rows."""
     check_options(variant, kl_scale, kl_decay)
-    k_steps = len(draft_hiddens)
-    backend, chunk = check_ttt_inputs(draft_hiddens, draft_head, teacher_hidden, teacher_head, weight, teacher_shift,
-                                      chunk_tokens, backend, check_weight)
-    args = (draft_head, teacher_hidden.detach(), teacher_head.detach(), weight.detach(), teacher_shift, chunk, backend)
-    options = (bool(packed), variant, float(kl_scale), float(kl_decay))
-    if torch.is_grad_enabled() and (draft_head.requires_grad or any(h.requires_grad for h in draft_hiddens)):
-        return FusedTTTLoss.apply(lambda *inputs: _lk_ttt_forward(*inputs, *options), *args, *draft_hiddens)
-    step_losses, argmax, _, _ = _lk_ttt_forward(draft_hiddens, *args[:5], [False] * k_steps, False, chunk, backend, *options)
-    return step_losses.sum(), step_losses, argmax
+    forward = functools.partial(_lk_ttt_forward, packed=bool(packed), variant=variant, kl_scale=float(kl_scale),
+                                kl_decay=float(kl_decay))
+    return rows.ttt_loss(forward, draft_hiddens, draft_head, teacher_hidden, teacher_head, weight, teacher_shift,
+                         chunk_tokens, backend, check_weight)

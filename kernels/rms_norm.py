@@ -18,15 +18,7 @@ import os
 
 import torch
 
-try:  # Triton is optional: the CPU path runs without it.
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - depends on the machine
-    triton = None
-    tl = None
-    HAS_TRITON = False
+from eagleforge.kernels.optional_triton import HAS_TRITON, tl, triton
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # The row lives in registers: beyond this width the reference runs (no model here comes close).

@@ -7,15 +7,24 @@ TRITON_INTERPRET=1 on the CPU (as tests/test_kernels.py), and on CUDA in the tes
 
 from __future__ import annotations
 
+import functools
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from test_kernels import TOLERANCES, check_argmax, make_inputs, poisoned_empty, rel_err  # noqa: F401 - a fixture
+from test_kernels import (  # noqa: F401 - poisoned_empty: a fixture
+    TOLERANCES,
+    check_against_reference,
+    check_argmax,
+    check_bf16_at_scale,
+    make_inputs,
+    poisoned_empty,
+    rel_err,
+    run_interpreted,
+)
 
 from eagleforge.kernels import lk, soft_ce
+from eagleforge.kernels import rows as row_kernels
 from eagleforge.train.loss import lk_loss, lk_loss_ttt
 
 INNER = os.environ.get("EAGLEFORGE_TRITON_INNER") == "1"  # set by test_triton_interpreter's subprocess
@@ -78,13 +87,7 @@ def test_loss_grads_argmax(options, dtype, shape, chunk):
     if dtype == torch.bfloat16:
         exact_logits(inputs[0], inputs[1])
         exact_logits(inputs[2], inputs[3])
-    (loss, argmax, gh, gw), (rloss, rlogits, rgh, rgw) = run_both(inputs, options, upstream=1.3, chunk=chunk)
-    loss_tol, grad_tol = TOLERANCES[dtype]
-    assert abs(loss.item() - rloss.item()) <= loss_tol * abs(rloss.item()), (loss.item(), rloss.item())
-    assert gh.dtype == dtype and gw.dtype == dtype
-    assert rel_err(gh, rgh) < grad_tol, rel_err(gh, rgh)
-    assert rel_err(gw, rgw) < grad_tol, rel_err(gw, rgw)
-    check_argmax(argmax, rlogits, dtype)
+    check_against_reference(*run_both(inputs, options, upstream=1.3, chunk=chunk), dtype)
 
 
 @pytest.mark.parametrize("kind", [lk.LINEAR, lk.LOG, lk.ACCEPT], ids=["linear", "log", "accept"])
@@ -236,17 +239,9 @@ def test_options_and_preconditions_name_the_values():
                     "(test_triton_cuda_*)")
 def test_triton_interpreter():
     """The Triton path on the CPU: this file's tests again, in a subprocess under TRITON_INTERPRET=1."""
-    if not soft_ce.HAS_TRITON:
-        pytest.skip("triton is not installed (pip install triton): the interpreter cannot run here")
-    env = dict(os.environ, TRITON_INTERPRET="1", EAGLEFORGE_TRITON_INNER="1", OMP_NUM_THREADS="1")
     # The interpreter runs kernels in numpy, about 100x slower: a subset of the cases.
-    select = ("not onechunk and not 5x16x33 and not chunk6 and not (ttt_shared and fp32) and not test_triton_interpreter "
-              "and not gpu and not sm90")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", select],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    run_interpreted(__file__, "not onechunk and not 5x16x33 and not chunk6 and not (ttt_shared and fp32) "
+                              "and not test_triton_interpreter and not gpu and not sm90")
 
 
 @pytest.mark.skipif(INNER, reason="compiles, does not run: outside the interpreter subprocess")
@@ -258,7 +253,7 @@ def test_triton_kernel_builds_for_sm90(kind, has_tidx, has_psum):
     pytest.importorskip("triton")
     from triton_build import build_sm90
 
-    block, warps = soft_ce._launch_config(32000)
+    block, warps = row_kernels.launch_config(32000)
     fp32 = {"tlse_ptr": "*fp32", "psum_ptr": "*fp32", "w_ptr": "*fp32", "loss_ptr": "*fp32"}
     rows = build_sm90(lk._lk_rows_kernel, dict(BLOCK=block, HAS_TIDX=has_tidx, HAS_PSUM=has_psum, KIND=kind),
                       {**fp32, "tidx_ptr": "*i32" if has_tidx else "*fp32", "argmax_ptr": "*i64"},
@@ -271,20 +266,47 @@ def test_triton_kernel_builds_for_sm90(kind, has_tidx, has_psum):
 # ----------------------------------------------------------------------------------------------
 
 
+# How far the fused op's gradients may be from the fp32 reference's, in multiples of the
+# reference's own bf16 error (`reference_bf16_error`): the logits' rounding accounts for 1x; the
+# fused op rounds G to bf16 and runs the gradient GEMMs in bf16 on top (2.8e-3 and 3.3e-3 more,
+# measured on the CPU at Vd = 4093), and its GEMMs may round a logit the other way from the
+# measurement's own. A wrong term of G is off by far more.
+BF16_ERROR_MULTIPLE = 1.5
+
+
+def reference_bf16_error(inputs, ref, options, upstream=0.7) -> tuple[float, float]:
+    """The reference's own error in bf16 on these inputs: lk_loss given the draft and teacher
+    logits rounded to bf16, as the fused op's bf16 GEMMs give them to its row pass (as hidden
+    states, with identity heads: an exact product), its gradient carried to the hidden states
+    and the head in fp32 -> the relative errors (hidden's, head's) of those gradients against
+    the fp32 reference's `ref` (run_both's)."""
+    h, w_d, t, w_t, weight = inputs
+    with torch.no_grad():
+        z, u = (h @ w_d.T).float(), (t @ w_t.T).float()  # bf16 GEMMs: the rounded logits [N, Vd]
+        eye = torch.eye(z.shape[1], device=z.device)
+    z.requires_grad_()
+    loss, _ = lk_loss(z, eye, u, eye, torch.logsumexp(u, -1), weight, **options)
+    (loss * upstream).backward()
+    grad_h, grad_w = z.grad @ w_d.detach().float(), z.grad.T @ h.detach().float()
+    return rel_err(grad_h, ref[2]), rel_err(grad_w, ref[3])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", VARIANTS, ids=VARIANT_IDS)
 @pytest.mark.parametrize("vocab", [32000, 4093])
 def test_triton_cuda_bf16(options, vocab):
-    inputs = make_inputs(1531, 512, vocab, torch.bfloat16, seed=vocab, device="cuda")
-    inputs = tuple(x.detach().requires_grad_(x.requires_grad) for x in inputs)
-    (loss, argmax, gh, gw), (rloss, rlogits, rgh, rgw) = run_both(inputs, options, upstream=0.7, chunk=512,
-                                                                  backend="triton")
-    loss_tol, grad_tol = TOLERANCES[torch.bfloat16]
-    numbers = (f"Vd={vocab}: loss {loss.item()} vs {rloss.item()}, grad rel err hidden {rel_err(gh, rgh):.3g} "
-               f"head {rel_err(gw, rgw):.3g}")
-    assert abs(loss.item() - rloss.item()) <= loss_tol * abs(rloss.item()), numbers
-    assert rel_err(gh, rgh) < grad_tol and rel_err(gw, rgw) < grad_tol, numbers
-    check_argmax(argmax, rlogits, torch.bfloat16)
+    """The gradient tolerance follows from the reference's own bf16 error on the same inputs
+    (BF16_ERROR_MULTIPLE times it, at least TOLERANCES'). These inputs are random, not `grid`'s,
+    and the bf16 rounding of the logits moves the LK gradient more than the soft CE's: min(p, q)
+    changes branch where q meets p, and the alpha variant divides each row by its acceptance. On
+    these inputs at Vd = 4093, on the CPU (the torch row pass, the same chunk loop), the alpha
+    variant's gradients were 4.4e-2 / 4.6e-2 (hidden / head) from the fp32 reference, above
+    TOLERANCES' 4e-2, and so was the reference itself given the bf16 logits (4.4e-2 / 4.6e-2):
+    the fused op was within 3e-3 of that. (Lambda, half of it CE: 1.6e-2 both.) The Triton row
+    pass itself is held to the torch one on the same logits by test_triton_rows_match_torch_rows_cuda."""
+    run = functools.partial(run_both, options=options)
+    check_bf16_at_scale(run, vocab, grad_tols=lambda inputs, ref: tuple(
+        max(TOLERANCES[torch.bfloat16][1], BF16_ERROR_MULTIPLE * err) for err in reference_bf16_error(inputs, ref, options)))
 
 
 @pytest.mark.gpu

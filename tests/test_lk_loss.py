@@ -5,12 +5,13 @@ real training run with train.loss=lk. The kernels against this reference: tests/
 
 from __future__ import annotations
 
-import csv
-import shutil
+import functools
 
 import pytest
 import torch
+from test_loss import check_masked_rows_change_nothing, random_ttt_batch, run_ttt_loss
 from test_vocab import build_tiny_run
+from tiny_runs import train_variants
 
 from eagleforge.config import ConfigError, load_config
 from eagleforge.kernels.lk import ALPHA_FLOOR
@@ -148,23 +149,13 @@ def test_masked_rows_contribute_nothing(options):
     masked = torch.tensor([0, 5, 6, 17, 28])
     w[masked] = 0
     lse = teacher_logsumexp(th, tw)
-    loss_a, _ = lk_loss(dh, dw, th, tw, lse, w, **options)
-    loss_a.backward()
-    ga = dh.grad.clone(), dw.grad.clone()
-    dh2, th2, lse2 = dh.detach().clone(), th.clone(), lse.clone()
-    dh2[masked] = torch.randn(len(masked), 16) * 50
-    th2[masked] = torch.randn(len(masked), 16) * 50
-    lse2[masked] = float("nan")
-    dh2.requires_grad_()
-    dw2 = dw.detach().clone().requires_grad_()
-    loss_b, _ = lk_loss(dh2, dw2, th2, tw, lse2, w, **options)
-    loss_b.backward()
-    torch.testing.assert_close(loss_a, loss_b, rtol=1e-6, atol=1e-6)
-    assert torch.all(dh2.grad[masked] == 0)
-    keep = torch.ones(29, dtype=torch.bool)
-    keep[masked] = False
-    torch.testing.assert_close(ga[0][keep], dh2.grad[keep], rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(ga[1], dw2.grad, rtol=1e-5, atol=1e-7)
+
+    def change(dh2, th2, lse2):
+        dh2[masked] = torch.randn(len(masked), 16) * 50
+        th2[masked] = torch.randn(len(masked), 16) * 50
+        lse2[masked] = float("nan")
+
+    check_masked_rows_change_nothing(functools.partial(lk_loss, **options), (dh, dw, th, tw, lse, w), masked, change)
 
 
 def test_get_loss_fn_binds_the_options():
@@ -188,36 +179,15 @@ def test_shared_teacher_ttt_lk_equals_per_step_reference(options, packed):
     (train.loss=lk_reference): loss, gradients and per-step stats, fp32, random inputs with a
     ragged loss mask and some target tokens outside the draft vocabulary (weight 0 there, still
     counted by the accuracy)."""
-    from eagleforge.train.ttt_loss import batch_teacher_lse, ttt_loss, ttt_loss_shared
+    from eagleforge.train.ttt_loss import ttt_loss_shared
 
     gen = torch.Generator().manual_seed(5 + packed)
-    batch, length, hidden, vocab, draft_vocab, steps = 2, 13, 24, 97, 41, 4
-    used = torch.randperm(vocab, generator=gen)[:draft_vocab].sort().values
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[used] = True
-    d2t = used - torch.arange(draft_vocab)
-    loss_mask = (torch.rand(batch, length, generator=gen) > 0.3).long()
-    target_argmax = torch.randint(0, vocab, (batch, length), generator=gen)
-    last_hidden = torch.randn(batch, length, hidden, generator=gen)
-    teacher_head = torch.randn(draft_vocab, hidden, generator=gen) * 0.3
-    base = [torch.randn(batch, length, hidden, generator=gen) for _ in range(steps)]
-    head0 = torch.randn(draft_vocab, hidden, generator=gen) * 0.3
+    b = random_ttt_batch(gen)
+    head0 = torch.randn(b.draft_vocab, b.hidden, generator=gen) * 0.3
 
-    def run(shared: bool):
-        hiddens = [h.clone().requires_grad_(True) for h in base]
-        head = head0.clone().requires_grad_(True)
-        if shared:
-            loss, stats = ttt_loss_shared(hiddens, head, last_hidden, teacher_head, loss_mask, target_argmax,
-                                          t2d, d2t, 0.8, torch.float32, chunk_tokens=7, packed=packed, lk=options)
-        else:
-            lse = batch_teacher_lse(last_hidden, loss_mask, teacher_head)
-            loss, stats = ttt_loss(hiddens, head, last_hidden, teacher_head, lse, loss_mask, target_argmax,
-                                   t2d, d2t, 0.8, get_loss_fn("lk_reference", "cpu", options))
-        loss.backward()
-        return loss.detach(), [h.grad for h in hiddens], head.grad, stats
-
-    loss_a, grads_a, head_a, stats_a = run(shared=True)
-    loss_b, grads_b, head_b, stats_b = run(shared=False)
+    loss_a, grads_a, head_a, stats_a = run_ttt_loss(b, head0, shared=True, packed=packed, lk=options)
+    loss_b, grads_b, head_b, stats_b = run_ttt_loss(b, head0, shared=False,
+                                                    loss_fn=get_loss_fn("lk_reference", "cpu", options))
     assert torch.allclose(loss_a, loss_b, rtol=1e-5), (loss_a, loss_b)
     for ga, gb in zip(grads_a + [head_a], grads_b + [head_b]):
         assert torch.allclose(ga, gb, atol=1e-6, rtol=1e-4)
@@ -225,8 +195,8 @@ def test_shared_teacher_ttt_lk_equals_per_step_reference(options, packed):
     assert stats_a.n_loss == stats_b.n_loss and min(stats_a.n_loss) > 0
     assert all(abs(a - b) < 1e-4 * max(1.0, abs(b)) for a, b in zip(stats_a.ce_sum, stats_b.ce_sum))
     # and it is not the soft cross-entropy
-    ce, _ = ttt_loss_shared([h.clone() for h in base], head0, last_hidden, teacher_head, loss_mask, target_argmax,
-                            t2d, d2t, 0.8, torch.float32, chunk_tokens=7)
+    ce, _ = ttt_loss_shared([h.clone() for h in b.base], head0, b.last_hidden, b.teacher_head, b.loss_mask,
+                            b.target_argmax, b.t2d, b.d2t, 0.8, torch.float32, chunk_tokens=7)
     assert abs(ce.item() - loss_a.item()) > 1e-3 * abs(ce.item())
 
 
@@ -250,18 +220,12 @@ def test_config_keys():
 # ------------------------------------------------------------------------- a tiny training run
 
 
-def _losses(run):
-    with open(run / "train_log.csv", newline="") as f:
-        return [float(r["loss"]) for r in csv.DictReader(f)]
-
-
 @pytest.mark.usefixtures("one_torch_thread")
 def test_tiny_run_trains_with_lk(tmp_path, tiny_llama_config):
     """The real trainer on a tiny random Llama's shards with train.loss=lk (the fused form, torch
     path on the CPU) and lk_reference (plain torch, per step), fp32: the two log the same losses
     step for step, and the LK loss falls (lambda: the mixed CE / 1 - acceptance; alpha:
     -log acceptance)."""
-    from eagleforge.train.loop import train
     from eagleforge.vocab import main as vocab_main
 
     cfg, _, _ = build_tiny_run(tmp_path / "base", tiny_llama_config, n_samples=14, with_argmax=True)
@@ -272,16 +236,8 @@ def test_tiny_run_trains_with_lk(tmp_path, tiny_llama_config):
         setattr(cfg.train, key, value)
     cfg.eval.k = 2
     vocab_main(cfg)
-    base, losses = cfg.run, {}
-    for name, options in {"lk": dict(loss="lk"), "lk_reference": dict(loss="lk_reference"),
-                          "alpha": dict(loss="lk", lk_variant="alpha")}.items():
-        run = tmp_path / name
-        shutil.copytree(base, run, ignore=shutil.ignore_patterns("checkpoints", "draft", "train_log.csv", "train_summary.json"))
-        cfg.run_dir = str(run)
-        for key, value in options.items():
-            setattr(cfg.train, key, value)
-        train(cfg)
-        losses[name] = _losses(run)
+    losses = train_variants(cfg, cfg.run, tmp_path, {"lk": dict(loss="lk"), "lk_reference": dict(loss="lk_reference"),
+                                                     "alpha": dict(loss="lk", lk_variant="alpha")})
     assert len(losses["lk"]) == len(losses["lk_reference"]) == 14
     assert losses["lk_reference"] == pytest.approx(losses["lk"], rel=1e-4), losses
     for name in ("lk", "alpha"):

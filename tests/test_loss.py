@@ -1,5 +1,7 @@
 """The reference soft cross-entropy against the formula in float64, masking, and the TTT alignment."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -55,23 +57,33 @@ def test_masked_positions_contribute_nothing():
     masked = torch.tensor([0, 5, 6, 17, 28])
     w[masked] = 0
     lse = teacher_logsumexp(th, tw)
-    loss_a, _ = soft_cross_entropy(dh, dw, th, tw, lse, w)
+
+    def change(dh2, th2, lse2):  # everything at the masked rows: draft input, teacher input, teacher lse
+        dh2[masked] = torch.randn(len(masked), 16) * 10
+        th2[masked] = torch.randn(len(masked), 16) * 10
+        lse2[masked] = torch.randn(len(masked)) * 100
+
+    check_masked_rows_change_nothing(soft_cross_entropy, (dh, dw, th, tw, lse, w), masked, change)
+
+
+def check_masked_rows_change_nothing(loss_fn, inputs, masked, change) -> None:
+    """loss_fn on inputs (draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse,
+    weight), then on copies whose draft input, teacher input and teacher lse `change(dh2, th2,
+    lse2)` alters in place at the masked rows (weight 0 there): the same loss, zero gradient at
+    those rows, the same gradients elsewhere."""
+    dh, dw, th, tw, lse, w = inputs
+    loss_a, _ = loss_fn(dh, dw, th, tw, lse, w)
     loss_a.backward()
     ga = dh.grad.clone(), dw.grad.clone()
-
-    # Change everything at the masked rows: draft input, teacher input, teacher lse.
-    dh2 = dh.detach().clone()
-    dh2[masked] = torch.randn(len(masked), 16) * 10
-    th2, lse2 = th.clone(), lse.clone()
-    th2[masked] = torch.randn(len(masked), 16) * 10
-    lse2[masked] = torch.randn(len(masked)) * 100
+    dh2, th2, lse2 = dh.detach().clone(), th.clone(), lse.clone()
+    change(dh2, th2, lse2)
     dh2.requires_grad_()
     dw2 = dw.detach().clone().requires_grad_()
-    loss_b, _ = soft_cross_entropy(dh2, dw2, th2, tw, lse2, w)
+    loss_b, _ = loss_fn(dh2, dw2, th2, tw, lse2, w)
     loss_b.backward()
     torch.testing.assert_close(loss_a, loss_b, rtol=1e-6, atol=1e-6)
     assert torch.all(dh2.grad[masked] == 0)
-    keep = torch.ones(29, dtype=torch.bool)
+    keep = torch.ones(w.shape[0], dtype=torch.bool)
     keep[masked] = False
     torch.testing.assert_close(ga[0][keep], dh2.grad[keep], rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(ga[1], dw2.grad, rtol=1e-5, atol=1e-7)
@@ -180,39 +192,52 @@ def test_ttt_alignment_hand_made():
     assert ttt_step_rows(loss_mask, 0).tolist() != rows_if_t1j
 
 
+def random_ttt_batch(gen: torch.Generator) -> SimpleNamespace:
+    """One batch's TTT loss inputs, random from `gen` (B 2, T 13, H 24, V 97, Vd 41, K 4): a
+    ragged loss mask, some target tokens outside the draft vocabulary, and `base`, the K steps'
+    normed hidden states [B, T, H]."""
+    b = SimpleNamespace(batch=2, length=13, hidden=24, vocab=97, draft_vocab=41, steps=4)
+    used = torch.randperm(b.vocab, generator=gen)[:b.draft_vocab].sort().values
+    b.t2d = torch.zeros(b.vocab, dtype=torch.bool)
+    b.t2d[used] = True
+    b.d2t = used - torch.arange(b.draft_vocab)
+    b.loss_mask = (torch.rand(b.batch, b.length, generator=gen) > 0.3).long()
+    b.target_argmax = torch.randint(0, b.vocab, (b.batch, b.length), generator=gen)
+    b.last_hidden = torch.randn(b.batch, b.length, b.hidden, generator=gen)
+    b.teacher_head = torch.randn(b.draft_vocab, b.hidden, generator=gen) * 0.3
+    b.base = [torch.randn(b.batch, b.length, b.hidden, generator=gen) for _ in range(b.steps)]
+    return b
+
+
+def run_ttt_loss(b: SimpleNamespace, head: torch.Tensor, shared: bool, loss_fn=soft_cross_entropy, **shared_options):
+    """The TTT loss of `random_ttt_batch`'s batch with draft head `head` (a copy of it), step decay 0.8,
+    fp32, backward included: the trainer's shared-teacher form (ttt_loss_shared, chunks of 7 rows,
+    `shared_options`) or the per-step loop with `loss_fn` (ttt_loss) -> (loss, the steps' hidden
+    gradients, the head's gradient, TTTStats)."""
+    from eagleforge.train.ttt_loss import batch_teacher_lse, ttt_loss, ttt_loss_shared
+
+    hiddens = [h.clone().requires_grad_(True) for h in b.base]
+    head = head.clone().requires_grad_(True)
+    if shared:
+        loss, stats = ttt_loss_shared(hiddens, head, b.last_hidden, b.teacher_head, b.loss_mask, b.target_argmax,
+                                      b.t2d, b.d2t, 0.8, torch.float32, chunk_tokens=7, **shared_options)
+    else:
+        lse = batch_teacher_lse(b.last_hidden, b.loss_mask, b.teacher_head)
+        loss, stats = ttt_loss(hiddens, head, b.last_hidden, b.teacher_head, lse, b.loss_mask, b.target_argmax,
+                               b.t2d, b.d2t, 0.8, loss_fn)
+    loss.backward()
+    return loss.detach(), [h.grad for h in hiddens], head.grad, stats
+
+
 def test_shared_teacher_ttt_loss_equals_per_step_reference():
     """The trainer's TTT form (teacher logits once for all steps, eagleforge.kernels) gives the
     same loss, gradients and per-step stats as the per-step reference loop, in fp32, on random
     inputs with a ragged loss mask and some target tokens outside the draft vocabulary."""
-    from eagleforge.train.ttt_loss import batch_teacher_lse, ttt_loss, ttt_loss_shared
+    b = random_ttt_batch(torch.Generator().manual_seed(5))
+    head = torch.randn(b.draft_vocab, b.hidden, generator=torch.Generator().manual_seed(9)) * 0.3
 
-    gen = torch.Generator().manual_seed(5)
-    batch, length, hidden, vocab, draft_vocab, steps = 2, 13, 24, 97, 41, 4
-    used = torch.randperm(vocab, generator=gen)[:draft_vocab].sort().values
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[used] = True
-    d2t = used - torch.arange(draft_vocab)
-    loss_mask = (torch.rand(batch, length, generator=gen) > 0.3).long()
-    target_argmax = torch.randint(0, vocab, (batch, length), generator=gen)
-    last_hidden = torch.randn(batch, length, hidden, generator=gen)
-    teacher_head = torch.randn(draft_vocab, hidden, generator=gen) * 0.3
-    base = [torch.randn(batch, length, hidden, generator=gen) for _ in range(steps)]
-
-    def run(shared: bool):
-        hiddens = [h.clone().requires_grad_(True) for h in base]
-        head = (torch.randn(draft_vocab, hidden, generator=torch.Generator().manual_seed(9)) * 0.3).requires_grad_(True)
-        if shared:
-            loss, stats = ttt_loss_shared(hiddens, head, last_hidden, teacher_head, loss_mask, target_argmax,
-                                          t2d, d2t, 0.8, torch.float32, chunk_tokens=7)
-        else:
-            lse = batch_teacher_lse(last_hidden, loss_mask, teacher_head)
-            loss, stats = ttt_loss(hiddens, head, last_hidden, teacher_head, lse, loss_mask, target_argmax,
-                                   t2d, d2t, 0.8, soft_cross_entropy)
-        loss.backward()
-        return loss.detach(), [h.grad for h in hiddens], head.grad, stats
-
-    loss_a, grads_a, head_a, stats_a = run(shared=True)
-    loss_b, grads_b, head_b, stats_b = run(shared=False)
+    loss_a, grads_a, head_a, stats_a = run_ttt_loss(b, head, shared=True)
+    loss_b, grads_b, head_b, stats_b = run_ttt_loss(b, head, shared=False)
     assert stats_a._device_sums is not None  # kept on the device (no host sync) until read
     assert torch.allclose(loss_a, loss_b, rtol=1e-5), (loss_a, loss_b)
     for ga, gb in zip(grads_a, grads_b):

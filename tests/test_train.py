@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 from test_vocab import build_tiny_run
+from tiny_runs import train_variants
 
 from eagleforge.train.batching import collate
 from eagleforge.train.loop import lr_lambda
@@ -224,22 +225,13 @@ PLAIN_STEP = dict(activation_checkpoint="none", attention="reference", compile=F
 def _losses_of_step_options(tmp_path, target_config, common: dict, variants: dict) -> tuple:
     """One tiny run (14 samples of several lengths), trained 5 steps per variant of the step
     options from the same start: (the base run's path, {variant: [loss per step]})."""
-    from eagleforge.train.loop import train
     from eagleforge.vocab import main as vocab_main
 
     cfg, _, _ = build_tiny_run(tmp_path / "base", target_config, n_samples=14, with_argmax=True)
     _configure(cfg, max_steps=5, save_every=100, **common)
     vocab_main(cfg)
-    base, losses = cfg.run, {}
-    for name, options in variants.items():
-        run = tmp_path / name
-        shutil.copytree(base, run, ignore=shutil.ignore_patterns("checkpoints", "draft", "train_log.csv", "train_summary.json"))
-        cfg.run_dir = str(run)
-        for key, value in options.items():
-            setattr(cfg.train, key, value)
-        train(cfg)
-        losses[name] = [float(r["loss"]) for r in _log_rows(run)]
-    return base, losses
+    base = cfg.run
+    return base, train_variants(cfg, base, tmp_path, variants)
 
 
 @pytest.mark.slow

@@ -41,19 +41,12 @@ log = logging.getLogger(__name__)
 LossFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-def soft_cross_entropy(
-    draft_hidden: torch.Tensor,
-    draft_head: torch.Tensor,
-    teacher_hidden: torch.Tensor,
-    teacher_head: torch.Tensor,
-    teacher_lse: torch.Tensor,
-    weight: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def soft_cross_entropy(draft_hidden: torch.Tensor, draft_head: torch.Tensor, teacher_hidden: torch.Tensor,
+                       teacher_head: torch.Tensor, teacher_lse: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum_n weight_n * CE_n as a scalar fp32, draft argmax [N] int64). Gradients flow to
     draft_hidden [N, H] and draft_head [Vd, H] only (plain autograd: this is the reference)."""
     z, p, argmax = _logits(draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight, torch.float32)
-    ce = torch.logsumexp(z, dim=-1) * p.sum(-1) - (p * z).sum(-1)  # [N]
-    loss = (weight.detach().float() * ce).sum()
+    loss = (weight.detach().float() * _cross_entropy(z, p)).sum()
     return loss, argmax
 
 
@@ -75,18 +68,14 @@ def _logits(draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse,
     return z, p, argmax
 
 
-def lk_loss(
-    draft_hidden: torch.Tensor,
-    draft_head: torch.Tensor,
-    teacher_hidden: torch.Tensor,
-    teacher_head: torch.Tensor,
-    teacher_lse: torch.Tensor,
-    weight: torch.Tensor,
-    *,
-    variant: str = "lambda",
-    kl_scale: float = 1.0,
-    kl_decay: float = 3.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _cross_entropy(z: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """CE_n = -sum_v p_nv log_softmax(z_n)_v = lse(z_n) sum_v p_nv - sum_v p_nv z_nv, [N]."""
+    return torch.logsumexp(z, dim=-1) * p.sum(-1) - (p * z).sum(-1)
+
+
+def lk_loss(draft_hidden: torch.Tensor, draft_head: torch.Tensor, teacher_hidden: torch.Tensor, teacher_head: torch.Tensor,
+            teacher_lse: torch.Tensor, weight: torch.Tensor, *, variant: str = "lambda", kl_scale: float = 1.0,
+            kl_decay: float = 3.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The LK loss of eagleforge.kernels.lk over these rows, plain autograd (the reference of
     fused_lk_loss; same signature as `soft_cross_entropy` plus the variant's options):
 
@@ -106,20 +95,15 @@ def lk_loss(
     w = weight.detach().to(dtype)
     if variant == "alpha":
         return (w * -torch.log(alpha.clamp_min(ALPHA_FLOOR))).sum(), argmax
-    ce = torch.logsumexp(z, dim=-1) * p.sum(-1) - (p * z).sum(-1)  # [N]
+    ce = _cross_entropy(z, p)  # [N]
     mean_alpha = (w * alpha.detach()).sum() / w.sum().clamp_min(torch.finfo(torch.float32).tiny)
     lam = kl_scale * torch.exp(-kl_decay * mean_alpha)  # a constant of the gradient
     return lam * (w * ce).sum() + (1 - lam) * (w * (1 - alpha)).sum(), argmax
 
 
-def soft_cross_entropy_ttt(
-    draft_hiddens: Sequence[torch.Tensor],
-    draft_head: torch.Tensor,
-    teacher_hidden: torch.Tensor,
-    teacher_head: torch.Tensor,
-    weight: torch.Tensor,
-    teacher_shift: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def soft_cross_entropy_ttt(draft_hiddens: Sequence[torch.Tensor], draft_head: torch.Tensor, teacher_hidden: torch.Tensor,
+                           teacher_head: torch.Tensor, weight: torch.Tensor,
+                           teacher_shift: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """K steps of `soft_cross_entropy`, the teacher shared: step j's row n has the teacher row
     n + shift + j (rows past the end have none and must carry weight 0); weight [K, N].
     -> (loss, step_losses [K], argmax [K, N]), the signature of fused_soft_cross_entropy_ttt."""
@@ -127,15 +111,9 @@ def soft_cross_entropy_ttt(
                           teacher_shift)
 
 
-def lk_loss_ttt(
-    draft_hiddens: Sequence[torch.Tensor],
-    draft_head: torch.Tensor,
-    teacher_hidden: torch.Tensor,
-    teacher_head: torch.Tensor,
-    weight: torch.Tensor,
-    teacher_shift: int = 1,
-    **options,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def lk_loss_ttt(draft_hiddens: Sequence[torch.Tensor], draft_head: torch.Tensor, teacher_hidden: torch.Tensor,
+                teacher_head: torch.Tensor, weight: torch.Tensor, teacher_shift: int = 1,
+                **options) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """K steps of `lk_loss` (options: variant, kl_scale, kl_decay), the teacher shared as in
     `soft_cross_entropy_ttt`: the reference of fused_lk_loss_ttt. Each step has its own lam."""
     return _ttt_reference(functools.partial(lk_loss, **options), draft_hiddens, draft_head, teacher_hidden,
