@@ -115,37 +115,18 @@ $(RUN)/draft/config.json:
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
-bench-extract-cpu: $(STAMP)
-	$(PY) benchmarks/bench_extract_cpu.py
-
-bench-moe: $(STAMP)
-	$(PY) benchmarks/bench_moe.py
-
-bench-extract: $(STAMP)
-	$(PY) benchmarks/bench_extract.py
-
-# Pipeline stages on one GPU: the loop's overhead at pp 1, two stages in turn against pp 1, the
-# pilot's projection per layout (BENCH_ARGS=--cpu-check: toy shapes on the CPU).
-bench-pipeline: $(STAMP)
-	$(PY) benchmarks/bench_pipeline.py $(BENCH_ARGS)
-
-bench-loss: $(STAMP)
-	$(PY) benchmarks/bench_loss.py
-
-bench-train: $(STAMP)
-	$(PY) benchmarks/bench_train.py
-
-# The Kimi-shaped extraction model feeding the Kimi-shaped draft on one GPU (--tiny: CPU shapes).
-bench-online: $(STAMP)
-	$(PY) benchmarks/bench_online.py $(BENCH_ARGS)
+# The plain benchmarks: bench-NAME runs benchmarks/bench_NAME.py (dashes as underscores) with
+# BENCH_ARGS. bench-online: the Kimi-shaped extraction model feeding the Kimi-shaped draft on one
+# GPU (--tiny: CPU shapes); bench-pipeline: pipeline stages on one GPU, the loop's overhead at
+# pp 1, two stages in turn against pp 1, the pilot's projection per layout (--cpu-check).
+PLAIN_BENCHES := bench-extract-cpu bench-moe bench-extract bench-pipeline bench-loss bench-train bench-online bench-prefill-attention
+$(PLAIN_BENCHES): bench-%: $(STAMP)
+	$(PY) benchmarks/bench_$(subst -,_,$*).py $(BENCH_ARGS)
 
 # The same shards of RUN trained by the trainer and by SpecForge's step, both exports evaluated
 # (benchmarks/bench_quality.py; RUN holds data, hidden, vocab; BENCH_ARGS=--tiny: a CPU check).
 bench-quality: $(STAMP)
 	$(PY) benchmarks/bench_quality.py $(if $(CONFIG),--config $(CONFIG)) --run $(RUN) $(BENCH_ARGS)
-
-bench-prefill-attention: $(STAMP)
-	$(PY) benchmarks/bench_prefill_attention.py
 
 # Every GPU benchmark on the GPUs present, tables printed, logs and JSON under runs/bench
 # (benchmarks/run_all.sh; installs nothing: `make install` first, plus the GPU extras).

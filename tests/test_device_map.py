@@ -27,20 +27,9 @@ CPU_BUDGET = "cpu:300KiB"
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory):
     """A tiny random LlamaForCausalLM saved as safetensors with the embedded tokenizer."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from tiny_runs import write_tiny_llama
 
-    from eagleforge.target import embedded_target_dir
-
-    path = tmp_path_factory.mktemp("devmap") / "tiny-llama"
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=211, hidden_size=48, intermediate_size=80, num_hidden_layers=7, num_attention_heads=3,
-        num_key_value_heads=1, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
-        pad_token_id=0, eos_token_id=2, bos_token_id=1,
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
-    AutoTokenizer.from_pretrained(embedded_target_dir()).save_pretrained(path)
-    return path
+    return write_tiny_llama(tmp_path_factory.mktemp("devmap") / "tiny-llama")
 
 
 def _random_samples(count: int = 5) -> list[list[int]]:
@@ -168,9 +157,8 @@ def test_bad_device_map_keys_are_one_line_errors(overrides, message):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs to balance the layers over")
 def test_two_gpus_balanced_captures_the_plain_models_states(tiny_target):
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 CUDA GPUs to balance the layers over")
     cuda = torch.device("cuda", 0)
     plain, _ = load_target(TargetConfig(path=str(tiny_target), device="cuda:0", dtype="float32"))
     mapped, _ = load_target(TargetConfig(path=str(tiny_target), device="cuda:0", dtype="float32", device_map="balanced"), cuda)

@@ -163,20 +163,10 @@ def test_extract_cli_target_mistakes_exit_2_with_one_line(tiny_run, tmp_path):
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """A tiny random Llama target on disk, 23 samples of odd lengths, and one in-process run."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from eagleforge.target import embedded_target_dir
+    from tiny_runs import write_tiny_llama
 
     root = tmp_path_factory.mktemp("extract")
-    target = root / "tiny-llama"
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=211, hidden_size=48, intermediate_size=80, num_hidden_layers=7, num_attention_heads=3,
-        num_key_value_heads=1, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
-        pad_token_id=0, eos_token_id=2, bos_token_id=1,
-    )
-    LlamaForCausalLM(config).save_pretrained(target)
-    AutoTokenizer.from_pretrained(embedded_target_dir()).save_pretrained(target)
+    target = write_tiny_llama(root / "tiny-llama")
     gen = torch.Generator().manual_seed(1)
     ids = torch.randperm(1000, generator=gen)[:23].tolist()  # sparse ids, written out of order
     rows = []

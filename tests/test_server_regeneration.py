@@ -21,6 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from test_vllm_eval import _vllm_python_or_skip  # the one place that says how the vLLM tests run
 
 from eagleforge.config import ConfigError, TargetConfig, UserInputError, load_config, run_main
 from eagleforge.data import chat_client
@@ -597,12 +598,6 @@ SERVE_PROMPTS = REAL_PROMPTS + [
 ]
 
 
-def _vllm_python_or_skip() -> str:
-    python = os.environ.get("EAGLEFORGE_VLLM_PYTHON", "")
-    if not python or not Path(python).is_file():
-        pytest.skip("runs vLLM, minutes on a CPU: `make test-vllm` makes vLLM's environment (.venv-vllm) and runs it "
-                    f"(EAGLEFORGE_VLLM_PYTHON={python or 'unset'})")
-    return python
 
 
 def _answer_text(message: dict) -> str:

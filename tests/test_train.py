@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 from test_vocab import build_tiny_run
-from tiny_runs import train_variants
+from tiny_runs import configure, train_variants
 
 from eagleforge.train.batching import collate
 from eagleforge.train.loop import lr_lambda
@@ -20,18 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one thr
 
 
 def _configure(cfg, **train):
-    cfg.vocab.draft_vocab_size = 60
-    cfg.train.ttt_steps = 3
-    cfg.train.batch_tokens = 160
-    cfg.train.lr = 3e-3
-    cfg.train.warmup_ratio = 0.05
-    cfg.train.holdout_samples = 4
-    cfg.train.log_every = 1
-    cfg.train.verify_checksums = True
-    cfg.eval.k = 2
-    for key, value in train.items():
-        setattr(cfg.train, key, value)
-    return cfg
+    return configure(cfg, **{"batch_tokens": 160, "warmup_ratio": 0.05, "holdout_samples": 4, "verify_checksums": True, **train})
 
 
 def _log_rows(run):

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 from test_vocab import build_tiny_run
+from tiny_runs import configure
 
 from eagleforge.train.schedule import make_batches, rank_micro_batches
 
@@ -23,21 +24,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one thr
 
 def _configure(cfg, **train):
     """fp32 everywhere (bf16=false) so that the comparisons can be tight."""
-    cfg.vocab.draft_vocab_size = 60
-    cfg.train.ttt_steps = 3
-    cfg.train.batch_tokens = 120
-    cfg.train.lr = 3e-3
-    cfg.train.warmup_ratio = 0.1
-    cfg.train.holdout_samples = 5
-    cfg.train.log_every = 1
-    cfg.train.epochs = 2
-    cfg.train.save_every = 0
-    cfg.train.keep_last = 2
-    cfg.train.bf16 = False
-    cfg.eval.k = 2
-    for key, value in train.items():
-        setattr(cfg.train, key, value)
-    return cfg
+    return configure(cfg, **{"batch_tokens": 120, "warmup_ratio": 0.1, "holdout_samples": 5, "epochs": 2, "save_every": 0,
+                             "keep_last": 2, "bf16": False, **train})
 
 
 def _clone_run(base_cfg, name, **train):

@@ -301,32 +301,22 @@ def test_online_equals_offline_native_one_process(native):
     _assert_no_hidden(run)
 
 
-def test_online_equals_offline_native_tp2_group(native):
-    """2 gloo ranks as ONE tensor-parallel group of 2 (experts split 5 + 4): each forward runs on
-    the union of both ranks' batches and each rank trains its own rows; FSDP2 over both. Again
-    with train.cache_gb holding part of the first epoch."""
-    run = _new_run(native["root"], "online_tp2", native["rows"])
-    cached = _new_run(native["root"], "online_tp2_cached", native["rows"])
-    _spawn(2, [_native_overrides(run, native["ckpt"], "target.tp=2", "train.source=online"),
-               _native_overrides(cached, native["ckpt"], "target.tp=2", "train.source=online", "train.cache_gb=0.0001")])
+@pytest.mark.parametrize("layout,prefetch", [("target.tp=2", "train.prefetch=0"), ("target.pp=2", "train.prefetch=1")])
+def test_online_equals_offline_native_two_ranks(native, layout, prefetch):
+    """2 gloo ranks as ONE target group: a tensor-parallel group of 2 (experts split 5 + 4: each
+    forward runs on the union of both ranks' batches and each rank trains its own rows), or two
+    pipeline stages (layers 0-1 and 2-3: each forward streams through both, the last stage sends
+    the first stage's rank its own rows; with a forward started ahead, train.prefetch=1, the
+    stages work on consecutive slots at once); FSDP2 over both. Again with train.cache_gb holding
+    part of the first epoch."""
+    name = layout.replace("target.", "").replace("=", "")
+    run = _new_run(native["root"], f"online_{name}", native["rows"])
+    cached = _new_run(native["root"], f"online_{name}_cached", native["rows"])
+    _spawn(2, [_native_overrides(run, native["ckpt"], layout, "train.source=online", prefetch),
+               _native_overrides(cached, native["ckpt"], layout, "train.source=online", "train.cache_gb=0.0001")])
     _assert_same_losses(run, native["offline"])
     _assert_no_hidden(run)
     # with the cache both ranks of the group agree (from the schedule alone) on the rows to forward
-    _assert_same_losses(cached, native["offline"])
-    _assert_cache(cached, n_train=14)
-
-
-def test_online_equals_offline_native_pipeline_stages(native):
-    """2 gloo ranks as two pipeline stages (layers 0-1 and 2-3, pp 2): each forward streams through
-    both stages, the last stage sends the first stage's rank its own rows, and each rank trains on
-    them: the offline losses. The feed runs a forward ahead (train.prefetch=1) so the stages work
-    on consecutive slots at once; again with the cache holding part of the first epoch."""
-    run = _new_run(native["root"], "online_pp2", native["rows"])
-    cached = _new_run(native["root"], "online_pp2_cached", native["rows"])
-    _spawn(2, [_native_overrides(run, native["ckpt"], "target.pp=2", "train.source=online", "train.prefetch=1"),
-               _native_overrides(cached, native["ckpt"], "target.pp=2", "train.source=online", "train.cache_gb=0.0001")])
-    _assert_same_losses(run, native["offline"])
-    _assert_no_hidden(run)
     _assert_same_losses(cached, native["offline"])
     _assert_cache(cached, n_train=14)
 

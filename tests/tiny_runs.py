@@ -4,6 +4,37 @@ the same base run (shards and vocab; build_tiny_run in test_vocab.py makes one).
 import csv
 import shutil
 
+TINY_TRAINING = dict(ttt_steps=3, lr=3e-3, log_every=1)  # what every tiny training run shares
+
+
+def write_tiny_llama(path):
+    """A tiny random Llama target (7 layers, hidden 48, vocab 211) with the embedded default's
+    tokenizer, written as a Hugging Face directory at `path`; returns path."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from eagleforge.target import embedded_target_dir
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=211, hidden_size=48, intermediate_size=80, num_hidden_layers=7, num_attention_heads=3,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
+        pad_token_id=0, eos_token_id=2, bos_token_id=1,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    AutoTokenizer.from_pretrained(embedded_target_dir()).save_pretrained(path)
+    return path
+
+
+def configure(cfg, **train):
+    """cfg set up for a tiny training run: a 60-id draft vocabulary, 3 TTT steps, k = 2, the
+    shared train keys, then `train` (key: value) on top; returns cfg."""
+    cfg.vocab.draft_vocab_size = 60
+    cfg.eval.k = 2
+    for key, value in {**TINY_TRAINING, **train}.items():
+        setattr(cfg.train, key, value)
+    return cfg
+
 
 def train_variants(cfg, base, tmp_path, variants: dict) -> dict:
     """For each name -> {train key: value}: a copy of `base` at tmp_path / name (no checkpoints,
