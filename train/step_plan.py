@@ -15,7 +15,7 @@ benchmark. These slopes are scaled by the draft's hidden size and TTT steps agai
 draft's; they are estimates from measured points, not measurements of another shape. The
 trainer's own step (bench-train's trainer rows, the frozen embedding on the GPU) then peaked at
 14.56, 24.56, 38.18 and 64.88 GiB at 2K, 8K, 16K and 32K tokens, where this plan says 14.85,
-24.95, 38.42 and 65.35. `none`
+24.95, 38.42 and 65.35; with the embedding on the host, 22.40 GiB at 8K where it says 22.77. `none`
 and `step` have no measured slope here: `auto` never picks `none` (selective_all keeps every
 matmul output and was the fastest measured mode) and falls back to `step`, the least memory, only
 when neither selective mode fits, saying so.
