@@ -51,6 +51,18 @@ def one_line(err: BaseException) -> str:
     return " ".join(parts) or type(err).__name__
 
 
+def out_of_memory(stage: str, key: str, value: int, planned_bytes: float | None, device=None) -> Exception:
+    """The one line for a GPU out of memory in `stage`: the batch-size key to lower, its value, and
+    what the stage's memory plan counted (None: no plan for this path)."""
+    from eagleforge.config import UserInputError
+
+    where = f" on {device}" if device is not None else ""
+    plan = (f"the memory plan counted {planned_bytes / 2**30:.1f} GiB per GPU at this size" if planned_bytes
+            else "no memory plan covers this path")
+    return UserInputError(f"{stage}: out of GPU memory{where} at {key}={value} ({plan}); lower {key} "
+                          f"(`make plan` prints the plan for the native backend and online training)")
+
+
 def exit_with_user_error(err: BaseException) -> NoReturn:
     """Print a user's mistake as one `error: ...` line (once over all ranks) and exit 2."""
     line = one_line(err)

@@ -21,12 +21,14 @@ import logging
 import time
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from eagleforge.config import Config, save_config
 from eagleforge.extract.samples import batch_by_tokens, read_samples
 from eagleforge.extract.target import Target, open_target
 from eagleforge.extract.writer import BatchRows, ShardSink, make_writer, writer_summary
+from eagleforge.failures import out_of_memory
 from eagleforge.layout import Layout, init_layout
 from eagleforge.shards import ShardWriter, load_manifest, merge_manifests
 
@@ -94,7 +96,11 @@ def _extract(cfg: Config, layout: Layout, target: Target, samples: list[dict], s
                  100 * (layout.pp - 1) / max(1, len(batches) + layout.pp - 1))
     with (out if out is not None else contextlib.nullcontext()), \
             tqdm(total=total_tokens, unit="tok", unit_scale=True, desc="extract", disable=not layout.is_main) as progress:
-        forward_batches(target, chunks, batches, out, progress)
+        try:
+            forward_batches(target, chunks, batches, out, progress)
+        except torch.OutOfMemoryError:
+            raise out_of_memory("extract", "extract.batch_tokens", cfg.extract.batch_tokens, target.planned_bytes,
+                                layout.device) from None
         if out is not None:
             log.info(writer_summary(out.close(), time.perf_counter() - start_s))  # every shard is on disk, or its error raised
     layout.barrier()

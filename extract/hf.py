@@ -34,6 +34,7 @@ class HFTarget(CapturingTarget):
 
     def __init__(self, cfg: Config, layout: Layout, write_target_argmax: bool):
         self.device, self.rank = layout.device, layout.rank
+        self.planned_bytes = None  # no memory plan for the hf backend
         self.model, tokenizer = load_target(cfg.target, device=self.device)
         config = text_config(self.model.config)
         self.vocab_size = int(config.vocab_size)

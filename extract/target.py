@@ -38,6 +38,7 @@ class Target(Protocol):
     header: dict  # the manifest's header: target (path, architecture, sizes), aux layer ids, tokenizer, ...
     hf_config: dict  # the target's config as a dict: the draft is sized from it
     vocab_size: int  # every token id must stay under it
+    planned_bytes: float | None  # what the memory plan counted for this rank (None: no plan)
 
     def forward(self, input_ids: list[list[int]], then: list[list[int]] | None = None,
                 rows_for: dict[int, list[int]] | None = None) -> "Rows | PendingRows | None": ...
@@ -150,8 +151,8 @@ def pack_rows(padded: dict[str, torch.Tensor], lengths: list[int],
 def open_target(cfg: Config, layout: Layout, *, write_target_argmax: bool | None = None,
                 check_memory: Callable | None = None, check_inputs: Callable[[int], None] | None = None) -> Target:
     """The configured backend's target on this rank, hooks attached. write_target_argmax: default
-    extract.write_target_argmax. check_memory(info): the native backend's refusal of a layout
-    that does not fit (default: the extraction plan's). check_inputs(vocab_size): the caller's
+    extract.write_target_argmax. check_memory(info) -> planned bytes or None: the native backend's
+    refusal of a layout that does not fit (default: the extraction plan's). check_inputs(vocab_size): the caller's
     check of its samples against the target's vocabulary, run as soon as the vocabulary is
     known: before any weight is read with the native backend (a Kimi-K2.5 load takes minutes),
     once the model is loaded with the hf backend (whose errors about the target come first)."""

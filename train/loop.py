@@ -27,6 +27,7 @@ import torch
 
 from eagleforge.atomic import write_json_atomic
 from eagleforge.config import Config, UserInputError
+from eagleforge.failures import out_of_memory
 from eagleforge.layout import Layout, init_layout
 from eagleforge.modes import PLAIN_LOSS_MODES
 from eagleforge.target import target_path
@@ -243,7 +244,11 @@ class Trainer:
         autocast expects)."""
         rank, world = self.layout.rank, self.layout.world_size
         for expected in slots:
-            slot, batch = feed.get()
+            try:
+                slot, batch = feed.get()
+            except torch.OutOfMemoryError:  # online: the target's forward, chunked by extract.batch_tokens
+                raise out_of_memory("train (the online target's forward)", "extract.batch_tokens", self.cfg.extract.batch_tokens,
+                                    self.source.planned_bytes, self.device) from None
             if slot != expected:  # the feed follows the trainer's schedule; a mismatch is a bug
                 raise RuntimeError(f"batch feed out of order: got slot {slot}, the trainer expects {expected}")
             yield slot.batch_of(rank, world), batch.to(self.device, self.param_dtype)
@@ -416,6 +421,13 @@ class Trainer:
     def run(self, stop_after_step: int | None = None) -> dict | None:
         """Train to the end, evaluate, export; returns the summary. `stop_after_step` (tests)
         saves a checkpoint after that step and returns None: a kill right after a checkpoint."""
+        try:
+            return self._run(stop_after_step)
+        except torch.OutOfMemoryError:  # the draft's step or the held-out evaluation
+            planned = self.source.planned_bytes or (self.step_plan.total_bytes if self.device.type == "cuda" else None)
+            raise out_of_memory("train", "train.batch_tokens", self.cfg.train.batch_tokens, planned, self.device) from None
+
+    def _run(self, stop_after_step: int | None) -> dict | None:
         from tqdm import tqdm
 
         tc = self.cfg.train

@@ -73,6 +73,7 @@ class OnlineSource:
                                       check_memory=lambda info: _check_online_memory(cfg, layout),
                                       check_inputs=lambda vocab_size: read.extend(read_samples(cfg, vocab_size)))
         self.samples, source = read
+        self.planned_bytes = self.target.planned_bytes  # the online plan (target + draft) on CUDA
         # the manifest as the trainer reads it: the target's header and its config (build_draft sizes the draft from it)
         self.manifest = {**self.target.header, "target": {**self.target.header["target"], "config": self.target.hf_config}}
         self.skipped_samples = 0
@@ -185,12 +186,14 @@ class PendingBatch:
         self.wait = finish
 
 
-def _check_online_memory(cfg: Config, layout: Layout) -> None:
-    """On CUDA, refuse before loading: target + draft must fit (train/online_plan.py)."""
+def _check_online_memory(cfg: Config, layout: Layout) -> float | None:
+    """On CUDA, refuse before loading: target + draft must fit (train/online_plan.py); the bytes
+    it plans per GPU (None on the CPU)."""
     if layout.device.type != "cuda":
-        return
+        return None
     from eagleforge.train.online_plan import check_online_fits
 
     gpu_bytes = int(cfg.target.gpu_memory_gib * 2**30) or torch.cuda.get_device_properties(layout.device).total_memory
     plan = check_online_fits(cfg, gpu_bytes, layout.world_size)
     log.info("online memory plan: %.1f GiB of %.1f GiB per GPU", plan.total_bytes() / 2**30, gpu_bytes / 2**30)
+    return plan.total_bytes()

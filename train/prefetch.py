@@ -27,6 +27,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from eagleforge.config import ConfigError, UserInputError
+
 THREAD_NAME = "batch-prefetch"
 
 
@@ -93,6 +95,8 @@ class Prefetcher:
             entry = self._next()
         else:
             entry = self.queue.get()
+        if isinstance(entry, (torch.OutOfMemoryError, ConfigError, FileNotFoundError, UserInputError)):
+            raise entry  # the caller says these in one line (the stage, the file, the key)
         if isinstance(entry, BaseException):
             raise RuntimeError(f"{self.what} failed") from entry
         if entry is self._DONE:

@@ -32,6 +32,7 @@ class BatchSource(Protocol):
     manifest: dict  # the target's header (docs/shards.md), the draft is sized from it
     skipped_samples: int  # samples left out (corrupt shards), recorded in train_summary.json
     on_device: bool  # load() returns tensors on the device (made on the worker's side stream)
+    planned_bytes: float | None  # what a memory plan counted per GPU for the source's own work (online: target + draft)
 
     def __len__(self) -> int: ...
 
@@ -65,6 +66,7 @@ class ShardSource:
     size or sha256 check are left out (logged) instead of stopping the run."""
 
     on_device = False
+    planned_bytes = None
 
     def __init__(self, hidden_dir: Path, layout: Layout, verify_checksums: bool = True, skip_corrupt: bool = False):
         from eagleforge.shards import ShardReader

@@ -50,6 +50,7 @@ class NativeTarget(CapturingTarget):
     def __init__(self, model: DeepseekV3ForExtraction, layout: Layout, aux_layers: list[int], write_target_argmax: bool,
                  header: dict | None = None, hf_config: dict | None = None, link=None):
         self.model, self.layout, self.device = model, layout, layout.device
+        self.planned_bytes = None  # what the memory plan counted for this rank (the loader sets it)
         self.vocab_size = model.args.vocab_size
         self.write_target_argmax = write_target_argmax
         self.header, self.hf_config = header or {}, hf_config or {}
@@ -168,7 +169,7 @@ def load_native_target(cfg: Config, layout: Layout, write_target_argmax: bool, c
     default: the extraction plan's) and the caller's check_inputs(vocab_size) before any weight is
     read, then this rank's slices (its stage's layers, its tp share) loaded."""
     info = read_checkpoint_info(target_path(cfg.target))
-    (check_memory or (lambda i: check_extract_memory(cfg, i, layout)))(info)
+    planned_bytes = (check_memory or (lambda i: check_extract_memory(cfg, i, layout)))(info)
     if check_inputs is not None:
         check_inputs(info.args.vocab_size)
     aux_layers = resolve_aux_layers(cfg.extract.aux_layers, info.args.num_hidden_layers)
@@ -186,7 +187,9 @@ def load_native_target(cfg: Config, layout: Layout, write_target_argmax: bool, c
                         layout.stage == layout.pp - 1)
     stats = load_weights(model, info, show_progress=layout.is_main)
     log.info("rank 0 read %.2f GiB in %d tensors", stats.bytes_read / GIB, stats.tensors_read)
-    return NativeTarget(model, layout, aux_layers, write_target_argmax, header, hf_config)
+    target = NativeTarget(model, layout, aux_layers, write_target_argmax, header, hf_config)
+    target.planned_bytes = planned_bytes
+    return target
 
 
 def forward_batch(model: DeepseekV3ForExtraction, capture: HiddenStateCapture, input_ids: list[list[int]],
@@ -217,15 +220,17 @@ def manifest_header(cfg: Config, info, aux_layers: list[int]) -> dict:
     }
 
 
-def check_extract_memory(cfg: Config, info, layout: Layout) -> None:
-    """Refuse to start when the planner says the layout does not fit this GPU."""
+def check_extract_memory(cfg: Config, info, layout: Layout) -> float | None:
+    """Refuse to start when the planner says the layout does not fit this GPU; the bytes it plans
+    for this rank's stage (None on the CPU)."""
     gpu_gib = cfg.target.gpu_memory_gib
     if gpu_gib:
         gpu_bytes = int(gpu_gib * GIB)
     elif layout.device.type == "cuda":
         gpu_bytes = torch.cuda.get_device_properties(layout.device).total_memory
     else:
-        return
+        return None
     plans = check_fits(cfg, info.args, info.quantized_experts, gpu_bytes)  # every stage, before any weight is read
     if layout.is_main:
         log.info("memory plan:\n%s", "\n".join(format_plan(plan, gpu_bytes) for plan in plans))
+    return plans[layout.stage].total_bytes
