@@ -586,6 +586,7 @@ def run_main(main: typing.Callable[[Config], Any], description: str, argv: list[
             if code is not None:
                 raise SystemExit(code)
             stop_with_launcher()  # a rank: ends with its launcher, even one killed with SIGKILL
+        failures.watch_other_ranks()  # and within seconds of another rank's failure
         main(cfg)
     except (ConfigError, FileNotFoundError, UserInputError) as err:
         failures.exit_with_user_error(err)

@@ -25,6 +25,12 @@ MASTER_ADDR:MASTER_PORT that the agent keeps for the whole run):
 
 Without a store to meet on (a launcher that set WORLD_SIZE but keeps no store, or a store that
 is not up yet), each failing rank prints its own line, with its rank number.
+
+A rank that fails while the others are busy elsewhere (a group's leader whose disk filled, while
+other groups go on extracting, or ranks blocked in a collective with it that NCCL would hold until
+the process group's timeout) must not leave them running: every rank watches the store
+(`watch_other_ranks`, a daemon thread) and, once another rank posted a user error, ends itself
+within seconds of that line being printed (torchrun usually stops it first).
 """
 
 from __future__ import annotations
@@ -43,6 +49,10 @@ AGREE_SECONDS = 3.0
 CONNECT_SECONDS = 5.0  # to reach the store
 STOP_WAIT_SECONDS = 60.0  # how long a rank that prints nothing waits to be stopped by torchrun
 POLL_SECONDS = 0.05
+WATCH_SECONDS = 0.5  # how often a rank looks for another rank's posted error
+# After another rank's line is printed: how long a watching rank leaves torchrun to stop it (so
+# the summary blames the rank that failed) before it ends itself; outside torchrun, at once.
+STOP_GRACE_SECONDS = 5.0
 
 
 def one_line(err: BaseException) -> str:
@@ -105,6 +115,48 @@ def exit_if_another_rank_failed(err: BaseException) -> None:
         return
     if others and board.wait_to_be_stopped():
         raise SystemExit(1)
+
+
+def watch_other_ranks() -> None:
+    """Under torchrun (WORLD_SIZE > 1, its store reachable): a daemon thread that ends this rank
+    (exit code 1, nothing printed) once another rank has posted a user error and it was printed,
+    so a failure stops every rank within seconds wherever they are, not at their next collective
+    with the failed rank (which NCCL may hold until the process group's timeout). A rank that
+    posted an error itself leaves its own exit to exit_with_user_error."""
+    import threading
+
+    rank, world = _rank_and_world()
+    if world <= 1 or not os.environ.get("MASTER_ADDR") or not os.environ.get("MASTER_PORT"):
+        return
+
+    def watch() -> None:
+        board = _Board.connect()
+        while board is None:  # the store may come up only with the process group (rank 0 holds it outside torchrun)
+            time.sleep(WATCH_SECONDS)
+            board = _Board.connect()
+        try:
+            while True:
+                posted = board.posted()
+                if rank in posted:
+                    return
+                if posted:
+                    break
+                time.sleep(WATCH_SECONDS)
+        except Exception:  # noqa: BLE001 - no store any more (the run ended): nothing to watch
+            return
+        try:
+            deadline = time.monotonic() + AGREE_SECONDS + 2.0  # the failed rank prints after AGREE_SECONDS
+            while not board.store.check([board.prefix + "printed"]) and time.monotonic() < deadline:
+                time.sleep(POLL_SECONDS * 4)
+            if rank in board.posted():
+                return
+            time.sleep(STOP_GRACE_SECONDS if "TORCHELASTIC_RUN_ID" in os.environ else POLL_SECONDS)
+        except Exception:  # noqa: BLE001 - the store went with the rank that failed (it held it)
+            pass
+        sys.stderr.flush()
+        os._exit(1)  # from any state: blocked in a collective, in a forward, in a write (all atomic)
+
+    threading.Thread(target=watch, name="other-ranks-failures", daemon=True).start()
 
 
 def _rank_and_world() -> tuple[int, int]:

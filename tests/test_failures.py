@@ -156,3 +156,67 @@ def test_the_board_reads_back_what_ranks_posted():
 def test_one_line_joins_a_message_of_several_lines():
     assert failures.one_line(ValueError("first\n  second\n\n")) == "first second"
     assert failures.one_line(ValueError("")) == "ValueError"
+
+
+# ---------------------------------------------------------------------------- a leader's failure stops every group
+
+RANK_WITH_FAULTS = """
+import errno, os, sys, time
+from eagleforge.config import run_main
+from eagleforge.extract.__main__ import main
+rank = int(os.environ["RANK"])
+if rank == 0:  # the disk is full for this rank's shards
+    import safetensors.torch
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    safetensors.torch.save_file = full
+else:  # a group with a long way to go: 0.3 s a forward
+    from eagleforge.extract.hf import HFTarget
+    forward = HFTarget.forward
+    HFTarget.forward = lambda self, *a, **k: (time.sleep(0.3), forward(self, *a, **k))[1]
+run_main(main, "extract with faults", argv=sys.argv[1:])
+"""
+
+
+def test_a_group_leader_s_disk_full_stops_every_group_within_seconds(tmp_path):
+    """2 gloo ranks = 2 groups of the hf backend (no torchrun agent to stop them: the ranks alone).
+    Rank 0's shard write finds the disk full: its one line says so and it exits 2. Rank 1, with a
+    minute of forwards left and no collective with rank 0 until the end, ends within seconds,
+    silently (before: it went on to its last chunk, then failed at the final barrier)."""
+    import socket
+    import time
+
+    from tiny_runs import write_tiny_llama
+
+    target = write_tiny_llama(tmp_path / "tiny-llama")
+    run = tmp_path / "run"
+    (run / "data").mkdir(parents=True)
+    (run / "data" / "samples.jsonl").write_text("".join(
+        json.dumps({"id": i, "input_ids": [3 + (i * 7 + j) % 200 for j in range(10)], "loss_mask": [1] * 10}) + "\n"
+        for i in range(400)))
+    (tmp_path / "rank.py").write_text(RANK_WITH_FAULTS)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = [f"run_dir={run}", f"target.path={target}", "target.device=cpu", "extract.samples_per_shard=2",
+            "extract.batch_tokens=20", "launch.mode=none"]
+    procs = []
+    for rank in (0, 1):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parent))
+        procs.append(subprocess.Popen([sys.executable, str(tmp_path / "rank.py"), *args], env=env, cwd=tmp_path,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    try:
+        _, err0 = procs[0].communicate(timeout=240)
+        failed = time.monotonic()
+        _, err1 = procs[1].communicate(timeout=120)
+        stopped_s = time.monotonic() - failed
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    lines0 = [x for x in err0.splitlines() if x.startswith("error")]
+    assert procs[0].returncode == 2 and len(lines0) == 1, err0[-3000:]
+    assert lines0[0].startswith("error: rank 0: ") and "no space left" in lines0[0] and "errno ENOSPC" in lines0[0]
+    assert stopped_s < 15, f"rank 1 ran on for {stopped_s:.0f} s after rank 0's failure"
+    assert procs[1].returncode == 1 and "Traceback" not in err1 and "error" not in err1, err1[-3000:]
