@@ -368,9 +368,10 @@ RESUME_MAY_CHANGE = (
     "run_dir", "train.max_steps", "train.epochs", "train.log_every", "train.save_every", "train.keep_last",
     "train.resume", "train.device", "train.parallel", "train.verify_checksums", "train.max_nonfinite_steps",
     "train.attention", "train.loss_chunk_tokens", "train.loss_packed", "train.activation_checkpoint",
-    "train.compile", "train.embed_device", "target.device", "target.tp", "target.gpu_memory_gib", "data.gen_batch_size",
+    "train.compile", "train.embed_device", "target.device", "target.tp", "target.pp", "target.gpu_memory_gib", "data.gen_batch_size",
     "extract.batch_tokens", "extract.overlap_writes", "train.prefetch", "target.prefill_attention",
     "target.moe_backend", "target.split_rows_min_tokens", "target.overlap_min_rows", "eval.",
+    "train.cache_gb",  # online: the resumed run keeps what its cache still holds (train/state_cache.py settle)
 )
 
 

@@ -433,6 +433,7 @@ class Trainer:
         tc = self.cfg.train
         main = self.layout.is_main
         self.maybe_resume()
+        self.source.begin(self.position.epoch, self.position.batch_index)
         self.last_step = min(self.total_steps, stop_after_step or self.total_steps)  # the feed stops there
         logger = MetricLogger(self.cfg.run, tc.ttt_steps, resumed_step=self.step) if main else None
         window = TTTStats(tc.ttt_steps)

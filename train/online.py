@@ -76,7 +76,13 @@ class OnlineSource:
         self.planned_bytes = self.target.planned_bytes  # the online plan (target + draft) on CUDA
         # the manifest as the trainer reads it: the target's header and its config (build_draft sizes the draft from it)
         self.manifest = {**self.target.header, "target": {**self.target.header["target"], "config": self.target.hf_config}}
-        self.skipped_samples = 0
+        self.skipped_samples, self.skipped_ids = 0, set()  # samples whose states held NaN/Inf
+        header = self.target.header
+        self.hidden_size = int(header["target"]["hidden_size"])
+        self.aux_width = len(header["aux_layer_ids"]) * self.hidden_size
+        from eagleforge.target import torch_dtype
+
+        self.state_dtype = torch_dtype(cfg.target.dtype)
         if layout.is_main:
             build_vocab_from_samples(cfg, self.samples, self.manifest)
         layout.barrier()
@@ -141,17 +147,48 @@ class OnlineSource:
                     n = len(self.samples[i]["input_ids"])
                     states[i] = {key: value[row : row + n] for key, value in rows.items()}
                     row += n
+            bad = self._nonfinite(ids, states)
             batch_rows = [{"input_ids": self._ids[i].to(self.device), "loss_mask": self._masks[i].to(self.device), **states[i]}
                           for i in ids]
             if self.cache is not None and slot.epoch == 0 and mine is not None:
-                self.cache.write(mine, batch_rows)
+                self.cache.write(mine, batch_rows, bad)
             batch = pad_batch(batch_rows)
+            for b, i in enumerate(ids):
+                if i in bad:  # no loss row, no token counted (the states are zeros)
+                    batch.lengths[b] = 0
+                    batch.loss_mask[b] = False
+                    batch.host_tokens -= len(self.samples[i]["input_ids"])
             self.target_seconds += time.perf_counter() - start
             return batch
 
         if any(hasattr(rows, "wait") for _, rows in arriving):
             return PendingBatch(finish)
         return finish()
+
+    def _nonfinite(self, ids: list[int], states: dict[int, dict | None]) -> set[int]:
+        """The samples of `ids` whose states hold NaN/Inf (one device read for the batch) or that
+        the cache's first epoch skipped (None): skipped and counted, as extraction skips them (the
+        trainer's step never sees them), their states replaced by zeros in place."""
+        present = [i for i in ids if states[i] is not None]
+        finite = torch.stack([torch.isfinite(states[i]["aux_hidden_states"]).all() & torch.isfinite(states[i]["last_hidden_state"]).all()
+                              for i in present]).tolist() if present else []  # one device read for the batch
+        bad = {i for i in ids if states[i] is None} | {i for i, ok in zip(present, finite) if not ok}
+        for i in bad:
+            n = len(self.samples[i]["input_ids"])
+            states[i] = {"aux_hidden_states": torch.zeros(n, self.aux_width, dtype=self.state_dtype, device=self.device),
+                         "last_hidden_state": torch.zeros(n, self.hidden_size, dtype=self.state_dtype, device=self.device),
+                         "target_argmax": torch.zeros(n, dtype=torch.int32, device=self.device)}
+            if self.samples[i]["id"] not in self.skipped_ids:
+                self.skipped_ids.add(self.samples[i]["id"])
+                self.skipped_samples = len(self.skipped_ids)
+                log.warning("online: sample %d: the target's hidden states held NaN/Inf; skipped (%d so far)",
+                            self.samples[i]["id"], self.skipped_samples)
+        return bad
+
+    def begin(self, epoch: int, batch_index: int) -> None:
+        """Training starts (or resumes) at this position: the cache keeps what it still can."""
+        if self.cache is not None:
+            self.cache.settle(epoch, batch_index)
 
     def shared_embedding(self, dtype: torch.dtype) -> torch.Tensor | None:
         """The target's input embedding [V, H] when this rank holds all of it on its device in

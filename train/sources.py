@@ -40,6 +40,9 @@ class BatchSource(Protocol):
 
     def load(self, slot: Slot) -> Batch: ...
 
+    def begin(self, epoch: int, batch_index: int) -> None:
+        """Training starts (or resumes) at this position of its schedule."""
+
     def nonfinite_error(self, step: int, samples: list[int]) -> str:
         """The one-line error for a step whose input states held NaN/Inf."""
 
@@ -99,6 +102,9 @@ class ShardSource:
                         f"or set train.skip_corrupt_shards=true after deleting it from the manifest")
         return (f"step {step}: a batch's hidden states held NaN/Inf after reading "
                 f"(extract.storage_dtype of the shards: {self.manifest.get('storage_dtype')})")
+
+    def begin(self, epoch: int, batch_index: int) -> None:
+        pass
 
     def shared_embedding(self, dtype: torch.dtype) -> None:
         return None

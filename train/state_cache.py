@@ -23,9 +23,15 @@ class StateCache:
 
     Which samples are cached is a pure function of the schedule: the batches of epoch 0 in order,
     while their running total of bytes stays within N GB. So every rank of a target group agrees
-    on which rows it must forward without talking, and a resumed run caches the same ones. Each
-    rank writes its own batches' rows (one shard per epoch-0 batch, index = its position in the
-    epoch, group = the rank under torchrun); a shard already complete on disk is not rewritten."""
+    on which rows it must forward without talking. Each rank writes its own batches' rows (one
+    shard per epoch-0 batch, index = its position in the epoch, group = the rank under torchrun);
+    a shard already complete on disk is not rewritten. Samples whose states held NaN/Inf are not
+    written: the shard lists them as skipped, and later epochs skip them again.
+
+    A resumed run (`settle`) keeps of that plan the batches it will still write (from its position
+    in epoch 0 on) and those whose shards are on disk: every rank reads the same manifests before
+    it trains, so the ranks still agree, also when train.cache_gb changed since the run that
+    wrote them (a smaller cache after a full disk, or 0 for none)."""
 
     def __init__(self, hidden_dir: Path, cache_gb: float, storage_dtype: str, layout: Layout, header: dict,
                  samples: list[dict], epoch0_batches: list[list[int]], verify_checksums: bool = True):
@@ -51,14 +57,35 @@ class StateCache:
             self.cached.update(batch)
         self.planned_bytes = used
         self.writer = ShardWriter(hidden_dir, header, storage_dtype, group=layout.rank if layout.world_size > 1 else None)
-        self._reader, self._reader_index = None, {}
+        self._reader, self._reader_index, self._skipped_ids = None, {}, set()
         self.read_tokens = 0
         log.info("train.cache_gb=%g: %d of %d training samples (%.3f GB) cached in %s during the first epoch",
                  cache_gb, len(self.cached), sum(len(b) for b in epoch0_batches), used / 1e9, hidden_dir)
 
-    def write(self, batch: list[int], rows: list[dict]) -> None:
+    def settle(self, epoch: int, batch_index: int) -> None:
+        """A run resumed at (epoch, global batch index): keep the batches of the plan it will still
+        write (epoch 0, from batch_index on) and those whose shards are on disk (a corrupt one is
+        refused by name, as the trainer refuses a corrupt shard)."""
+        from eagleforge.shards import ShardReader
+
+        if (epoch, batch_index) == (0, 0):
+            return
+        on_disk: set[int] = set()
+        if self.hidden_dir.is_dir() and any(self.hidden_dir.glob("manifest*.json")):
+            reader = ShardReader(self.hidden_dir, verify_checksums=self.verify_checksums)
+            on_disk = {int(entry["index"]) for entry in reader.shards}
+        first_unwritten = batch_index if epoch == 0 else float("inf")
+        kept = {batch: index for batch, index in self.batch_index.items() if index >= first_unwritten or index in on_disk}
+        if len(kept) < len(self.batch_index):
+            log.info("train.cache_gb: resumed at epoch %d, batch %d: %d of the %d planned cached batches are on disk or "
+                     "still to write; the rest are forwarded", epoch, batch_index, len(kept), len(self.batch_index))
+        self.batch_index = kept
+        self.cached = {i for batch in kept for i in batch}
+
+    def write(self, batch: list[int], rows: list[dict], skipped: set[int] = frozenset()) -> None:
         """Write this rank's epoch-0 batch `batch` (sample positions) with its rows, if it is one
-        the cache keeps and not already on disk."""
+        the cache keeps and not already on disk; the positions in `skipped` (NaN/Inf states) are
+        listed as skipped instead of written."""
         index = self.batch_index.get(tuple(batch))
         if index is None:
             return
@@ -67,26 +94,31 @@ class StateCache:
             return
         host = [{"input_ids": r["input_ids"].to("cpu", torch.int32), "loss_mask": r["loss_mask"].to("cpu", torch.uint8),
                  "aux_hidden_states": r["aux_hidden_states"].cpu(), "last_hidden_state": r["last_hidden_state"].cpu(),
-                 "target_argmax": r["target_argmax"].to("cpu", torch.int32)} for r in rows]
-        self.writer.write_shard(index, host, ids)
+                 "target_argmax": r["target_argmax"].to("cpu", torch.int32)} for i, r in zip(batch, rows) if i not in skipped]
+        self.writer.write_shard(index, host, [self.samples[i]["id"] for i in batch if i not in skipped],
+                                skipped_ids=[self.samples[i]["id"] for i in batch if i in skipped])
 
-    def read(self, position: int, device: torch.device, wait_s: float = 600.0) -> dict:
-        """The cached states of sample `position` (on `device`). Another rank may still be writing
-        the shard (the producer runs ahead): the manifests are read again until it is listed."""
+    def read(self, position: int, device: torch.device, wait_s: float = 600.0) -> dict | None:
+        """The cached states of sample `position` (on `device`), None for a sample the first epoch
+        skipped (NaN/Inf states). Another rank may still be writing the shard (the producer runs
+        ahead): the manifests are read again until it is listed."""
         from eagleforge.shards import ShardReader
 
         sample_id = self.samples[position]["id"]
         deadline = time.monotonic() + wait_s
-        while sample_id not in self._reader_index:
+        while sample_id not in self._reader_index and sample_id not in self._skipped_ids:
             if self.hidden_dir.is_dir() and any(self.hidden_dir.glob("manifest*.json")):
                 self._reader = ShardReader(self.hidden_dir, verify_checksums=self.verify_checksums)
                 self._reader_index = {sid: i for i, sid in enumerate(self._reader.sample_ids())}
-            if sample_id in self._reader_index:
+                self._skipped_ids = {int(i) for entry in self._reader.shards for i in entry.get("skipped_ids", [])}
+            if sample_id in self._reader_index or sample_id in self._skipped_ids:
                 break
             if time.monotonic() > deadline:
                 raise UserInputError(f"{self.hidden_dir}: cached sample {sample_id} was never written "
                                      f"(a rank of the first epoch failed?); rerun with train.cache_gb=0")
             time.sleep(0.5)
+        if sample_id not in self._reader_index:
+            return None
         row = self._reader[self._reader_index[sample_id]]
         self.read_tokens += int(row["input_ids"].shape[0])
         return {key: row[key].to(device) for key in ("aux_hidden_states", "last_hidden_state", "target_argmax")}

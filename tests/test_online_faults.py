@@ -1,0 +1,153 @@
+"""Online training (train.source=online) under faults: a corrupt or truncated cache shard that a
+later epoch reads, the disk filling while the cache is written, a target forward that yields
+NaN/Inf for one sample, and a resume with another train.cache_gb. Each is one line or survived;
+none trains on bad states. The target is a tiny random Llama (hf backend), one process."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+
+import pytest
+import torch
+from test_train_online import _assert_same_losses, _losses, _new_run, _samples, _train_overrides
+from tiny_runs import write_tiny_llama
+
+from eagleforge.config import load_config, run_main
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+CACHE = "train.cache_gb=0.0002"  # about half of the first epoch (the two-rank online test's figure)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """The target, 22 samples, and an uninterrupted online run with the cache (2 epochs)."""
+    from eagleforge.train.loop import train
+
+    root = tmp_path_factory.mktemp("online_faults")
+    target = write_tiny_llama(root / "target")
+    rows = _samples(22, seed=4, vocab=211)
+    whole = _new_run(root, "whole", rows)
+    train(load_config(None, _train_overrides(whole, target, "train.source=online", CACHE)))
+    return {"root": root, "target": target, "rows": rows, "whole": whole}
+
+
+def _cfg(setup, run, *extra):
+    return load_config(None, _train_overrides(run, setup["target"], "train.source=online", "train.save_every=2", *extra))
+
+
+def _epoch_steps(cfg) -> int:
+    from eagleforge.train.schedule import make_batches
+    from eagleforge.vocab import training_sample_count
+
+    lengths = [len(r["input_ids"]) for r in json.loads("[" + ",".join(
+        (cfg.run / "data" / "samples.jsonl").read_text().splitlines()) + "]")]
+    n_train = training_sample_count(len(lengths), cfg.train.holdout_samples, "samples")
+    return len(make_batches(lengths, list(range(n_train)), cfg.train.batch_tokens, cfg.train.seed, 0))
+
+
+def _one_line(capsys, main) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        run_main(main, "train", argv=[])
+    assert exit_.value.code == 2
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.strip() and "%|" not in x]
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated"])
+def test_a_damaged_cache_shard_is_refused_by_name_when_a_later_epoch_needs_it(setup, damage, capsys):
+    from eagleforge.train.loop import train
+
+    run = _new_run(setup["root"], f"damaged_{damage}", setup["rows"])
+    cfg = _cfg(setup, run, CACHE)
+    train(cfg, stop_after_step=_epoch_steps(cfg))  # the first epoch, its cache written
+    shard = sorted((run / "hidden").glob("shard-*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    if damage == "flipped":
+        data[len(data) // 2] ^= 0xFF
+    else:
+        data = data[: len(data) // 2]
+    shard.write_bytes(bytes(data))
+    line = _one_line(capsys, lambda _: train(_cfg(setup, run, CACHE)))
+    assert line.startswith(f"error: {shard}: ") and ("corrupt" if damage == "flipped" else "truncated") in line, line
+
+
+def test_disk_full_while_the_cache_is_written_stops_with_one_line_and_resumes_with_a_smaller_cache(setup, capsys, monkeypatch):
+    """The fourth cache shard finds the disk full: one line naming it, training stopped cleanly
+    (its last checkpoint kept). Resumed with train.cache_gb=0 (no cache), the run finishes with
+    the uninterrupted run's losses (the cache changes which states are read, not their values)."""
+    import safetensors.torch
+
+    from eagleforge.train.loop import train
+
+    run = _new_run(setup["root"], "disk_full", setup["rows"])
+    save_file, written = safetensors.torch.save_file, []
+
+    def fills_up(tensors, filename, *args, **kwargs):
+        if "shard-" in os.path.basename(filename):
+            if len(written) >= 3:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            written.append(filename)
+        return save_file(tensors, filename, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", fills_up)
+    line = _one_line(capsys, lambda _: train(_cfg(setup, run, "train.cache_gb=0.001")))  # most of the first epoch
+    assert "cannot write, no space left on device (errno ENOSPC" in line and "/hidden/shard-" in line, line
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*")), "no checkpoint kept"
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+    train(_cfg(setup, run, "train.cache_gb=0"))
+    _assert_same_losses(run, setup["whole"], rel=1e-5)
+
+
+@pytest.mark.parametrize("resumed_with", ["train.cache_gb=0.0001", "train.cache_gb=0", "train.cache_gb=0.001"])
+def test_a_resume_with_another_cache_size_keeps_what_the_cache_holds(setup, resumed_with):
+    """Killed in the second epoch (after a checkpoint), resumed with a smaller, no or a larger
+    cache: the uninterrupted run's losses; the larger plan does not wait for shards the first
+    epoch never wrote (before: the resume was refused, the config had changed)."""
+    from eagleforge.train.loop import train
+
+    run = _new_run(setup["root"], f"resized_{resumed_with.split('=')[1]}", setup["rows"])
+    cfg = _cfg(setup, run, CACHE)
+    train(cfg, stop_after_step=_epoch_steps(cfg) + 2)
+    train(_cfg(setup, run, resumed_with))
+    _assert_same_losses(run, setup["whole"], rel=1e-5)
+
+
+def test_a_target_forward_with_nan_for_one_sample_skips_it_and_counts_it(setup, monkeypatch, caplog):
+    """The target's states of one training sample hold NaN (in every epoch): the sample is skipped
+    (no loss row, its states never cached) and counted in train_summary.json, the run finishes with
+    finite losses and no skipped step."""
+    from eagleforge.extract import hf
+    from eagleforge.train.loop import train
+    from eagleforge.train.schedule import make_batches
+
+    run = _new_run(setup["root"], "nan_sample", setup["rows"])
+    cfg = _cfg(setup, run, CACHE)
+    lengths = [len(r["input_ids"]) for r in setup["rows"]]
+    first = make_batches(lengths, list(range(len(lengths) - cfg.train.holdout_samples)), cfg.train.batch_tokens,
+                         cfg.train.seed, 0)[0][0]  # in the first batch of epoch 0: one the cache keeps
+    poisoned = setup["rows"][first]["input_ids"]
+    forward = hf.forward_batch  # the packed rows of the forward's samples, in their order
+
+    def nan_for_one(model, capture, input_ids, *args, **kwargs):
+        rows = forward(model, capture, input_ids, *args, **kwargs)
+        start = 0
+        for ids in input_ids:
+            if ids == poisoned:
+                with torch.inference_mode():  # the forward's rows are inference tensors
+                    rows["aux_hidden_states"][start:start + len(ids)] = float("nan")
+            start += len(ids)
+        return rows
+
+    monkeypatch.setattr(hf, "forward_batch", nan_for_one)
+    summary = train(cfg)
+    assert summary["skipped_samples"] == 1
+    assert all(torch.isfinite(torch.tensor(loss)) for _, loss in _losses(run))
+    assert f"sample {first}: the target's hidden states held NaN/Inf; skipped" in caplog.text
+    from eagleforge.shards import ShardReader
+
+    reader = ShardReader(run / "hidden", verify_checksums=True)
+    assert first not in reader.sample_ids() and any(first in e.get("skipped_ids", []) for e in reader.shards)
