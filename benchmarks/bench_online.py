@@ -108,6 +108,8 @@ def main(argv=None) -> dict:
     fuse_weight_grads(draft, param_dtype == torch.bfloat16)
     draft.set_vocab_map(torch.zeros(vd, dtype=torch.int64), torch.arange(args.vocab_size) < vd)  # draft ids = the first Vd
     draft.embed_tokens.weight.requires_grad_(False)
+    if target.model.embed_tokens.weight.dtype == param_dtype:  # as the trainer at tp 1: the target's own tensor
+        draft.embed_tokens.weight = torch.nn.Parameter(target.model.embed_tokens.weight, requires_grad=False)
     teacher_head = (torch.randn(vd, args.hidden_size, device=device) * 0.02).to(torch.bfloat16 if tc.bf16 else torch.float32)
     model = DraftWithLoss(draft, ttt_loss_of(cfg, teacher_head, device, tc.activation_checkpoint, tc.compile))
     params = [q for q in model.parameters() if q.requires_grad]
