@@ -481,9 +481,11 @@ STAGES = {
 ORDER = list(STAGES)
 
 
-def classify(stage: Stage, snap: dict, before: dict, started_ns: int, total_steps: int | None, run: Path) -> str:
+def classify(stage: Stage, snap: dict, before: dict, started_ns: int, total_steps: int | None, run: Path,
+             log: str = "") -> str:
     """The phase a kill landed in, from the run directory as it was at the kill (`before`: as it
-    was when this run started; temp files an earlier kill left there say nothing about this one)."""
+    was when this run started; temp files an earlier kill left there say nothing about this one)
+    and this run's log lines (`log`)."""
     fresh = {rel for rel, (_, mtime, _) in snap.items() if mtime >= started_ns}
     temp = sorted(rel for rel in snap if is_temp(rel) and before.get(rel) != snap[rel])
 
@@ -513,9 +515,9 @@ def classify(stage: Stage, snap: dict, before: dict, started_ns: int, total_step
         return "startup"
     if stage.name == "data":
         conv = run / "data" / "conversations.jsonl"
-        if "data/conversations.jsonl" not in snap:
+        if "regeneration:" not in log:  # logged as the first batch starts
             return "prompts and target load"
-        data = conv.read_bytes()
+        data = conv.read_bytes() if "data/conversations.jsonl" in snap else b""
         if data and not data.endswith(b"\n"):
             return "conversations append (torn line)"
         if data.count(b"\n") < 8:
@@ -540,6 +542,8 @@ def classify(stage: Stage, snap: dict, before: dict, started_ns: int, total_step
             return "final checkpoint and held-out eval"
         return "train steps" if stage.name != "online" else "target forward and train steps"
     if stage.name == "eval":
+        if "eval: " not in log:  # logged as decoding starts
+            return "target and draft load"
         if "eval/results.json" not in fresh:
             return "decoding"
         return "plots"
@@ -892,7 +896,8 @@ class Soak:
         pids = freeze(proc.pid)
         at = time.monotonic() - t0
         snap = scan(run)
-        phase = fs_phase(stage, hit, run, cache) if hit else classify(stage, snap, before, started_ns, total_steps, run)
+        section = _tail(logfile, 20000).rsplit("\n===== ", 1)[-1]  # this run's lines
+        phase = fs_phase(stage, hit, run, cache) if hit else classify(stage, snap, before, started_ns, total_steps, run, section)
         kill_all(pids)
         rc = proc.wait(30)
         gone = time.monotonic() + 10
