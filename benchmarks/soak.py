@@ -824,6 +824,7 @@ class Reference:
 
 class Soak:
     def __init__(self, out: Path, seed: int, spawn: bool, log: Callable[[str], None] = print):
+        out = Path(out).resolve()  # the file-system points are absolute paths
         self.out, self.seed, self.log = out, seed, log
         self.env = base_env()
         self.runner = Spawner(self.env) if spawn else Zygote(self.env)
@@ -1113,6 +1114,7 @@ def run_soak(out: Path, seed: int, kills: int | dict, stages: list[str] | None =
     """Soak `stages` until each has taken `kills` kills (an int, or a dict per stage), trials of 1
     to `max_kills` kills; `cover`: per stage, the kill moments to take first (Soak.plan). The report."""
     stages = stages or ORDER
+    out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     log(f"soak: seed {seed}, {len(stages)} stages, {'fresh processes' if spawn else 'forked from one process'}, out {out}")
