@@ -861,59 +861,63 @@ class Soak:
         started_ns = time.time_ns()
         t0 = time.monotonic()
         proc = self.runner.start(stage.module, self.args(stage, run), env, logfile)
-        seen: dict[str, set] = {e.name: {rel for rel in before if e.match(rel)} for e in stage.events}
-        counts = Counter()
-        kind = plan["kind"] if plan else None
-        event = next((e for e in stage.events if kind == "event" and e.name == plan["event"]), None)
-        fire_at = t0 + plan["delay_s"] if kind == "timed" else None
-        deadline = t0 + stage.timeout_s
-        hit = None
-        while True:
-            rc = proc.poll()
-            if rc is not None:
-                return {"killed": False, "rc": rc, "seconds": time.monotonic() - t0, "appearances": dict(counts),
-                        "fs_calls": _fs_calls(fault_file) if plan is None else {}}
-            now = time.monotonic()
-            if now > deadline:
-                pids = freeze(proc.pid)
-                kill_all(pids)
-                proc.wait(30)
-                return {"killed": False, "rc": None, "hung": True, "seconds": now - t0, "appearances": dict(counts)}
-            if kind in (None, "event") and fire_at is None:
-                current = scan(run)
-                for e in stage.events:
-                    now_present = {rel for rel in current if e.match(rel)}
-                    counts[e.name] += len(now_present - seen[e.name])
-                    seen[e.name] = now_present
-                if event is not None and counts[event.name] >= plan["occurrence"]:
-                    fire_at = now + plan["jitter_s"]
-            if kind == "fs" and fire_at is None:
-                hit = _fs_hit(fault_file)
-                if hit is not None:
-                    fire_at = now
-            if fire_at is not None and now >= fire_at:
-                break
-            time.sleep(POLL_S if kind != "timed" else min(POLL_S * 5, max(0.0, fire_at - now)))
-        pids = freeze(proc.pid)
-        at = time.monotonic() - t0
-        snap = scan(run)
-        section = _tail(logfile, 20000).rsplit("\n===== ", 1)[-1]  # this run's lines
-        phase = fs_phase(stage, hit, run, cache) if hit else classify(stage, snap, before, started_ns, total_steps, run, section)
-        kill_all(pids)
-        rc = proc.wait(30)
-        gone = time.monotonic() + 10
-        while time.monotonic() < gone and any(alive(p) for p in pids):
-            time.sleep(0.02)
-        survivors = [p for p in pids if alive(p)] + [p for p in tagged(tag) if p not in pids]
-        kill_all(survivors)
-        if rc is not None and rc != -signal.SIGKILL:  # it had ended by itself just before
-            return {"killed": False, "rc": rc, "seconds": at, "appearances": dict(counts)}
-        record = {"killed": True, "at_s": round(at, 3), "phase": phase, "processes": len(pids),
-                  "temp_at_kill": sorted(rel for rel in snap if is_temp(rel) and before.get(rel) != snap[rel])[:6],
-                  "last_line": _last_line(logfile), "survivors": survivors}
-        if hit:
-            record["fs_point"] = fs_point(hit, run, cache)
-        return record
+        try:
+            seen: dict[str, set] = {e.name: {rel for rel in before if e.match(rel)} for e in stage.events}
+            counts = Counter()
+            kind = plan["kind"] if plan else None
+            event = next((e for e in stage.events if kind == "event" and e.name == plan["event"]), None)
+            fire_at = t0 + plan["delay_s"] if kind == "timed" else None
+            deadline = t0 + stage.timeout_s
+            hit = None
+            while True:
+                rc = proc.poll()
+                if rc is not None:
+                    return {"killed": False, "rc": rc, "seconds": time.monotonic() - t0, "appearances": dict(counts),
+                            "fs_calls": _fs_calls(fault_file) if plan is None else {}}
+                now = time.monotonic()
+                if now > deadline:
+                    pids = freeze(proc.pid)
+                    kill_all(pids)
+                    proc.wait(30)
+                    return {"killed": False, "rc": None, "hung": True, "seconds": now - t0, "appearances": dict(counts)}
+                if kind in (None, "event") and fire_at is None:
+                    current = scan(run)
+                    for e in stage.events:
+                        now_present = {rel for rel in current if e.match(rel)}
+                        counts[e.name] += len(now_present - seen[e.name])
+                        seen[e.name] = now_present
+                    if event is not None and counts[event.name] >= plan["occurrence"]:
+                        fire_at = now + plan["jitter_s"]
+                if kind == "fs" and fire_at is None:
+                    hit = _fs_hit(fault_file)
+                    if hit is not None:
+                        fire_at = now
+                if fire_at is not None and now >= fire_at:
+                    break
+                time.sleep(POLL_S if kind != "timed" else min(POLL_S * 5, max(0.0, fire_at - now)))
+            pids = freeze(proc.pid)
+            at = time.monotonic() - t0
+            snap = scan(run)
+            section = _tail(logfile, 20000).rsplit("\n===== ", 1)[-1]  # this run's lines
+            phase = fs_phase(stage, hit, run, cache) if hit else classify(stage, snap, before, started_ns, total_steps, run, section)
+            kill_all(pids)
+            rc = proc.wait(30)
+            gone = time.monotonic() + 10
+            while time.monotonic() < gone and any(alive(p) for p in pids):
+                time.sleep(0.02)
+            survivors = [p for p in pids if alive(p)] + [p for p in tagged(tag) if p not in pids]
+            kill_all(survivors)
+            if rc is not None and rc != -signal.SIGKILL:  # it had ended by itself just before
+                return {"killed": False, "rc": rc, "seconds": at, "appearances": dict(counts)}
+            record = {"killed": True, "at_s": round(at, 3), "phase": phase, "processes": len(pids),
+                      "temp_at_kill": sorted(rel for rel in snap if is_temp(rel) and before.get(rel) != snap[rel])[:6],
+                      "last_line": _last_line(logfile), "survivors": survivors}
+            if hit:
+                record["fs_point"] = fs_point(hit, run, cache)
+            return record
+        except BaseException:  # Ctrl-C or SIGTERM of the soak: no stage process outlives it
+            kill_all(freeze(proc.pid))
+            raise
 
     # -- references
 
@@ -1171,6 +1175,10 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt  # SIGTERM cleans up as Ctrl-C does: the stage's processes, the zygote
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kills", type=int, default=30, help="kills per stage (default 30: 210 over the 7 stages)")
@@ -1186,6 +1194,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.zygote:
         zygote_main()
         return 0
+    signal.signal(signal.SIGTERM, _interrupt)
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
