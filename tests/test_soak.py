@@ -70,3 +70,22 @@ def test_a_kill_during_the_export_leaves_nothing_behind(short_soak):
                                        "nothing and so never prunes again")
 def test_a_kill_while_the_last_checkpoint_prunes_an_old_one_leaves_nothing_behind(short_soak):
     _check(short_soak.trial("train", TRIAL_SEED, 1, ["fs-last:after unlink checkpoints/step-N/__"]), 1)
+
+
+@pytest.mark.xfail(strict=True, reason="a kill between the two renames of a re-export (a rerun of a finished train stage "
+                                       "moves RUN/draft aside, then renames the new one in) leaves no RUN/draft until the "
+                                       "rerun, and .old-draft-<pid> and .tmp-draft-<pid> after it")
+def test_a_kill_between_the_two_renames_of_a_re_export_leaves_nothing_behind(short_soak):
+    import shutil
+
+    stage, ref = soak.STAGES["train"], short_soak.reference("train")
+    run = short_soak.out / "trials" / "re-export" / "run"
+    shutil.rmtree(run.parent, ignore_errors=True)
+    shutil.copytree(ref.run, run, symlinks=True)  # a finished run: the rerun exports again
+    logfile, cache = run.parent / "stage.log", run.parent / "cache"
+    plan = {"kind": "fs", "rank": "", "op": "replace", "path": "^draft$", "n": 1, "when": "after"}
+    killed = short_soak.attempt(stage, run, cache, logfile, plan, "re-export", ref.total_steps)
+    assert killed["killed"] and killed["fs_point"] == "after replace draft -> .old-draft-N", killed
+    assert short_soak.attempt(stage, run, cache, logfile, None, "re-export", ref.total_steps)["rc"] == 0, soak._tail(logfile)
+    left = sorted(rel for rel in soak.names(run) - soak.names(ref.run))
+    assert not left and (run / "draft" / "model.safetensors").is_file(), left
