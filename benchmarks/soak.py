@@ -628,6 +628,8 @@ def fs_phase(stage: Stage, hit: dict, run: Path, cache: Path) -> str:
     path = _short(hit["paths"][0], run, cache)
     dest = _short(hit["paths"][-1], run, cache)
     online = stage.name == "online"
+    if path in ("checkpoints", "checkpoints" + os.sep):
+        return "checkpoint save (publish)"  # the directory's fsync after the rename (replace_dir)
     if path.startswith("checkpoints"):
         if ".old-step" in path or ".old-step" in dest:
             return "checkpoint swap"
@@ -646,6 +648,8 @@ def fs_phase(stage: Stage, hit: dict, run: Path, cache: Path) -> str:
                           ("EAGLEFORGE_CACHE/ngram", "ngram cache write")):
         if needle in path:
             return phase
+    if op == "fsync" and path in ("", "data", "eval"):
+        return f"{path or 'RUN'}/ directory fsync after a rename"
     return f"file-system: {op} {path}"
 
 
@@ -997,8 +1001,9 @@ class Soak:
                 return {"kind": "event", "event": wanted, "occurrence": rng.randint(1, ref.appearances[wanted]),
                         "jitter_s": round(rng.uniform(0, event.jitter_s), 4)}
         draw = rng.random()
-        if draw < 0.35 and points:
-            return dict(rng.choice(points))
+        if draw < 0.35 and points:  # a point's description first (each write as likely), then one of its calls
+            point = rng.choice(sorted({p["point"] for p in points}))
+            return dict(rng.choice([p for p in points if p["point"] == point]))
         if draw < 0.7 and events:
             event = rng.choice(events)
             return {"kind": "event", "event": event.name, "occurrence": rng.randint(1, ref.appearances[event.name]),
