@@ -60,6 +60,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import select
 import shutil
 import signal
@@ -138,7 +139,12 @@ def sha256(path: Path) -> str:
 
 
 def is_temp(rel: str) -> bool:
-    return any(part.startswith((".tmp-", ".old-")) for part in rel.split(os.sep))
+    """eagleforge's temporary names (.tmp-NAME, .old-NAME-PID: eagleforge/atomic.py) and the
+    .tmpXXXXXX file that safetensors' save_file writes beside its target before renaming it."""
+    return any(part.startswith((".tmp-", ".old-")) or _SAFETENSORS_TMP.fullmatch(part) for part in rel.split(os.sep))
+
+
+_SAFETENSORS_TMP = re.compile(r"\.tmp[A-Za-z0-9]{6}")
 
 
 # ----------------------------------------------------------------------------- processes
@@ -457,6 +463,7 @@ STAGES = {
     ]),
     "vocab": Stage("vocab", "eagleforge.vocab", "extract", [], [
         Event("vocab write", _under("vocab/", ".tmp-"), 0.005),
+        Event("safetensors temp file", lambda rel: rel.startswith("vocab/") and bool(_SAFETENSORS_TMP.fullmatch(rel[6:])), 0.0),
     ]),
     "train": Stage("train", "eagleforge.train", "vocab", [], [
         Event("checkpoint save", _under("checkpoints/", ".tmp-step"), 0.03),
@@ -509,6 +516,11 @@ def classify(stage: Stage, snap: dict, before: dict, started_ns: int, total_step
                           (".tmp-config", "config write")):
         if has(prefix):
             return phase
+    for rel in temp:
+        if _SAFETENSORS_TMP.fullmatch(os.path.basename(rel)):  # inside save_file, before its own rename
+            where = os.path.dirname(rel)
+            return {"vocab": "vocab write", "hidden": "cache write" if stage.name == "online" else "shard write"}.get(
+                where, "write of a safetensors file in " + (where or "RUN")) + " (safetensors' temp file)"
     if temp:
         return "write of " + temp[0]
     if "config.yaml" not in fresh:
@@ -574,8 +586,6 @@ def _fs_calls(path: Path) -> dict[str, list]:
 
 def _short(path: str, run: Path, cache: Path, digits: bool = True) -> str:
     """`path` from RUN (or EAGLEFORGE_CACHE/) on; digits as N unless `digits` is false."""
-    import re
-
     for root, name in ((str(run), ""), (str(cache), "EAGLEFORGE_CACHE/")):
         if path.startswith(root + os.sep):
             path = name + path[len(root) + 1:]
@@ -594,8 +604,6 @@ def fs_point(hit: dict, run: Path, cache: Path) -> str:
 def _path_pattern(rel: str) -> str:
     """A regular expression for `rel` in any run: the process id that names a temporary directory
     (`.tmp-draft-<pid>`, `.old-<name>-<pid>`: eagleforge/atomic.py) matches any number."""
-    import re
-
     out, pos = [], 0
     for m in re.finditer(r"\.(?:tmp-draft|old-[^/]+)-(\d+)(?=/|$)", rel):
         out += [re.escape(rel[pos:m.start(1)]), r"\d+"]
@@ -983,8 +991,6 @@ class Soak:
         (the n-th call of that op on that path in that rank's process). `cover`: moments to take
         first, by write phase name or by a regular expression over the file-system points'
         descriptions ("fs:REGEX": a random match, "fs-first:REGEX", "fs-last:REGEX")."""
-        import re
-
         events = [e for e in stage.events if ref.appearances.get(e.name)]
         points = fs_plans(ref)
         while cover:
