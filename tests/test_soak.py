@@ -57,7 +57,7 @@ def test_a_killed_stage_reruns_to_the_uninterrupted_outputs(short_soak, stage):
     _check(short_soak.trial(stage, TRIAL_SEED, len(SHORT[stage]), SHORT[stage]), len(SHORT[stage]))
 
 
-# The same check at two moments that leave something behind today (RELIABILITY.md, "Kill-and-resume soak").
+# The same check at three moments that leave something behind today (RELIABILITY.md, "Kill-and-resume soak").
 
 @pytest.mark.xfail(strict=True, reason="a kill between the export's write and its rename leaves RUN/.tmp-draft-<pid>: "
                                        "atomic_dir names its temporary directory by the process id and no later run removes it")
