@@ -835,9 +835,9 @@ class Reference:
 
 
 class Soak:
-    def __init__(self, out: Path, seed: int, spawn: bool, log: Callable[[str], None] = print):
+    def __init__(self, out: Path, seed: int, spawn: bool, log: Callable[[str], None] = print, overrides: list[str] = ()):
         out = Path(out).resolve()  # the file-system points are absolute paths
-        self.out, self.seed, self.log = out, seed, log
+        self.out, self.seed, self.log, self.overrides = out, seed, log, list(overrides)
         self.env = base_env()
         self.runner = Spawner(self.env) if spawn else Zygote(self.env)
         self.refs: dict[str, Reference] = {}
@@ -853,7 +853,7 @@ class Soak:
     # -- running one attempt
 
     def args(self, stage: Stage, run: Path) -> list[str]:
-        return [f"run_dir={run}", f"target.path={self.target}", *COMMON, *stage.extra]
+        return [f"run_dir={run}", f"target.path={self.target}", *COMMON, *stage.extra, *self.overrides]
 
     def attempt(self, stage: Stage, run: Path, cache: Path, logfile: Path, plan: dict | None, tag: str,
                 total_steps: int | None = None) -> dict:
@@ -1125,16 +1125,17 @@ def make_target(path: Path) -> None:
 
 def run_soak(out: Path, seed: int, kills: int | dict, stages: list[str] | None = None, max_kills: int = 3,
              cover: dict | None = None, check_reference: bool = True, spawn: bool = False, keep: bool = False,
-             log: Callable[[str], None] = print) -> dict:
+             log: Callable[[str], None] = print, overrides: list[str] = ()) -> dict:
     """Soak `stages` until each has taken `kills` kills (an int, or a dict per stage), trials of 1
     to `max_kills` kills; `cover`: per stage, the kill moments to take first (Soak.plan). The report."""
     stages = stages or ORDER
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
-    log(f"soak: seed {seed}, {len(stages)} stages, {'fresh processes' if spawn else 'forked from one process'}, out {out}")
+    log(f"soak: seed {seed}, {len(stages)} stages, {'fresh processes' if spawn else 'forked from one process'}, out {out}"
+        + (f", overrides {' '.join(overrides)}" if overrides else ""))
     start = time.monotonic()
-    soak = Soak(out, seed, spawn, log)  # the zygote imports meanwhile
+    soak = Soak(out, seed, spawn, log, overrides)  # the zygote imports meanwhile
     make_target(out / "target")
     try:
         for name in stages:
@@ -1152,6 +1153,7 @@ def run_soak(out: Path, seed: int, kills: int | dict, stages: list[str] | None =
     finally:
         soak.close()
     report = summarize(soak, seed, stages, time.monotonic() - start, spawn)
+    report["overrides"] = list(overrides)
     (out / "report.json").write_text(json.dumps(report, indent=1))
     log(format_report(report))
     return report
@@ -1200,6 +1202,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spawn", action="store_true", help="every run a fresh python -m process")
     parser.add_argument("--keep", action="store_true", help="keep the trials that passed too")
     parser.add_argument("--no-reference-check", action="store_true", help="skip the second uninterrupted run per stage")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every stage's runs, e.g. --set train.bf16=false (repeatable)")
     parser.add_argument("--zygote", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.zygote:
@@ -1214,7 +1218,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or Path(tempfile.mkdtemp(prefix="eagleforge-soak-"))
     cover = {name: [e.name for e in STAGES[name].events] for name in stages}  # each write phase at least once
     report = run_soak(out, seed, args.kills, stages, args.max_kills_per_trial, cover, check_reference=not args.no_reference_check,
-                      spawn=args.spawn, keep=args.keep, log=lambda line: print(line, flush=True))
+                      spawn=args.spawn, keep=args.keep, log=lambda line: print(line, flush=True), overrides=args.set)
     return 1 if report["failures"] else 0
 
 
