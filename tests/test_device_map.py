@@ -150,6 +150,7 @@ def test_max_memory_is_parsed_into_accelerates_form():
     (["target.max_memory=[0:1GiB]"], r"'target.max_memory' is set but target.device_map is none"),
     (["target.offload_folder=/tmp/x"], r"'target.offload_folder' is set but target.device_map is none"),
     (["target.backend=native", "target.device_map=auto"], r"'target.device_map' = 'auto' is for the hf backend; the native backend"),
+    (["target.pp=3"], r"'target.pp' = 3 is for the native backend \(target.backend=native\); the hf backend spreads"),
 ])
 def test_bad_device_map_keys_are_one_line_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
