@@ -41,9 +41,11 @@ and the data position is global.
 from eagleforge.config import Config, run_main, save_config
 from eagleforge.layout import env_rank
 from eagleforge.train.loop import train
+from eagleforge.train.onednn import bound_caches
 
 
 def main(cfg: Config) -> None:
+    bound_caches()  # before the first CPU matmul: each library reads its capacity once
     if env_rank() == 0:  # one writer under torchrun
         save_config(cfg, cfg.run / "config.yaml")
     summary = train(cfg)
