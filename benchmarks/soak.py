@@ -139,9 +139,11 @@ def sha256(path: Path) -> str:
 
 
 def is_temp(rel: str) -> bool:
-    """eagleforge's temporary names (.tmp-NAME, .old-NAME-PID: eagleforge/atomic.py) and the
-    .tmpXXXXXX file that safetensors' save_file writes beside its target before renaming it."""
-    return any(part.startswith((".tmp-", ".old-")) or _SAFETENSORS_TMP.fullmatch(part) for part in rel.split(os.sep))
+    """eagleforge's temporary names (.tmp-NAME, .old-NAME-HOST-PID: eagleforge/atomic.py; a pruned
+    checkpoint's .pruned-step-N) and the .tmpXXXXXX file that safetensors' save_file writes beside
+    its target before renaming it."""
+    return any(part.startswith((".tmp-", ".old-", ".pruned-")) or _SAFETENSORS_TMP.fullmatch(part)
+               for part in rel.split(os.sep))
 
 
 _SAFETENSORS_TMP = re.compile(r"\.tmp[A-Za-z0-9]{6}")
@@ -504,6 +506,8 @@ def classify(stage: Stage, snap: dict, before: dict, started_ns: int, total_step
         return "checkpoint save (publish)" if f"{step_dir}/checksums.json" in snap else "checkpoint save (write)"
     if has(".old-step"):
         return "checkpoint swap"
+    if has(".pruned-step"):
+        return "checkpoint prune"
     if has(".tmp-draft") or has(".old-draft"):
         return "export"
     if has(".tmp-shard"):
@@ -602,11 +606,12 @@ def fs_point(hit: dict, run: Path, cache: Path) -> str:
 
 
 def _path_pattern(rel: str) -> str:
-    """A regular expression for `rel` in any run: the process id that names a temporary directory
-    (`.tmp-draft-<pid>`, `.old-<name>-<pid>`: eagleforge/atomic.py) matches any number."""
+    """A regular expression for `rel` in any run: the host and process id that name a temporary
+    directory (`.tmp-draft-<host>-<pid>`, `.old-<name>-<host>-<pid>`: eagleforge/atomic.py) match
+    any."""
     out, pos = [], 0
-    for m in re.finditer(r"\.(?:tmp-draft|old-[^/]+)-(\d+)(?=/|$)", rel):
-        out += [re.escape(rel[pos:m.start(1)]), r"\d+"]
+    for m in re.finditer(r"\.(?:tmp-draft|old-[^/]+?)-([A-Za-z0-9._]+-\d+)(?=/|$)", rel):
+        out += [re.escape(rel[pos:m.start(1)]), r"[A-Za-z0-9._]+-\d+"]
         pos = m.end(1)
     return "^" + "".join(out) + re.escape(rel[pos:]) + "$"
 
@@ -641,6 +646,8 @@ def fs_phase(stage: Stage, hit: dict, run: Path, cache: Path) -> str:
     if path.startswith("checkpoints"):
         if ".old-step" in path or ".old-step" in dest:
             return "checkpoint swap"
+        if ".pruned-step" in path or ".pruned-step" in dest:
+            return "checkpoint prune"
         if ".tmp-step" in path:
             return "checkpoint save (publish)" if op in ("replace", "rename") and ".tmp-step" not in dest else "checkpoint save (write)"
         return "checkpoint save (publish)" if op in ("replace", "rename") else "checkpoint prune"

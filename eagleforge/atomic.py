@@ -1,5 +1,6 @@
 """Crash-safe file writes: a reader (or a resumed run) finds the old file or the whole new one,
-never a part. Every writer here: a temporary name beside the target, write, fsync, os.replace,
+never a part, and a write killed half-way leaves nothing that the next write of the same target
+does not remove. Every writer here: a temporary name beside the target, write, fsync, rename,
 fsync the directory (the rename is durable only once the directory entry is on disk, POSIX).
 
     with atomic_path(run / "shard.safetensors") as tmp:   # any writer that takes a file name
@@ -14,9 +15,13 @@ Plain standard library, so the draft library uses it too.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import json
 import os
+import re
 import shutil
+import socket
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -31,21 +36,34 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def remove_path(path: Path) -> None:
+    """Remove a file or a whole directory tree, whichever `path` is; nothing if it is absent."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yields `.tmp-<name>` beside `path`; on a clean exit fsyncs it and renames it over `path`;
-    on any error (disk full, Ctrl-C) removes it and re-raises, leaving `path` as it was."""
+    """Yields `.tmp-<name>/<name>` beside `path`, in a directory of its own; on a clean exit
+    fsyncs it and renames it over `path`; on any error (disk full, Ctrl-C) removes it and
+    re-raises, leaving `path` as it was. The directory holds whatever the writer makes beside its
+    file too (safetensors' save_file writes a randomly named `.tmpXXXXXX` and renames it), so a
+    kill leaves one known name, `.tmp-<name>`, which the next write of `path` removes first."""
     path = Path(path)
-    tmp = path.with_name(f".tmp-{path.name}")
+    scratch = path.with_name(f".tmp-{path.name}")
+    remove_path(scratch)
+    scratch.mkdir()
+    tmp = scratch / path.name
     try:
         yield tmp
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         fsync_dir(path.parent)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # after a rename there is nothing left to remove
-        raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
@@ -77,13 +95,40 @@ def fsync_tree(path: Path) -> None:
         fsync_dir(Path(folder))
 
 
+# ----------------------------------------------------------------------------- directories
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one step (Linux renameat2 with RENAME_EXCHANGE): no moment
+    where either name is missing. False where the system or the file system cannot."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None) if os.name == "posix" else None
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EPERM, errno.ENOTSUP):
+        return False  # not supported here (an old kernel, some network file systems)
+    raise OSError(code, f"cannot swap {a} and {b}: {os.strerror(code)}")
+
+
 def replace_dir(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
     """Make the fully written directory `tmp` durable and swap it in as `path`: a reader finds the
-    old directory or the new one, never a mix (the old one is moved aside first, then removed)."""
+    old directory or the new one, never a mix and never neither. The swap is one exchange of the
+    two names where the system has it (the old directory then sits under `tmp`, removed last);
+    elsewhere the old one is first moved aside to `.old-<name>-<tag>`, which `clear_leftovers`
+    moves back should a kill come before the new one is in place."""
     tmp, path = Path(tmp), Path(path)
     fsync_tree(tmp)
-    old = path.with_name(f".old-{path.name}-{os.getpid()}")
-    shutil.rmtree(old, ignore_errors=True)
+    if path.exists() and _exchange(tmp, path):
+        fsync_dir(path.parent)
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    old = path.with_name(f".old-{path.name}-{_owner_tag()}")
+    remove_path(old)
     if path.exists():
         os.replace(path, old)
     os.replace(tmp, path)
@@ -91,14 +136,58 @@ def replace_dir(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _owner_tag() -> str:
+    """Host and process id: names this process's temporary directories, so two processes (on one
+    host or sharing a file system) never write into one, and a later process knows whose it is."""
+    return f"{re.sub(r'[^A-Za-z0-9.]', '_', socket.gethostname())}-{os.getpid()}"
+
+
+def _is_alive_here(tag: str) -> bool:
+    """Whether the process that `_owner_tag` named may still be running: another host's or a live
+    process here (its own count as alive to the caller that checks before writing)."""
+    host, _, pid = tag.rpartition("-")
+    if host != _owner_tag().rpartition("-")[0] or not pid.isdigit():
+        return True
+    if int(pid) == os.getpid():
+        return False  # this process's own, from before (a pid reused after a kill)
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
+
+
+def clear_leftovers(path: str | os.PathLike) -> None:
+    """Remove what a killed `atomic_dir(path)` of a dead process on this host left beside `path`:
+    its `.tmp-<name>-<tag>` (a partial write, or the old directory after an exchange) and its
+    `.old-<name>-<tag>` (the old directory moved aside), the latter moved back first where `path`
+    itself is missing (a kill between a swap's two renames)."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        return
+    for kind in ("old", "tmp"):  # .old first: it may be the only whole copy
+        prefix = f".{kind}-{path.name}-"
+        for entry in sorted(path.parent.iterdir()):
+            if not entry.name.startswith(prefix) or _is_alive_here(entry.name[len(prefix):]):
+                continue
+            if kind == "old" and not path.exists() and entry.is_dir():
+                os.replace(entry, path)
+                fsync_dir(path.parent)
+            else:
+                remove_path(entry)
+
+
 @contextlib.contextmanager
 def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
-    """Yields an empty `.tmp-<name>-<pid>` beside `path` (two processes never share one); on a
-    clean exit swaps it in (replace_dir); on any error removes it, leaving `path` as it was."""
+    """Yields an empty `.tmp-<name>-<tag>` beside `path` (two processes never share one); on a
+    clean exit swaps it in (replace_dir); on any error removes it, leaving `path` as it was. What
+    a killed earlier writer on this host left is cleared first (clear_leftovers)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    clear_leftovers(path)
+    tmp = path.with_name(f".tmp-{path.name}-{_owner_tag()}")
     tmp.mkdir()
     try:
         yield tmp

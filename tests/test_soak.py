@@ -29,7 +29,7 @@ SHORT = {
     "extract": ["fs-first:before replace hidden/.tmp-shard", "fs-last:after replace hidden/.tmp-shard"],
     "vocab": ["fs:before replace vocab/.tmp-target_head"],
     # step 2's checkpoint half removed as step 6's is published, then step 8's publish
-    "train": ["fs-first:after unlink checkpoints/step-N/__", "fs-last:before replace checkpoints/.tmp-step-N -> checkpoints/step-N"],
+    "train": ["fs-first:after unlink checkpoints/.pruned-step-N/__", "fs-last:before replace checkpoints/.tmp-step-N -> checkpoints/step-N"],
     # the first cached batch's shard renamed, its manifest not yet; then the last checkpoint's index
     "online": ["fs-first:after replace hidden/.tmp-shard", "fs-last:before rename checkpoints/.tmp-step-N/.metadata.tmp"],
     "train2": ["fs-first:after fsync checkpoints/.tmp-step-N/__N_N.distcp \\(rank 1\\)"],
@@ -57,25 +57,20 @@ def test_a_killed_stage_reruns_to_the_uninterrupted_outputs(short_soak, stage):
     _check(short_soak.trial(stage, TRIAL_SEED, len(SHORT[stage]), SHORT[stage]), len(SHORT[stage]))
 
 
-# The same check at three moments that leave something behind today (RELIABILITY.md, "Kill-and-resume soak").
+# Three moments that once left files behind (RELIABILITY.md, "Kill-and-resume soak").
 
-@pytest.mark.xfail(strict=True, reason="a kill between the export's write and its rename leaves RUN/.tmp-draft-<pid>: "
-                                       "atomic_dir names its temporary directory by the process id and no later run removes it")
 def test_a_kill_during_the_export_leaves_nothing_behind(short_soak):
-    _check(short_soak.trial("train", TRIAL_SEED, 1, ["fs:before replace .tmp-draft-N -> draft"]), 1)
+    # the new export written, not yet swapped in: the rerun's export removes the dead process's directory
+    _check(short_soak.trial("train", TRIAL_SEED, 1, ["fs-last:after fsync \\.tmp-draft-\\S*/model\\.safetensors"]), 1)
 
 
-@pytest.mark.xfail(strict=True, reason="a kill while the final checkpoint prunes an old one leaves that one half removed "
-                                       "under its step-* name: the rerun resumes from the final checkpoint, saves "
-                                       "nothing and so never prunes again")
 def test_a_kill_while_the_last_checkpoint_prunes_an_old_one_leaves_nothing_behind(short_soak):
-    _check(short_soak.trial("train", TRIAL_SEED, 1, ["fs-last:after unlink checkpoints/step-N/__"]), 1)
+    # half-way through removing step 6 as step 8 is published: the rerun resumes at step 8, saves nothing,
+    # and still finds no half-removed checkpoint, nor a third one where keep_last is 2
+    _check(short_soak.trial("train", TRIAL_SEED, 1, ["fs-last:after unlink checkpoints/.pruned-step-N/__"]), 1)
 
 
-@pytest.mark.xfail(strict=True, reason="a kill between the two renames of a re-export (a rerun of a finished train stage "
-                                       "moves RUN/draft aside, then renames the new one in) leaves no RUN/draft until the "
-                                       "rerun, and .old-draft-<pid> and .tmp-draft-<pid> after it")
-def test_a_kill_between_the_two_renames_of_a_re_export_leaves_nothing_behind(short_soak):
+def test_a_kill_just_after_a_re_export_swaps_the_directories_leaves_nothing_behind(short_soak):
     import shutil
 
     stage, ref = soak.STAGES["train"], short_soak.reference("train")
@@ -83,9 +78,13 @@ def test_a_kill_between_the_two_renames_of_a_re_export_leaves_nothing_behind(sho
     shutil.rmtree(run.parent, ignore_errors=True)
     shutil.copytree(ref.run, run, symlinks=True)  # a finished run: the rerun exports again
     logfile, cache = run.parent / "stage.log", run.parent / "cache"
-    plan = {"kind": "fs", "rank": "", "op": "replace", "path": "^draft$", "n": 1, "when": "after"}
+    # The swap is one exchange of the two names, after which the old export sits under the
+    # temporary name until it is removed: killed there, RUN/draft is already the new one.
+    plan = {"kind": "fs", "rank": "", "op": "unlink", "path": r"^\.tmp-draft-[A-Za-z0-9._]+-\d+/model\.safetensors$",
+            "n": 1, "when": "before"}
     killed = short_soak.attempt(stage, run, cache, logfile, plan, "re-export", ref.total_steps)
-    assert killed["killed"] and killed["fs_point"] == "after replace draft -> .old-draft-N", killed
+    assert killed["killed"], killed
+    assert (run / "draft" / "model.safetensors").is_file()
     assert short_soak.attempt(stage, run, cache, logfile, None, "re-export", ref.total_steps)["rc"] == 0, soak._tail(logfile)
     left = sorted(rel for rel in soak.names(run) - soak.names(ref.run))
-    assert not left and (run / "draft" / "model.safetensors").is_file(), left
+    assert not left and soak.sha256(run / "draft" / "model.safetensors") == soak.sha256(ref.run / "draft" / "model.safetensors"), left

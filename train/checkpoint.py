@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagleforge.atomic import replace_dir
+from eagleforge.atomic import clear_leftovers, remove_path, replace_dir
 from eagleforge.config import Config, UserInputError, save_config
 from eagleforge.layout import Layout
 from eagleforge.shards import disk_full_errno, disk_full_error
@@ -250,7 +250,29 @@ def _prune(run_dir: Path, keep_last: int) -> None:
     if keep_last < 1:
         return
     for old in list_checkpoints(run_dir)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        # Renamed first, removed after: a step-* name always holds a whole checkpoint, and what a
+        # kill leaves half removed has a name tidy_checkpoints knows.
+        doomed = old.with_name(f".pruned-{old.name}")
+        remove_path(doomed)
+        os.replace(old, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+
+def tidy_checkpoints(run_dir: str | os.PathLike, keep_last: int) -> None:
+    """Remove what a killed save or prune left in RUN/checkpoints (rank 0, before a run looks for
+    its resume point): a save's `.tmp-step-*` (a partial write, or the old copy after a swap), a
+    prune's `.pruned-step-*`, a swap's `.old-step-*` (moved back where its step-* is missing);
+    then the prune to keep_last that the kill cut short (a rerun that resumes at its last step
+    saves nothing, so no save would prune)."""
+    root = checkpoint_dir(run_dir)
+    if not root.is_dir():
+        return
+    for entry in sorted(root.iterdir()):
+        if entry.name.startswith((".tmp-step-", ".pruned-step-")):
+            remove_path(entry)
+        elif m := re.match(r"\.old-(step-\d+)-", entry.name):
+            clear_leftovers(root / m.group(1))
+    _prune(Path(run_dir), keep_last)
 
 
 # ----------------------------------------------------------------------------- load

@@ -40,6 +40,7 @@ from eagleforge.train.checkpoint import (
     load_checkpoint,
     load_draft_from_checkpoint,
     save_checkpoint,
+    tidy_checkpoints,
 )
 from eagleforge.train.distributed import DraftWithLoss, clip_grad_norm, gradient_sync, parallelize, resolve_parallel
 from eagleforge.train.loss import lk_options
@@ -386,6 +387,8 @@ class Trainer:
         return save_checkpoint(self.cfg, self.step, self.model, self.optimizer, self.scheduler, self.data_state(), self.layout)
 
     def maybe_resume(self) -> None:
+        if self.layout.is_main:
+            tidy_checkpoints(self.cfg.run, self.cfg.train.keep_last)  # the others wait in the broadcast below
         if not self.cfg.train.resume:
             return
         path = find_resume_checkpoint(self.cfg, self.layout)
