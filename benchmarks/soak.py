@@ -139,7 +139,7 @@ def sha256(path: Path) -> str:
 
 
 def is_temp(rel: str) -> bool:
-    """eagleforge's temporary names (.tmp-NAME, .old-NAME-HOST-PID: eagleforge/atomic.py; a pruned
+    """eagleforge's temporary names (.tmp-NAME-HOST-PID, .old-NAME-HOST-PID: eagleforge/atomic.py; a pruned
     checkpoint's .pruned-step-N) and the .tmpXXXXXX file that safetensors' save_file writes beside
     its target before renaming it."""
     return any(part.startswith((".tmp-", ".old-", ".pruned-")) or _SAFETENSORS_TMP.fullmatch(part)
@@ -607,10 +607,10 @@ def fs_point(hit: dict, run: Path, cache: Path) -> str:
 
 def _path_pattern(rel: str) -> str:
     """A regular expression for `rel` in any run: the host and process id that name a temporary
-    directory (`.tmp-draft-<host>-<pid>`, `.old-<name>-<host>-<pid>`: eagleforge/atomic.py) match
-    any."""
+    file's directory or a directory swap's (`.tmp-<name>-<host>-<pid>`, `.old-<name>-<host>-<pid>`:
+    eagleforge/atomic.py) match any."""
     out, pos = [], 0
-    for m in re.finditer(r"\.(?:tmp-draft|old-[^/]+?)-([A-Za-z0-9._]+-\d+)(?=/|$)", rel):
+    for m in re.finditer(r"\.(?:tmp|old)-[^/]+?-([A-Za-z0-9._]+-\d+)(?=/|$)", rel):
         out += [re.escape(rel[pos:m.start(1)]), r"[A-Za-z0-9._]+-\d+"]
         pos = m.end(1)
     return "^" + "".join(out) + re.escape(rel[pos:]) + "$"

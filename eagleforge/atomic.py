@@ -1,7 +1,11 @@
 """Crash-safe file writes: a reader (or a resumed run) finds the old file or the whole new one,
-never a part, and a write killed half-way leaves nothing that the next write of the same target
-does not remove. Every writer here: a temporary name beside the target, write, fsync, rename,
-fsync the directory (the rename is durable only once the directory entry is on disk, POSIX).
+never a part. Every writer here: a temporary name beside the target, write, fsync, rename, fsync
+the directory (the rename is durable only once the directory entry is on disk, POSIX).
+
+A temporary name carries its writer's host and process id, `.tmp-<name>-<host>-<pid>`, so what a
+killed write leaves has a known owner: `sweep_leftovers` (each stage's start, over the run
+directory) and the next `atomic_dir` of the same name remove those of dead processes on this
+host and never touch a live writer's or another host's.
 
     with atomic_path(run / "shard.safetensors") as tmp:   # any writer that takes a file name
         save_file(tensors, str(tmp))
@@ -46,14 +50,14 @@ def remove_path(path: Path) -> None:
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yields `.tmp-<name>/<name>` beside `path`, in a directory of its own; on a clean exit
+    """Yields `.tmp-<name>-<tag>/<name>` beside `path`, in a directory of its own; on a clean exit
     fsyncs it and renames it over `path`; on any error (disk full, Ctrl-C) removes it and
     re-raises, leaving `path` as it was. The directory holds whatever the writer makes beside its
     file too (safetensors' save_file writes a randomly named `.tmpXXXXXX` and renames it), so a
-    kill leaves one known name, `.tmp-<name>`, which the next write of `path` removes first."""
+    kill leaves one name that `sweep_leftovers` knows."""
     path = Path(path)
-    scratch = path.with_name(f".tmp-{path.name}")
-    remove_path(scratch)
+    scratch = path.with_name(f".tmp-{path.name}-{_owner_tag()}")
+    remove_path(scratch)  # this process's own, from a killed process whose pid it now has
     scratch.mkdir()
     tmp = scratch / path.name
     try:
@@ -61,9 +65,9 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        fsync_dir(path.parent)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)  # what a kill leaves before this is swept later
+    fsync_dir(path.parent)
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
@@ -173,10 +177,32 @@ def clear_leftovers(path: str | os.PathLike) -> None:
             if not entry.name.startswith(prefix) or _is_alive_here(entry.name[len(prefix):]):
                 continue
             if kind == "old" and not path.exists() and entry.is_dir():
-                os.replace(entry, path)
-                fsync_dir(path.parent)
+                with contextlib.suppress(FileNotFoundError):  # another sweeper moved it first
+                    os.replace(entry, path)
+                    fsync_dir(path.parent)
             else:
                 remove_path(entry)
+
+
+# `.tmp-<name>-<host>-<pid>` / `.old-<name>-<host>-<pid>` (`_owner_tag`'s host has no "-")
+_LEFTOVER = re.compile(r"\.(?:tmp|old)-(?P<name>.+)-[A-Za-z0-9._]+-\d+")
+
+
+def sweep_leftovers(folder: str | os.PathLike, depth: int = 2) -> None:
+    """`clear_leftovers` for every name under `folder` (and its folders, `depth` levels down) that
+    has a temporary or moved-aside copy: where nothing writes a name again (a vocab file found up
+    to date, a finished cache), its leftover would otherwise stay."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return
+    names = set()
+    for entry in folder.iterdir():
+        if match := _LEFTOVER.fullmatch(entry.name):
+            names.add(match["name"])
+        elif depth > 0 and not entry.name.startswith(".") and entry.is_dir() and not entry.is_symlink():
+            sweep_leftovers(entry, depth - 1)
+    for name in sorted(names):
+        clear_leftovers(folder / name)
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 
 from eagleforge import modes
-from eagleforge.atomic import write_text_atomic
+from eagleforge.atomic import sweep_leftovers, write_text_atomic
 
 
 class ConfigError(ValueError):
@@ -587,12 +587,24 @@ def run_main(main: typing.Callable[[Config], Any], description: str, argv: list[
                 raise SystemExit(code)
             stop_with_launcher()  # a rank: ends with its launcher, even one killed with SIGKILL
         failures.watch_other_ranks()  # and within seconds of another rank's failure
+        _sweep_killed_writes(cfg)
         main(cfg)
     except (ConfigError, FileNotFoundError, UserInputError) as err:
         failures.exit_with_user_error(err)
     except Exception as err:
         failures.exit_if_another_rank_failed(err)  # a rank blocked by another rank's user error: silent
         raise
+
+
+def _sweep_killed_writes(cfg: Config) -> None:
+    """Remove what killed writes of earlier runs on this host left in RUN and in the cache (one
+    process per host; a live writer's temporary files, and other hosts', are left alone)."""
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    from eagleforge.target import cache_root
+
+    sweep_leftovers(cfg.run)
+    sweep_leftovers(cache_root(), depth=1)
 
 
 class UserInputError(ValueError):

@@ -15,7 +15,7 @@ different number of processes, produces the same shards. A single process writes
 `shard-{c:05d}.safetensors`; data-parallel group g writes `shard-g{g}-{c:05d}.safetensors`
 (c is still the global chunk index, so a shard's name says which samples it holds).
 
-Crash safety: a shard is written under `.tmp-<name>`, fsynced, renamed, and only then listed in a
+Crash safety: a shard is written under `.tmp-<name>-<host>-<pid>/<name>` (eagleforge/atomic.py), fsynced, renamed, and only then listed in a
 manifest, itself written as tmp + fsync + rename (+ fsync of the directory). A shard file that
 no manifest lists is garbage from a killed run and is rewritten on resume.
 

@@ -1,6 +1,7 @@
 """Crash-safe writes (eagleforge/atomic.py) killed at their worst moments, in a child process
 SIGKILLed there: the target is the old content or the whole new one, and what the kill left is
-gone after the next write (or after tidy_checkpoints, for a run's checkpoints)."""
+gone after the sweep at a stage's start or the next write (after tidy_checkpoints, for a run's
+checkpoints)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagleforge.atomic import _owner_tag, atomic_dir, atomic_path, clear_leftovers
+from eagleforge.atomic import _owner_tag, atomic_dir, atomic_path, clear_leftovers, sweep_leftovers
 from eagleforge.train.checkpoint import list_checkpoints, tidy_checkpoints
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,14 +46,49 @@ def test_a_writer_killed_beside_its_own_temporary_file_leaves_one_known_name(tmp
             os.kill(os.getpid(), signal.SIGKILL)
     """, str(target))
     assert target.read_bytes() == b"old"
-    assert _listing(tmp_path) == [".tmp-vocab.safetensors", ".tmp-vocab.safetensors/.tmpQ3xZ9a", "vocab.safetensors"]
+    (scratch,) = [p.name for p in tmp_path.iterdir() if p.is_dir()]
+    assert scratch.startswith(".tmp-vocab.safetensors-") and _listing(tmp_path) == [scratch, f"{scratch}/.tmpQ3xZ9a", "vocab.safetensors"]
 
+    sweep_leftovers(tmp_path)  # a stage's start: its writer is gone
+    assert _listing(tmp_path) == ["vocab.safetensors"] and target.read_bytes() == b"old"
     tensors = {"x": torch.randn(3, 5), "y": torch.arange(7)}
     with atomic_path(target) as tmp:
         save_file(tensors, str(tmp))
     assert _listing(tmp_path) == ["vocab.safetensors"]
     got = load_file(target)
     assert all(torch.equal(got[k], v) for k, v in tensors.items())
+
+
+def test_a_write_killed_after_its_rename_leaves_nothing_once_a_stage_starts(tmp_path):
+    # A file written once (a vocab file found up to date on the rerun): nothing writes its name
+    # again, so only the sweep at a stage's start can remove the empty scratch directory. The
+    # sweep goes into the run's folders; a live writer's scratch and a checkpoint's own
+    # temporary directory (tidy_checkpoints' job) are left alone.
+    folder = tmp_path / "run" / "vocab"
+    folder.mkdir(parents=True)
+    _killed_child("""
+        import os, signal, sys
+        import eagleforge.atomic as atomic
+        real_replace = os.replace
+        def replace(src, dst):
+            real_replace(src, dst)
+            os.kill(os.getpid(), signal.SIGKILL)
+        os.replace = replace
+        atomic.write_text_atomic(sys.argv[1], "whole")
+    """, str(folder / "vocab_map.json"))
+    assert (folder / "vocab_map.json").read_text() == "whole"
+    assert [p.name.rsplit("-", 2)[0] for p in folder.iterdir() if p.is_dir()] == [".tmp-vocab_map.json"]
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        live = folder / f".tmp-target_head.safetensors-{_owner_tag().rpartition('-')[0]}-{sleeper.pid}"
+        live.mkdir()
+        (tmp_path / "run" / "checkpoints" / ".tmp-step-000004").mkdir(parents=True)
+        sweep_leftovers(tmp_path / "run")
+        assert _listing(tmp_path / "run") == ["checkpoints", "checkpoints/.tmp-step-000004", "vocab", f"vocab/{live.name}",
+                                              "vocab/vocab_map.json"]
+    finally:
+        sleeper.kill()
+        sleeper.wait()
 
 
 _SWAP = """
