@@ -589,6 +589,7 @@ def run_main(main: typing.Callable[[Config], Any], description: str, argv: list[
         failures.watch_other_ranks()  # and within seconds of another rank's failure
         _sweep_killed_writes(cfg)
         main(cfg)
+        failures.stop_watching()
     except (ConfigError, FileNotFoundError, UserInputError) as err:
         failures.exit_with_user_error(err)
     except Exception as err:

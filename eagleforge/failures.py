@@ -39,6 +39,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import time
 from datetime import timedelta
 from typing import NoReturn
@@ -117,14 +118,16 @@ def exit_if_another_rank_failed(err: BaseException) -> None:
         raise SystemExit(1)
 
 
+_watch_stop = threading.Event()
+_watcher: threading.Thread | None = None
+
+
 def watch_other_ranks() -> None:
     """Under torchrun (WORLD_SIZE > 1, its store reachable): a daemon thread that ends this rank
     (exit code 1, nothing printed) once another rank has posted a user error and it was printed,
     so a failure stops every rank within seconds wherever they are, not at their next collective
     with the failed rank (which NCCL may hold until the process group's timeout). A rank that
     posted an error itself leaves its own exit to exit_with_user_error."""
-    import threading
-
     rank, world = _rank_and_world()
     if world <= 1 or not os.environ.get("MASTER_ADDR") or not os.environ.get("MASTER_PORT"):
         return
@@ -132,7 +135,8 @@ def watch_other_ranks() -> None:
     def watch() -> None:
         board = _Board.connect()
         while board is None:  # the store may come up only with the process group (rank 0 holds it outside torchrun)
-            time.sleep(WATCH_SECONDS)
+            if _watch_stop.wait(WATCH_SECONDS):
+                return
             board = _Board.connect()
         try:
             while True:
@@ -141,7 +145,8 @@ def watch_other_ranks() -> None:
                     return
                 if posted:
                     break
-                time.sleep(WATCH_SECONDS)
+                if _watch_stop.wait(WATCH_SECONDS):
+                    return
         except Exception:  # noqa: BLE001 - no store any more (the run ended): nothing to watch
             return
         try:
@@ -156,7 +161,20 @@ def watch_other_ranks() -> None:
         sys.stderr.flush()
         os._exit(1)  # from any state: blocked in a collective, in a forward, in a write (all atomic)
 
-    threading.Thread(target=watch, name="other-ranks-failures", daemon=True).start()
+    global _watcher
+    _watch_stop.clear()
+    _watcher = threading.Thread(target=watch, name="other-ranks-failures", daemon=True)
+    _watcher.start()
+
+
+def stop_watching() -> None:
+    """End `watch_other_ranks`'s thread once the stage's work is done, before the process exits:
+    no thread is then inside a store call (C++) while the interpreter and torch shut down."""
+    global _watcher
+    _watch_stop.set()
+    if _watcher is not None:
+        _watcher.join(timeout=2 * CONNECT_SECONDS)  # a connect attempt in progress runs out first
+        _watcher = None
 
 
 def _rank_and_world() -> tuple[int, int]:

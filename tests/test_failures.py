@@ -220,3 +220,26 @@ def test_a_group_leader_s_disk_full_stops_every_group_within_seconds(tmp_path):
     assert lines0[0].startswith("error: rank 0: ") and "no space left" in lines0[0] and "errno ENOSPC" in lines0[0]
     assert stopped_s < 15, f"rank 1 ran on for {stopped_s:.0f} s after rank 0's failure"
     assert procs[1].returncode == 1 and "Traceback" not in err1 and "error" not in err1, err1[-3000:]
+
+
+def test_the_watcher_thread_ends_when_the_stage_is_done(monkeypatch):
+    # stop_watching (run_main, after the stage's work) ends the thread that polls the store, so
+    # none is inside a store call (C++) while the process exits.
+    import time
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from eagleforge import failures
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    for key, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port)}.items():
+        monkeypatch.setenv(key, value)
+    failures.watch_other_ranks()
+    thread = failures._watcher
+    time.sleep(3 * failures.WATCH_SECONDS)  # connected and polling
+    assert thread is not None and thread.is_alive()
+    start = time.monotonic()
+    failures.stop_watching()
+    assert not thread.is_alive() and failures._watcher is None
+    assert time.monotonic() - start < 2 * failures.WATCH_SECONDS + 1
