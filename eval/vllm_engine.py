@@ -90,19 +90,20 @@ def run_worker(python: str, request: dict, log_path: Path, timeout_s: float | No
             try:
                 code = process.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
-                _end_group(process)
+                end_process_group(process)
                 raise VllmError(f"vLLM did not finish within {timeout_s:g} s (log: {log_path})") from None
             except BaseException:
-                _end_group(process)
+                end_process_group(process)
                 raise
         if code != 0 or not answer_path.is_file():
             raise VllmError(f"vLLM exited with code {code}: {_last_error(log_path)} (log: {log_path})")
         return json.loads(answer_path.read_text(encoding="utf-8"))
 
 
-def _end_group(process: subprocess.Popen) -> None:
-    """SIGTERM to the worker's process group (vLLM shuts its engine down), SIGKILL after 20 s."""
-    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+def end_process_group(process: subprocess.Popen, first: int = signal.SIGTERM, grace_s: float = 20) -> None:
+    """`first` to the process's group (started with start_new_session; SIGTERM lets the vLLM
+    worker shut its engine down, SIGINT does the same for `vllm serve`), SIGKILL after `grace_s`."""
+    for sig, wait in ((first, grace_s), (signal.SIGKILL, 10)):
         try:
             os.killpg(process.pid, sig)
         except ProcessLookupError:

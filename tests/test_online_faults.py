@@ -11,10 +11,11 @@ import os
 
 import pytest
 import torch
+from test_out_of_memory import stage_error_line
 from test_train_online import _assert_same_losses, _losses, _new_run, _samples, _train_overrides
 from tiny_runs import write_tiny_llama
 
-from eagleforge.config import load_config, run_main
+from eagleforge.config import load_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -48,15 +49,6 @@ def _epoch_steps(cfg) -> int:
     return len(make_batches(lengths, list(range(n_train)), cfg.train.batch_tokens, cfg.train.seed, 0))
 
 
-def _one_line(capsys, main) -> str:
-    with pytest.raises(SystemExit) as exit_:
-        run_main(main, "train", argv=[])
-    assert exit_.value.code == 2
-    lines = [x for x in capsys.readouterr().err.splitlines() if x.strip() and "%|" not in x]
-    assert len(lines) == 1 and lines[0].startswith("error: "), lines
-    return lines[0]
-
-
 @pytest.mark.parametrize("damage", ["flipped", "truncated"])
 def test_a_damaged_cache_shard_is_refused_by_name_when_a_later_epoch_needs_it(setup, damage, capsys):
     from eagleforge.train.loop import train
@@ -71,7 +63,7 @@ def test_a_damaged_cache_shard_is_refused_by_name_when_a_later_epoch_needs_it(se
     else:
         data = data[: len(data) // 2]
     shard.write_bytes(bytes(data))
-    line = _one_line(capsys, lambda _: train(_cfg(setup, run, CACHE)))
+    line = stage_error_line(capsys, lambda _: train(_cfg(setup, run, CACHE)))
     assert line.startswith(f"error: {shard}: ") and ("corrupt" if damage == "flipped" else "truncated") in line, line
 
 
@@ -94,7 +86,7 @@ def test_disk_full_while_the_cache_is_written_stops_with_one_line_and_resumes_wi
         return save_file(tensors, filename, *args, **kwargs)
 
     monkeypatch.setattr(safetensors.torch, "save_file", fills_up)
-    line = _one_line(capsys, lambda _: train(_cfg(setup, run, "train.cache_gb=0.001")))  # most of the first epoch
+    line = stage_error_line(capsys, lambda _: train(_cfg(setup, run, "train.cache_gb=0.001")))  # most of the first epoch
     assert "cannot write, no space left on device (errno ENOSPC" in line and "/hidden/shard-" in line, line
     assert sorted(p.name for p in (run / "checkpoints").glob("step-*")), "no checkpoint kept"
     monkeypatch.setattr(safetensors.torch, "save_file", save_file)

@@ -22,7 +22,7 @@ def _raise_oom(*args, **kwargs):
     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
 
-def _one_line(capsys, main) -> str:
+def stage_error_line(capsys, main) -> str:
     """Run `main(cfg)` through run_main as a stage does; its stderr, which must be one error line."""
     with pytest.raises(SystemExit) as exit_:
         run_main(main, "a stage", argv=[])
@@ -41,7 +41,7 @@ def test_extract_hf(tmp_path, monkeypatch, capsys):
     (tmp_path / "run" / "data" / "samples.jsonl").write_text(json.dumps({"id": 0, "input_ids": [5, 6, 7], "loss_mask": [1, 1, 1]}))
     cfg = load_config(None, [f"run_dir={tmp_path / 'run'}", f"target.path={target}", "target.device=cpu", "extract.batch_tokens=777"])
     monkeypatch.setattr(HFTarget, "forward", _raise_oom)
-    line = _one_line(capsys, lambda _: extract(cfg))
+    line = stage_error_line(capsys, lambda _: extract(cfg))
     assert line == ("error: extract: out of GPU memory on cpu at extract.batch_tokens=777 (no memory plan covers this path); "
                     "lower extract.batch_tokens (`make plan` prints the plan for the native backend and online training)")
 
@@ -59,7 +59,7 @@ def test_extract_native_names_the_plan(tmp_path, monkeypatch, capsys):
                              "target.device=cpu", "target.dtype=float32", "extract.aux_layers=[0,1]", f"data.source={source}",
                              "target.gpu_memory_gib=80", "extract.batch_tokens=96"])
     monkeypatch.setattr(NativeTarget, "forward", _raise_oom)
-    line = _one_line(capsys, lambda _: extract(cfg))
+    line = stage_error_line(capsys, lambda _: extract(cfg))
     assert re.fullmatch(r"error: extract: out of GPU memory on cpu at extract.batch_tokens=96 \(the memory plan counted "
                         r"\d+\.\d GiB per GPU at this size\); lower extract.batch_tokens .*", line), line
 
@@ -72,7 +72,7 @@ def test_train_step(tmp_path, tiny_llama_config, monkeypatch, capsys):
     configure(cfg, device="cpu", batch_tokens=123, holdout_samples=2)
     vocab_main(cfg)
     monkeypatch.setattr(Trainer, "batch_loss", _raise_oom)
-    line = _one_line(capsys, lambda _: train(cfg))
+    line = stage_error_line(capsys, lambda _: train(cfg))
     assert line.startswith("error: train: out of GPU memory on cpu at train.batch_tokens=123 (no memory plan covers this path); "
                            "lower train.batch_tokens"), line
 
@@ -92,6 +92,6 @@ def test_online_target_forward(tmp_path, monkeypatch, capsys):
                                        "target.dtype=float32", "train.source=online", "train.prefetch=1",
                                        "extract.batch_tokens=55"]), holdout_samples=2, epochs=1)
     monkeypatch.setattr(OnlineSource, "load", _raise_oom)  # on the feed's worker thread
-    line = _one_line(capsys, lambda _: train(cfg))
+    line = stage_error_line(capsys, lambda _: train(cfg))
     assert line.startswith("error: train (the online target's forward): out of GPU memory on cpu at extract.batch_tokens=55 "
                            "(no memory plan covers this path); lower extract.batch_tokens"), line

@@ -517,16 +517,9 @@ def _start(command, log_path, url, seconds, cwd=None, env=None):
 
 def _stop(process, log):
     """SIGINT to the server's process group (vLLM's API server, engine core and workers), SIGKILL if it lingers."""
-    for sig, seconds in ((signal.SIGINT, 30), (signal.SIGKILL, 15)):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            process.wait(timeout=seconds)
-            break
-        except subprocess.TimeoutExpired:
-            continue
+    from eagleforge.eval.vllm_engine import end_process_group
+
+    end_process_group(process, signal.SIGINT, grace_s=30)
     log.close()
 
 
