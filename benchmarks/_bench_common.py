@@ -12,17 +12,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def import_eagleforge() -> None:
-    """Make `import eagleforge` work from a checkout where the package is not installed: the stage
-    folders are added to the root package's path, as pyproject.toml's package-dir maps them."""
+    """Make `import eagleforge` work from a checkout where the package is not installed: the root
+    on sys.path is enough (eagleforge/__init__.py finds the stage folders beside it)."""
     try:
         import eagleforge  # noqa: F401
-        return
     except ImportError:
-        pass
-    sys.path.insert(0, str(ROOT))  # ROOT/eagleforge is the root package
-    import eagleforge
-
-    eagleforge.__path__.append(str(ROOT))  # eagleforge.extract -> ROOT/extract, eagleforge.kernels -> ROOT/kernels
+        sys.path.insert(0, str(ROOT))  # ROOT/eagleforge is the root package
 
 
 def median_ms(fn, device: torch.device, rep_ms: int = 100, cpu_reps: int = 3, fixed_iters: int | None = None) -> float:

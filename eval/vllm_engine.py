@@ -75,9 +75,8 @@ def stop_ids_of(target_dir: Path, tokenizer) -> list[int]:
 def run_worker(python: str, request: dict, log_path: Path, timeout_s: float | None = None) -> dict:
     """Run vllm_worker.py with `python` on `request`; its answer. vLLM's output goes to log_path.
 
-    The worker starts in an empty temporary directory with -I (no script directory or working
-    directory on sys.path: a folder named like a package, as this repository's kernels/, would
-    shadow it), in a session of its own, so that the whole process group (vLLM's engine core and
+    The worker starts in an empty temporary directory with -I (no script directory, working
+    directory or PYTHONPATH on sys.path: vLLM's environment alone), in a session of its own, so that the whole process group (vLLM's engine core and
     workers) is ended if this process is interrupted or the timeout passes.
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)

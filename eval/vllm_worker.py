@@ -28,9 +28,9 @@ ANSWER.json:
     per_prompt      per prompt, {"histogram": rounds by accepted drafts 0..k, "num_draft_tokens"}
                     (vLLM's per-request spec-decode metrics), or null where vLLM has none
 
-Run from a directory outside a source tree with `-I` (no script directory on sys.path): a folder
-named like a package that transformers or vLLM probes for (this repository's kernels/) would be
-imported in its place.
+Run with `-I` from an empty directory: neither this script's folder (eval/, whose module names such
+as evaluate.py could stand for installed distributions) nor the working directory, nor the user's
+PYTHONPATH, comes before vLLM's own environment on sys.path.
 """
 
 from __future__ import annotations
