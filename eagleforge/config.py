@@ -142,7 +142,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     warmup_ratio: float = 0.015
     weight_decay: float = 0.0
-    adam_beta2: float = 0.95  # AdamW's second-moment decay (beta1 0.9); EAGLE's recipe, SpecForge's step uses 0.999
+    adam_beta2: float = 0.999  # AdamW's second-moment decay (beta1 0.9); 0.95 measured 6.9% lower acceptance (BENCHMARKS.md)
     grad_clip: float = 0.5
     # The recipe's K is 7 (the GPU and Kimi configs keep it); the embedded CPU default trains 5 because
     # eval proposes k = 5 and steps past k are never used there.
@@ -153,9 +153,10 @@ class TrainConfig:
     # bf16 autocast for the draft and the loss matmuls (fp32 master weights), on GPUs and on
     # CPUs with bf16 units (4x the fp32 matmul rate on the AVX512-BF16 CI machines).
     bf16: bool = True
-    # The draft's weights, gradients and AdamW moments: auto (bfloat16 on CUDA when bf16, float32
-    # elsewhere) | float32 (fp32 masters under autocast) | bfloat16 (8 bytes per trainable
-    # parameter instead of 16, weight gradients accumulated by the GEMMs: train/weight_grads.py)
+    # The draft's weights and gradients; updates are fp32-exact in both (train/optimizer.py): auto
+    # (bfloat16 on CUDA when bf16, float32 elsewhere) | float32 (fp32 weights under autocast, 16
+    # bytes per trainable parameter) | bfloat16 (bf16 weights with an int16 remainder each that
+    # makes an exact fp32 master, fp32 moments, weight gradients accumulated by the GEMMs: 14 bytes)
     param_dtype: str = "auto"
     # The frozen input embedding [V, H] (2.2 GiB in bf16 for Kimi-K2.5): host = kept in host memory,
     # its rows gathered for each batch by the read-ahead worker and copied with the batch; device
@@ -194,6 +195,9 @@ class TrainConfig:
     max_nonfinite_steps: int = 3
     resume: bool = True
     seed: int = 0
+    # A draft export (RUN/draft of an earlier run, or one trained elsewhere) to start from instead of
+    # a random init: the same draft shape and vocabulary map. "" = a fresh draft.
+    init_draft: str = ""
     verify_checksums: bool = True
     skip_corrupt_shards: bool = False  # leave out (and count) shards failing the size/sha256 check
     # Under torchrun: auto = FSDP2 when WORLD_SIZE > 1, else none | fsdp | ddp.

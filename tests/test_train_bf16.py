@@ -1,5 +1,6 @@
-"""bf16 parameters (train.param_dtype=bfloat16): weights, gradients and AdamW moments in bf16 and
-the midlayer's weight gradients accumulated by the GEMMs (train/weight_grads.py). On the CPU with
+"""bf16 parameters (train.param_dtype=bfloat16, the CUDA default): bf16 weights and gradients, the
+midlayer's weight gradients accumulated by the GEMMs (train/weight_grads.py), and the optimizer's
+exact fp32 masters (an int16 remainder per weight) and fp32 moments (train/optimizer.py). On the CPU with
 gloo: one process against two FSDP2 ranks over the same global batches, against the fp32-master
 run, and an interrupted run against an uninterrupted one (tiny real pipeline: random Llama
 target -> shards -> vocab)."""
@@ -49,8 +50,8 @@ def runs(tmp_path_factory):
 
 
 def test_bf16_state_is_bf16_and_exports(runs):
-    """The checkpoint holds bf16 weights and moments (8 bytes per trainable parameter), the export
-    reads them back exactly."""
+    """The checkpoint holds bf16 weights, their int16 master remainders and fp32 moments (14 bytes
+    per trainable parameter with the gradient), the export reads the weights back exactly."""
     from eagleforge.train.checkpoint import latest_checkpoint, load_model_weights
     from eagleforge.train.checkpoint_integrity import safe_reader
 
@@ -60,7 +61,9 @@ def test_bf16_state_is_bf16_and_exports(runs):
     moments = {k: v for k, v in entries.items() if k.startswith("optim.") and k.endswith(("exp_avg", "exp_avg_sq"))}
     assert weights and moments
     assert {v.properties.dtype for v in weights.values()} == {torch.bfloat16}, weights
-    assert {v.properties.dtype for v in moments.values()} == {torch.bfloat16}
+    assert {v.properties.dtype for v in moments.values()} == {torch.float32}
+    remainders = {k: v for k, v in entries.items() if k.startswith("optim.") and k.endswith("master_remainder")}
+    assert len(remainders) == len(moments) // 2 and {v.properties.dtype for v in remainders.values()} == {torch.int16}
     loaded = load_model_weights(final)
     exported = _export(runs["single"])
     for name, tensor in exported.items():
@@ -90,8 +93,8 @@ def test_two_fsdp_ranks_match_one_process_in_bf16(runs):
 
 
 def test_bf16_parameters_track_fp32_masters(runs):
-    """The same data and steps with fp32 masters: the loss curve and the held-out accuracy stay
-    close (bf16 rounding of the updates is the only difference)."""
+    """The same data and steps with fp32 parameters: the loss curve and the held-out accuracy stay
+    close (the updates are the same up to the bf16 gradients' rounding)."""
     a, b = _losses(runs["fp32"]), _losses(runs["single"])
     for (step, la, _), (_, lb, _) in zip(a, b):
         assert lb == pytest.approx(la, rel=0.05), (step, la, lb)
@@ -101,8 +104,8 @@ def test_bf16_parameters_track_fp32_masters(runs):
 
 
 def test_bf16_resume_is_exact(runs):
-    """bf16 weights and moments round-trip through the checkpoint: the resumed run's losses and
-    export equal the uninterrupted run's."""
+    """bf16 weights, master remainders and moments round-trip through the checkpoint: the resumed
+    run's losses and export equal the uninterrupted run's."""
     a, b = _losses(runs["single"]), _losses(runs["stopped"])
     assert len(a) > STOP_AT and [s for s, _, _ in b] == [s for s, _, _ in a]  # one log, appended after the resume
     for (step, la, _), (_, lb, _) in zip(a, b):
@@ -133,3 +136,25 @@ def _initial_midlayer(cfg) -> dict:
     trainer = Trainer(cfg)
     return {f"midlayer.{part}.{name}.weight": getattr(getattr(trainer.draft.midlayer, part), name).weight.detach().float().clone()
             for part, names in (("self_attn", MIDLAYER[:4]), ("mlp", MIDLAYER[4:])) for name in names}
+
+
+def test_resume_of_a_checkpoint_with_bf16_moments_is_refused(runs, tmp_path, monkeypatch):
+    """A checkpoint of bf16 parameters stepped by AdamW with bf16 moments (what this trainer wrote
+    before its optimizer kept fp32 masters) resumed now: one clear line, not a half-loaded
+    optimizer state."""
+    import copy
+    import shutil
+
+    from eagleforge.config import UserInputError
+    from eagleforge.train import loop
+
+    cfg = copy.deepcopy(runs["single"])
+    cfg.run_dir = str(tmp_path / "old")
+    shutil.copytree(runs["single"].run / "hidden", cfg.run / "hidden")
+    shutil.copytree(runs["single"].run / "vocab", cfg.run / "vocab")
+    with monkeypatch.context() as patch:
+        patch.setattr(loop, "build_optimizer", lambda params, dtype, lr, betas, wd:
+                      torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=wd, fused=True))
+        loop.train(cfg, 2)
+    with pytest.raises(UserInputError, match="no master remainders.*train.param_dtype bfloat16"):
+        loop.train(cfg)

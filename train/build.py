@@ -29,7 +29,9 @@ def target_hf_config(cfg: Config, manifest: dict):
 
 def build_draft(cfg: Config, manifest: dict, vocab: dict, head: dict) -> torch.nn.Module:
     """Eagle3Draft sized from the target config (+ cfg.draft overrides), with the frozen target
-    embedding and d2t/t2d. lm_head keeps its random init: in a short SmolLM2 trial, starting it
+    embedding and d2t/t2d, its weights drawn under train.seed (so every rank, and a benchmark
+    pairing two trainers, starts from the same draft) or taken from train.init_draft. lm_head
+    keeps its random init: in a short SmolLM2 trial, starting it
     from the target's head rows gave a ~1.5x higher initial loss, grad norms ~50x larger (so
     clipping dominated) and no accuracy gain."""
     from eagleforge.draft import Eagle3Config, Eagle3Draft
@@ -51,6 +53,7 @@ def build_draft(cfg: Config, manifest: dict, vocab: dict, head: dict) -> torch.n
             f"{cfg.run / 'hidden'}: the shards hold hidden_size {shard_hidden} but the target "
             f"({cfg.target.path or 'embedded default'}) has {draft_config.target_hidden_size}; extract again for this target"
         )
+    torch.manual_seed(cfg.train.seed)
     draft = Eagle3Draft(draft_config)
     try:
         draft.set_embed_tokens(head["embed_tokens"])
@@ -58,7 +61,38 @@ def build_draft(cfg: Config, manifest: dict, vocab: dict, head: dict) -> torch.n
     except ValueError as err:
         raise UserInputError(f"{cfg.run / 'vocab'}: {err} (target changed since the vocab stage? rerun it)") from None
     draft.embed_tokens.weight.requires_grad_(False)
+    if cfg.train.init_draft:
+        warm_start(draft, cfg.train.init_draft)
     return draft
+
+
+def warm_start(draft: torch.nn.Module, path: str) -> None:
+    """Start `draft` (built for this run) from the trained weights of the draft export at `path`
+    (train.init_draft): the same shape and the same draft vocabulary, or a UserInputError naming
+    what differs. The frozen embedding stays the run's (the target's)."""
+    from eagleforge.draft import load_draft
+
+    try:
+        loaded = load_draft(path)
+    except (OSError, ValueError) as err:
+        raise UserInputError(f"train.init_draft={path}: {err}") from None
+    ours, theirs = draft.config.to_hf_dict(), loaded.config.to_hf_dict()
+    differ = sorted(k for k in ours.keys() | theirs.keys() if k not in WARM_START_FREE_KEYS and ours.get(k) != theirs.get(k))
+    if differ:
+        raise UserInputError(f"train.init_draft={path}: the draft differs from this run's in "
+                             + ", ".join(f"{k} ({theirs.get(k)!r}, this run {ours.get(k)!r})" for k in differ[:6]))
+    for name in ("d2t", "t2d"):
+        if not torch.equal(getattr(loaded, name).cpu(), getattr(draft, name).cpu()):
+            raise UserInputError(f"train.init_draft={path}: its vocabulary map ({name}) is not this run's RUN/vocab; "
+                                 "run the vocab stage with the draft's vocabulary or train from scratch")
+    trained = {n: t for n, t in loaded.state_dict().items() if n not in ("embed_tokens.weight", "d2t", "t2d")}
+    with torch.no_grad():
+        result = draft.load_state_dict(trained, strict=False)
+    assert not result.unexpected_keys and set(result.missing_keys) <= {"embed_tokens.weight", "d2t", "t2d"}, result
+
+
+# config.json keys that may differ between a warm start and the run: none changes the weights' meaning
+WARM_START_FREE_KEYS = ("max_position_embeddings", "target_num_layers", "torch_dtype", "dtype", "transformers_version")
 
 
 def embedding_to_host(draft: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:

@@ -307,6 +307,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer, 
     state = read_state(path, layout)
     model_state, optim_state = _state_dicts(model, optimizer)
     reader = safe_reader(path)
+    _check_optimizer_kind(path, reader, optim_state)
     try:
         with _single_process_ok(), dcp_errors(reader, path):
             dcp.load({"model": model_state, "optim": optim_state["state"]}, storage_reader=reader, no_dist=not layout.distributed)
@@ -324,6 +325,19 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer, 
     scheduler.load_state_dict({**scheduler.state_dict(), **state["scheduler"]})
     _load_rng(path / f"rng-{layout.rank:05d}.safetensors", layout)
     return state
+
+
+def _check_optimizer_kind(path: Path, reader, optim_state: dict) -> None:
+    """The optimizer state in the checkpoint is of this run's kind: bf16 parameters' fp32 master
+    remainders (train/optimizer.py) are in it, or neither has them."""
+    wanted = any("master_remainder" in entry for entry in optim_state["state"].values())
+    with dcp_errors(reader, path):
+        saved = any(key.endswith(".master_remainder") for key in reader.read_metadata().state_dict_metadata)
+    if wanted != saved:
+        have = "bf16 weights with fp32 master remainders" if saved else "no master remainders (fp32 weights, or bf16 AdamW moments)"
+        raise UserInputError(f"{path}: its optimizer state holds {have}, this run trains with train.param_dtype "
+                             f"{'bfloat16' if wanted else 'float32'}; set train.param_dtype to the run's, or train.resume=false "
+                             "to start over")
 
 
 def _load_rng(path: Path, layout: Layout) -> None:

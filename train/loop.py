@@ -45,6 +45,7 @@ from eagleforge.train.checkpoint import (
 from eagleforge.train.distributed import DraftWithLoss, clip_grad_norm, gradient_sync, parallelize, resolve_parallel
 from eagleforge.train.loss import lk_options
 from eagleforge.train.metrics import MetricLogger, TTTStats, reduce_stats
+from eagleforge.train.optimizer import build_optimizer
 from eagleforge.train.prefetch import Prefetcher
 from eagleforge.train.schedule import Position, Schedule, Slot, make_batches, step_slots
 from eagleforge.train.sources import BatchSource, check_source, open_source
@@ -104,9 +105,9 @@ class Trainer:
         self.source: BatchSource = open_source(cfg, self.layout)
         self.vocab, head = self._read_vocab()
         self.parallel = resolve_parallel(tc.parallel, self.layout)
-        # float32: fp32 masters under autocast. bfloat16: weights, gradients and AdamW moments in
-        # bf16 (the frozen embedding too) and the midlayer's weight gradients accumulated by the
-        # GEMMs themselves (train/weight_grads.py).
+        # float32: fp32 weights under autocast. bfloat16: bf16 weights and gradients (the frozen
+        # embedding too), the midlayer's weight gradients accumulated by the GEMMs themselves
+        # (train/weight_grads.py), exact fp32 masters and moments in the optimizer (train/optimizer.py).
         self.param_dtype = resolve_param_dtype(tc, self.device, self.parallel)
         self.draft, self.host_embedding = self._build_draft(head)
         self.teacher_head, self.full_head = self._teacher_heads(head)
@@ -185,11 +186,12 @@ class Trainer:
         return schedule, train_ids, heldout_ids
 
     def _optimizer(self):
-        """AdamW over the trainable parameters, fused: its step reads `found_inf` (a device flag) and
-        then leaves weights, moments and step counts as they were, so a step with a NaN/Inf loss or
-        gradient is skipped on the device, without a host sync (train_step); the lr schedule."""
+        """AdamW over the trainable parameters at fp32 precision in either parameter dtype
+        (train/optimizer.py): its step reads `found_inf` (a device flag) and then leaves weights,
+        moments and step counts as they were, so a step with a NaN/Inf loss or gradient is skipped
+        on the device, without a host sync (train_step); the lr schedule."""
         tc = self.cfg.train
-        optimizer = torch.optim.AdamW(self.params, lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, tc.adam_beta2), fused=True)
+        optimizer = build_optimizer(self.params, self.param_dtype, tc.lr, (0.9, tc.adam_beta2), tc.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(self.schedule.total_steps, tc.warmup_ratio, tc.min_lr_ratio))
         return optimizer, scheduler
 

@@ -7,8 +7,9 @@ under FSDP2, and the largest train.batch_tokens that fits.
 Per GPU, on top of the target's plan (weights, the activations of one forward of
 extract.batch_tokens tokens, the runtime reserve):
 - draft states under FSDP2 over the world (W GPUs; planned at W = target.tp, one node: more nodes
-  only shard these further): weights, gradients and AdamW's two moments in train.param_dtype
-  (bf16 on CUDA by default: 8 bytes per trainable parameter / W; fp32 masters: 16);
+  only shard these further): weights, gradients and AdamW's state (bf16 weights on CUDA by
+  default, with int16 master remainders and fp32 moments: 14 bytes per trainable parameter / W;
+  fp32 weights: 16);
 - draft working copies (not sharded): the gathered bf16 parameters, their bf16 gradients and the
   fp32 copy FSDP reduce-scatters, 8 bytes per trainable parameter (one root unit:
   train/distributed.py);

@@ -2,8 +2,8 @@
 
     bytes = fixed states + activations per token x tokens per rank
 
-Fixed states, per trainable parameter: weight, gradient and AdamW's two moments in
-train.param_dtype (16 bytes with fp32 masters, 8 with bf16 parameters), divided by the ranks
+Fixed states, per trainable parameter: weight, gradient and AdamW's state (16 bytes with fp32
+parameters; 14 with bf16 ones: an int16 master remainder and fp32 moments), divided by the ranks
 under FSDP2; the frozen embedding [V, H] (none when kept on the host, train.embed_device) and the
 teacher head [Vd, Ht] in the parameters' dtype.
 
@@ -85,8 +85,10 @@ def draft_activation_bytes_per_token(hidden: int, ttt_steps: int, mode: str = "s
 
 
 def bytes_per_parameter(param_dtype) -> int:
-    """Weight + gradient + AdamW's two moments, in the parameters' dtype (torch.float32 or bfloat16)."""
-    return 4 * param_dtype.itemsize
+    """Weight + gradient + AdamW's state per trainable parameter (train/optimizer.py): fp32 weight,
+    gradient and moments (16); or a bf16 weight and gradient, its int16 master remainder and fp32
+    moments (14)."""
+    return 16 if param_dtype.itemsize == 4 else 2 + 2 + 2 + 8
 
 
 @dataclass
@@ -131,7 +133,7 @@ def fixed_bytes(trainable: int, embed_elements: int, head_elements: int, param_d
     label = {"device": "frozen embedding [V, H]", "host": "frozen embedding [V, H] (on the host)",
              "shared": "frozen embedding [V, H] (the target's own, shared)"}[embedding]
     return {
-        f"weights + grads + AdamW moments ({str(param_dtype).removeprefix('torch.')}, / {world} ranks)":
+        f"weights + grads + AdamW state ({str(param_dtype).removeprefix('torch.')} weights, / {world} ranks)":
             bytes_per_parameter(param_dtype) * trainable // world,
         label: size * embed_elements if embedding == "device" else 0,
         "teacher head [Vd, Ht]": size * head_elements,
