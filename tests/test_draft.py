@@ -1,6 +1,8 @@
 """The EAGLE-3 draft: TTT alignment against a per-row plain-math reference and against serving
-with the KV cache, propose() against a greedy loop from scratch, the export format of
-docs/export.md, and from_target_config on Llama, DeepSeek-V3 and Kimi-K2.5-like configs."""
+with the KV cache, propose() against a greedy loop from scratch, the same for the variants
+(EAGLE-3.1's fc_norm, vLLM's norm_before_residual and norm_output) against vLLM's math, the
+export format of docs/export.md, and from_target_config on Llama, DeepSeek-V3 and Kimi-K2.5-like
+configs."""
 
 import copy
 import json
