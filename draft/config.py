@@ -11,6 +11,12 @@ from the target's HF config:
 
 Aux layer ids are kept in the project's convention (0-indexed decoder layers whose OUTPUT is
 captured); config.json stores vLLM's convention (input of layer i + 1), i.e. ids + 1.
+
+Variants of the standard draft, each a top-level boolean of config.json written only when true
+(docs/export.md), read as vLLM reads them:
+    fc_norm               EAGLE-3.1: an RMSNorm per aux state before fc (weights fc_norm.{i}.weight)
+    norm_before_residual  the midlayer's residual stream starts from hidden_norm(h) instead of h
+    norm_output           the next step is fed the final norm's output instead of its input
 """
 
 from __future__ import annotations
@@ -20,6 +26,10 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 DRAFT_ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+# The draft's variant switches: Eagle3Config booleans, config.json keys of the same name (top
+# level, present only when true).
+VARIANT_KEYS = ("fc_norm", "norm_before_residual", "norm_output")
 
 # Keys of the RoPE dict that transformers >= 5 folds into rope_parameters but that config.json
 # carries at top level (rope_theta) or that are redundant (type is the old name of rope_type).
@@ -72,6 +82,9 @@ class Eagle3Config:
     rope_scaling: dict | None = None  # HF style, with "rope_type"; None = plain RoPE
     max_position_embeddings: int = 4096
     target_num_layers: int = 0  # 0 = unknown (config.json does not carry it)
+    fc_norm: bool = False  # EAGLE-3.1: aux state i [.., Ht] through RMSNorm fc_norm.{i} before fc
+    norm_before_residual: bool = False  # residual = hidden_norm(h) instead of h (vLLM's meaning)
+    norm_output: bool = False  # step j + 1 is fed norm(h) instead of h (vLLM's meaning, not SpecForge 0.2.0's)
 
     def __post_init__(self):
         self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
@@ -81,6 +94,9 @@ class Eagle3Config:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"Eagle3Config.{name} must be a positive integer, got {value!r}")
+        for name in VARIANT_KEYS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Eagle3Config.{name} must be true or false, got {getattr(self, name)!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"Eagle3Config: num_attention_heads {self.num_attention_heads} is not a multiple of "
@@ -183,6 +199,9 @@ class Eagle3Config:
         }
         if self.target_hidden_size != self.hidden_size:
             out["target_hidden_size"] = self.target_hidden_size
+        for key in VARIANT_KEYS:  # absent = false for vLLM and SGLang alike
+            if getattr(self, key):
+                out[key] = True
         return out
 
     @classmethod
@@ -206,6 +225,14 @@ class Eagle3Config:
         if rope_theta is None and isinstance(config.get("rope_parameters"), dict):
             # Saved by transformers >= 5: theta and scaling live in rope_parameters.
             rope_theta, rope_scaling = _split_rope_parameters(config["rope_parameters"])
+        variants = {}
+        for key in VARIANT_KEYS:
+            value = config.get(key, False)
+            if value is None:
+                value = False
+            if not isinstance(value, bool):
+                raise ValueError(f"{source}: {key} is {value!r}, expected true or false")
+            variants[key] = value
         return cls(
             hidden_size=hidden,
             num_attention_heads=heads,
@@ -220,6 +247,7 @@ class Eagle3Config:
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=copy.deepcopy(rope_scaling),
             max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+            **variants,
         )
 
 

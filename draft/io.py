@@ -1,7 +1,9 @@
 """Export and load of the draft in the format vLLM and SGLang load unchanged (docs/export.md).
 
     out_dir/config.json          Eagle3Config.to_hf_dict()
-    out_dir/model.safetensors    EXPORT_TENSOR_NAMES, bf16 unless noted, metadata {"format": "pt"}
+    out_dir/model.safetensors    export_tensor_specs(config): EXPORT_TENSOR_NAMES, and
+                                 fc_norm.{i}.weight with "fc_norm": true (EAGLE-3.1); bf16 unless
+                                 noted, metadata {"format": "pt"}
 
 No embed_tokens (both engines use the target's), no "model." prefix, no other keys: vLLM rejects
 unknown names. Written atomically: a temporary sibling directory, fsynced, then renamed.
@@ -47,11 +49,26 @@ EXPORT_TENSOR_NAMES: dict[str, tuple] = {
     "t2d": (lambda c: (c.vocab_size,), torch.bool, False),
 }
 
+# EAGLE-3.1 (config.fc_norm): one RMSNorm weight [Ht] per aux layer i = 0 .. k-1, named as vLLM
+# and SGLang load them; present exactly when config.json has "fc_norm": true.
+FC_NORM_TENSOR = "fc_norm.{}.weight"
+
+
+def export_tensor_specs(config: Eagle3Config) -> dict[str, tuple]:
+    """EXPORT_TENSOR_NAMES's entries for `config`'s draft: those of every draft, and with
+    config.fc_norm the fc_norm.{i}.weight entries (required)."""
+    specs = dict(EXPORT_TENSOR_NAMES)
+    if config.fc_norm:
+        for i in range(config.num_aux_layers):
+            specs[FC_NORM_TENSOR.format(i)] = (lambda c: (c.target_hidden_size,), None, True)
+    return specs
+
 
 def expected_tensors(config: Eagle3Config, dtype: torch.dtype = torch.bfloat16) -> dict[str, tuple[tuple, torch.dtype]]:
-    """{name: (shape, dtype)} an export of `config` holds (d2t/t2d only when Vd < V)."""
+    """{name: (shape, dtype)} an export of `config` holds (d2t/t2d only when Vd < V, fc_norm.{i}
+    only with config.fc_norm)."""
     out = {}
-    for name, (shape, tensor_dtype, required) in EXPORT_TENSOR_NAMES.items():
+    for name, (shape, tensor_dtype, required) in export_tensor_specs(config).items():
         if required or config.draft_vocab_size < config.vocab_size:
             out[name] = (tuple(shape(config)), tensor_dtype or dtype)
     return out
@@ -93,15 +110,16 @@ def load_draft(path, embed_tokens: torch.Tensor | None = None, dtype: torch.dtyp
     except json.JSONDecodeError as err:
         raise ValueError(f"{config_path}: not valid JSON ({err})") from None
     config = Eagle3Config.from_hf_dict(hf, source=str(config_path))
+    specs = export_tensor_specs(config)
     with safe_open(str(weights), framework="pt") as f:
         names = set(f.keys())
-        allowed = set(EXPORT_TENSOR_NAMES)
-        unknown, missing = names - allowed, {n for n, v in EXPORT_TENSOR_NAMES.items() if v[2]} - names
+        _check_fc_norm(config, names, weights, config_path)
+        unknown, missing = names - set(specs), {n for n, v in specs.items() if v[2]} - names
         if unknown or missing:
             raise ValueError(f"{weights}: unknown tensors {sorted(unknown)}, missing tensors {sorted(missing)}")
         tensors = {name: f.get_tensor(name) for name in names}
     for name, tensor in tensors.items():
-        shape = tuple(EXPORT_TENSOR_NAMES[name][0](config))
+        shape = tuple(specs[name][0](config))
         if tuple(tensor.shape) != shape:
             raise ValueError(f"{weights}: {name} has shape {tuple(tensor.shape)}, config.json implies {shape}")
     draft = Eagle3Draft(config)
@@ -120,3 +138,18 @@ def load_draft(path, embed_tokens: torch.Tensor | None = None, dtype: torch.dtyp
         weight = getattr(embed_tokens, "weight", embed_tokens)  # nn.Embedding or its weight
         draft.set_embed_tokens(weight.detach().to("cpu", torch.float32))
     return draft.to(device=device, dtype=dtype)
+
+
+def _check_fc_norm(config: Eagle3Config, names: set[str], weights: Path, config_path: Path) -> None:
+    """ValueError when the weights' fc_norm tensors and config.json's "fc_norm" disagree: vLLM
+    refuses fc_norm weights without the key, SGLang drops them silently (a draft run without the
+    norms it was trained with), and with the key both engines need every one of them."""
+    present = sorted(n for n in names if n.startswith("fc_norm."))
+    if present and not config.fc_norm:
+        raise ValueError(f"{weights}: holds {present[0]} but {config_path} does not set \"fc_norm\": true "
+                         f"(an EAGLE-3.1 draft's config.json must; without it the norms are refused or ignored)")
+    if config.fc_norm:
+        lacking = [FC_NORM_TENSOR.format(i) for i in range(config.num_aux_layers) if FC_NORM_TENSOR.format(i) not in names]
+        if lacking:
+            raise ValueError(f"{weights}: has no {lacking[0]} but {config_path} sets \"fc_norm\": true "
+                             f"(one fc_norm.{{i}}.weight per aux layer, i < {config.num_aux_layers})")

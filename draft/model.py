@@ -1,14 +1,18 @@
 """The EAGLE-3 draft: one Llama decoder layer over [token embedding ; fused target state].
 
     embed_tokens [V, H] (the target's, frozen)      fc [H, k*Ht] (fuses the k aux states)
+    fuse:      h = fc(aux)  (fc_norm: fc(cat_i fc_norm[i](aux_i)), aux_i [.., Ht])  (B, T, H)
     midlayer:  x = cat(input_layernorm(embed(token)), hidden_norm(h))          (B, T, 2H)
-               h = h + o_proj(attn(q/k/v_proj(x), RoPE))                      (B, T, H)
-               h = h + mlp(post_attention_layernorm(h))                       (B, T, H)  -> fed back
-    norm(h) -> lm_head [Vd, H] -> draft logits; draft id i is target id i + d2t[i].
+               r = h  (norm_before_residual: r = hidden_norm(h))               (B, T, H)
+               r = r + o_proj(attn(q/k/v_proj(x), RoPE))                      (B, T, H)
+               r = r + mlp(post_attention_layernorm(r))                       (B, T, H)
+    norm(r) -> lm_head [Vd, H] -> draft logits; draft id i is target id i + d2t[i].
+    Fed back to the next step: r (norm_output: norm(r)). The switches are Eagle3Config's (draft/
+    config.py), read as vLLM reads them; all off is standard EAGLE-3, fc_norm alone EAGLE-3.1.
 
 Training-time test (forward_ttt), K steps over a sequence of T rows:
     step j, row t: token input_ids[t+1+j] (0 past the end), predicts token t+2+j, RoPE position
-    t+j; hidden = fc(aux[t]) at j = 0, else the un-normed midlayer output of step j-1 at row t;
+    t+j; hidden = fuse(aux[t]) at j = 0, else what step j-1 feeds back at row t;
     attention sees step-0 keys at rows <= t and the keys of steps 1..j at row t only.
     Options for training speed/memory: checkpoint (none | step | selective | selective_all, per
     TTT step) and compile (torch.compile of the elementwise work between the matmuls).
@@ -122,7 +126,7 @@ def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-_ELEMENTWISE = {"norm_cat": _norm_cat, "rope": _rope, "add_norm": _add_norm, "silu_mul": _silu_mul}
+_ELEMENTWISE = {"rms": _rms, "norm_cat": _norm_cat, "rope": _rope, "add_norm": _add_norm, "silu_mul": _silu_mul}
 
 
 @functools.lru_cache(maxsize=2)
@@ -198,6 +202,7 @@ class Eagle3DecoderLayer(nn.Module):
         self.self_attn = Eagle3Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = Eagle3MLP(config)
+        self.norm_before_residual = config.norm_before_residual
 
     def qkv(self, embeds, hidden, cos, sin, ew: dict = _ELEMENTWISE, lin=_module_linear):
         """embeds, hidden [B, T, H] -> q, k, v of cat(norm(embeds), norm(hidden)) [B, T, 2H]."""
@@ -205,9 +210,12 @@ class Eagle3DecoderLayer(nn.Module):
         return self.self_attn.qkv(x, cos, sin, ew, lin)
 
     def finish(self, attn: torch.Tensor, hidden: torch.Tensor, norm: RMSNorm, ew: dict = _ELEMENTWISE, lin=_module_linear):
-        """attn [B, Hq, T, D], hidden [B, T, H] (un-normed input) -> (un-normed output [B, T, H],
-        that output through `norm`, the draft's final norm: lm_head's input)."""
-        h, y = ew["add_norm"](hidden, self.self_attn.out(attn, lin), self.post_attention_layernorm.weight,
+        """attn [B, Hq, T, D], hidden [B, T, H] (the step's hidden input, as qkv got it) ->
+        (un-normed output [B, T, H], that output through `norm`, the draft's final norm: lm_head's
+        input). The residual stream starts from hidden, or hidden_norm(hidden) with
+        norm_before_residual."""
+        residual = ew["rms"](hidden, self.hidden_norm.weight, self.hidden_norm.eps) if self.norm_before_residual else hidden
+        h, y = ew["add_norm"](residual, self.self_attn.out(attn, lin), self.post_attention_layernorm.weight,
                               self.post_attention_layernorm.eps)
         return ew["add_norm"](h, self.mlp(y, ew, lin), norm.weight, norm.eps)
 
@@ -218,7 +226,7 @@ class DraftCache:
 
     keys: torch.Tensor  # [B, Hkv, L, D]
     values: torch.Tensor  # [B, Hkv, L, D]
-    hidden: torch.Tensor  # [B, L, H], un-normed midlayer output of each row at step 0
+    hidden: torch.Tensor  # [B, L, H], un-normed midlayer output of each row at step 0 (norm_output or not)
 
     @property
     def length(self) -> int:
@@ -232,6 +240,9 @@ class Eagle3Draft(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.fc = nn.Linear(config.fc_in_features, config.hidden_size, bias=False)
+        # EAGLE-3.1: one RMSNorm [Ht] per aux state, before fc (fc_norm.{i}.weight); None otherwise.
+        self.fc_norm = nn.ModuleList(RMSNorm(config.target_hidden_size, config.rms_norm_eps)
+                                     for _ in config.aux_layer_ids) if config.fc_norm else None
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
@@ -325,11 +336,22 @@ class Eagle3Draft(nn.Module):
         return cache[key]
 
     def fuse(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
-        """aux [B, T, k*Ht] -> fc(aux) [B, T, H] in the model's dtype."""
+        """aux [B, T, k*Ht] -> fc(aux) [B, T, H] in the model's dtype; with fc_norm, aux state i
+        (the i-th [B, T, Ht] chunk) goes through fc_norm[i] first. Every path into the midlayer
+        (TTT, serving, the benchmarks) starts here."""
         if aux_hidden_states.shape[-1] != self.fc.in_features:
             raise ValueError(f"aux_hidden_states: last dim {aux_hidden_states.shape[-1]}, expected "
                              f"{self.fc.in_features} (= {self.config.num_aux_layers} aux layers x {self.config.target_hidden_size})")
-        return self.fc(aux_hidden_states.to(self.fc.weight.dtype))
+        x = aux_hidden_states.to(self.fc.weight.dtype)  # [B, T, k*Ht]
+        if self.fc_norm is not None:
+            chunks = x.split(self.config.target_hidden_size, dim=-1)  # k x [B, T, Ht]
+            x = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks)], dim=-1)  # [B, T, k*Ht]
+        return self.fc(x)
+
+    def fed_forward(self, out: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        """What a step hands the next one as its hidden input, from its un-normed output and that
+        output's final norm (both [B, T, H]): the un-normed one, or the normed one with norm_output."""
+        return normed if self.config.norm_output else out
 
     def logits(self, normed_hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] (output of norm) -> draft logits [..., Vd]."""
@@ -344,7 +366,8 @@ class Eagle3Draft(nn.Module):
 
         aux_hidden_states [B, T, k*Ht], input_ids [B, T] (row t = position t of the sequence).
         Step j, row t: fed token input_ids[t+1+j] (id 0 past the end) and predicts token t+2+j;
-        hidden input fc(aux[t]) at j = 0, else the un-normed output of step j-1 at row t; RoPE
+        hidden input fuse(aux[t]) at j = 0, else step j-1's output at row t (fed_forward: un-normed,
+        or normed with norm_output); RoPE
         position t+j; attends to step-0 keys at rows <= t and steps 1..j keys at row t only.
 
         checkpoint: activation checkpointing per TTT step, one of CHECKPOINT_MODES, or a list of
@@ -390,18 +413,19 @@ class Eagle3Draft(nn.Module):
         serving path's own methods).
 
         hidden, embeds [B, T, H]; cos/sin [1, T, D] fp32; kv = the n_prev keys then the n_prev
-        values [B, Hkv, T, D] of the earlier steps -> (un-normed output [B, T, H], normed output
-        [B, T, H], k_j, v_j). The matmuls are the modules' own or `midlayer_linear`'s (either way
-        aten matmuls a selective checkpoint policy sees); the elementwise work between them goes
-        through `_ELEMENTWISE` (eager) or its torch.compile'd twin (fused kernels: each norm is
-        one pass, no fp32 copies kept)."""
+        values [B, Hkv, T, D] of the earlier steps -> (the next step's hidden input [B, T, H]: the
+        un-normed output, or the normed one with norm_output; normed output [B, T, H]; k_j, v_j).
+        The matmuls are the modules' own or `midlayer_linear`'s (either way aten matmuls a
+        selective checkpoint policy sees); the elementwise work between them goes through
+        `_ELEMENTWISE` (eager) or its torch.compile'd twin (fused kernels: each norm is one pass,
+        no fp32 copies kept)."""
         ew = _compiled_elementwise(compile == "dynamic") if compile else _ELEMENTWISE
         lin = self.midlayer_linear or _module_linear
         q, k, v = self.midlayer.qkv(embeds, hidden, cos, sin, ew, lin)  # [B, Hq, T, D], [B, Hkv, T, D] x 2
         keys, values = list(kv[:n_prev]) + [k], list(kv[n_prev:]) + [v]
         attn = ttt_attention(q, keys, values, self.midlayer.self_attn.scale, mode=attention, compile=compile)
         out, normed = self.midlayer.finish(attn, hidden, self.norm, ew, lin)
-        return out, normed, k, v
+        return self.fed_forward(out, normed), normed, k, v
 
     def ttt_step_fn(self, attention: str = "auto", checkpoint: str = "none", compile: bool | str = False):
         """fn(n_prev, hidden, embeds, cos, sin, *kv) -> ttt_step's outputs, checkpointed as asked
@@ -450,17 +474,18 @@ class Eagle3Draft(nn.Module):
 
     def _chain_step(self, cache: DraftCache, chain_kv: list, hidden: torch.Tensor, token: torch.Tensor,
                     step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One chain step j >= 1 from the last cached row: hidden [B, 1, H] (un-normed output of
-        step j-1), token [B, 1]; position (L - 1) + j; attends to all cached rows plus the chain's
-        own keys of steps 1..j (appended to chain_kv). Returns the un-normed and the normed output
-        [B, 1, H]."""
+        """One chain step j >= 1 from the last cached row: hidden [B, 1, H] (what step j-1 fed
+        forward), token [B, 1]; position (L - 1) + j; attends to all cached rows plus the chain's
+        own keys of steps 1..j (appended to chain_kv). Returns what it feeds forward and its
+        normed output, both [B, 1, H]."""
         positions = torch.full((1, 1), cache.length - 1 + step, device=hidden.device)
         cos, sin = self.rope(positions)
         q, k, v = self.midlayer.qkv(self.embed_tokens(token), hidden, cos, sin)
         chain_kv.append((k, v))
         keys = torch.cat([cache.keys] + [kk for kk, _ in chain_kv], dim=2)
         values = torch.cat([cache.values] + [vv for _, vv in chain_kv], dim=2)
-        return self.midlayer.finish(self._attend(q, keys, values), hidden, self.norm)
+        out, normed = self.midlayer.finish(self._attend(q, keys, values), hidden, self.norm)
+        return self.fed_forward(out, normed), normed
 
     @torch.no_grad()
     def chain(self, cache: DraftCache, tokens: torch.Tensor) -> torch.Tensor:
@@ -469,8 +494,9 @@ class Eagle3Draft(nn.Module):
         steps 0..m (step 0 = the cached row). The cache is left as it was."""
         if cache.length == 0:
             raise ValueError("chain: the cache is empty; extend it with at least one verified row first")
-        hidden = cache.hidden[:, -1:]
-        out, chain_kv = [self.norm(hidden)], []
+        normed = self.norm(cache.hidden[:, -1:])  # [B, 1, H]
+        hidden = self.fed_forward(cache.hidden[:, -1:], normed)
+        out, chain_kv = [normed], []
         for j in range(1, tokens.shape[1] + 1):
             hidden, normed = self._chain_step(cache, chain_kv, hidden, tokens[:, j - 1:j], j)
             out.append(normed)
@@ -487,8 +513,9 @@ class Eagle3Draft(nn.Module):
             raise ValueError("propose: the cache is empty; extend it with at least one verified row first")
         if k < 1:
             raise ValueError(f"propose: k must be >= 1, got {k}")
-        hidden = cache.hidden[:, -1:]  # [B, 1, H]
-        token = self.to_target_ids(self.logits(self.norm(hidden)).argmax(-1))  # [B, 1]
+        normed = self.norm(cache.hidden[:, -1:])  # [B, 1, H]
+        hidden = self.fed_forward(cache.hidden[:, -1:], normed)
+        token = self.to_target_ids(self.logits(normed).argmax(-1))  # [B, 1]
         proposals, chain_kv = [token], []
         for j in range(1, k):
             hidden, normed = self._chain_step(cache, chain_kv, hidden, token, j)

@@ -130,6 +130,7 @@ class DraftConfig:
     num_key_value_heads: int = 0
     head_dim: int = 0
     intermediate_size: int = 0
+    fc_norm: bool = False  # EAGLE-3.1: an RMSNorm per aux state before fc (config.json "fc_norm": true; docs/export.md)
 
 
 @dataclass

@@ -1,6 +1,8 @@
 """The EAGLE-3 draft: TTT alignment against a per-row plain-math reference and against serving
-with the KV cache, propose() against a greedy loop from scratch, the export format of
-docs/export.md, and from_target_config on Llama, DeepSeek-V3 and Kimi-K2.5-like configs."""
+with the KV cache, propose() against a greedy loop from scratch, the same for the variants
+(EAGLE-3.1's fc_norm, vLLM's norm_before_residual and norm_output) against vLLM's math, the
+export format of docs/export.md, and from_target_config on Llama, DeepSeek-V3 and Kimi-K2.5-like
+configs."""
 
 import copy
 import json
@@ -26,13 +28,22 @@ ROPES = {
 }
 
 
-def make_config(rope="default", draft_vocab_size=67, kv_heads=2):
+# The draft's variant switches (Eagle3Config), each alone and all together.
+VARIANTS = {
+    "fc_norm": {"fc_norm": True},
+    "norm_before_residual": {"norm_before_residual": True},
+    "norm_output": {"norm_output": True},
+    "all": {"fc_norm": True, "norm_before_residual": True, "norm_output": True},
+}
+
+
+def make_config(rope="default", draft_vocab_size=67, kv_heads=2, **variant):
     # Odd sizes: hidden 40, head_dim 10, target hidden 24 != hidden, 3 aux layers, Vd < V.
     return Eagle3Config(
         hidden_size=40, num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=10, intermediate_size=72,
         vocab_size=151, draft_vocab_size=draft_vocab_size, target_hidden_size=24, aux_layer_ids=[0, 2, 5],
         rms_norm_eps=1e-5, rope_theta=5000.0, rope_scaling=copy.deepcopy(ROPES[rope]), max_position_embeddings=256,
-        target_num_layers=8,
+        target_num_layers=8, **variant,
     )
 
 
@@ -52,7 +63,7 @@ def make_draft(config, seed=0):
     draft.reset_parameters(std=0.15)  # large enough that every piece moves the logits
     with torch.no_grad():
         for name, p in draft.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") or name.startswith("fc_norm."):  # every norm, fc_norm.{i} too
                 p.copy_(1 + 0.2 * torch.randn_like(p))
         draft.embed_tokens.weight.normal_()
     _, d2t, t2d = random_vocab(config, seed + 1)
@@ -79,7 +90,12 @@ def hf_rope(config):
 
 def naive_ttt_logits(draft, aux, ids, steps):
     """[steps, T, Vd] float64 for ONE sequence (aux [T, k*Ht], ids [T]), row by row from the
-    definition: transformers' RMSNorm and RoPE, attention as explicit per-head softmax loops."""
+    definition: transformers' RMSNorm and RoPE, attention as explicit per-head softmax loops.
+
+    The config's switches as vLLM's llama_eagle3.py computes them: fc_norm, each aux chunk [Ht]
+    through its own RMSNorm before fc (combine_hidden_states); norm_before_residual, the
+    residual is hidden_norm(h) (_norm_before_residual); norm_output, the next step is fed the
+    final norm's output (LlamaModel.forward's aux_output)."""
     cfg, t_len = draft.config, ids.shape[0]
     w = {n: p.detach().double() for n, p in draft.named_parameters()}
     rope = hf_rope(cfg)
@@ -96,14 +112,21 @@ def naive_ttt_logits(draft, aux, ids, steps):
         return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
     nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    keys, values, hidden = {}, {}, {}  # (step, row) -> [nkv, D] / [H]
+    keys, values, fed = {}, {}, {}  # (step, row) -> [nkv, D] / [H] (fed: what step j hands step j + 1)
     logits = torch.empty(steps, t_len, cfg.draft_vocab_size, dtype=torch.float64)
     for j in range(steps):
         for t in range(t_len):
             token = int(ids[t + 1 + j]) if t + 1 + j < t_len else 0
-            h_in = aux[t].double() @ w["fc.weight"].T if j == 0 else hidden[(j - 1, t)]
+            if j == 0:
+                chunks = aux[t].double().split(cfg.target_hidden_size)
+                if cfg.fc_norm:
+                    chunks = [rms(c, w[f"fc_norm.{i}.weight"]) for i, c in enumerate(chunks)]
+                h_in = torch.cat(chunks) @ w["fc.weight"].T
+            else:
+                h_in = fed[(j - 1, t)]
             x = torch.cat([rms(w["embed_tokens.weight"][token], w["midlayer.input_layernorm.weight"]),
                            rms(h_in, w["midlayer.hidden_norm.weight"])])
+            residual = rms(h_in, w["midlayer.hidden_norm.weight"]) if cfg.norm_before_residual else h_in
             q = rotate((w["midlayer.self_attn.q_proj.weight"] @ x).view(nh, d), t + j)
             keys[(j, t)] = rotate((w["midlayer.self_attn.k_proj.weight"] @ x).view(nkv, d), t + j)
             values[(j, t)] = (w["midlayer.self_attn.v_proj.weight"] @ x).view(nkv, d)
@@ -114,12 +137,14 @@ def naive_ttt_logits(draft, aux, ids, steps):
                 scores = torch.stack([q[h] @ keys[v][g] for v in visible]) / d ** 0.5
                 probs = scores.softmax(0)
                 heads.append(sum(p * values[v][g] for p, v in zip(probs, visible)))
-            h_mid = h_in + w["midlayer.self_attn.o_proj.weight"] @ torch.cat(heads)
+            h_mid = residual + w["midlayer.self_attn.o_proj.weight"] @ torch.cat(heads)
             y = rms(h_mid, w["midlayer.post_attention_layernorm.weight"])
             mlp = w["midlayer.mlp.down_proj.weight"] @ (
                 torch.nn.functional.silu(w["midlayer.mlp.gate_proj.weight"] @ y) * (w["midlayer.mlp.up_proj.weight"] @ y))
-            hidden[(j, t)] = h_mid + mlp
-            logits[j, t] = w["lm_head.weight"] @ rms(hidden[(j, t)], w["norm.weight"])
+            out = h_mid + mlp
+            normed = rms(out, w["norm.weight"])
+            fed[(j, t)] = normed if cfg.norm_output else out
+            logits[j, t] = w["lm_head.weight"] @ normed
     return logits
 
 
@@ -197,6 +222,116 @@ def test_forward_ttt_matches_serving_one_row_at_a_time(rope):
             for j in range(steps):
                 torch.testing.assert_close(chained[0, j], ttt[j][b, t], atol=1e-5, rtol=1e-5,
                                            msg=lambda m, j=j, t=t: f"step {j} row {t}: {m}")
+
+
+# --------------------------------------------------------------------------- (b) variants: EAGLE-3.1 and vLLM's switches
+
+
+def test_fuse_with_fc_norm_matches_plain_torch():
+    """fc_norm (EAGLE-3.1): the fused input is fc applied to the aux chunks, each [Ht] through its
+    own RMSNorm x / sqrt(mean(x^2) + eps) * w_i: 2 aux layers, Ht = 19, non-unit random weights."""
+    config = Eagle3Config(hidden_size=36, num_attention_heads=3, num_key_value_heads=1, head_dim=12, intermediate_size=50,
+                          vocab_size=97, draft_vocab_size=41, target_hidden_size=19, aux_layer_ids=[1, 4],
+                          rms_norm_eps=1e-6, fc_norm=True)
+    draft = Eagle3Draft(config)
+    assert [n for n, _ in draft.named_parameters() if n.startswith("fc_norm")] == ["fc_norm.0.weight", "fc_norm.1.weight"]
+    assert all(torch.equal(p, torch.ones(19)) for n, p in draft.named_parameters() if n.startswith("fc_norm"))
+    g = torch.Generator().manual_seed(40)
+    with torch.no_grad():
+        for norm in draft.fc_norm:
+            norm.weight.copy_(torch.rand(19, generator=g) * 3)  # anything but ones
+        draft.fc.weight.copy_(torch.randn(36, 38, generator=g))
+    aux = torch.randn(3, 7, 38, generator=g) * torch.tensor([0.1] * 19 + [30.0] * 19)  # chunks of very different scale
+    ref = []
+    for i in range(2):
+        x = aux[..., 19 * i: 19 * (i + 1)].double()
+        ref.append(x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * draft.fc_norm[i].weight.double())
+    ref = torch.cat(ref, -1) @ draft.fc.weight.double().T  # [3, 7, 36]
+    with torch.no_grad():
+        got = draft.fuse(aux)
+    torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
+    plain = Eagle3Draft(Eagle3Config(**{**config.__dict__, "fc_norm": False}))
+    assert plain.fc_norm is None and not any(n.startswith("fc_norm") for n in plain.state_dict())
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_forward_ttt_variants_match_plain_math_reference(variant):
+    """fc_norm, norm_before_residual, norm_output (and all three): forward_ttt's logits equal the
+    per-row float64 reference of vLLM's math at every step (4 steps, GQA, odd sizes)."""
+    config = make_config("yarn", kv_heads=2, **VARIANTS[variant])
+    draft = make_draft(config, seed=41)
+    aux, ids = random_inputs(config, batch=2, rows=8, seed=42)
+    steps = 4
+    for attention in ("reference", "merged"):
+        with torch.no_grad():
+            normed = draft.forward_ttt(aux, ids, steps, attention=attention)
+        for b in range(2):
+            got = torch.stack([draft.logits(h[b]) for h in normed]).double()  # fp32 math against float64
+            torch.testing.assert_close(got, naive_ttt_logits(draft, aux[b], ids[b], steps), atol=3e-5, rtol=1e-5)
+    # Each switch changes the numbers (the reference is not blind to it).
+    plain = Eagle3Draft(make_config("yarn", kv_heads=2))
+    plain.load_state_dict({k: v for k, v in draft.state_dict().items() if not k.startswith("fc_norm")})
+    with torch.no_grad():
+        other = plain.forward_ttt(aux, ids, steps, attention="reference")
+    assert (other[1] - normed[1]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_forward_ttt_variants_match_serving(variant):
+    """The decoding path (extend, then chain fed the true next tokens) gives forward_ttt's logits
+    at every step and row with each switch on, and propose() equals the greedy loop from scratch
+    on the plain-math reference."""
+    config = make_config("default", **VARIANTS[variant])
+    draft = make_draft(config, seed=43)
+    batch, rows, steps = 2, 7, 4
+    aux, ids = random_inputs(config, batch, rows, seed=44)
+    with torch.no_grad():
+        ttt = [draft.logits(h) for h in draft.forward_ttt(aux, ids, steps, attention="merged")]  # steps x [B, T, Vd]
+    padded = torch.cat([ids, torch.zeros(batch, steps + 1, dtype=ids.dtype)], dim=1)
+    for b in range(batch):
+        cache = draft.new_cache()
+        for t in range(rows):
+            draft.extend(cache, aux[b:b + 1, t:t + 1], padded[b:b + 1, t + 1:t + 2])
+            chained = draft.logits(draft.chain(cache, padded[b:b + 1, t + 2:t + 1 + steps]))  # [1, steps, Vd]
+            for j in range(steps):
+                torch.testing.assert_close(chained[0, j], ttt[j][b, t], atol=1e-5, rtol=1e-5,
+                                           msg=lambda m, j=j, t=t: f"{variant} step {j} row {t}: {m}")
+    vocab, _, _ = random_vocab(config, 44)  # make_draft's vocabulary (seed + 1)
+    n, k = 5, 4
+    proposal = _fresh_propose(draft, aux[:1, :n], ids[:1, 1:n + 1], k)
+    proposed = []
+    for j in range(k):
+        ids_ext = torch.cat([ids[0, :n + 1], torch.tensor(proposed, dtype=ids.dtype)])
+        aux_ext = torch.cat([aux[0, :n], torch.zeros(1 + j, aux.shape[-1])])
+        proposed.append(int(vocab[naive_ttt_logits(draft, aux_ext, ids_ext, j + 1)[j, n - 1].argmax()]))
+    assert proposal[0].tolist() == proposed
+
+
+@pytest.mark.parametrize("checkpoint", ["step", ("selective", "selective_all", "none")])
+def test_variants_train_the_same_under_checkpointing_and_fused_weight_grads(checkpoint):
+    """All switches on: the trainer's paths (merged attention, activation checkpointing, the fused
+    midlayer weight gradients) give the reference run's outputs and every gradient, fc_norm's
+    weights included (trainable, counted by trainable_parameter_count)."""
+    from eagleforge.train import weight_grads as grad_accum
+    from eagleforge.train.step_plan import trainable_parameter_count
+
+    config = make_config("llama3", kv_heads=2, **VARIANTS["all"])
+    draft = make_draft(config, seed=45)
+    aux, ids = random_inputs(config, 2, 9, seed=46)
+    weights = torch.randn(3, 2, 9, config.draft_vocab_size, generator=torch.Generator().manual_seed(47))
+    ref_out, ref_grads = _ttt_grads(draft, aux, ids, 3, weights, attention="reference")
+    assert {f"fc_norm.{i}.weight" for i in range(3)} <= set(ref_grads)
+    assert all(ref_grads[f"fc_norm.{i}.weight"].abs().max() > 0 for i in range(3))
+    plain = make_draft(make_config("llama3", kv_heads=2), seed=45)
+    assert trainable_parameter_count(draft) == trainable_parameter_count(plain) + 3 * config.target_hidden_size
+    grad_accum.fuse_weight_grads(draft)
+    out, grads = _ttt_grads(draft, aux, ids, 3, weights, attention="merged", checkpoint=checkpoint)
+    for a, b in zip(out, ref_out):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert grads.keys() == ref_grads.keys()
+    for name, g in ref_grads.items():
+        err = (grads[name] - g).norm() / g.norm()
+        assert err < 1e-5, f"{checkpoint} {name}: relative gradient error {err:.2e}"
 
 
 def test_extend_in_chunks_equals_row_by_row_and_rollback():
@@ -364,6 +499,89 @@ def test_load_rejects_bad_exports(tmp_path):
     save_file(bad, str(out / "model.safetensors"))
     with pytest.raises(ValueError, match="fc.weight has shape"):
         load_draft(out)
+
+
+def test_export_fc_norm_round_trip(tmp_path):
+    """EAGLE-3.1: config.json gets "fc_norm": true at the top level (and nothing of the other
+    switches, off), the weights fc_norm.0/1/2.weight [Ht]; the reload computes what was saved."""
+    from eagleforge.draft import expected_tensors
+
+    config = make_config(**VARIANTS["fc_norm"])
+    draft = make_draft(config, seed=48)
+    draft.to(torch.bfloat16).float()  # the export is bf16: round first so the reload is exact
+    out = save_draft(draft, tmp_path / "draft")
+    hf = json.loads((out / "config.json").read_text())
+    assert hf["fc_norm"] is True and "eagle_config" not in hf
+    assert not {"norm_output", "norm_before_residual", "norm_before_fc"} & set(hf)
+    assert {k: v for k, v in hf.items() if k != "fc_norm"} == make_config().to_hf_dict()
+    fc_norm_names = ["fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"]
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        assert names == set(EXPORT_NAMES) | {"d2t", "t2d"} | set(fc_norm_names)
+        for name in fc_norm_names:
+            tensor = f.get_tensor(name)
+            assert tuple(tensor.shape) == (24,) and tensor.dtype == torch.bfloat16
+            assert torch.equal(tensor.float(), draft.state_dict()[name])
+    assert set(expected_tensors(config)) == names and not set(fc_norm_names) & set(expected_tensors(make_config()))
+    loaded = load_draft(out, embed_tokens=draft.embed_tokens.weight)
+    assert loaded.config == Eagle3Config(**{**config.__dict__, "target_num_layers": 0})
+    aux, ids = random_inputs(config, 2, 6, seed=49)
+    with torch.no_grad():
+        for a, b in zip(loaded.forward_ttt(aux, ids, 3), draft.forward_ttt(aux, ids, 3)):
+            torch.testing.assert_close(loaded.logits(a), draft.logits(b), atol=0, rtol=0)
+
+
+def test_load_refuses_fc_norm_tensors_and_config_that_disagree(tmp_path):
+    """fc_norm tensors without "fc_norm": true (vLLM would refuse them, SGLang drop them), and
+    "fc_norm": true with a tensor missing: a ValueError naming the file, the tensor and the key."""
+    from safetensors.torch import load_file, save_file
+
+    out = save_draft(make_draft(make_config(**VARIANTS["fc_norm"]), seed=50), tmp_path / "d")
+    weights, config_json = out / "model.safetensors", out / "config.json"
+    tensors, hf = load_file(str(weights)), json.loads(config_json.read_text())
+    config_json.write_text(json.dumps({k: v for k, v in hf.items() if k != "fc_norm"}))
+    with pytest.raises(ValueError, match=rf'^{re.escape(str(weights))}: holds fc_norm.0.weight but '
+                                         rf'{re.escape(str(config_json))} does not set "fc_norm": true'):
+        load_draft(out)
+    config_json.write_text(json.dumps({**hf, "fc_norm": False}))
+    with pytest.raises(ValueError, match='holds fc_norm.0.weight but .* does not set "fc_norm": true'):
+        load_draft(out)
+    config_json.write_text(json.dumps(hf))
+    save_file({k: t for k, t in tensors.items() if k != "fc_norm.1.weight"}, str(weights), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf'^{re.escape(str(weights))}: has no fc_norm.1.weight but '
+                                         rf'{re.escape(str(config_json))} sets "fc_norm": true'):
+        load_draft(out)
+    save_file({k: t for k, t in tensors.items() if not k.startswith("fc_norm.")}, str(weights), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match='has no fc_norm.0.weight but .* sets "fc_norm": true'):
+        load_draft(out)
+    save_file({**tensors, "fc_norm.3.weight": tensors["fc_norm.0.weight"].clone()}, str(weights), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"unknown tensors \['fc_norm.3.weight'\]"):
+        load_draft(out)
+    save_file({**tensors, "fc_norm.2.weight": torch.ones(40, dtype=torch.bfloat16)}, str(weights), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"fc_norm.2.weight has shape \(40,\), config.json implies \(24,\)"):
+        load_draft(out)
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    assert load_draft(out).config.fc_norm  # the export as written loads
+    for bad in ("true", 1):
+        config_json.write_text(json.dumps({**hf, "fc_norm": bad}))
+        with pytest.raises(ValueError, match=rf"{re.escape(str(config_json))}: fc_norm is {bad!r}, expected true or false"):
+            load_draft(out)
+
+
+def test_variant_switches_in_config_json():
+    """Each switch is written at the top level only when true and read back; bad values refused."""
+    for variant in VARIANTS.values():
+        cfg = make_config(**variant)
+        hf = json.loads(json.dumps(cfg.to_hf_dict()))
+        assert {k for k in ("fc_norm", "norm_before_residual", "norm_output") if k in hf} == set(variant)
+        assert all(hf[k] is True for k in variant)
+        assert Eagle3Config.from_hf_dict(hf) == Eagle3Config(**{**cfg.__dict__, "target_num_layers": 0})
+    hf = make_config().to_hf_dict()
+    assert Eagle3Config.from_hf_dict({**hf, "norm_output": False, "fc_norm": None}) == Eagle3Config.from_hf_dict(hf)
+    with pytest.raises(ValueError, match="norm_before_residual is 'yes', expected true or false"):
+        Eagle3Config.from_hf_dict({**hf, "norm_before_residual": "yes"})
+    with pytest.raises(ValueError, match="Eagle3Config.norm_output must be true or false, got 1"):
+        make_config(norm_output=1)
 
 
 def test_draft_imports_alone():
@@ -635,11 +853,12 @@ def test_selective_policy_saves_the_wide_matmuls_only():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("checkpoint", ["none", "selective"])
-def test_forward_ttt_compiled_equals_eager(checkpoint, compiled):
+@pytest.mark.parametrize("checkpoint,variant", [("none", None), ("selective", None), ("selective", "all")])
+def test_forward_ttt_compiled_equals_eager(checkpoint, variant, compiled):
     """compile=True (inductor on the CPU) gives the eager outputs and gradients: once with the
-    compiled layer pieces, once with the compiled selectively-checkpointed step."""
-    config = make_config("default", kv_heads=2)
+    compiled layer pieces, once with the compiled selectively-checkpointed step, once more so
+    with every variant switch on (norm_before_residual's compiled norm)."""
+    config = make_config("default", kv_heads=2, **VARIANTS.get(variant, {}))
     draft = make_draft(config, seed=24)
     aux, ids = random_inputs(config, 1, 9, seed=25)
     weights = torch.randn(3, 1, 9, config.draft_vocab_size, generator=torch.Generator().manual_seed(26))

@@ -419,3 +419,42 @@ def test_selective_checkpointing_under_bf16_autocast_follows_the_plain_losses(tm
         "plain": PLAIN_STEP, "selective": dict(activation_checkpoint="selective*2+selective_all", attention="merged")})
     assert len(losses["selective"]) == 5 and all(math.isfinite(x) for x in losses["selective"])
     assert losses["selective"] == pytest.approx(losses["plain"], rel=3e-2), losses
+
+
+def test_draft_fc_norm_trains_an_eagle31_draft(tmp_path, tiny_llama_config):
+    """draft.fc_norm=true on the command line: the trainer builds, trains and exports an EAGLE-3.1
+    draft. Its fc_norm weights are trained (they leave 1) with fp32 masters and with bf16
+    parameters (fused midlayer weight gradients, selective checkpointing, merged attention); the
+    export has "fc_norm": true and fc_norm.{0,1,2}.weight, and loads with the checkpoint's weights."""
+    from safetensors import safe_open
+
+    from eagleforge.config import load_config, save_config
+    from eagleforge.draft import expected_tensors, load_draft
+    from eagleforge.train.checkpoint import load_model_weights
+    from eagleforge.vocab import load_target_head
+    from eagleforge.vocab import main as vocab_main
+
+    cfg, _, _ = build_tiny_run(tmp_path / "base", tiny_llama_config, n_samples=12, with_argmax=True)
+    _configure(cfg, max_steps=5, save_every=100, device="cpu")
+    save_config(cfg, tmp_path / "config.yaml")
+    cfg = load_config(tmp_path / "config.yaml", ["draft.fc_norm=true"])
+    assert cfg.draft.fc_norm is True
+    vocab_main(cfg)
+    losses = train_variants(cfg, cfg.run, tmp_path, {
+        "fp32": {}, "bf16": dict(bf16=True, param_dtype="bfloat16", activation_checkpoint="selective", attention="merged")})
+    names = [f"fc_norm.{i}.weight" for i in range(3)]
+    for variant, run_losses in losses.items():
+        run = tmp_path / variant
+        assert len(run_losses) == 5 and all(math.isfinite(x) for x in run_losses), (variant, run_losses)
+        weights = load_model_weights(run / "checkpoints" / "step-000005")
+        for name in names:
+            assert weights[name].shape == (48,)
+            assert (weights[name] - 1).abs().max() > 1e-4, f"{variant}: {name} never left 1"
+        hf = json.loads((run / "draft" / "config.json").read_text())
+        assert hf["fc_norm"] is True and not {"norm_output", "norm_before_residual"} & set(hf)
+        draft = load_draft(run / "draft", embed_tokens=load_target_head(run)["embed_tokens"])
+        assert draft.config.fc_norm and draft.config.num_aux_layers == 3
+        with safe_open(str(run / "draft" / "model.safetensors"), framework="pt") as f:
+            assert set(f.keys()) == set(expected_tensors(draft.config)) and set(names) <= set(f.keys())
+        for name in names:
+            torch.testing.assert_close(draft.state_dict()[name], weights[name].bfloat16().float(), atol=0, rtol=0)

@@ -3,7 +3,8 @@
 Without vLLM: the metrics' arithmetic from vLLM's counters, the worker's request and answer as
 the eval stage exchanges them (a stand-in worker), results.json's fields, the errors. With vLLM
 (`make test-vllm`: its own environment, .venv-vllm, and a trained draft): the embedded default's
-draft measured by vLLM and by the project's engine on the same 10 HumanEval prompts.
+draft measured by vLLM and by the project's engine on the same 10 HumanEval prompts, and a small
+EAGLE-3.1 (fc_norm) export, written by the test, run by both engines alike.
 """
 
 from __future__ import annotations
@@ -216,3 +217,63 @@ def test_vllm_measures_the_trained_draft_as_the_project_does(tmp_path, capsys):
     assert abs(v["acceptance_length"] - project["acceptance_length"]) <= 0.07 * project["acceptance_length"]
     assert v["generated_tokens"] == project["generated_tokens"]
     assert agreement["identical"] == 10, agreement
+
+
+def _eagle31_draft(target_dir, prompts: list[list[int]], out_dir, vocab: int = 64) -> None:
+    """A small random EAGLE-3.1 export for the target: "fc_norm": true, fc_norm.{0,1,2}.weight
+    far from 1 (each aux state's scale decides the proposals), and a draft vocabulary of the
+    `vocab` most frequent ids of `prompts` (random proposals among them are sometimes accepted,
+    so the acceptance counters compare the two engines' proposals)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from eagleforge.draft import Eagle3Config, Eagle3Draft, save_draft
+
+    config = Eagle3Config.from_target_config(AutoConfig.from_pretrained(target_dir), vocab, [1, 14, 26], fc_norm=True)
+    counts = torch.bincount(torch.tensor([i for p in prompts for i in p]), minlength=config.vocab_size)
+    ids = counts.topk(vocab).indices.sort().values
+    torch.manual_seed(0)
+    draft = Eagle3Draft(config)
+    draft.reset_parameters(std=0.05)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for norm in draft.fc_norm:
+            norm.weight.copy_(0.2 + 2 * torch.rand(config.target_hidden_size, generator=g))
+    t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    draft.set_vocab_map(ids - torch.arange(vocab), t2d)
+    save_draft(draft, out_dir)
+    assert json.loads((out_dir / "config.json").read_text())["fc_norm"] is True
+    with safe_open(str(out_dir / "model.safetensors"), framework="pt") as f:
+        assert {f"fc_norm.{i}.weight" for i in range(3)} <= set(f.keys())
+
+
+@pytest.mark.slow
+def test_vllm_runs_an_eagle31_fc_norm_draft_as_the_project_does(tmp_path, capsys):
+    """An EAGLE-3.1 export (fc_norm) written here for the embedded target: vLLM loads it unchanged
+    (its loader refuses fc_norm weights unless config.json says "fc_norm": true) and its
+    speculative decoding gives the project's engine's output token for token (the target's
+    greedy output) and the same acceptance counters: the same proposals accepted at the same
+    positions, which a draft run without its fc_norm weights would not give. 10 HumanEval
+    prompts, float32, k = 3."""
+    from eagleforge.eval.evaluate import load_prompts, main
+    from eagleforge.target import embedded_target_dir, load_tokenizer
+
+    python = _vllm_python_or_skip()
+    cfg = load_config(None, [f"run_dir={tmp_path / 'run'}", f"eval.draft_path={tmp_path / 'draft'}", "target.device=cpu",
+                             "target.dtype=float32", "eval.n_prompts=10", "eval.k=3", "eval.max_new_tokens=48",
+                             "eval.engine=vllm", f"eval.vllm_python={python}"])
+    prompts = [p["input_ids"] for p in load_prompts(cfg.eval.prompts, cfg.eval.n_prompts, load_tokenizer(cfg.target))]
+    _eagle31_draft(embedded_target_dir(), prompts, tmp_path / "draft")
+    results = main(cfg)
+    project, v = results["eagle"], results["vllm"]
+    agreement = v["outputs_vs_project"]
+    with capsys.disabled():
+        print(f"\nvLLM {v['vllm_version']} vs project on an EAGLE-3.1 (fc_norm) draft (10 HumanEval prompts, k=3, float32): "
+              f"accepted {v['accepted_tokens']} vs {project['accepted_tokens']} tokens in {v['rounds']} vs {project['rounds']} "
+              f"rounds, per position {[round(r, 4) for r in v['per_position_acceptance']]} vs "
+              f"{[round(r, 4) for r in project['per_position_acceptance']]}; outputs identical on {agreement['identical']}/10")
+    assert agreement["identical"] == 10, agreement
+    assert project["accepted_tokens"] > 0  # some proposals accepted: the counters compare proposals
+    assert (v["rounds"], v["accepted_tokens"]) == (project["rounds"], project["accepted_tokens"])
+    assert v["per_position_acceptance"] == pytest.approx(project["per_position_acceptance"], abs=1e-12)
