@@ -8,6 +8,12 @@ data, hidden and vocab are links to RUN's.
 
   ours       eagleforge.train.loop.train(cfg): the trainer as `make train` runs it (its own
              batching, read-ahead, loss, optimizer, schedule), exporting OUT/ours/draft.
+  Both start from the same draft: the trainer's initial weights for train.seed (train/build.py),
+  copied into SpecForge's model, so with the same batch order a seed pairs the two recipes, not
+  two random draws. --seeds S... runs each trainer once per seed; --summarize prints per row the
+  seeds, mean, sd and the mean paired difference to a --baseline row. draft.fc_norm=true trains
+  EAGLE-3.1 on both sides (SpecForge's `fc_norm`).
+
   specforge  SpecForge's own step: LlamaForCausalLMEagle3 in OnlineEagle3Model (flex_attention
              on a GPU, sdpa on the CPU), its compact teacher from the target's last hidden states
              and FULL lm_head, its loss (sum_j decay^j x step loss), its BF16Optimizer (AdamW over
@@ -38,7 +44,12 @@ Both exports are then measured the same way:
 
     make bench-quality RUN=runs/smollm2_gpu CONFIG=configs/smollm2_gpu.yaml
     python benchmarks/bench_quality.py --config configs/smollm2_gpu.yaml --run runs/smollm2_gpu \
-        --json runs/smollm2_gpu/bench_quality.json
+        --seeds 0 1 2 --json runs/smollm2_gpu/bench_quality.json
+    python benchmarks/bench_quality.py --summarize A.json B.json --baseline "specforge 0.2.0"
+
+Benchmark variants of ours (not product options): --noise S trains on aux states with Gaussian
+noise of S x each state's RMS; --per-epoch keeps a checkpoint per epoch and reports each one's
+held-out acceptance (would keeping the best checkpoint beat keeping the last?).
     python benchmarks/bench_quality.py --tiny      # the CPU check of the script (embedded SmolLM2,
                                                    # a 16-prompt run it prepares, a few steps, 2 prompts)
 
@@ -67,7 +78,7 @@ from _bench_common import ROOT, import_eagleforge  # noqa: E402
 import_eagleforge()  # a bare checkout runs without `pip install -e .`
 
 from eagleforge.config import Config, load_config  # noqa: E402
-from eagleforge.draft import EXPORT_TENSOR_NAMES, Eagle3Config, Eagle3Draft, save_draft  # noqa: E402
+from eagleforge.draft import Eagle3Config, Eagle3Draft, expected_tensors, save_draft  # noqa: E402
 from eagleforge.layout import Layout  # noqa: E402
 from eagleforge.train.batching import Batch  # noqa: E402
 from eagleforge.train.prefetch import Prefetcher  # noqa: E402
@@ -78,7 +89,7 @@ log = logging.getLogger("bench_quality")
 
 RUN_LINKS = ("data", "hidden", "vocab")  # what a bench run directory borrows from RUN
 # The --tiny run: the embedded SmolLM2-135M on the CPU, a run small enough for minutes.
-TINY_PREPARE = ["data.num_prompts=16", "data.max_new_tokens=24", "vocab.draft_vocab_size=512"]
+TINY_PREPARE = ["data.num_prompts=16", "data.max_new_tokens=24", "vocab.draft_vocab_size=512", "train.holdout_samples=4"]
 TINY_TRAIN = ["train.max_steps=6", "train.batch_tokens=1024", "train.holdout_samples=4", "train.ttt_steps=3",
               "train.save_every=0", "train.verify_checksums=false", "eval.n_prompts=2", "eval.max_new_tokens=16",
               "eval.k=3", "eval.reuse_ngram=false"]
@@ -122,23 +133,34 @@ def use_plain_specforge_loss() -> None:
     sf_model.LogSoftmaxLoss = PlainLogSoftmaxLoss
 
 
-def build_specforge_draft(config: Eagle3Config, d2t: torch.Tensor, t2d: torch.Tensor, embed_tokens: torch.Tensor,
-                          attention_backend: str, seed: int):
+def build_specforge_draft(initial: Eagle3Draft, d2t: torch.Tensor, t2d: torch.Tensor, embed_tokens: torch.Tensor,
+                          attention_backend: str):
     """SpecForge's LlamaForCausalLMEagle3 of our draft's shape (its config built from our export
-    config.json, Eagle3Config.to_hf_dict), its own random init under `seed`, the target's frozen
-    input embedding [V, H] and RUN/vocab's d2t [Vd] / t2d [V]."""
+    config.json, Eagle3Config.to_hf_dict; `fc_norm` for EAGLE-3.1), starting from the trainer's
+    initial weights `initial` (train/build.py, drawn under train.seed: both trainers start from the
+    same draft, so a seed pairs recipes, not random draws), with the target's frozen input
+    embedding [V, H] and RUN/vocab's d2t [Vd] / t2d [V]."""
     from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
     from transformers import LlamaConfig
 
+    config = initial.config
     hf = config.to_hf_dict()
     llama = LlamaConfig(**{k: v for k, v in hf.items() if k not in ("architectures", "model_type")})
     llama.draft_vocab_size = config.draft_vocab_size
     llama.target_hidden_size = config.target_hidden_size
+    llama.fc_norm = config.fc_norm  # SpecForge's EAGLE-3.1: a norm per aux state before fc
+    # SpecForge 0.2.0 has no norm_before_residual, and reads norm_output otherwise than the engines
+    # (a missing key: standard EAGLE-3): it would train another draft than ours.
+    if config.norm_before_residual or config.norm_output:
+        raise ValueError("SpecForge 0.2.0 cannot train draft.norm_before_residual / draft.norm_output drafts")
+    llama.norm_output = True  # its meaning: logits from the normed state, the next step fed the un-normed one
     if config.num_aux_layers != 3:
         raise ValueError(f"SpecForge's draft reads 3 aux layers; this run's draft has {config.num_aux_layers}")
-    torch.manual_seed(seed)
     draft = LlamaForCausalLMEagle3(llama, attention_backend=attention_backend)
+    trained = specforge_export_tensors({**initial.state_dict(), "embed_tokens.weight": embed_tokens}, config)
     with torch.no_grad():
+        missing, unexpected = draft.load_state_dict(trained, strict=False)
+        assert not unexpected and set(missing) <= {"embed_tokens.weight", "d2t", "t2d"}, (missing, unexpected)
         draft.embed_tokens.weight.copy_(embed_tokens)
         draft.d2t.copy_(d2t.long())
         draft.t2d.copy_(t2d.bool())
@@ -153,14 +175,15 @@ def specforge_export_tensors(state: dict[str, torch.Tensor], config: Eagle3Confi
     lm_head); embed_tokens (the target's, not exported) and its own d2t/t2d buffers are left out
     (the export takes RUN/vocab's). Any other tensor (fc_norm, a second layer) has no place in
     the export: an error naming it."""
-    wanted = {n for n in EXPORT_TENSOR_NAMES if n not in ("d2t", "t2d")}
+    expected = expected_tensors(config)
+    wanted = {n for n in expected if n not in ("d2t", "t2d")}
     extra = set(state) - wanted - {"embed_tokens.weight", "d2t", "t2d"}
     missing = wanted - set(state)
     if extra or missing:
         raise ValueError(f"SpecForge draft: tensors without an export name {sorted(extra)}, missing {sorted(missing)}")
     out = {}
     for name in sorted(wanted):
-        shape = tuple(EXPORT_TENSOR_NAMES[name][0](config))
+        shape = expected[name][0]
         if tuple(state[name].shape) != shape:
             raise ValueError(f"SpecForge draft: {name} has shape {tuple(state[name].shape)}, the export needs {shape}")
         out[name] = state[name].detach()
@@ -223,12 +246,27 @@ def run_config(config_file: str | None, run: Path, overrides: list[str]) -> Conf
     return load_config(config_file, [*overrides, f"run_dir={run}", "train.resume=false"])
 
 
-def train_ours(cfg: Config) -> dict:
-    """The trainer end to end (train(cfg)); loop seconds from its own count (train_summary.json)."""
-    from eagleforge.train.loop import train
+def train_ours(cfg: Config, noise: float = 0.0) -> dict:
+    """The trainer end to end (train(cfg)); loop seconds from its own count (train_summary.json).
+    noise > 0 (a benchmark variant, not a product option): the training batches' aux states get
+    Gaussian noise of that size relative to each state's RMS (held-out evaluation without)."""
+    from eagleforge.train.loop import Trainer, train
 
     t0 = time.perf_counter()
-    summary = train(cfg)
+    batch_loss = Trainer.batch_loss
+    if noise > 0:
+        def noisy_batch_loss(self, batch, training=False):
+            if training:
+                aux = batch.aux_hidden_states  # [B, T, k * Ht]
+                chunks = aux.float().unflatten(-1, (-1, self.draft.config.target_hidden_size))  # [B, T, k, Ht]
+                rms = chunks.pow(2).mean(-1, keepdim=True).sqrt()
+                batch.aux_hidden_states = (chunks + noise * rms * torch.randn_like(chunks)).flatten(-2).to(aux.dtype)
+            return batch_loss(self, batch, training)
+        Trainer.batch_loss = noisy_batch_loss
+    try:
+        summary = train(cfg)
+    finally:
+        Trainer.batch_loss = batch_loss
     wall = time.perf_counter() - t0
     rate = summary.get("train_tokens_per_s")
     return {"draft": str(cfg.run / "draft"), "steps": summary["steps"], "train_tokens": summary["train_tokens"],
@@ -251,13 +289,14 @@ def train_specforge(cfg: Config, attention_backend: str, mask_mode: str) -> dict
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # SpecForge trains bf16 weights on GPUs
     source = ShardSource(cfg.run / "hidden", Layout(device=device), tc.verify_checksums, tc.skip_corrupt_shards)
     vocab, head = load_vocab_map(cfg.run), load_target_head(cfg.run)
-    config = build_draft(cfg, source.manifest, vocab, head).config  # our draft's shape: the same for both
+    initial = build_draft(cfg, source.manifest, vocab, head)  # the trainer's initial draft for train.seed
+    config = initial.config
     full_head, _ = read_target_head(target_path(cfg.target), cfg.target)  # [V, Ht]: SpecForge's teacher
     n_train = training_sample_count(len(source), tc.holdout_samples, str(cfg.run / "hidden"))
     steps = step_schedule(source.sample_lengths(), list(range(n_train)), tc.batch_tokens, tc.seed, tc.epochs,
                           tc.max_steps, max(1, tc.grad_accum))
 
-    draft = build_specforge_draft(config, vocab["d2t"], vocab["t2d"], head["embed_tokens"], attention_backend, tc.seed)
+    draft = build_specforge_draft(initial, vocab["d2t"], vocab["t2d"], head["embed_tokens"], attention_backend)
     draft = draft.to(device, dtype)
     model = OnlineEagle3Model(draft, length=tc.ttt_steps, attention_backend=attention_backend)
     opt = BF16Optimizer(draft, lr=tc.lr, weight_decay=tc.weight_decay, max_grad_norm=tc.grad_clip,
@@ -334,6 +373,44 @@ def heldout_acceptance(cfg: Config) -> dict:
             "accuracy_per_step": [round(a, 4) for a in stats.accuracy_per_step()]}
 
 
+def epoch_checkpoint_overrides(cfg: Config) -> list[str]:
+    """Overrides that make the trainer keep a checkpoint at each epoch's end (steps per epoch from
+    the trainer's schedule; a run of `epochs` epochs keeps them all)."""
+    from eagleforge.train.sources import ShardSource
+    from eagleforge.vocab import training_sample_count
+
+    tc = cfg.train
+    source = ShardSource(cfg.run / "hidden", Layout(device=torch.device("cpu")), tc.verify_checksums, tc.skip_corrupt_shards)
+    n_train = training_sample_count(len(source), tc.holdout_samples, str(cfg.run / "hidden"))
+    per_epoch = len(step_schedule(source.sample_lengths(), list(range(n_train)), tc.batch_tokens, tc.seed, 1, 0, max(1, tc.grad_accum)))
+    return [f"train.save_every={per_epoch}", f"train.keep_last={tc.epochs + 1}"]
+
+
+def per_epoch_acceptance(cfg: Config) -> list[dict]:
+    """Held-out simulated acceptance of each checkpoint the run kept (export_finite of each, as
+    the trainer exports its last), oldest first: does acceptance peak before the last epoch?"""
+    from eagleforge.train.checkpoint import list_checkpoints
+    from eagleforge.train.loop import export_finite
+
+    out = []
+    final = cfg.run / "draft"
+    keep = cfg.run / "draft-final"
+    if final.exists():
+        final.rename(keep)
+    try:
+        for checkpoint in list_checkpoints(cfg.run):
+            export_finite(checkpoint, final)
+            row = heldout_acceptance(cfg)
+            out.append({"checkpoint": checkpoint.name, "simulated_acceptance_length": row["simulated_acceptance_length"]})
+            import shutil
+
+            shutil.rmtree(final)
+    finally:
+        if keep.exists():
+            keep.rename(final)
+    return out
+
+
 def eval_stage(config_file: str | None, run: Path, overrides: list[str], python: str) -> dict:
     """`python -m eagleforge.eval` on run/draft (its own process: the target loads and leaves)."""
     cmd = [python, "-m", "eagleforge.eval", *(["--config", config_file] if config_file else []), *overrides,
@@ -356,14 +433,45 @@ def fmt(value, spec: str = ".3f") -> str:
 
 def print_table(rows: list[dict]) -> None:
     k = next((r.get("k") for r in rows if r.get("k")), "k")
-    print(f"\n| trainer | acceptance at k={k} (HumanEval) | simulated acceptance (held-out) | train s | wall s | steps |")
-    print("|---|---|---|---|---|---|")
+    print(f"\n| row | seed | acceptance at k={k} (HumanEval) | simulated acceptance (held-out) | per epoch | train s | wall s | steps |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['name']} | {r['error']} | | | | |")
+            print(f"| {r['name']} | {r.get('seed', '-')} | {r['error']} | | | | | |")
             continue
-        print(f"| {r['name']} | {fmt(r.get('acceptance_length'))} | {fmt(r.get('simulated_acceptance_length'))} | "
-              f"{fmt(r.get('train_s'), '.1f')} | {fmt(r.get('wall_s'), '.1f')} | {r.get('steps', '-')} |")
+        epochs = " ".join(fmt(e["simulated_acceptance_length"]) for e in r.get("per_epoch", [])) or "-"
+        print(f"| {r['name']} | {r.get('seed', '-')} | {fmt(r.get('acceptance_length'))} | {fmt(r.get('simulated_acceptance_length'))} | "
+              f"{epochs} | {fmt(r.get('train_s'), '.1f')} | {fmt(r.get('wall_s'), '.1f')} | {r.get('steps', '-')} |")
+
+
+def summarize(paths: list[Path], baseline: str | None, key: str = "simulated_acceptance_length") -> list[dict]:
+    """One line per row label over the JSON reports at `paths`: each seed's figure, mean and sd,
+    and the paired difference to `baseline` (the same seed's figure of that row), printed as a
+    table; returns the lines."""
+    import statistics
+
+    by_row: dict[str, dict[int, float]] = {}
+    for path in paths:
+        for r in json.loads(Path(path).read_text())["rows"]:
+            if r.get(key) is not None:
+                by_row.setdefault(r["name"], {})[int(r.get("seed", 0))] = float(r[key])
+    seeds = sorted({s for row in by_row.values() for s in row})
+    base = by_row.get(baseline, {}) if baseline else {}
+    lines = []
+    print(f"\n| row | {' | '.join(f'seed {s}' for s in seeds)} | mean (sd) | paired vs {baseline or '-'} |")
+    print(f"|---|{'---|' * len(seeds)}---|---|")
+    for name, values in by_row.items():
+        vals = [values[s] for s in seeds if s in values]
+        mean = statistics.mean(vals)
+        sd = statistics.stdev(vals) if len(vals) > 1 else None
+        paired = [values[s] / base[s] - 1 for s in seeds if s in values and s in base]
+        line = {"row": name, "by_seed": values, "mean": mean, "sd": sd,
+                "paired": statistics.mean(paired) if paired and name != baseline else None}
+        lines.append(line)
+        cells = " | ".join(fmt(values.get(s)) for s in seeds)
+        diff = "" if line["paired"] is None else f"{line['paired']:+.1%} ({', '.join(f'{p:+.1%}' for p in paired)})"
+        print(f"| {name} | {cells} | {mean:.3f} ({fmt(sd)}) | {diff} |")
+    return lines
 
 
 def prepare_tiny_run(run: Path, python: str) -> None:
@@ -378,16 +486,28 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=None, help="the run's config file (the one its stages ran with)")
     ap.add_argument("--run", type=Path, default=None, help="RUN holding data, hidden, vocab (not changed)")
-    ap.add_argument("--out", type=Path, default=None, help="where both trainings go (default RUN/bench_quality)")
+    ap.add_argument("--out", type=Path, default=None, help="where the trainings go (default RUN/bench_quality)")
     ap.add_argument("--only", nargs="+", choices=["ours", "specforge"], default=["ours", "specforge"])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="train.seed of each training (a seed pairs the "
+                    "trainers: the same initial draft and batch order)")
+    ap.add_argument("--label", default=None, help="the row's name in the report (default: eagleforge / specforge 0.2.0)")
+    ap.add_argument("--noise", type=float, default=0.0, help="ours only, a benchmark variant: Gaussian noise on the training "
+                    "batches' aux states, relative to each state's RMS")
+    ap.add_argument("--per-epoch", action="store_true", help="ours: keep a checkpoint per epoch and report each one's "
+                    "held-out acceptance (does it peak before the last?)")
     ap.add_argument("--specforge-attention", default=None, help="SpecForge's attention backend "
                     "(default flex_attention on a GPU, sdpa on the CPU)")
     ap.add_argument("--specforge-mask", choices=["aligned", "own"], default="aligned")
     ap.add_argument("--no-eval", action="store_true", help="skip the eval stage (speculative decoding)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--summarize", type=Path, nargs="+", default=None, help="print the table of these JSON reports "
+                    "(per row label: each seed, mean, sd, paired difference to --baseline) and exit")
+    ap.add_argument("--baseline", default=None, help="with --summarize: the row label the others are paired with")
     ap.add_argument("--tiny", action="store_true", help="CPU check of the script: embedded SmolLM2 on a tiny run")
     ap.add_argument("overrides", nargs="*", help="section.key=value for both trainings and evals")
     args = ap.parse_args(argv)
+    if args.summarize:
+        return {"lines": summarize(args.summarize, args.baseline)}
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     python = sys.executable
     overrides = list(args.overrides)
@@ -411,32 +531,38 @@ def main(argv=None) -> dict:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(report, indent=1))
 
-    for name in args.only:
-        run = bench_run_dir(out / name, args.run)
-        cfg = run_config(args.config, run, overrides)
-        row = {"name": "eagleforge" if name == "ours" else "specforge 0.2.0"}
-        try:
-            if name == "ours":
-                row.update(train_ours(cfg))
-            else:
-                try:
-                    import specforge  # noqa: F401
-                except ImportError as err:
-                    raise RuntimeError(f"specforge not installed ({err})") from None
-                on_gpu = torch.cuda.is_available() and cfg.train.device in ("auto", "cuda")
-                if not on_gpu:
-                    use_plain_specforge_loss()
-                backend = args.specforge_attention or ("flex_attention" if on_gpu else "sdpa")
-                row.update(train_specforge(cfg, backend, args.specforge_mask), attention_backend=backend,
-                           mask=args.specforge_mask)
-            row.update(heldout_acceptance(cfg))
-            if not args.no_eval:
-                row.update(eval_stage(args.config, run, overrides, python))
-        except Exception as err:  # noqa: BLE001 - recorded; the other trainer still runs
-            log.exception("%s failed", row["name"])
-            row["error"] = repr(err)[:300]
-        report["rows"].append(row)
-        save()
+    for seed in args.seeds:
+        for name in args.only:
+            run = bench_run_dir(out / name / f"seed{seed}", args.run)
+            cfg = run_config(args.config, run, [*overrides, f"train.seed={seed}"])
+            if name == "ours" and args.per_epoch:
+                cfg = run_config(args.config, run, [*overrides, f"train.seed={seed}", *epoch_checkpoint_overrides(cfg)])
+            label = args.label or ("eagleforge" if name == "ours" else "specforge 0.2.0")
+            row = {"name": label if len(args.only) == 1 or args.label is None else f"{label} {name}", "seed": seed}
+            try:
+                if name == "ours":
+                    row.update(train_ours(cfg, args.noise))
+                else:
+                    try:
+                        import specforge  # noqa: F401
+                    except ImportError as err:
+                        raise RuntimeError(f"specforge not installed ({err})") from None
+                    on_gpu = torch.cuda.is_available() and cfg.train.device in ("auto", "cuda")
+                    if not on_gpu:
+                        use_plain_specforge_loss()
+                    backend = args.specforge_attention or ("flex_attention" if on_gpu else "sdpa")
+                    row.update(train_specforge(cfg, backend, args.specforge_mask), attention_backend=backend,
+                               mask=args.specforge_mask)
+                row.update(heldout_acceptance(cfg))
+                if name == "ours" and args.per_epoch:
+                    row["per_epoch"] = per_epoch_acceptance(cfg)
+                if not args.no_eval:
+                    row.update(eval_stage(args.config, run, overrides, python))
+            except Exception as err:  # noqa: BLE001 - recorded; the other rows still run
+                log.exception("%s failed", row["name"])
+                row["error"] = repr(err)[:300]
+            report["rows"].append(row)
+            save()
     print_table(report["rows"])
     return report
 

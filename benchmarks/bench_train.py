@@ -20,15 +20,17 @@ Our step mirrors the trainer (train/loop.py) with the memory changes measured he
                                / (rows of step j); the target argmax comes with the shards
     loss.backward(); clip_grad_norm_(0.5); AdamW(fused=True).step(); zero_grad(set_to_none=True)
 
-Parameters are bf16 and AdamW keeps bf16 states (as SpecForge's step is driven here: plain
-AdamW over its bf16 weights; SpecForge's own trainer wraps them in BF16Optimizer, whose fp32
-masters and moments would add 8 bytes per parameter, 8.9 GiB here, to its rows). The frozen target embedding [163840, 7168] (2.2 GiB) stays on the
+The step-only variants keep bf16 parameters and bf16 AdamW states (a benchmark variant: the
+trainer's rows run the trainer itself, whose bf16 parameters step with fp32 masters and moments,
+train/optimizer.py). SpecForge's step runs with its own trainer's optimizer, BF16Optimizer (fp32
+masters and moments of its bf16 weights, its gradient clipping): the same update precision as the
+trainer's. The frozen target embedding [163840, 7168] (2.2 GiB) stays on the
 host by default (--embed-device cpu): only the T rows a batch uses are gathered there (into
 pinned memory) and copied over, inside the timed step.
 
 SpecForge's step is its own training step:
 LlamaForCausalLMEagle3 in OnlineEagle3Model, flex_attention backend, its compact teacher from
-hidden states over the FULL target vocabulary (163840) every step.
+hidden states over the FULL target vocabulary (163840) every step, BF16Optimizer.
 
 FLOPs are counted here (model FLOPs, no recompute): 6 x (trainable parameters used per TTT step)
 x K + fc + causal attention (fwd + bwd, 3 x 4 x T/2 x heads x head_dim per token and step) + the
@@ -406,8 +408,11 @@ class SpecForgeStep:
         draft.d2t.copy_(used - torch.arange(s.draft_vocab, device=device))
         draft.embed_tokens.weight.requires_grad_(False)
         self.model = OnlineEagle3Model(draft, length=s.ttt, attention_backend="flex_attention")
+        from specforge.optimizer import BF16Optimizer
+
         self.params = [p for p in draft.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=1e-5)
+        # its trainer's optimizer: fp32 masters and moments, clipping at 0.5 as the trainer's configs
+        self.opt = BF16Optimizer(draft, lr=1e-5, max_grad_norm=0.5, total_steps=1000)
         self.head = torch.randn(s.vocab, s.hidden, device=device, dtype=torch.bfloat16) * s.hidden**-0.5  # full target head
 
     def trainable_params(self) -> int:
@@ -422,8 +427,7 @@ class SpecForgeStep:
                          target_head_weight=self.head)
         loss = sum(0.8**i * l for i, l in enumerate(out[0]))
         loss.backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        self.opt.step()  # clips, steps the fp32 masters, copies them back, drops the gradients
 
 
 # ----------------------------------------------------------------------------------------------

@@ -69,7 +69,7 @@ def test_specforge_draft_in_our_export_gives_specforge_logits(tmp_path):
     d2t, t2d = used - torch.arange(vd), torch.zeros(v, dtype=torch.bool)
     t2d[used] = True
     embed = torch.randn(v, h).bfloat16().float()
-    sf = bench_quality.build_specforge_draft(config, d2t, t2d, embed, "sdpa", seed=0)
+    sf = bench_quality.build_specforge_draft(bench_quality.Eagle3Draft(config), d2t, t2d, embed, "sdpa")
     with torch.no_grad():
         for name, p in sf.named_parameters():
             if name != "embed_tokens.weight":  # norms away from 1; every weight exact in bf16 (the export's dtype)
@@ -105,11 +105,62 @@ def test_specforge_export_tensors_refuses_unknown_and_missing_names():
     config = bench_quality.Eagle3Config(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                                         intermediate_size=48, vocab_size=80, draft_vocab_size=40, target_hidden_size=32,
                                         aux_layer_ids=[0, 1, 2])
+    from eagleforge.draft import EXPORT_TENSOR_NAMES
+
     state = {k: t for k, t in Eagle3Draft(config).state_dict().items()}
-    assert set(bench_quality.specforge_export_tensors(state, config)) == \
-        {n for n in bench_quality.EXPORT_TENSOR_NAMES if n not in ("d2t", "t2d")}
+    assert set(bench_quality.specforge_export_tensors(state, config)) == {n for n in EXPORT_TENSOR_NAMES if n not in ("d2t", "t2d")}
     with pytest.raises(ValueError, match="fc_norm.0.weight"):
         bench_quality.specforge_export_tensors({**state, "fc_norm.0.weight": torch.ones(32)}, config)
+    # EAGLE-3.1 (SpecForge's fc_norm): the three norms are the export's too
+    config31 = bench_quality.Eagle3Config(**{**config.__dict__, "fc_norm": True})
+    state31 = Eagle3Draft(config31).state_dict()
+    assert {f"fc_norm.{i}.weight" for i in range(3)} <= set(bench_quality.specforge_export_tensors(state31, config31))
     state.pop("norm.weight")
     with pytest.raises(ValueError, match="missing \\['norm.weight'\\]"):
         bench_quality.specforge_export_tensors(state, config)
+
+
+def test_summary_pairs_rows_by_seed(tmp_path, capsys):
+    """--summarize: per row each seed's figure, mean and sd, and the mean of the per-seed ratios to
+    the baseline row's same seed, minus 1 (worked by hand below)."""
+    import json
+
+    def report(name, values):
+        return {"rows": [{"name": name, "seed": s, "simulated_acceptance_length": v} for s, v in values.items()]}
+
+    (tmp_path / "a.json").write_text(json.dumps(report("ours", {0: 3.3, 1: 3.0, 2: 3.15})))
+    (tmp_path / "b.json").write_text(json.dumps(report("peer", {0: 3.0, 1: 3.0, 2: 3.0})))
+    lines = {line["row"]: line for line in bench_quality.summarize([tmp_path / "a.json", tmp_path / "b.json"], "peer")}
+    assert lines["ours"]["mean"] == pytest.approx(3.15) and lines["ours"]["sd"] == pytest.approx(0.15)
+    assert lines["ours"]["paired"] == pytest.approx((0.1 + 0.0 + 0.05) / 3)  # 3.3/3 - 1, 3.0/3 - 1, 3.15/3 - 1
+    assert lines["peer"]["paired"] is None
+    assert "+5.0% (+10.0%, +0.0%, +5.0%)" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("specforge") is None, reason="specforge is not installed (pip install "
+                    "--no-deps specforge; not a dependency of the project)")
+def test_both_trainers_start_from_the_trainers_initial_draft(tmp_path, tiny_llama_config):
+    """A seed pairs the trainers: SpecForge's draft starts with the weights the Trainer starts with
+    under that seed (EAGLE-3.1's fc_norm included)."""
+    from eagleforge.train.build import build_draft
+    from eagleforge.train.loop import Trainer
+    from eagleforge.vocab import load_target_head, load_vocab_map
+    from eagleforge.vocab import main as vocab_main
+
+    cfg, _, _ = build_tiny_run(tmp_path, tiny_llama_config, n_samples=12)
+    cfg.vocab.draft_vocab_size, cfg.train.holdout_samples, cfg.draft.fc_norm = 60, 3, True
+    cfg.train.seed = int(torch.randint(0, 1000, (1,)))
+    vocab_main(cfg)
+    trainer = Trainer(cfg)
+    try:
+        start = {n: p.detach().float().clone() for n, p in trainer.draft.named_parameters() if p.requires_grad}
+        manifest = trainer.source.manifest
+    finally:
+        trainer.close()
+    vocab, head = load_vocab_map(cfg.run), load_target_head(cfg.run)
+    specforge = bench_quality.build_specforge_draft(build_draft(cfg, manifest, vocab, head), vocab["d2t"], vocab["t2d"],
+                                                    head["embed_tokens"], "sdpa")
+    theirs = specforge.state_dict()
+    assert "fc_norm.0.weight" in start
+    for name, tensor in start.items():
+        assert torch.equal(theirs[name].float(), tensor), name
