@@ -76,7 +76,7 @@ def _step_torch(weight, remainder, grad, exp_avg, exp_avg_sq, step_size, bias2_s
 if HAS_TRITON:
 
     @triton.jit
-    def _master_adamw_kernel(w_ptr, r_ptr, g_ptr, m_ptr, v_ptr, coef_ptr, skip_ptr, n, lr, beta1, beta2, eps, weight_decay,
+    def _master_adamw_kernel(w_ptr, r_ptr, g_ptr, m_ptr, v_ptr, coef_ptr, skip_ptr, n, keep, beta1, beta2, eps,
                              BLOCK: tl.constexpr):
         """One block of elements: join the master, AdamW in fp32, split it back (see the docstring)."""
         if tl.load(skip_ptr) != 0:
@@ -91,8 +91,10 @@ if HAS_TRITON:
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         m = beta1 * tl.load(m_ptr + offs, mask=mask, other=0.0) + (1 - beta1) * g
         v = beta2 * tl.load(v_ptr + offs, mask=mask, other=0.0) + (1 - beta2) * g * g
-        master = master * (1 - lr * weight_decay)
-        master = master - step_size * (m / (tl.sqrt(v) / bias2_sqrt + eps))
+        master = master * keep  # 1 - lr wd, computed in fp64 on the host as torch does
+        # IEEE-rounded sqrt and divisions, as torch's AdamW computes them (tl.sqrt and / are approximate)
+        denom = tl.div_rn(tl.sqrt_rn(v), bias2_sqrt) + eps
+        master = master - step_size * tl.div_rn(m, denom)
         bits = master.to(tl.int32, bitcast=True)
         high = (bits + 0x8000) >> 16
         tl.store(w_ptr + offs, high.to(tl.int16), mask=mask)
@@ -130,7 +132,7 @@ def master_adamw_step_(weight: torch.Tensor, remainder: torch.Tensor, grad: torc
             return
         coef = torch.stack(_coefficients(step, lr, beta1, beta2))  # [2] fp32: lr / bias1, sqrt(bias2)
         _master_adamw_kernel[(triton.cdiv(n, BLOCK),)](weight.view(torch.int16), remainder, grad, exp_avg, exp_avg_sq, coef, skip, n,
-                                                       lr, beta1, beta2, eps, weight_decay, BLOCK=BLOCK)
+                                                       1 - lr * weight_decay, beta1, beta2, eps, BLOCK=BLOCK)
         return
     if skip is not None and bool(skip):  # the CPU: reading the flag costs nothing
         return
