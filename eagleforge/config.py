@@ -98,7 +98,9 @@ class DataConfig:
     server_url: str = ""
     server_model: str = ""  # the model name the server serves; "" = its only model (GET /v1/models)
     concurrency: int = 64  # requests in flight at once (the server batches them)
-    request_timeout_s: float = 600.0  # one request without a reply for this long is an error naming the URL
+    # The whole request's limit (connect, send, the whole reply; a redirect's hop included), not
+    # one socket read's: a request not done within it is an error naming the URL.
+    request_timeout_s: float = 600.0
     max_retries: int = 5  # per request, on connection errors, 429 and 5xx, with exponential backoff
 
 

@@ -48,7 +48,8 @@ class FakeServer:
 
     faults: {prompt: [fault, ...]}, one fault consumed per request for that prompt before it is
     answered: ("status", code) or ("status", code, retry_after_s), ("close",) (the connection
-    dropped without a reply), ("sleep", seconds). reasoning: None | "field" (reasoning_content) |
+    dropped without a reply), ("sleep", seconds), ("trickle", "status" | "body") (the reply sent a
+    byte every half second, from its status line on or after prompt headers). reasoning: None | "field" (reasoning_content) |
     "inline" (<think>...</think> in the content) | "inline_opened" (no <think>: the template opened it).
     hang_after: requests past this many wait until `release` is set.
     """
@@ -77,6 +78,20 @@ class FakeServer:
                     self.send_header(key, value)
                 self.end_headers()
                 self.wfile.write(data)
+
+            def _trickle(self, payload, from_status):
+                data = json.dumps(payload).encode()
+                head = f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+                if not from_status:
+                    self.wfile.write(head)
+                    head = b""
+                for byte in head + data:
+                    if server.release.wait(0.5):
+                        return
+                    try:
+                        self.wfile.write(bytes([byte]))
+                    except OSError:  # the client hung up
+                        return
 
             def do_GET(self):
                 if self.path == "/v1/models":
@@ -114,6 +129,8 @@ class FakeServer:
                 finally:
                     with server.lock:
                         server.inflight -= 1
+                if fault and fault[0] == "trickle":
+                    return self._trickle(reply[1], fault[1] == "status")
                 self._send(*reply)
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -346,6 +363,25 @@ def test_timeout_is_one_line_naming_the_url(tmp_path, server_factory, capsys):
                      "overloaded, or the answers need longer (raise data.request_timeout_s or lower data.concurrency)"]
     assert server.prompts_asked().count("slow one") == 1
     assert sorted(r["messages"][-1]["content"] for r in _rows_in_file(tmp_path)) == sorted(["one quick", "two quick"])
+
+
+@pytest.mark.parametrize("part", ["status", "body"])
+def test_a_trickled_reply_is_bounded_by_the_request_timeout(tmp_path, server_factory, part):
+    """A server sending its reply a byte every half second (from the status line on, or the body
+    after prompt headers): every socket read gets its byte well within data.request_timeout_s,
+    but the whole reply does not come within it, which stops the stage (a subprocess: it used to
+    wait for the whole trickle) with one line naming the URL and the limit, about when it passes."""
+    server = server_factory()
+    server.faults["slow one"] = [("trickle", part)]
+    overrides = _overrides(tmp_path, ["quick one", "slow one"], server, "data.request_timeout_s=2", "data.concurrency=1")
+    stage = subprocess.run([sys.executable, "-m", "eagleforge.data", *overrides], cwd=REPO, capture_output=True, text=True, timeout=90)
+    ended = time.monotonic()
+    (asked,) = [t for t, prompt, _ in server.requests if prompt == "slow one"]
+    assert stage.returncode == 2 and ended - asked < 2 + 3, (ended - asked, stage.stderr[-2000:])
+    lines = [line for line in stage.stderr.splitlines() if line.startswith("error:")]
+    assert lines == [f"error: {server.url}/v1/chat/completions: no reply within 2 s (data.request_timeout_s); the server is stuck or "
+                     "overloaded, or the answers need longer (raise data.request_timeout_s or lower data.concurrency)"]
+    assert [r["messages"][-1]["content"] for r in _rows_in_file(tmp_path)] == ["one quick"]
 
 
 def test_refused_prompts_are_dropped_and_counted_other_errors_stop(tmp_path, server_factory):

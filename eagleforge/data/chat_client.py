@@ -3,17 +3,20 @@
 that serves the target. Standard library only (urllib, threads).
 
 Each request is greedy (temperature 0) with max_tokens = data.max_new_tokens. Connection errors,
-HTTP 429 and 5xx are retried with exponential backoff (data.max_retries times); a request with no
-reply within data.request_timeout_s, or any other HTTP error, stops the run with one line naming
-the URL; HTTP 400/413/422 refuse one prompt (e.g. longer than the server's context), which is
-dropped and counted. A thinking model's reasoning comes back in `reasoning_content` (or
+HTTP 429 and 5xx are retried with exponential backoff (data.max_retries times); a request whose
+whole reply has not arrived within data.request_timeout_s (a deadline for the request, not for
+each socket read), or any other HTTP error, stops the run with one line naming the URL; HTTP
+400/413/422 refuse one prompt (e.g. longer than the server's context), which is dropped and
+counted. A thinking model's reasoning comes back in `reasoning_content` (or
 `reasoning`) when the server runs a reasoning parser, else inline as <think>...</think> in the
 content; both are returned split (split_reasoning).
 """
 
 from __future__ import annotations
 
+import functools
 import http.client
+import io
 import json
 import logging
 import os
@@ -62,6 +65,109 @@ class Answer:
     completion_tokens: int | None  # the reply's usage.completion_tokens (reasoning included); None without usage
     finish_reason: str | None  # "stop" (end of turn), "length" (max_tokens reached), ...
     attempts: int  # 1 + the retries this request needed
+
+
+def _time_left(deadline: float) -> float:
+    """Seconds left before `deadline` (time.monotonic()); TimeoutError once it has passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the request's deadline passed")
+    return left
+
+
+class _DeadlineSocket:
+    """A connected socket whose every wait (send or receive) ends by the request's deadline.
+
+    A socket timeout bounds one wait only: a server that trickles its reply (a byte every half
+    second) would hold the request, and the stage, forever. Each wait here gets what is left.
+    """
+
+    def __init__(self, sock, deadline: float):
+        self._sock, self._deadline = sock, deadline
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+    def _wait_left(self) -> None:
+        self._sock.settimeout(_time_left(self._deadline))
+
+    def sendall(self, *args):
+        self._wait_left()
+        return self._sock.sendall(*args)
+
+    def makefile(self, mode="rb", *args, **kwargs):
+        # The socket's own file (counted by the socket, which urllib's connection lets go of
+        # before the body is read), read through _DeadlineReader.
+        return io.BufferedReader(_DeadlineReader(self._sock.makefile(mode, buffering=0), self._wait_left))
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A socket file whose every read first cuts the socket's timeout to what the deadline leaves."""
+
+    def __init__(self, raw, wait_left):
+        super().__init__()
+        self._raw, self._wait_left = raw, wait_left
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        self._wait_left()
+        return self._raw.readinto(buffer)
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
+class _DeadlineConnection:
+    """An http.client connection (mixed into HTTPConnection or HTTPSConnection) whose connect,
+    sends and reads all end by `deadline`."""
+
+    def __init__(self, *args, deadline: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.deadline = deadline
+
+    def connect(self) -> None:
+        self.timeout = _time_left(self.deadline)  # a redirect's second connect gets what is left
+        super().connect()
+        self.sock = _DeadlineSocket(self.sock, self.deadline)
+
+
+class _DeadlineHTTP(_DeadlineConnection, http.client.HTTPConnection):
+    pass
+
+
+class _DeadlineHTTPS(_DeadlineConnection, http.client.HTTPSConnection):
+    pass
+
+
+_WITH_DEADLINE = {http.client.HTTPConnection: _DeadlineHTTP, http.client.HTTPSConnection: _DeadlineHTTPS}
+
+
+class _DeadlineHandler:
+    """A urllib handler (mixed into HTTPHandler or HTTPSHandler) opening deadline connections."""
+
+    def __init__(self, deadline: float):
+        super().__init__()
+        self.deadline = deadline
+
+    def do_open(self, http_class, req, **kwargs):
+        return super().do_open(functools.partial(_WITH_DEADLINE[http_class], deadline=self.deadline), req, **kwargs)
+
+
+class _DeadlineHTTPHandler(_DeadlineHandler, urllib.request.HTTPHandler):
+    pass
+
+
+class _DeadlineHTTPSHandler(_DeadlineHandler, urllib.request.HTTPSHandler):
+    pass
+
+
+def _opener(timeout: float) -> urllib.request.OpenerDirector:
+    """urllib's opener for one request, which all of it (redirects included) must finish in `timeout` s."""
+    deadline = time.monotonic() + timeout
+    return urllib.request.build_opener(_DeadlineHTTPHandler(deadline), _DeadlineHTTPSHandler(deadline))
 
 
 def base_url(url: str) -> str:
@@ -113,7 +219,7 @@ def _request(url: str, body: dict | None, timeout: float) -> dict:
     timed_out = ServerError(f"{url}: no reply within {timeout:g} s (data.request_timeout_s); the server is stuck or "
                             "overloaded, or the answers need longer (raise data.request_timeout_s or lower data.concurrency)")
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as reply:
+        with _opener(timeout).open(request, timeout=timeout) as reply:
             raw = reply.read()
     except urllib.error.HTTPError as err:
         if err.code in RETRY_STATUS:
