@@ -94,7 +94,10 @@ class DataConfig:
     seed: int = 0
     # Regeneration through an OpenAI-compatible server (vLLM, SGLang, transformers serve) serving
     # the target, e.g. http://localhost:8000: the answers come from its /v1/chat/completions
-    # (greedy, data.max_new_tokens) instead of the target in-process. "" = in-process.
+    # (greedy, data.max_new_tokens) instead of the target in-process. "" = in-process. Requests,
+    # and the API key (EAGLEFORGE_SERVER_API_KEY) with them, go to this URL's origin (scheme, host,
+    # port) only: a redirect within it is followed, one to another origin is refused with an error
+    # (a browser or `requests` would follow it without the key; a data run has no use for it).
     server_url: str = ""
     server_model: str = ""  # the model name the server serves; "" = its only model (GET /v1/models)
     concurrency: int = 64  # requests in flight at once (the server batches them)

@@ -51,12 +51,15 @@ class FakeServer:
     dropped without a reply), ("sleep", seconds), ("trickle", "status" | "body") (the reply sent a
     byte every half second, from its status line on or after prompt headers). reasoning: None | "field" (reasoning_content) |
     "inline" (<think>...</think> in the content) | "inline_opened" (no <think>: the template opened it).
-    hang_after: requests past this many wait until `release` is set.
+    hang_after: requests past this many wait until `release` is set. redirects: {path: (status,
+    location)} answered instead of the route. seen: (method, path, headers) of every request.
     """
 
     def __init__(self, models=("fake-target",), reasoning=None, delay=0.0, hang_after=None):
         self.models, self.reasoning, self.delay, self.hang_after = list(models), reasoning, delay, hang_after
         self.faults: dict[str, list] = {}
+        self.redirects: dict[str, tuple[int, str]] = {}
+        self.seen: list[tuple[str, str, dict]] = []
         self.release = threading.Event()
         self.lock = threading.Lock()
         self.inflight = self.max_inflight = 0
@@ -93,14 +96,29 @@ class FakeServer:
                     except OSError:  # the client hung up
                         return
 
+            def _redirected(self):
+                server.seen.append((self.command, self.path, dict(self.headers)))
+                if self.path in server.redirects:
+                    code, location = server.redirects[self.path]
+                    self.send_response(code)
+                    self.send_header("Location", location)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return True
+                return False
+
             def do_GET(self):
-                if self.path == "/v1/models":
+                if self._redirected():
+                    return
+                if self.path.partition("?")[0] == "/v1/models":
                     self._send(200, {"object": "list", "data": [{"id": m, "object": "model"} for m in server.models]})
                 else:
                     self._send(404, {"error": {"message": f"no route {self.path}"}})
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self._redirected():
+                    return
                 if self.path != "/v1/chat/completions":
                     return self._send(404, {"error": {"message": f"no route {self.path}"}})
                 prompt = body["messages"][-1]["content"]
@@ -382,6 +400,49 @@ def test_a_trickled_reply_is_bounded_by_the_request_timeout(tmp_path, server_fac
     assert lines == [f"error: {server.url}/v1/chat/completions: no reply within 2 s (data.request_timeout_s); the server is stuck or "
                      "overloaded, or the answers need longer (raise data.request_timeout_s or lower data.concurrency)"]
     assert [r["messages"][-1]["content"] for r in _rows_in_file(tmp_path)] == ["one quick"]
+
+
+def _stage_error_lines(capsys, overrides):
+    """Run the stage as its entry point does: it must exit 2; its `error:` lines, and all it printed."""
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(main, "data", argv=overrides)
+    assert exit_info.value.code == 2
+    printed = capsys.readouterr()
+    return [line for line in printed.err.splitlines() if line.startswith("error:")], printed.out + printed.err
+
+
+def test_the_api_key_goes_only_to_the_configured_origin(tmp_path, server_factory, monkeypatch, capsys):
+    """Two real servers on two ports (two origins). The configured one redirects GET /v1/models
+    (302) or POST /v1/chat/completions (302: urllib turned it into a GET with the same headers) to
+    the other: the stage stops with one line naming both, and the other server never gets a
+    request, so never the key. A redirect within the configured origin is followed, key and all."""
+    monkeypatch.setenv(chat_client.API_KEY_ENV, "sk-secret-key")
+    target, other = server_factory(), server_factory()
+    other_origin = other.url.replace("127.0.0.1", "localhost")  # another host name, for good measure
+    for path, extra in (("/v1/models", []), ("/v1/chat/completions", ["data.server_model=fake-target"])):
+        target.redirects = {path: (302, other_origin + path)}
+        lines, printed = _stage_error_lines(capsys, _overrides(tmp_path, ["hello there"], target, *extra, run=path.split("/")[-1]))
+        assert lines == [f"error: {target.url}{path}: HTTP 302 redirects to another origin, {other_origin}; requests (and the API "
+                         "key) go only to data.server_url's origin: set data.server_url to the server's own address"]
+        assert "sk-secret-key" not in printed
+    assert other.seen == []
+    target.redirects = {"/v1/models": (302, "/v1/models?moved=1")}
+    _run(_overrides(tmp_path, ["hello there"], target, run="same_origin"))
+    assert [(path, headers["Authorization"]) for _, path, headers in target.seen[-3:]] == [
+        ("/v1/models", "Bearer sk-secret-key"), ("/v1/models?moved=1", "Bearer sk-secret-key"), ("/v1/chat/completions", "Bearer sk-secret-key")]
+
+
+@pytest.mark.parametrize("key", ["sk-secret\r\nX-Injected: 1", "sk-secret\n\tfolded", "sk-secret\ttab", "sk-secret\x7f", "sk-secret数"])
+def test_an_api_key_no_header_can_carry_is_refused_without_printing_it(tmp_path, server_factory, monkeypatch, capsys, key):
+    """A key holding a line break (it would end the Authorization header and start another), a
+    tab, DEL or a non-ASCII character: one line naming the variable and the position, never the
+    key, before any request."""
+    monkeypatch.setenv(chat_client.API_KEY_ENV, key)
+    server = server_factory()
+    lines, printed = _stage_error_lines(capsys, _overrides(tmp_path, ["hello there"], server))
+    assert lines == [f"error: {server.url}/v1/models: the API key in {chat_client.API_KEY_ENV} holds a control or non-ASCII character "
+                     f"(character 10 of {len(key)}), which an HTTP header cannot carry; set the key alone, without a line break"]
+    assert "secret" not in printed and server.seen == []
 
 
 def test_refused_prompts_are_dropped_and_counted_other_errors_stop(tmp_path, server_factory):

@@ -7,7 +7,8 @@ HTTP 429 and 5xx are retried with exponential backoff (data.max_retries times); 
 whole reply has not arrived within data.request_timeout_s (a deadline for the request, not for
 each socket read), or any other HTTP error, stops the run with one line naming the URL; HTTP
 400/413/422 refuse one prompt (e.g. longer than the server's context), which is dropped and
-counted. A thinking model's reasoning comes back in `reasoning_content` (or
+counted. Requests carry the API key (EAGLEFORGE_SERVER_API_KEY) to data.server_url's origin only:
+a redirect within it is followed, one to another origin stops the run. A thinking model's reasoning comes back in `reasoning_content` (or
 `reasoning`) when the server runs a reasoning parser, else inline as <think>...</think> in the
 content; both are returned split (split_reasoning).
 """
@@ -164,10 +165,55 @@ class _DeadlineHTTPSHandler(_DeadlineHandler, urllib.request.HTTPSHandler):
     pass
 
 
+def _origin(url: str) -> tuple:
+    """(scheme, host, port) of a URL; None for a URL whose port is not a number."""
+    parts = urllib.parse.urlsplit(url)
+    scheme = parts.scheme.lower()
+    try:
+        return scheme, parts.hostname, parts.port or {"http": 80, "https": 443}.get(scheme)
+    except ValueError:
+        return None
+
+
+class _SameOriginRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect only within the origin of the URL asked. urllib's own handler follows
+    any, copying the headers: the API key would reach whatever host the server names."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        if _origin(newurl) != _origin(req.full_url):
+            fp.close()
+            parts = urllib.parse.urlsplit(newurl)
+            raise ServerError(f"{req.full_url}: HTTP {code} redirects to another origin, "
+                              f"{_clip(parts.scheme + '://' + parts.netloc.rpartition('@')[2])}; requests (and the API key) "
+                              "go only to data.server_url's origin: set data.server_url to the server's own address")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
 def _opener(timeout: float) -> urllib.request.OpenerDirector:
     """urllib's opener for one request, which all of it (redirects included) must finish in `timeout` s."""
     deadline = time.monotonic() + timeout
-    return urllib.request.build_opener(_DeadlineHTTPHandler(deadline), _DeadlineHTTPSHandler(deadline))
+    return urllib.request.build_opener(_DeadlineHTTPHandler(deadline), _DeadlineHTTPSHandler(deadline), _SameOriginRedirects())
+
+
+def _clip(text: str, limit: int = 300) -> str:
+    """Server-supplied text cut to `limit` characters for an error line."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
+def _headers(url: str, has_body: bool) -> dict:
+    """The request's headers, the API key's included; a key an HTTP header cannot carry (a line
+    break would let it end the header and start another) is refused without being printed."""
+    headers = {"Accept": "application/json"}
+    if has_body:
+        headers["Content-Type"] = "application/json"
+    key = os.environ.get(API_KEY_ENV)
+    if key:
+        bad = next((i for i, c in enumerate(key) if not " " <= c <= "~"), None)
+        if bad is not None:
+            raise ServerError(f"{url}: the API key in {API_KEY_ENV} holds a control or non-ASCII character (character "
+                              f"{bad + 1} of {len(key)}), which an HTTP header cannot carry; set the key alone, without a line break")
+        headers["Authorization"] = f"Bearer {key}"
+    return headers
 
 
 def base_url(url: str) -> str:
@@ -208,14 +254,8 @@ def _request(url: str, body: dict | None, timeout: float) -> dict:
 
     Raises _Transient (worth retrying), Rejected (this request only) or ServerError.
     """
-    headers = {"Accept": "application/json"}
-    data = None
-    if body is not None:
-        data = json.dumps(body, ensure_ascii=False).encode("utf-8")
-        headers["Content-Type"] = "application/json"
-    if os.environ.get(API_KEY_ENV):
-        headers["Authorization"] = f"Bearer {os.environ[API_KEY_ENV]}"
-    request = urllib.request.Request(url, data=data, headers=headers, method="GET" if body is None else "POST")
+    data = None if body is None else json.dumps(body, ensure_ascii=False).encode("utf-8")
+    request = urllib.request.Request(url, data=data, headers=_headers(url, body is not None), method="GET" if body is None else "POST")
     timed_out = ServerError(f"{url}: no reply within {timeout:g} s (data.request_timeout_s); the server is stuck or "
                             "overloaded, or the answers need longer (raise data.request_timeout_s or lower data.concurrency)")
     try:
