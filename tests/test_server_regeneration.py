@@ -49,7 +49,8 @@ class FakeServer:
     faults: {prompt: [fault, ...]}, one fault consumed per request for that prompt before it is
     answered: ("status", code) or ("status", code, retry_after_s), ("close",) (the connection
     dropped without a reply), ("sleep", seconds), ("trickle", "status" | "body") (the reply sent a
-    byte every half second, from its status line on or after prompt headers). reasoning: None | "field" (reasoning_content) |
+    byte every half second, from its status line on or after prompt headers), ("edit", fn) (the
+    reply is fn(the usual reply)). reasoning: None | "field" (reasoning_content) |
     "inline" (<think>...</think> in the content) | "inline_opened" (no <think>: the template opened it).
     hang_after: requests past this many wait until `release` is set. redirects: {path: (status,
     location)} answered instead of the route. seen: (method, path, headers) of every request.
@@ -142,6 +143,8 @@ class FakeServer:
                         time.sleep(fault[1] if fault and fault[0] == "sleep" else server.delay)
                         if body["model"] not in server.models:
                             reply = (404, {"error": {"message": f"The model `{body['model']}` does not exist."}}, [])
+                        elif fault and fault[0] == "edit":
+                            reply = (200, fault[1](server.reply(prompt, body)), [])
                         else:
                             reply = (200, server.reply(prompt, body), [])
                 finally:
@@ -400,6 +403,62 @@ def test_a_trickled_reply_is_bounded_by_the_request_timeout(tmp_path, server_fac
     assert lines == [f"error: {server.url}/v1/chat/completions: no reply within 2 s (data.request_timeout_s); the server is stuck or "
                      "overloaded, or the answers need longer (raise data.request_timeout_s or lower data.concurrency)"]
     assert [r["messages"][-1]["content"] for r in _rows_in_file(tmp_path)] == ["one quick"]
+
+
+def _with_message(**fields):
+    """An "edit" fault: the reply's message with these fields set."""
+    def edit(reply):
+        reply["choices"][0]["message"].update(fields)
+        return reply
+    return ("edit", edit)
+
+
+def _with_usage(tokens):
+    def edit(reply):
+        reply["usage"]["completion_tokens"] = tokens
+        return reply
+    return ("edit", edit)
+
+
+def test_a_reply_without_a_text_answer_is_dropped_and_counted(tmp_path, server_factory):
+    """content a number, a list, an object, a bool or null without reasoning, reasoning a number:
+    such a reply is malformed, its prompt dropped and counted in stats.json (nothing written for
+    it: a rerun asks it again), the others answered. Null content beside reasoning (max_tokens
+    reached while thinking) is an answer: the reasoning, and an empty content."""
+    bad = [{"content": 42}, {"content": 3.5}, {"content": ["a", "b"]}, {"content": {"text": "a"}}, {"content": True},
+           {"content": None}, {"content": "fine", "reasoning_content": 7}, {"content": None, "reasoning": ""}]
+    prompts = _prompts(len(bad) + 2, random.Random())
+    server = server_factory()
+    for prompt, fields in zip(prompts, bad):
+        server.faults[prompt] = [_with_message(**fields)]
+    server.faults[prompts[-1]] = [_with_message(content=None, reasoning_content="Thinking on.")]
+    _run(_overrides(tmp_path, prompts, server, "data.concurrency=3"))
+    stats = _stats(tmp_path)
+    assert stats["dropped_reasons"] == {"server_reply_malformed": len(bad)} and stats["generation"]["replies_malformed"] == len(bad)
+    rows = {r["id"]: r for r in _rows_in_file(tmp_path)}
+    assert sorted(rows) == [len(bad), len(bad) + 1]
+    assert rows[len(bad)]["messages"][-1] == {"role": "assistant", "content": fake_answer(prompts[len(bad)])}
+    assert rows[len(bad) + 1]["messages"][-1] == {"role": "assistant", "content": "", "reasoning_content": "Thinking on."}
+    assert sorted(s["id"] for s in load_samples(tmp_path / "run")) == [len(bad), len(bad) + 1]
+
+
+def test_usage_that_is_not_a_count_is_not_stored_as_one(tmp_path, server_factory):
+    """usage.completion_tokens negative, fractional, a string, a bool, more than max_tokens (50)
+    or absurd: the answer is kept and its tokens counted here instead; a plausible count is kept."""
+    usages = [-3, 2.5, "7", True, 51, 10**15, None, 12]
+    prompts = _prompts(len(usages), random.Random())
+    server = server_factory()
+    for prompt, tokens in zip(prompts, usages):
+        server.faults[prompt] = [_with_usage(tokens)]
+    _run(_overrides(tmp_path, prompts, server))
+    tokenizer = load_tokenizer(TargetConfig(device="cpu"))
+    rows = {r["id"]: r for r in _rows_in_file(tmp_path)}
+    assert sorted(rows) == list(range(len(usages)))
+    for i, tokens in enumerate(usages[:-1]):
+        answer = rows[i]["messages"][-1]["content"]
+        assert rows[i]["new_tokens"] == len(tokenizer(answer, add_special_tokens=False)["input_ids"]) + 1, (tokens, rows[i])
+    assert rows[len(usages) - 1]["new_tokens"] == 12
+    assert _stats(tmp_path)["generation"]["new_tokens"] == sum(r["new_tokens"] for r in rows.values())
 
 
 def _stage_error_lines(capsys, overrides):

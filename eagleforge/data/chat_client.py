@@ -10,7 +10,9 @@ each socket read), or any other HTTP error, stops the run with one line naming t
 counted. Requests carry the API key (EAGLEFORGE_SERVER_API_KEY) to data.server_url's origin only:
 a redirect within it is followed, one to another origin stops the run. A thinking model's reasoning comes back in `reasoning_content` (or
 `reasoning`) when the server runs a reasoning parser, else inline as <think>...</think> in the
-content; both are returned split (split_reasoning).
+content; both are returned split (split_reasoning). A reply whose message holds no text answer
+(content a number, a list, null without reasoning) is Malformed: that prompt is dropped and
+counted, never kept as an empty answer.
 """
 
 from __future__ import annotations
@@ -49,8 +51,22 @@ class ServerError(UserInputError):
     """The server failed in a way retrying does not fix, or the retries ran out; names the URL."""
 
 
-class Rejected(Exception):
+class Dropped(Exception):
+    """One prompt dropped for the server's reply to it, counted in stats.json under `reason`."""
+
+    reason = verb = ""  # stats.json's reason, the warning's verb
+
+
+class Rejected(Dropped):
     """The server refused one request (HTTP 400/413/422); the message has its reason."""
+
+    reason, verb = "server_refused_prompt", "refused"
+
+
+class Malformed(Dropped):
+    """The server's reply to one request holds no usable answer; the message says why."""
+
+    reason, verb = "server_reply_malformed", "sent a malformed reply to"
 
 
 class _Transient(Exception):
@@ -314,7 +330,7 @@ def served_model(base: str, model: str, timeout: float, max_retries: int) -> str
     url = base + "/models"
     try:
         reply, _ = request_with_retries(url, None, timeout, max_retries)
-    except Rejected as err:
+    except Dropped as err:
         raise ServerError(f"{url}: {err}") from None
     data = reply.get("data")
     names = [m.get("id") for m in data if isinstance(m, dict)] if isinstance(data, list) else []
@@ -345,6 +361,28 @@ def split_reasoning(message: dict, opened: bool = False) -> tuple[str, str]:
     return "", content
 
 
+def _check_answer(message: dict) -> None:
+    """Malformed unless the message holds an answer: content a string, reasoning (either field)
+    a string or absent, and content null only beside reasoning (max_tokens reached while
+    thinking). A number, list or object is no answer: split_reasoning would make it an empty one."""
+    texts = {key: message.get(key) for key in ("content", "reasoning_content", "reasoning") if message.get(key) is not None}
+    for key, value in texts.items():
+        if not isinstance(value, str):
+            raise Malformed(f"choices[0].message.{key} is {type(value).__name__}, not a string")
+    if "content" not in texts and not any(texts.values()):
+        raise Malformed("choices[0].message has neither content nor reasoning")
+
+
+def _completion_tokens(usage, max_tokens: int) -> int | None:
+    """usage.completion_tokens when it is a count the request could produce (an int in [0,
+    max_tokens]); otherwise None (absent, negative, fractional, more than asked for), and the
+    caller counts the answer's tokens itself."""
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    if isinstance(tokens, int) and not isinstance(tokens, bool) and 0 <= tokens <= max_tokens:
+        return tokens
+    return None
+
+
 def chat(url: str, model: str, messages: list[dict], max_tokens: int, timeout: float, max_retries: int,
          opened: bool = False) -> Answer:
     """The greedy answer to `messages` from the chat completions endpoint `url`; opened: as for
@@ -356,10 +394,9 @@ def chat(url: str, model: str, messages: list[dict], max_tokens: int, timeout: f
     message = choice.get("message")
     if not isinstance(message, dict):
         raise ServerError(f"{url}: a reply without choices[0].message: {json.dumps(reply)[:200]}")
+    _check_answer(message)
     reasoning, content = split_reasoning(message, opened)
-    usage = reply.get("usage") if isinstance(reply.get("usage"), dict) else {}
-    tokens = usage.get("completion_tokens")
-    return Answer(content, reasoning, tokens if isinstance(tokens, int) else None, choice.get("finish_reason"), attempts)
+    return Answer(content, reasoning, _completion_tokens(reply.get("usage"), max_tokens), choice.get("finish_reason"), attempts)
 
 
 def completed(items: list, fn, workers: int):

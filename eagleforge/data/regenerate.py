@@ -312,19 +312,19 @@ def _answer_by_server(cfg: Config, prompts: dict, done: dict, path: Path, stats:
         opened = render_chat(tokenizer, messages, True).rstrip().endswith(THINK_OPEN)  # the template opens <think>
         try:
             return chat_client.chat(url, model, messages, data.max_new_tokens, data.request_timeout_s, data.max_retries, opened)
-        except chat_client.Rejected as refusal:
-            return refusal  # this prompt only: dropped and counted below
+        except chat_client.Dropped as dropped:
+            return dropped  # this prompt only: dropped and counted below
 
-    new_tokens = answered = retries = refused = 0
+    new_tokens = answered = retries = 0
     start = time.perf_counter()
     with tqdm(total=len(todo), unit="prompt", desc="generate", dynamic_ncols=True) as bar:
         for record_id, answer in chat_client.completed(todo, ask, data.concurrency):
             bar.update(1)
-            if isinstance(answer, chat_client.Rejected):
-                if not refused:
-                    log.warning("%s refused prompt id %d: %s (such prompts are dropped and counted in stats.json)", url, record_id, answer)
-                refused += 1
-                stats.drop("server_refused_prompt")
+            if isinstance(answer, chat_client.Dropped):
+                if answer.reason not in stats.dropped_reasons:
+                    log.warning("%s %s prompt id %d: %s (such prompts are dropped and counted in stats.json)",
+                                url, answer.verb, record_id, answer)
+                stats.drop(answer.reason)
                 continue
             finished = answer.finish_reason == "stop"
             count = answer.completion_tokens
@@ -346,7 +346,8 @@ def _answer_by_server(cfg: Config, prompts: dict, done: dict, path: Path, stats:
         "server_model": model,
         "prompts_answered_now": answered,
         "prompts_answered_before": len(prompts) - len(todo),
-        "prompts_refused": refused,
+        "prompts_refused": stats.dropped_reasons.get(chat_client.Rejected.reason, 0),
+        "replies_malformed": stats.dropped_reasons.get(chat_client.Malformed.reason, 0),
         "new_tokens": new_tokens,
         "seconds": round(seconds, 2),
         "new_tokens_per_s": round(new_tokens / seconds, 2) if seconds else None,
