@@ -50,7 +50,10 @@ class FakeServer:
     answered: ("status", code) or ("status", code, retry_after_s), ("close",) (the connection
     dropped without a reply), ("sleep", seconds), ("trickle", "status" | "body") (the reply sent a
     byte every half second, from its status line on or after prompt headers), ("edit", fn) (the
-    reply is fn(the usual reply)). reasoning: None | "field" (reasoning_content) |
+    reply is fn(the usual reply)), ("edit_bytes", fn) (its body is fn(the usual body's bytes)),
+    ("huge", status, size, with_length) (`size` bytes of a reply that starts as a chat completion
+    and runs on, with or without Content-Length; the bytes it got to send go to `sent`),
+    ("status_line", bytes) (that line, instead of an HTTP status line). reasoning: None | "field" (reasoning_content) |
     "inline" (<think>...</think> in the content) | "inline_opened" (no <think>: the template opened it).
     hang_after: requests past this many wait until `release` is set. redirects: {path: (status,
     location)} answered instead of the route. seen: (method, path, headers) of every request.
@@ -61,6 +64,7 @@ class FakeServer:
         self.faults: dict[str, list] = {}
         self.redirects: dict[str, tuple[int, str]] = {}
         self.seen: list[tuple[str, str, dict]] = []
+        self.sent: list[int] = []
         self.release = threading.Event()
         self.lock = threading.Lock()
         self.inflight = self.max_inflight = 0
@@ -108,6 +112,23 @@ class FakeServer:
                     return True
                 return False
 
+            def _huge(self, code, size, with_length):
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header(*(("Content-Length", str(size)) if with_length else ("Connection", "close")))
+                self.end_headers()
+                self.close_connection = True
+                start, chunk = b'{"choices": [{"message": {"role": "assistant", "content": "', b"x" * (1 << 20)
+                sent = 0
+                try:
+                    self.wfile.write(start)
+                    sent += len(start)
+                    while sent < size:
+                        sent += self.wfile.write(chunk[: size - sent]) or 0
+                except OSError:  # the client hung up
+                    pass
+                server.sent.append(sent)
+
             def do_GET(self):
                 if self._redirected():
                     return
@@ -152,6 +173,17 @@ class FakeServer:
                         server.inflight -= 1
                 if fault and fault[0] == "trickle":
                     return self._trickle(reply[1], fault[1] == "status")
+                if fault and fault[0] == "huge":
+                    return self._huge(*fault[1:])
+                if fault and fault[0] == "status_line":
+                    self.close_connection = True
+                    return self.wfile.write(fault[1] + b"\r\n\r\n")
+                if fault and fault[0] == "edit_bytes":
+                    data = fault[1](json.dumps(reply[1]).encode())
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    return self.wfile.write(data)
                 self._send(*reply)
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -459,6 +491,76 @@ def test_usage_that_is_not_a_count_is_not_stored_as_one(tmp_path, server_factory
         assert rows[i]["new_tokens"] == len(tokenizer(answer, add_special_tokens=False)["input_ids"]) + 1, (tokens, rows[i])
     assert rows[len(usages) - 1]["new_tokens"] == 12
     assert _stats(tmp_path)["generation"]["new_tokens"] == sum(r["new_tokens"] for r in rows.values())
+
+
+def _wait_for(condition, seconds=20):
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
+def test_a_reply_far_larger_than_max_tokens_is_refused_unread(tmp_path, server_factory):
+    """50 MB replies to max_tokens=16, one with its Content-Length, one delimited by the end of the
+    connection: each is malformed, dropped and counted, the other prompts answered; the client
+    read at most its limit (about 1 MB) and hung up, so the server got to send a fraction (the
+    sockets' buffers) of the 50 MB: none of it was read whole into memory."""
+    prompts = _prompts(4, random.Random())
+    server = server_factory()
+    size = 50 << 20
+    server.faults[prompts[1]] = [("huge", 200, size, True)]
+    server.faults[prompts[2]] = [("huge", 200, size, False)]
+    _run(_overrides(tmp_path, prompts, server, "data.max_new_tokens=16", "data.concurrency=2"))
+    stats = _stats(tmp_path)
+    assert stats["dropped_reasons"] == {"server_reply_malformed": 2} and stats["generation"]["replies_malformed"] == 2
+    assert sorted(r["id"] for r in _rows_in_file(tmp_path)) == [0, 3]
+    assert _wait_for(lambda: len(server.sent) == 2) and max(server.sent) < size // 2, server.sent
+    assert chat_client.reply_limit(16) < 2 << 20
+
+
+def test_text_that_is_not_unicode_is_a_malformed_reply(tmp_path, server_factory):
+    """A lone surrogate (JSON's "\\ud800") in the content or the reasoning, bytes that are not
+    UTF-8 in the body: malformed, dropped and counted; nothing is written for them, so a rerun
+    asks them again and counts them again (it used to fail at writing that row, every rerun)."""
+    prompts = _prompts(4, random.Random())
+    server = server_factory()
+    bad = {prompts[0]: _with_message(content="half a pair \ud800 here"),
+           prompts[1]: _with_message(content="fine", reasoning_content="\udfff"),
+           prompts[2]: ("edit_bytes", lambda raw: raw.replace(b'"content": "', b'"content": "\xff\xfe', 1))}
+    for attempt in (1, 2):
+        server.faults.update({prompt: [fault] for prompt, fault in bad.items()})
+        _run(_overrides(tmp_path, prompts, server))
+        assert _stats(tmp_path)["dropped_reasons"] == {"server_reply_malformed": 3}
+        assert [r["id"] for r in _rows_in_file(tmp_path)] == [3]
+    assert sorted(server.prompts_asked()) == sorted(prompts[:3] * 2 + prompts[3:])
+
+
+def test_error_lines_about_a_server_are_bounded(tmp_path, server_factory, fast_backoff):
+    """What a server sends is cut short in an error line: a /v1/models list of 20,000 names, a
+    60,000-byte garbage status line (after the retries), a 50 MB error body (also read no further
+    than its start: the server got to send a fraction of it)."""
+    many = server_factory(models=[f"served-model-{i:05d}" for i in range(20000)])
+    with pytest.raises(UserInputError) as err:
+        _run(_overrides(tmp_path, ["hello there"], many, run="many"))
+    message = str(err.value)
+    assert message.startswith(f"{many.url}/v1/models: the server lists ['served-model-00000', 'served-model-00001', ")
+    assert message.endswith(" more characters); set data.server_model to the target's name") and len(message) < 500, len(message)
+
+    server = server_factory()
+    server.faults["garbage"] = [("status_line", b"NONSENSE " + b"y" * 60000)] * 3
+    with pytest.raises(UserInputError) as err:
+        _run(_overrides(tmp_path, ["garbage"], server, "data.max_retries=2", run="garbage"))
+    message = str(err.value)
+    assert message.startswith(f"{server.url}/v1/chat/completions: connection lost (BadStatusLine: ")
+    assert message.endswith("3 tries (data.max_retries=2); is the server up and serving?") and len(message) < 600, len(message)
+
+    size = 50 << 20
+    server.faults["huge error"] = [("huge", 401, size, False)]
+    with pytest.raises(UserInputError) as err:
+        _run(_overrides(tmp_path, ["huge error"], server, run="huge_error"))
+    message = str(err.value)
+    assert message.startswith(f"{server.url}/v1/chat/completions: HTTP 401 ({{\"choices\": ") and len(message) < 500, len(message)
+    assert _wait_for(lambda: len(server.sent) == 1) and server.sent[0] < size // 2, server.sent
 
 
 def _stage_error_lines(capsys, overrides):

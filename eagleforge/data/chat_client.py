@@ -11,8 +11,10 @@ counted. Requests carry the API key (EAGLEFORGE_SERVER_API_KEY) to data.server_u
 a redirect within it is followed, one to another origin stops the run. A thinking model's reasoning comes back in `reasoning_content` (or
 `reasoning`) when the server runs a reasoning parser, else inline as <think>...</think> in the
 content; both are returned split (split_reasoning). A reply whose message holds no text answer
-(content a number, a list, null without reasoning) is Malformed: that prompt is dropped and
-counted, never kept as an empty answer.
+(content a number, a list, null without reasoning), whose text is no Unicode (not UTF-8, a lone
+surrogate) or whose body is larger than its max_tokens could make is Malformed: that prompt is
+dropped and counted, never kept. Bodies are read up to a limit, never whole before it is checked,
+and what a server sends is cut short in an error line.
 """
 
 from __future__ import annotations
@@ -42,6 +44,14 @@ RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 REJECT_STATUS = frozenset({400, 413, 422})
 BACKOFF_S = 1.0  # the first wait; doubled at each retry, up to BACKOFF_MAX_S, plus up to 25% jitter
 BACKOFF_MAX_S = 60.0
+# The most bytes a chat reply may take: its answer is at most max_tokens tokens, a token's text a
+# few to a few dozen bytes (up to 12 per character once JSON-escaped), sent once as content and
+# once more if a server repeats the reasoning under both of its names. Far past that, the body is
+# no answer to the request (a 50 MB reply to max_tokens=16) and is refused before it is read.
+REPLY_BASE_BYTES = 1 << 20
+REPLY_BYTES_PER_TOKEN = 1024
+MODELS_REPLY_BYTES = 16 << 20  # GET /v1/models: a list of 100,000 names fits
+ERROR_BODY_BYTES = 64 << 10  # the start of an error reply, where its message is
 # A server started with --api-key wants it as a bearer token; read from the environment so it
 # never lands in RUN/config.yaml.
 API_KEY_ENV = "EAGLEFORGE_SERVER_API_KEY"
@@ -241,12 +251,31 @@ def base_url(url: str) -> str:
     return url + "/v1"
 
 
+def reply_limit(max_tokens: int) -> int:
+    """The most bytes a chat reply for max_tokens tokens may take (REPLY_BYTES_PER_TOKEN)."""
+    return REPLY_BASE_BYTES + REPLY_BYTES_PER_TOKEN * max_tokens
+
+
+def _read_limited(reply, limit: int) -> bytes:
+    """The body, never read past `limit` bytes: a larger one is Malformed (one whose Content-Length
+    says so, before any of it is read)."""
+    if reply.length is not None and reply.length > limit:
+        raise Malformed(f"the reply is {reply.length} bytes (Content-Length), over the {limit} its request can take")
+    raw = reply.read(limit + 1)
+    if len(raw) > limit:
+        raise Malformed(f"the reply is over {limit} bytes, more than its request can take")
+    return raw
+
+
 def _detail(err: urllib.error.HTTPError) -> str:
-    """The server's error message (vLLM, SGLang and transformers send JSON), first line, short."""
+    """The server's error message (vLLM, SGLang and transformers send JSON), first line, short;
+    from the start of the body only, and the connection is closed (the rest is never read)."""
     try:
-        raw = err.read().decode("utf-8", "replace")
+        raw = err.read(ERROR_BODY_BYTES).decode("utf-8", "replace")
     except OSError:
         return ""
+    finally:
+        err.close()
     message = raw
     try:
         body = json.loads(raw)
@@ -255,7 +284,7 @@ def _detail(err: urllib.error.HTTPError) -> str:
     except ValueError:
         pass
     lines = str(message).strip().splitlines()
-    return f" ({lines[0][:300]})" if lines else ""
+    return f" ({_clip(lines[0])})" if lines else ""
 
 
 def _retry_after(headers) -> float | None:
@@ -265,10 +294,10 @@ def _retry_after(headers) -> float | None:
         return None  # absent, or an HTTP date (not worth parsing: the backoff applies)
 
 
-def _request(url: str, body: dict | None, timeout: float) -> dict:
-    """One HTTP request, POST with a JSON body or GET: the JSON reply.
+def _request(url: str, body: dict | None, timeout: float, limit: int) -> dict:
+    """One HTTP request, POST with a JSON body or GET: the JSON reply, at most `limit` bytes.
 
-    Raises _Transient (worth retrying), Rejected (this request only) or ServerError.
+    Raises _Transient (worth retrying), Rejected or Malformed (this request only) or ServerError.
     """
     data = None if body is None else json.dumps(body, ensure_ascii=False).encode("utf-8")
     request = urllib.request.Request(url, data=data, headers=_headers(url, body is not None), method="GET" if body is None else "POST")
@@ -276,7 +305,7 @@ def _request(url: str, body: dict | None, timeout: float) -> dict:
                             "overloaded, or the answers need longer (raise data.request_timeout_s or lower data.concurrency)")
     try:
         with _opener(timeout).open(request, timeout=timeout) as reply:
-            raw = reply.read()
+            raw = _read_limited(reply, limit)
     except urllib.error.HTTPError as err:
         if err.code in RETRY_STATUS:
             raise _Transient(f"HTTP {err.code}{_detail(err)}", _retry_after(err.headers)) from None
@@ -290,11 +319,21 @@ def _request(url: str, body: dict | None, timeout: float) -> dict:
         if isinstance(err.reason, TimeoutError):
             raise timed_out from None
         refused = isinstance(err.reason, (ConnectionRefusedError, socket.gaierror))
-        raise _Transient(f"{'cannot connect' if refused else 'connection lost'} ({err.reason})") from None
+        raise _Transient(f"{'cannot connect' if refused else 'connection lost'} ({_clip(str(err.reason))})") from None
     except (ConnectionError, http.client.HTTPException, OSError) as err:  # e.g. the server closed the connection
-        raise _Transient(f"connection lost ({type(err).__name__}: {err})") from None
+        raise _Transient(f"connection lost ({type(err).__name__}: {_clip(str(err))})") from None
+    return _json_object(url, raw)
+
+
+def _json_object(url: str, raw: bytes) -> dict:
+    """The reply's JSON object; text that is not UTF-8 is Malformed (one reply's fault), a body
+    that is not JSON a ServerError (no OpenAI-compatible server at the URL)."""
     try:
-        reply = json.loads(raw)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise Malformed(f"the reply is not UTF-8 (byte {err.start} of {len(raw)})") from None
+    try:
+        reply = json.loads(text)
     except ValueError:
         raise ServerError(f"{url}: the reply is not JSON: {raw[:120]!r}") from None
     if not isinstance(reply, dict):
@@ -308,11 +347,12 @@ def backoff_delay(attempt: int, retry_after: float | None = None) -> float:
     return max(delay, min(retry_after, BACKOFF_MAX_S)) if retry_after is not None else delay
 
 
-def request_with_retries(url: str, body: dict | None, timeout: float, max_retries: int) -> tuple[dict, int]:
-    """(the JSON reply, attempts made), retrying transient failures up to max_retries times."""
+def request_with_retries(url: str, body: dict | None, timeout: float, max_retries: int, limit: int) -> tuple[dict, int]:
+    """(the JSON reply of at most `limit` bytes, attempts made), retrying transient failures up to
+    max_retries times."""
     for attempt in range(max_retries + 1):
         try:
-            return _request(url, body, timeout), attempt + 1
+            return _request(url, body, timeout, limit), attempt + 1
         except _Transient as err:
             if attempt == max_retries:
                 raise ServerError(f"{url}: {err.what}, {attempt + 1} tries (data.max_retries={max_retries}); "
@@ -329,13 +369,13 @@ def served_model(base: str, model: str, timeout: float, max_retries: int) -> str
         return model
     url = base + "/models"
     try:
-        reply, _ = request_with_retries(url, None, timeout, max_retries)
+        reply, _ = request_with_retries(url, None, timeout, max_retries, MODELS_REPLY_BYTES)
     except Dropped as err:
         raise ServerError(f"{url}: {err}") from None
     data = reply.get("data")
     names = [m.get("id") for m in data if isinstance(m, dict)] if isinstance(data, list) else []
     if len(names) != 1 or not isinstance(names[0], str):
-        raise ServerError(f"{url}: the server lists {names or 'no model'}; set data.server_model to the target's name")
+        raise ServerError(f"{url}: the server lists {_clip(str(names)) if names else 'no model'}; set data.server_model to the target's name")
     return names[0]
 
 
@@ -364,11 +404,16 @@ def split_reasoning(message: dict, opened: bool = False) -> tuple[str, str]:
 def _check_answer(message: dict) -> None:
     """Malformed unless the message holds an answer: content a string, reasoning (either field)
     a string or absent, and content null only beside reasoning (max_tokens reached while
-    thinking). A number, list or object is no answer: split_reasoning would make it an empty one."""
+    thinking). A number, list or object is no answer: split_reasoning would make it an empty one.
+    Nor is a lone surrogate, which JSON escapes can spell ("\\ud800") but no file or tokenizer takes."""
     texts = {key: message.get(key) for key in ("content", "reasoning_content", "reasoning") if message.get(key) is not None}
     for key, value in texts.items():
         if not isinstance(value, str):
             raise Malformed(f"choices[0].message.{key} is {type(value).__name__}, not a string")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise Malformed(f"choices[0].message.{key} holds a lone surrogate (character {err.start})") from None
     if "content" not in texts and not any(texts.values()):
         raise Malformed("choices[0].message has neither content nor reasoning")
 
@@ -388,7 +433,7 @@ def chat(url: str, model: str, messages: list[dict], max_tokens: int, timeout: f
     """The greedy answer to `messages` from the chat completions endpoint `url`; opened: as for
     split_reasoning."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": False}
-    reply, attempts = request_with_retries(url, body, timeout, max_retries)
+    reply, attempts = request_with_retries(url, body, timeout, max_retries, reply_limit(max_tokens))
     choices = reply.get("choices")
     choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
     message = choice.get("message")
