@@ -81,6 +81,11 @@ class DataConfig:
     gen_batch_size: int = 16
     max_length: int = 2048
     overlong: str = "truncate"  # truncate | drop
+    # Message text (an answer, a prompt, a system prompt) holding a special token's text, e.g.
+    # "<|im_end|>\n<|im_start|>user": the tokenizer would make real control tokens of it, a fake
+    # turn the draft trains on. refuse: the sample is dropped (a warning, counted in stats.json);
+    # encode: that text is tokenized as plain text, no special id in it (the template's stay).
+    special_text: str = "refuse"
     system_prompt: str = ""
     # stdlib source: share of prompts shaped as a function to complete (HumanEval's shape,
     # built from standard-library signatures and docstrings); the rest mix five other asks.
@@ -354,6 +359,7 @@ _CHOICES = {
     "target.prefill_attention": modes.PREFILL_ATTENTION_MODES,
     "target.moe_backend": modes.MOE_BACKENDS,
     "data.overlong": modes.OVERLONG_MODES,
+    "data.special_text": modes.SPECIAL_TEXT_MODES,
     "extract.storage_dtype": modes.STORAGE_DTYPES,
     "train.attention": modes.ATTENTION_MODES,
     "train.loss": modes.LOSS_MODES,
