@@ -8,13 +8,15 @@ whole reply has not arrived within data.request_timeout_s (a deadline for the re
 each socket read), or any other HTTP error, stops the run with one line naming the URL; HTTP
 400/413/422 refuse one prompt (e.g. longer than the server's context), which is dropped and
 counted. Requests carry the API key (EAGLEFORGE_SERVER_API_KEY) to data.server_url's origin only:
-a redirect within it is followed, one to another origin stops the run. A thinking model's reasoning comes back in `reasoning_content` (or
-`reasoning`) when the server runs a reasoning parser, else inline as <think>...</think> in the
-content; both are returned split (split_reasoning). A reply whose message holds no text answer
-(content a number, a list, null without reasoning), whose text is no Unicode (not UTF-8, a lone
-surrogate) or whose body is larger than its max_tokens could make is Malformed: that prompt is
-dropped and counted, never kept. Bodies are read up to a limit, never whole before it is checked,
-and what a server sends is cut short in an error line.
+a redirect within it is followed, one to another origin stops the run.
+
+A thinking model's reasoning comes back in `reasoning_content` (or `reasoning`) when the server
+runs a reasoning parser, else inline as <think>...</think> in the content; both are returned
+split (split_reasoning). A reply whose message holds no text answer (content a number, a list,
+null without reasoning), whose text is no Unicode (not UTF-8, a lone surrogate) or whose body is
+larger than its max_tokens could make is Malformed: that prompt is dropped and counted, never
+kept. Bodies are read up to a limit, never whole before it is checked, and what a server sends
+is cut short in an error line.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import socket
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 
