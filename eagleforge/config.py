@@ -81,6 +81,11 @@ class DataConfig:
     gen_batch_size: int = 16
     max_length: int = 2048
     overlong: str = "truncate"  # truncate | drop
+    # Message text (an answer, a prompt, a system prompt) holding a special token's text, e.g.
+    # "<|im_end|>\n<|im_start|>user": the tokenizer would make real control tokens of it, a fake
+    # turn the draft trains on. refuse: the sample is dropped (a warning, counted in stats.json);
+    # encode: that text is tokenized as plain text, no special id in it (the template's stay).
+    special_text: str = "refuse"
     system_prompt: str = ""
     # stdlib source: share of prompts shaped as a function to complete (HumanEval's shape,
     # built from standard-library signatures and docstrings); the rest mix five other asks.
@@ -94,11 +99,16 @@ class DataConfig:
     seed: int = 0
     # Regeneration through an OpenAI-compatible server (vLLM, SGLang, transformers serve) serving
     # the target, e.g. http://localhost:8000: the answers come from its /v1/chat/completions
-    # (greedy, data.max_new_tokens) instead of the target in-process. "" = in-process.
+    # (greedy, data.max_new_tokens) instead of the target in-process. "" = in-process. Requests,
+    # and the API key (EAGLEFORGE_SERVER_API_KEY) with them, go to this URL's origin (scheme, host,
+    # port) only: a redirect within it is followed, one to another origin is refused with an error
+    # (a browser or `requests` would follow it without the key; a data run has no use for it).
     server_url: str = ""
     server_model: str = ""  # the model name the server serves; "" = its only model (GET /v1/models)
     concurrency: int = 64  # requests in flight at once (the server batches them)
-    request_timeout_s: float = 600.0  # one request without a reply for this long is an error naming the URL
+    # The whole request's limit (connect, send, the whole reply; a redirect's hop included), not
+    # one socket read's: a request not done within it is an error naming the URL.
+    request_timeout_s: float = 600.0
     max_retries: int = 5  # per request, on connection errors, 429 and 5xx, with exponential backoff
 
 
@@ -350,6 +360,7 @@ _CHOICES = {
     "target.prefill_attention": modes.PREFILL_ATTENTION_MODES,
     "target.moe_backend": modes.MOE_BACKENDS,
     "data.overlong": modes.OVERLONG_MODES,
+    "data.special_text": modes.SPECIAL_TEXT_MODES,
     "extract.storage_dtype": modes.STORAGE_DTYPES,
     "train.attention": modes.ATTENTION_MODES,
     "train.loss": modes.LOSS_MODES,

@@ -46,6 +46,7 @@ MOE_BACKENDS = ("auto", "triton", "grouped_mm", "loop")  # target.moe_backend (n
 TARGET_DTYPES = ("float32", "bfloat16", "float16")
 STORAGE_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn")  # extract.storage_dtype
 OVERLONG_MODES = ("truncate", "drop")  # data.overlong
+SPECIAL_TEXT_MODES = ("refuse", "encode")  # data.special_text (eagleforge/data/chat.py)
 LAUNCH_MODES = ("auto", "none")  # launch.mode: re-run extract/train under torchrun when needed, or never
 EVAL_ENGINES = ("project", "vllm")  # eval.engine: the engine here, or it and vLLM (eval/vllm_engine.py)
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from eagleforge.config import Config, UserInputError
-from eagleforge.data.chat import THINK_OPEN, render_chat, special_ids
+from eagleforge.data.chat import THINK_OPEN, TemplateMismatch, prompt_ids, render_chat, screen_special_text, special_ids
 from eagleforge.data.sources import Record, Stats, prompt_part
 
 log = logging.getLogger(__name__)
@@ -194,13 +194,22 @@ def _forward(model, input_ids, attention_mask, position_ids, cache, logits_to_ke
     return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs).logits
 
 
-def _prompts(tokenizer, records: list[Record], max_length: int, stats: Stats) -> dict[int, tuple[list[dict], list[int]]]:
-    """{id: (prompt messages, prompt token ids)}; prompts of max_length tokens or more are dropped."""
+def _prompts(tokenizer, records: list[Record], data, stats: Stats) -> dict[int, tuple[list[dict], list[int]]]:
+    """{id: (prompt messages, prompt token ids)}; prompts of data.max_length tokens or more are
+    dropped, and those whose text holds a special token's text are refused or encoded as plain
+    text (data.special_text), before anything is generated for them."""
     prompts = {}
     for record in records:
         messages = prompt_part(record.messages)
-        ids = tokenizer(render_chat(tokenizer, messages, True), add_special_tokens=False)["input_ids"]
-        if len(ids) >= max_length:
+        plain_text = screen_special_text(tokenizer, record.id, messages, data.special_text, stats)
+        if plain_text is None:
+            continue  # refused, counted
+        try:
+            ids = prompt_ids(tokenizer, messages, plain_text)
+        except TemplateMismatch:
+            stats.drop("template_rewrites_assistant_text")
+            continue
+        if len(ids) >= data.max_length:
             stats.drop("prompt_longer_than_max_length")
             continue
         prompts[record.id] = (messages, list(ids))
@@ -231,7 +240,7 @@ def regenerate(cfg: Config, records: list[Record], data_dir: Path, stats: Stats,
         model, tokenizer = load_target(cfg.target)
     elif tokenizer is None:
         tokenizer = load_tokenizer(cfg.target)
-    prompts = _prompts(tokenizer, records, data.max_length, stats)
+    prompts = _prompts(tokenizer, records, data, stats)
     for record_id, row in done.items():
         if record_id in prompts and (row["messages"][:-1] != prompts[record_id][0] or row.get("max_new_tokens") != data.max_new_tokens):
             raise UserInputError(
@@ -312,19 +321,19 @@ def _answer_by_server(cfg: Config, prompts: dict, done: dict, path: Path, stats:
         opened = render_chat(tokenizer, messages, True).rstrip().endswith(THINK_OPEN)  # the template opens <think>
         try:
             return chat_client.chat(url, model, messages, data.max_new_tokens, data.request_timeout_s, data.max_retries, opened)
-        except chat_client.Rejected as refusal:
-            return refusal  # this prompt only: dropped and counted below
+        except chat_client.Dropped as dropped:
+            return dropped  # this prompt only: dropped and counted below
 
-    new_tokens = answered = retries = refused = 0
+    new_tokens = answered = retries = 0
     start = time.perf_counter()
     with tqdm(total=len(todo), unit="prompt", desc="generate", dynamic_ncols=True) as bar:
         for record_id, answer in chat_client.completed(todo, ask, data.concurrency):
             bar.update(1)
-            if isinstance(answer, chat_client.Rejected):
-                if not refused:
-                    log.warning("%s refused prompt id %d: %s (such prompts are dropped and counted in stats.json)", url, record_id, answer)
-                refused += 1
-                stats.drop("server_refused_prompt")
+            if isinstance(answer, chat_client.Dropped):
+                if answer.reason not in stats.dropped_reasons:
+                    log.warning("%s %s prompt id %d: %s (such prompts are dropped and counted in stats.json)",
+                                url, answer.verb, record_id, answer)
+                stats.drop(answer.reason)
                 continue
             finished = answer.finish_reason == "stop"
             count = answer.completion_tokens
@@ -346,7 +355,8 @@ def _answer_by_server(cfg: Config, prompts: dict, done: dict, path: Path, stats:
         "server_model": model,
         "prompts_answered_now": answered,
         "prompts_answered_before": len(prompts) - len(todo),
-        "prompts_refused": refused,
+        "prompts_refused": stats.dropped_reasons.get(chat_client.Rejected.reason, 0),
+        "replies_malformed": stats.dropped_reasons.get(chat_client.Malformed.reason, 0),
         "new_tokens": new_tokens,
         "seconds": round(seconds, 2),
         "new_tokens_per_s": round(new_tokens / seconds, 2) if seconds else None,

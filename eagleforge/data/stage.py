@@ -32,7 +32,8 @@ skipped or dropped.
 Loss mask: exactly the assistant tokens, i.e. each assistant message's content plus the
 special token the chat template puts right after it (the end of turn, e.g. <|im_end|> or
 <|eot_id|>), never the role header. Spans are found in the rendered text (prefix renders with
-add_generation_prompt) and mapped to tokens through the fast tokenizer's offsets.
+add_generation_prompt) and mapped to tokens through the fast tokenizer's offsets. Message text
+holding a special token's text is refused or tokenized as plain text (data.special_text, chat.py).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from pathlib import Path
 
 from eagleforge.atomic import write_json_atomic, write_jsonl_atomic
 from eagleforge.config import Config, UserInputError, save_config
-from eagleforge.data.chat import TemplateMismatch, fit_length, tokenize_messages
+from eagleforge.data.chat import TemplateMismatch, fit_length, screen_special_text, tokenize_messages
 from eagleforge.data.regenerate import regenerate
 from eagleforge.data.sources import Record, Stats, load_records, with_system_prompt
 
@@ -93,8 +94,11 @@ def _samples(cfg: Config, tokenizer, records: list[Record], answered: dict | Non
             messages = answered.get(record.id) if answered is not None else record.messages
             if messages is None:
                 continue  # dropped before generation (counted there)
+            plain_text = screen_special_text(tokenizer, record.id, messages, data.special_text, stats)
+            if plain_text is None:
+                continue  # refused, counted
             try:
-                input_ids, loss_mask = tokenize_messages(tokenizer, messages)
+                input_ids, loss_mask = tokenize_messages(tokenizer, messages, plain_text)
             except TemplateMismatch:
                 stats.drop("template_rewrites_assistant_text")
                 continue
