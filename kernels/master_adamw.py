@@ -76,8 +76,8 @@ def _step_torch(weight, remainder, grad, exp_avg, exp_avg_sq, step_size, bias2_s
 if HAS_TRITON:
 
     @triton.jit
-    def _master_adamw_kernel(w_ptr, r_ptr, g_ptr, m_ptr, v_ptr, coef_ptr, skip_ptr, n, keep, beta1, beta2, eps,
-                             BLOCK: tl.constexpr):
+    def _master_adamw_kernel(w_ptr, r_ptr, g_ptr, m_ptr, v_ptr, coef_ptr, skip_ptr, n, keep, beta1, beta2, one_minus_beta1,
+                             one_minus_beta2, eps, BLOCK: tl.constexpr):
         """One block of elements: join the master, AdamW in fp32, split it back (see the docstring)."""
         if tl.load(skip_ptr) != 0:
             return
@@ -89,8 +89,9 @@ if HAS_TRITON:
         bits = (high << 16) + tl.load(r_ptr + offs, mask=mask, other=0).to(tl.int32)
         master = bits.to(tl.float32, bitcast=True)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        m = beta1 * tl.load(m_ptr + offs, mask=mask, other=0.0) + (1 - beta1) * g
-        v = beta2 * tl.load(v_ptr + offs, mask=mask, other=0.0) + (1 - beta2) * g * g
+        # 1 - beta from the host in fp64: 1 - 0.999 taken in fp32 from fp32's 0.999 is 1.3e-5 off
+        m = beta1 * tl.load(m_ptr + offs, mask=mask, other=0.0) + one_minus_beta1 * g
+        v = beta2 * tl.load(v_ptr + offs, mask=mask, other=0.0) + one_minus_beta2 * g * g
         master = master * keep  # 1 - lr wd, computed in fp64 on the host as torch does
         # IEEE-rounded sqrt and divisions, as torch's AdamW computes them (tl.sqrt and / are approximate)
         denom = tl.div_rn(tl.sqrt_rn(v), bias2_sqrt) + eps
@@ -132,7 +133,8 @@ def master_adamw_step_(weight: torch.Tensor, remainder: torch.Tensor, grad: torc
             return
         coef = torch.stack(_coefficients(step, lr, beta1, beta2))  # [2] fp32: lr / bias1, sqrt(bias2)
         _master_adamw_kernel[(triton.cdiv(n, BLOCK),)](weight.view(torch.int16), remainder, grad, exp_avg, exp_avg_sq, coef, skip, n,
-                                                       1 - lr * weight_decay, beta1, beta2, eps, BLOCK=BLOCK)
+                                                       1 - lr * weight_decay, beta1, beta2, 1 - beta1, 1 - beta2, eps,
+                                                       BLOCK=BLOCK)
         return
     if skip is not None and bool(skip):  # the CPU: reading the flag costs nothing
         return
