@@ -1016,6 +1016,28 @@ def test_eval_refuses_a_nan_draft(vocab_run):
         load_eval_draft(cfg.run / "draft", target)
 
 
+@pytest.mark.parametrize("name,dtype", [("fc.weight", "int8"), ("lm_head.weight", "int32"), ("norm.weight", "bool"),
+                                        ("d2t", "float32"), ("d2t", "bool"), ("t2d", "float16")])
+def test_a_draft_tensor_of_a_dtype_the_format_does_not_allow_is_named(tmp_path, name, dtype):
+    """An export whose tensor has the right shape but another kind of dtype (an int8 fc.weight, a
+    float d2t): load_draft used to cast it and run a draft of other numbers. Now a ValueError
+    names the file, the tensor and the dtype; the export as written loads."""
+    from test_draft import make_config, make_draft
+
+    from eagleforge.draft import load_draft, save_draft
+
+    out = save_draft(make_draft(make_config(), seed=3), tmp_path / "draft")
+    assert load_draft(out) is not None
+    weights = out / "model.safetensors"
+
+    def retype(tensors):
+        tensors[name] = tensors[name].to(getattr(torch, dtype))
+
+    _resave(weights, retype)
+    with pytest.raises(ValueError, match=rf"{weights}: {name} is {dtype}, the format asks for"):
+        load_draft(out)
+
+
 # ----------------------------------------------------------------------------- (h) resume with a changed config
 
 
