@@ -250,6 +250,73 @@ def test_fuzzed_config_files_give_only_config_errors(text, raw, junk):
             assert "\n" not in str(err)
 
 
+def test_a_key_or_section_given_twice_in_a_config_file_is_named_with_its_line(tmp_path):
+    """PyYAML keeps the last of two equal keys: a second `train:` section dropped the first one's
+    keys, a second `lr:` replaced the first, without a word. Now a ConfigError names the file,
+    the line and the key; a command-line value's mapping is checked the same way."""
+    section = tmp_path / "section.yaml"
+    section.write_text("train:\n  lr: 1.0e-3\nvocab:\n  draft_vocab_size: 100\ntrain:\n  epochs: 3\n")
+    with pytest.raises(ConfigError, match=rf"^{section}: line 5: key 'train' is given twice \(first on line 1\)"):
+        load_config(section)
+    key = tmp_path / "key.yaml"
+    key.write_text("train:\n  lr: 1.0e-3\n  epochs: 2\n  lr: 2.0e-3\n")
+    with pytest.raises(ConfigError, match=rf"^{key}: line 4: key 'train.lr' is given twice \(first on line 2\)"):
+        load_config(key)
+    with pytest.raises(ConfigError, match="key 'a' is given twice"):
+        load_config(None, ["extract.aux_layers={a: 1, a: 2}"])
+    merged = tmp_path / "merged.yaml"  # a merge key's values are overridden, as YAML means it
+    merged.write_text("train:\n  <<: {lr: 1.0e-3, epochs: 2}\n  lr: 2.0e-3\n")
+    assert load_config(merged).train.lr == 2e-3
+
+
+def _alias_bomb(levels: int) -> str:
+    """A YAML value of `levels` lists, each holding the one before it 9 times: a few hundred
+    bytes that expand to 9**levels strings."""
+    items = ['&l0 ["x","x","x","x","x","x","x","x","x"]']
+    items += [f"&l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, levels)]
+    return "[" + ", ".join(items) + "]"
+
+
+@pytest.mark.parametrize("where", ["file", "command line"])
+def test_an_alias_bomb_or_a_huge_list_gives_a_short_error_line(tmp_path, where):
+    """A YAML alias bomb (9**7 strings from 600 bytes) or a 20,000-item list where a number or a
+    short list belongs: before, the error line held the whole value (230 MB for the bomb's
+    repr, 130 kB for the list). Now every error line is short, showing the value's start and
+    how much more there was, and the bomb is refused before anything walks it."""
+    import time
+
+    values = {"train.lr": _alias_bomb(7), "train.epochs": "[" + ", ".join(map(str, range(20_000))) + "]",
+              "extract.aux_layers": "[" + ", ".join(map(str, range(20_000))) + "]"}
+    for key, value in values.items():
+        section, leaf = key.split(".")
+        if where == "file":
+            path = tmp_path / f"{leaf}.yaml"
+            path.write_text(f"{section}:\n  {leaf}: {value}\n")
+            load = lambda: load_config(path)  # noqa: E731
+        else:
+            load = lambda: load_config(None, [f"{key}={value}"])  # noqa: E731
+        start = time.monotonic()
+        with pytest.raises(ConfigError) as err:
+            load()
+        message = str(err.value)
+        assert len(message) < 400 and "\n" not in message, (key, len(message), message[:400])
+        assert time.monotonic() - start < 10, key
+        assert ("more than 100000 values" in message) if key == "train.lr" else ("(19994 more)" in message), message
+
+
+def test_an_empty_run_dir_is_refused_instead_of_writing_into_the_current_directory(tmp_path):
+    """`run_dir=` made Path(""), the current directory: the train stage wrote its config.yaml
+    there (and would have written checkpoints and the export). Now one error line naming the
+    key, exit 2, and nothing written."""
+    proc = _cli("eagleforge.train", "run_dir=", cwd=tmp_path)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: config key 'run_dir' is empty"), proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    for blank in ("run_dir= ", "run_dir=\t"):
+        with pytest.raises(ConfigError, match="'run_dir' is empty"):
+            load_config(None, [blank])
+
+
 # ----------------------------------------------------------------------------- (c) command line
 
 
