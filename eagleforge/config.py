@@ -498,6 +498,50 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'eval.ngram_min' = {cfg.eval.ngram_min} must be <= eval.ngram_max = {cfg.eval.ngram_max}")
 
 
+# The range of every size of a model wherever one is read (a target's config.json, the draft built
+# from it, a shard manifest, the draft.* keys): several times the largest released model's (Llama
+# 3.1 405B: hidden 16,384, 126 layers; Gemma 3: 262,144 tokens; Kimi-K2.5: 384 experts), so no
+# real model is refused, while a mistyped or hostile number is refused by name before any memory
+# is allocated or any loop runs over it (a claimed million layers, a trillion-row embedding).
+MODEL_SIZE_BOUNDS: dict[str, tuple[int, int]] = {
+    "hidden_size": (1, 65_536),
+    "target_hidden_size": (1, 65_536),
+    "intermediate_size": (1, 262_144),
+    "moe_intermediate_size": (1, 262_144),
+    "num_hidden_layers": (1, 1_024),
+    "num_attention_heads": (1, 1_024),
+    "num_key_value_heads": (1, 1_024),
+    "head_dim": (1, 1_024),
+    "vocab_size": (1, 4_194_304),
+    "draft_vocab_size": (1, 4_194_304),
+    "n_routed_experts": (1, 4_096),
+    "n_shared_experts": (0, 64),
+    "num_experts_per_tok": (1, 4_096),
+    "first_k_dense_replace": (0, 1_024),
+    "n_group": (1, 4_096),
+    "topk_group": (1, 4_096),
+    "q_lora_rank": (0, 65_536),
+    "kv_lora_rank": (1, 65_536),
+    "qk_nope_head_dim": (1, 1_024),
+    "qk_rope_head_dim": (1, 1_024),
+    "v_head_dim": (1, 1_024),
+    "max_position_embeddings": (1, 1 << 26),
+}
+
+
+def check_model_sizes(sizes: dict, source: str) -> None:
+    """UserInputError naming `source`, the key, the value and its range for the first size of
+    `sizes` (a config dict) outside MODEL_SIZE_BOUNDS or not an integer; keys it lacks, or holds
+    as None, are left to the reader that needs them."""
+    for key, (low, high) in MODEL_SIZE_BOUNDS.items():
+        value = sizes.get(key)
+        if value is None:
+            continue
+        if type(value) is not int or not low <= value <= high:
+            raise UserInputError(f"{source}: {key} = {bounded_repr(value)} is outside [{low}, {high}], the range of a "
+                                 "model's sizes (eagleforge.config.MODEL_SIZE_BOUNDS); a mistyped or damaged config?")
+
+
 # The list keys, the type of their items, and how many items any of them may hold (a config
 # names a few layers, modules or devices).
 LIST_ITEMS = {"target.max_memory": str, "data.extra_modules": str, "extract.aux_layers": int}
@@ -540,12 +584,12 @@ RANGES: dict[str, tuple] = {
     "data.max_retries": (0, UNBOUNDED),  # 0 = one try
     "extract.samples_per_shard": (1, UNBOUNDED),
     "extract.batch_tokens": (1, UNBOUNDED),
-    "vocab.draft_vocab_size": (1, UNBOUNDED),
-    "draft.hidden_size": (0, UNBOUNDED),  # 0 = from the target's config
-    "draft.num_attention_heads": (0, UNBOUNDED),
-    "draft.num_key_value_heads": (0, UNBOUNDED),
-    "draft.head_dim": (0, UNBOUNDED),
-    "draft.intermediate_size": (0, UNBOUNDED),
+    "vocab.draft_vocab_size": (1, MODEL_SIZE_BOUNDS["draft_vocab_size"][1]),
+    "draft.hidden_size": (0, MODEL_SIZE_BOUNDS["hidden_size"][1]),  # 0 = from the target's config
+    "draft.num_attention_heads": (0, MODEL_SIZE_BOUNDS["num_attention_heads"][1]),
+    "draft.num_key_value_heads": (0, MODEL_SIZE_BOUNDS["num_key_value_heads"][1]),
+    "draft.head_dim": (0, MODEL_SIZE_BOUNDS["head_dim"][1]),
+    "draft.intermediate_size": (0, MODEL_SIZE_BOUNDS["intermediate_size"][1]),
     "train.epochs": (0, UNBOUNDED),  # 0 only with max_steps > 0 (checked by the trainer)
     "train.max_steps": (0, UNBOUNDED),  # 0 = as many as the epochs take
     "train.batch_tokens": (1, UNBOUNDED),

@@ -447,6 +447,36 @@ def test_draft_config_that_does_not_fit_is_a_one_line_error(vocab_run, key, valu
         pytest.fail(f"draft.{key}={value} was accepted")
 
 
+def test_sizes_past_a_model_s_range_are_refused_before_anything_is_allocated(vocab_run):
+    """A draft.* size or a size read from a file (the target's config.json, the shard manifest)
+    past the range of a model's sizes: one line naming the key, the value and the range, before
+    any tensor is allocated by it. Before: draft.hidden_size=10**7 was accepted, a target
+    config.json claiming a trillion-token vocabulary made the trainer ask for a 192 TB embedding
+    and the vocab stage for 8 TB of token counts (a RuntimeError from the allocator at best)."""
+    from eagleforge.train.loop import train
+    from eagleforge.vocab import main as vocab_main
+
+    cfg, _ = vocab_run
+    with pytest.raises(ConfigError, match=r"'draft.hidden_size' must be in \[0, 65536\], got 10000000$"):
+        load_config(None, ["draft.hidden_size=10000000"])
+    with pytest.raises(ConfigError, match=r"'vocab.draft_vocab_size' must be in \[1, 4194304\], got 4194305$"):
+        load_config(None, ["vocab.draft_vocab_size=4194305"])
+
+    config_file = Path(cfg.target.path) / "config.json"
+    original = config_file.read_text()
+    config_file.write_text(json.dumps({**json.loads(original), "vocab_size": 10**12}))
+    with pytest.raises(UserInputError, match=r"vocab_size = 1000000000000 is outside \[1, 4194304\], the range of a model's sizes"):
+        train(cfg)
+    config_file.write_text(original)
+
+    manifest = cfg.run / "hidden" / "manifest.json"
+    data = json.loads(manifest.read_text())
+    data["target"]["vocab_size"] = 2**40
+    manifest.write_text(json.dumps(data))
+    with pytest.raises(UserInputError, match=rf"^{manifest}: target: vocab_size = 1099511627776 is outside \[1, 4194304\]"):
+        vocab_main(cfg)
+
+
 def test_remote_code_is_not_run_unless_configured(tmp_path):
     """A target directory whose config asks for custom code: with the default
     target.trust_remote_code=false nothing of it runs and the load is a one-line error."""
