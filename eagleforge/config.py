@@ -306,6 +306,8 @@ class TrainConfig:
     # Steps whose loss or gradient norm is NaN/Inf are skipped (no update) and counted; more
     # than this many stop the run with an error (a poisoned shard, head or checkpoint).
     max_nonfinite_steps: int = 3
+    # false: start afresh, refused where RUN/checkpoints holds an earlier run's checkpoints (a fresh
+    # run there would mix with that run: move them aside or use a new run_dir)
     resume: bool = True
     seed: int = 0
     # A draft export (RUN/draft of an earlier run, or one trained elsewhere) to start from instead of

@@ -790,6 +790,59 @@ def _kill_after_checkpoint(run: Path, args: list[str], after: int) -> None:
     assert code == -signal.SIGKILL, f"the run ended before it could be killed (rc {code}): {stderr[-2000:]}"
 
 
+def _checkpoint_states(run: Path) -> dict:
+    return {p.name: (p / "state.json").read_text() for p in sorted((run / "checkpoints").iterdir())}
+
+
+def test_a_fresh_run_where_an_earlier_run_s_checkpoints_are_is_refused_and_touches_nothing(vocab_run):
+    """train.resume=false in a run directory holding an earlier run's checkpoints (steps 2 and 4):
+    the fresh run's step 2 replaced the earlier one's, its pruning by step number could remove its
+    own newest checkpoint (then the export failed) and train_log.csv mixed the two runs. Now it is
+    refused with one line naming the directory and what to do; nothing is changed."""
+    from eagleforge.train.loop import train
+
+    cfg, _ = vocab_run
+    cfg.train.holdout_samples, cfg.train.max_steps, cfg.train.save_every, cfg.train.keep_last = 0, 4, 2, 2
+    train(cfg)
+    states, log_text = _checkpoint_states(cfg.run), (cfg.run / "train_log.csv").read_text()
+    assert list(states) == ["step-000002", "step-000004"]
+    cfg.train.resume, cfg.train.max_steps = False, 2
+    with pytest.raises(UserInputError) as err:
+        train(cfg)
+    message = str(err.value)
+    assert message.startswith(f"{cfg.run / 'checkpoints'}: holds the checkpoints of an earlier run (the newest step-000004) "
+                              "and train.resume=false") and "\n" not in message, message
+    assert f"move {cfg.run / 'checkpoints'} and {cfg.run / 'train_log.csv'} aside" in message
+    assert _checkpoint_states(cfg.run) == states and (cfg.run / "train_log.csv").read_text() == log_text
+
+
+def test_pruning_removes_only_the_checkpoints_of_the_run_that_prunes(vocab_run):
+    """A checkpoint another run wrote (copied in, or left by an older version's fresh run) with a
+    lower step than this run's: pruning by step number removed it. Each checkpoint now records
+    its run's identity; a run prunes (at its saves and when it resumes) only its own."""
+    import shutil
+
+    from eagleforge.train.loop import train
+
+    cfg, _ = vocab_run
+    cfg.train.holdout_samples, cfg.train.save_every, cfg.train.keep_last = 0, 1, 1
+    other = cfg.run.parent / "other_run"
+    shutil.copytree(cfg.run, other)
+    this_run = cfg.run
+    cfg.run_dir, cfg.train.max_steps = str(other), 1
+    train(cfg)  # another run's step-000001
+    cfg.run_dir, cfg.train.max_steps = str(this_run), 4
+    train(cfg, stop_after_step=2)  # this run, killed after its step 2's checkpoint (step 1's pruned)
+    assert list(_checkpoint_states(cfg.run)) == ["step-000002"]
+    shutil.copytree(other / "checkpoints" / "step-000001", cfg.run / "checkpoints" / "step-000001")
+    foreign = (cfg.run / "checkpoints" / "step-000001" / "state.json").read_text()
+    assert train(cfg)["steps"] == 4  # resumed at step 2: prunes at the resume and at steps 3 and 4
+    states = _checkpoint_states(cfg.run)
+    assert list(states) == ["step-000001", "step-000004"] and states["step-000001"] == foreign
+    run_ids = {name: json.loads(text)["run_id"] for name, text in states.items()}
+    assert run_ids["step-000001"] != run_ids["step-000004"] and None not in run_ids.values()
+
+
 def test_sigkill_during_training_then_rerun_equals_uninterrupted(tmp_path, tiny_llama_config):
     """Through the CLI and the run files only (docs/run-directory.md): killed twice (right after the
     first checkpoint, then after a later one), rerun: every step logged once, the final step

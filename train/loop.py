@@ -34,11 +34,15 @@ from eagleforge.target import target_path
 from eagleforge.train.batching import Batch, gather_embeddings
 from eagleforge.train.build import build_draft, embedding_to_host
 from eagleforge.train.checkpoint import (
+    RUN_ID_KEY,
     check_resume_config,
     checkpoint_dir,
     find_resume_checkpoint,
     load_checkpoint,
     load_draft_from_checkpoint,
+    new_run_id,
+    prune_checkpoints,
+    refuse_a_fresh_run_over,
     save_checkpoint,
     tidy_checkpoints,
 )
@@ -121,6 +125,7 @@ class Trainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]  # sharded under FSDP
         self.optimizer, self.scheduler = self._optimizer()
         self.step, self.position, self.train_tokens = 0, Position(), 0
+        self.run_id: str | None = None  # the run's identity: set by maybe_resume (new, or the resumed run's)
         self.last_step = self.schedule.total_steps  # run() may stop earlier; the feed reads up to it
         # Skipped (non-finite) steps: counted before this process (state.json) and, per step of
         # the current log window, device flags with the step's global batches (read at log time).
@@ -383,22 +388,29 @@ class Trainer:
 
     def data_state(self) -> dict:
         return {"epoch": self.position.epoch, "batch_index": self.position.batch_index, "train_tokens": self.train_tokens,
-                "nonfinite_steps": self.nonfinite_steps()}
+                "nonfinite_steps": self.nonfinite_steps(), RUN_ID_KEY: self.run_id}
 
     def save(self) -> Path:
         return save_checkpoint(self.cfg, self.step, self.model, self.optimizer, self.scheduler, self.data_state(), self.layout)
 
     def maybe_resume(self) -> None:
+        """Resume from the newest checkpoint, or start a new run where there is none. A run that
+        starts afresh (train.resume=false) where an earlier run's checkpoints are is refused: it
+        would prune them and mix its log with theirs."""
         if self.layout.is_main:
-            tidy_checkpoints(self.cfg.run, self.cfg.train.keep_last)  # the others wait in the broadcast below
-        if not self.cfg.train.resume:
-            return
+            tidy_checkpoints(self.cfg.run)  # the others wait in the broadcast below
         path = find_resume_checkpoint(self.cfg, self.layout)
+        if path is not None and not self.cfg.train.resume:
+            refuse_a_fresh_run_over(path)
         if path is None:
+            self.run_id = self.layout.broadcast_object(new_run_id())
             return
         check_resume_config(self.cfg, path, self.layout.world_size)
         state = load_checkpoint(path, self.model, self.optimizer, self.scheduler, self.layout)
         self._check_finite_state(path)
+        self.run_id = state.get(RUN_ID_KEY)  # None: written before runs recorded one; its run goes on as such
+        if self.layout.is_main:  # the prune a kill cut short, once the checkpoint is known to be good
+            prune_checkpoints(self.cfg.run, self.cfg.train.keep_last, self.run_id)
         self.step, self.position = int(state["step"]), Position(int(state["epoch"]), int(state["batch_index"]))
         self.train_tokens = int(state.get("train_tokens", 0))
         self.nonfinite_before = int(state.get("nonfinite_steps", 0))
