@@ -67,6 +67,23 @@ def test_a_damaged_cache_shard_is_refused_by_name_when_a_later_epoch_needs_it(se
     assert line.startswith(f"error: {shard}: ") and ("corrupt" if damage == "flipped" else "truncated") in line, line
 
 
+def test_a_resume_after_the_samples_changed_under_the_same_ids_is_refused_at_its_start(setup, capsys):
+    """samples.jsonl made again with other tokens under the same ids after the first epoch: the
+    resumed run read the first epoch's cached states for samples they do not belong to, and
+    trained on them (exit 0). The checkpoint's fingerprint of the samples refuses the resume."""
+    from eagleforge.train.loop import train
+
+    run = _new_run(setup["root"], "changed_samples", setup["rows"])
+    cfg = _cfg(setup, run, CACHE)
+    train(cfg, stop_after_step=_epoch_steps(cfg))
+    [ckpt] = sorted((run / "checkpoints").glob("step-*"))[-1:]
+    changed = [{**row, "input_ids": [3 + (t - 2) % 208 for t in row["input_ids"]]} for row in setup["rows"]]  # same lengths
+    (run / "data" / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in changed))
+    line = stage_error_line(capsys, lambda _: train(_cfg(setup, run, CACHE)))
+    assert line.startswith(f"error: {ckpt}: trained on other inputs than this run's: {run / 'data' / 'samples.jsonl'} (sha256 "), line
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*"))[-1] == ckpt.name
+
+
 def test_disk_full_while_the_cache_is_written_stops_with_one_line_and_resumes_with_a_smaller_cache(setup, capsys, monkeypatch):
     """The fourth cache shard finds the disk full: one line naming it, training stopped cleanly
     (its last checkpoint kept). Resumed with train.cache_gb=0 (no cache), the run finishes with

@@ -843,6 +843,39 @@ def test_pruning_removes_only_the_checkpoints_of_the_run_that_prunes(vocab_run):
     assert run_ids["step-000001"] != run_ids["step-000004"] and None not in run_ids.values()
 
 
+def test_a_resume_on_other_data_or_another_vocabulary_is_refused_at_its_start(vocab_run, tmp_path):
+    """A checkpoint trained on RUN/hidden's shards and RUN/vocab, resumed after either was made
+    again from other samples (the same sample ids): the resumed run trained on the mix, found
+    only at the export (another d2t) or never (other shards). Each checkpoint now records a
+    fingerprint of both; the resume is refused at once, naming what changed; nothing trained."""
+    import shutil
+
+    from test_vocab import build_tiny_run
+
+    from eagleforge.train.loop import train
+    from eagleforge.vocab import main as vocab_main
+
+    cfg, llama_config = vocab_run
+    ckpt = _trained_checkpoint(cfg)  # step 1 on this run's data and vocabulary
+    other, _, _ = build_tiny_run(tmp_path / "other", llama_config, n_samples=5, seed=7, samples_per_shard=5)
+    other.vocab.draft_vocab_size, other.train.holdout_samples = cfg.vocab.draft_vocab_size, 1
+    vocab_main(other)
+    cfg.train.max_steps = 3
+    for name in ("hidden", "vocab"):
+        mine = cfg.run / name
+        shutil.move(mine, tmp_path / f"kept_{name}")
+        shutil.copytree(other.run / name, mine)
+        with pytest.raises(UserInputError) as err:
+            train(cfg)
+        what = mine / "manifest.json" if name == "hidden" else mine
+        message = str(err.value)
+        assert message.startswith(f"{ckpt}: trained on other inputs than this run's: {what} (sha256 ") and "\n" not in message, message
+        assert sorted(p.name for p in (cfg.run / "checkpoints").iterdir()) == ["step-000001"]
+        shutil.rmtree(mine)
+        shutil.move(tmp_path / f"kept_{name}", mine)
+    assert train(cfg)["steps"] == 3  # its own inputs back: it resumes
+
+
 def test_sigkill_during_training_then_rerun_equals_uninterrupted(tmp_path, tiny_llama_config):
     """Through the CLI and the run files only (docs/run-directory.md): killed twice (right after the
     first checkpoint, then after a later one), rerun: every step logged once, the final step

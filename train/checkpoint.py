@@ -6,8 +6,10 @@
                         writing its own shards; a resume on another number of ranks reshards
     rng-{rank:05d}.safetensors  each rank's torch CPU (and current CUDA) generator state
     state.json          step, data position (epoch, global batch index), train_tokens, scheduler
-                        state, the optimizer's param_groups (lr, betas, ...), world size, and the
+                        state, the optimizer's param_groups (lr, betas, ...), world size, the
                         run's identity (run_id: pruning removes only its own run's checkpoints)
+                        and the fingerprints of its data and RUN/vocab (inputs: a resume on
+                        other ones is refused)
     draft_config.json   the Eagle3Config (to rebuild a plain draft for export)
     config.yaml         the resolved config of the run that wrote it
 
@@ -57,6 +59,7 @@ MODEL_PREFIX = "draft."  # DraftWithLoss holds the draft as `draft`
 STATE_FILE = "state.json"
 DRAFT_CONFIG_FILE = "draft_config.json"
 RUN_ID_KEY = "run_id"  # in state.json: the run that wrote the checkpoint
+INPUTS_KEY = "inputs"  # in state.json: {"data" | "vocab": {"source": path, "sha256": ...}} the run trained on
 SINGLE = Layout()
 
 
@@ -439,6 +442,25 @@ RESUME_MAY_CHANGE = (
     "target.moe_backend", "target.split_rows_min_tokens", "target.overlap_min_rows", "eval.",
     "train.cache_gb",  # online: the resumed run keeps what its cache still holds (train/state_cache.py settle)
 )
+
+
+def check_resume_inputs(checkpoint: Path, state: dict, inputs: dict | None, layout: Layout = SINGLE) -> None:
+    """Refuse to resume from `checkpoint` when it was trained on other data or another vocabulary
+    than this run has now (rank 0 compares state.json's fingerprints with `inputs`, every rank
+    gets the verdict): training on would mix the two, and the export would belong to neither. A
+    checkpoint written before fingerprints were recorded is not checked."""
+    failure = None
+    if layout.is_main:
+        saved = state.get(INPUTS_KEY) if isinstance(state.get(INPUTS_KEY), dict) else {}
+        changed = [f"{now['source']} (sha256 {str(saved[key].get('sha256'))[:12]}... when it was written, {now['sha256'][:12]}... now)"
+                   for key, now in (inputs or {}).items()
+                   if isinstance(saved.get(key), dict) and saved[key].get("sha256") != now["sha256"]]
+        if changed:
+            failure = (f"{checkpoint}: trained on other inputs than this run's: {'; '.join(changed)}; the data or the "
+                       "vocabulary changed since it was written. Put them back to resume it, or start over in a new run_dir")
+    failure = layout.broadcast_object(failure)
+    if failure is not None:
+        raise UserInputError(failure)
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:

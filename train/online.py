@@ -73,6 +73,7 @@ class OnlineSource:
                                       check_memory=lambda info: _check_online_memory(cfg, layout),
                                       check_inputs=lambda vocab_size: read.extend(read_samples(cfg, vocab_size)))
         self.samples, source = read
+        self.samples_file, self._samples_sha256 = source, None
         self.planned_bytes = self.target.planned_bytes  # the online plan (target + draft) on CUDA
         # the manifest as the trainer reads it: the target's header and its config (build_draft sizes the draft from it)
         self.manifest = {**self.target.header, "target": {**self.target.header["target"], "config": self.target.hf_config}}
@@ -84,7 +85,7 @@ class OnlineSource:
 
         self.state_dtype = torch_dtype(cfg.target.dtype)
         if layout.is_main:
-            build_vocab_from_samples(cfg, self.samples, self.manifest)
+            build_vocab_from_samples(cfg, self.samples, self.manifest, self.fingerprint()[1])
         layout.barrier()
         self._ids = [torch.tensor(s["input_ids"], dtype=torch.int64) for s in self.samples]
         self._masks = [torch.tensor(s["loss_mask"], dtype=torch.bool) for s in self.samples]
@@ -198,6 +199,15 @@ class OnlineSource:
         if weight is None or weight.dtype != dtype or weight.device != self.device:
             return None
         return weight
+
+    def fingerprint(self) -> tuple[str, str]:
+        """The samples trained on (ids, tokens, masks as read and cut), hashed once; not RUN/hidden,
+        which the cache fills during the run."""
+        if self._samples_sha256 is None:
+            from eagleforge.shards import rows_sha256
+
+            self._samples_sha256 = rows_sha256(self.samples)
+        return str(self.samples_file), self._samples_sha256
 
     def nonfinite_error(self, step: int, samples: list[int]) -> str:
         # the states are not kept: the target made them
