@@ -45,7 +45,7 @@ import torch
 
 from eagleforge.config import Config
 from eagleforge.extract.samples import batch_by_tokens, read_samples
-from eagleforge.extract.target import open_target
+from eagleforge.extract.target import nonfinite_cause, open_target
 from eagleforge.layout import Layout
 from eagleforge.train.batching import Batch, pad_batch
 from eagleforge.train.schedule import Slot, make_batches
@@ -184,6 +184,9 @@ class OnlineSource:
                 self.skipped_samples = len(self.skipped_ids)
                 log.warning("online: sample %d: the target's hidden states held NaN/Inf; skipped (%d so far)",
                             self.samples[i]["id"], self.skipped_samples)
+                cause = nonfinite_cause(self.target.nonfinite_weights)
+                if cause is not None and self.skipped_samples == 1:  # once: most samples may skip for it
+                    log.warning("online: %s", cause)
         return bad
 
     def begin(self, epoch: int, batch_index: int) -> None:
