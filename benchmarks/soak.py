@@ -97,6 +97,7 @@ VOLATILE_KEYS = {
     "seconds", "new_tokens_per_s", "prompts_answered_now", "prompts_answered_before", "train_tokens_per_s",
     "new_tokens", "target_seconds", "target_tokens", "cache_read_tokens", "wall_s", "tokens_per_s", "ngram_wall_s",
     "ngram_tokens_per_s", "cached_from",
+    "run_id",  # a checkpoint's run identity: each run that starts afresh draws its own
 }
 
 
@@ -729,9 +730,9 @@ def compare_file(rel: str, got: Path, want: Path, got_run: Path, want_run: Path)
     if base.endswith(".json") and base != "checksums.json":
         a, b = _json(g, got_run), _json(w, want_run)
         return None if a == b else f"{rel}: {_diff(a, b)}"
-    if base == "checksums.json":  # config.yaml and .metadata are compared by themselves below
+    if base == "checksums.json":  # config.yaml, .metadata, state.json: compared by themselves (run directory, run_id apart)
         a, b = json.loads(g.read_text()), json.loads(w.read_text())
-        for name in ("config.yaml", ".metadata"):
+        for name in ("config.yaml", ".metadata", "state.json"):
             a.pop(name, None), b.pop(name, None)
         return None if a == b else f"{rel}: {_diff(a, b)}"
     if base == ".metadata":  # DCP's index; its storage_meta holds the path written and random save ids

@@ -93,6 +93,24 @@ def save_draft(draft: Eagle3Draft, out_dir, dtype: torch.dtype = torch.bfloat16)
     return out_dir
 
 
+def _check_dtypes(tensors: dict[str, torch.Tensor], weights: Path) -> None:
+    """ValueError naming the file, the tensor and its dtype when the format does not allow it:
+    weights are floating point, d2t holds integer offsets, t2d booleans (or 0/1 integers). A cast
+    would turn an int8 fc.weight into a draft of other numbers without a word."""
+    for name, tensor in sorted(tensors.items()):
+        if name == "d2t":
+            allowed = not tensor.is_floating_point() and not tensor.is_complex() and tensor.dtype != torch.bool
+            wanted = "an integer dtype"
+        elif name == "t2d":
+            allowed = not tensor.is_floating_point() and not tensor.is_complex()
+            wanted = "bool or an integer dtype"
+        else:
+            allowed = tensor.is_floating_point()
+            wanted = "a floating-point dtype"
+        if not allowed:
+            raise ValueError(f"{weights}: {name} is {str(tensor.dtype).removeprefix('torch.')}, the format asks for {wanted}")
+
+
 def load_draft(path, embed_tokens: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> Eagle3Draft:
     """An Eagle3Draft from an export directory.
@@ -122,6 +140,7 @@ def load_draft(path, embed_tokens: torch.Tensor | None = None, dtype: torch.dtyp
         shape = tuple(specs[name][0](config))
         if tuple(tensor.shape) != shape:
             raise ValueError(f"{weights}: {name} has shape {tuple(tensor.shape)}, config.json implies {shape}")
+    _check_dtypes(tensors, weights)
     draft = Eagle3Draft(config)
     params = {n: t for n, t in tensors.items() if n not in ("d2t", "t2d")}
     result = draft.load_state_dict(params, strict=False)

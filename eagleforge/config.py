@@ -15,6 +15,7 @@ resolved config is written to RUN/config.yaml before a stage does any work.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import sys
@@ -31,6 +32,118 @@ from eagleforge.atomic import sweep_leftovers, write_text_atomic
 
 class ConfigError(ValueError):
     """A user's configuration mistake: one line that names the file, key and value."""
+
+
+# What an error message shows of a value a user gave: a long string, list or mapping is cut to
+# its start and says how much more there was, so no input can make an error line grow with it
+# (a 20,000-item list, a YAML alias bomb, a 10 MB string).
+SHOWN_CHARS = 120
+SHOWN_ITEMS = 6
+
+
+def bounded_repr(value: Any, depth: int = 2) -> str:
+    """repr(value), at most a few hundred characters whatever the value: strings past SHOWN_CHARS
+    and containers past SHOWN_ITEMS items end in "... (N more)", nesting past `depth` levels is
+    shown by its type and size, and each item is itself bounded (so a shared nested value is
+    never walked whole)."""
+    if isinstance(value, str):
+        return repr(value) if len(value) <= SHOWN_CHARS else f"{value[:SHOWN_CHARS]!r}... ({len(value) - SHOWN_CHARS} more characters)"
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 256:
+        return f"an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits"
+    if isinstance(value, (list, tuple, set, frozenset, dict)):
+        return _bounded_container(value, depth)
+    return bounded_text(repr(value))
+
+
+def bounded_text(text: str, limit: int = SHOWN_CHARS) -> str:
+    """`text` cut after `limit` characters, saying how many more there were."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
+def _bounded_container(value, depth: int) -> str:
+    if depth <= 0:
+        return f"<{type(value).__name__} of {len(value)} items>"
+    if isinstance(value, dict):
+        parts = [f"{bounded_repr(k, depth - 1)}: {bounded_repr(v, depth - 1)}" for k, v in itertools.islice(value.items(), SHOWN_ITEMS)]
+        opening, closing = "{", "}"
+    else:
+        parts = [bounded_repr(v, depth - 1) for v in itertools.islice(value, SHOWN_ITEMS)]
+        opening, closing = ("[", "]") if isinstance(value, list) else ("(", ")") if isinstance(value, tuple) else ("{", "}")
+    if len(value) > len(parts):
+        parts.append(f"... ({len(value) - len(parts)} more)")
+    return opening + ", ".join(parts) + closing
+
+
+# A config is a few dozen values: a YAML text holding more than this many (each alias counted
+# where it is used) is refused before anything walks it (an alias bomb expands to billions).
+MAX_YAML_VALUES = 100_000
+
+
+def load_yaml(text: str, source: str) -> Any:
+    """The YAML `text` of a config file or a command-line value, or a ConfigError naming `source`:
+    not valid YAML, a key given twice in one mapping (with its line and section), or more than
+    MAX_YAML_VALUES values."""
+    loader = None
+    try:
+        loader = yaml.SafeLoader(text)  # reads the text's first characters: may raise already
+        node = loader.get_single_node()
+        if node is not None:
+            _refuse_duplicate_keys(node, source)
+        data = None if node is None else loader.construct_document(node)
+    except ConfigError:
+        raise
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{source}: not valid YAML ({bounded_text(str(err).splitlines()[0], 300)})") from None
+    except (ValueError, RecursionError) as err:  # an integer of more digits than Python converts, nesting past the stack
+        raise ConfigError(f"{source}: not a usable YAML value ({bounded_text((str(err).splitlines() or [type(err).__name__])[0], 300)})") from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+    if _count_values(data, MAX_YAML_VALUES) > MAX_YAML_VALUES:
+        raise ConfigError(f"{source}: holds more than {MAX_YAML_VALUES} values (each alias counted where it is used); "
+                          "a config holds a few dozen")
+    return data
+
+
+def _refuse_duplicate_keys(root: yaml.Node, source: str) -> None:
+    """ConfigError for a key written twice in one mapping: PyYAML keeps the last one silently (a
+    second `train:` section drops the first one's keys). Each node is visited once, however many
+    aliases name it; `<<: *base` merges are left to YAML (the mapping's own keys win)."""
+    seen, stack = set(), [(root, "")]
+    while stack:
+        node, path = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend((item, path) for item in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            first: dict = {}
+            for key_node, value_node in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                    stack.append((value_node, path))
+                    continue
+                key = f"{path}.{key_node.value}" if path else key_node.value
+                line = key_node.start_mark.line + 1
+                if (key_node.tag, key_node.value) in first:
+                    raise ConfigError(f"{source}: line {line}: key {bounded_repr(key)} is given twice (first on line "
+                                      f"{first[key_node.tag, key_node.value]}); a later one would silently replace it")
+                first[key_node.tag, key_node.value] = line
+                stack.append((value_node, key))
+
+
+def _count_values(data: Any, limit: int) -> int:
+    """The values in `data`, walked as its readers would walk it (a shared value once per use),
+    counting stops past `limit`: the walk never grows with an alias bomb's expansion."""
+    count, stack = 0, [data]
+    while stack and count <= limit:
+        value = stack.pop()
+        count += 1
+        if isinstance(value, dict):
+            stack.extend(itertools.chain.from_iterable(value.items()))
+        elif isinstance(value, (list, tuple, set)):
+            stack.extend(value)
+    return count
 
 
 @dataclass
@@ -204,6 +317,8 @@ class TrainConfig:
     # Steps whose loss or gradient norm is NaN/Inf are skipped (no update) and counted; more
     # than this many stop the run with an error (a poisoned shard, head or checkpoint).
     max_nonfinite_steps: int = 3
+    # false: start afresh, refused where RUN/checkpoints holds an earlier run's checkpoints (a fresh
+    # run there would mix with that run: move them aside or use a new run_dir)
     resume: bool = True
     seed: int = 0
     # A draft export (RUN/draft of an earlier run, or one trained elsewhere) to start from instead of
@@ -280,10 +395,7 @@ def _coerce(value: Any, annotation: Any, key: str, source: str) -> Any:
     """Check (and for command-line strings, parse) `value` against the field's type."""
     typ = _TYPES[annotation] if isinstance(annotation, str) else annotation
     if isinstance(value, str) and typ is not str and source == "command line":
-        try:
-            value = yaml.safe_load(value)  # "3" -> 3, "true" -> True, "[1, 2]" -> [1, 2]
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{source}: key {key!r}: {value!r} is not a YAML value ({str(err).splitlines()[0]})") from None
+        value = load_yaml(value, f"{source}: key {bounded_repr(key)}: {bounded_repr(value)}")  # "3" -> 3, "[1, 2]" -> [1, 2]
     if typ is float and isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
         try:
             value = float(value)
@@ -295,7 +407,7 @@ def _coerce(value: Any, annotation: Any, key: str, source: str) -> Any:
     if not ok:
         expected = " or ".join(t.__name__ for t in typ) if isinstance(typ, tuple) else typ.__name__
         raise ConfigError(
-            f"{source}: key {key!r} expects {expected}, got {type(value).__name__} {value!r}"
+            f"{source}: key {bounded_repr(key)} expects {expected}, got {type(value).__name__} {bounded_repr(value)}"
         )
     return value
 
@@ -307,15 +419,15 @@ def _apply(cfg: Any, key: str, value: Any, source: str) -> None:
     for section in sections:
         sub = getattr(obj, section, None) if section in _field_names(obj) else None
         if sub is None or not dataclasses.is_dataclass(sub):
-            raise ConfigError(f"{source}: unknown config section {section!r} in key {key!r}")
+            raise ConfigError(f"{source}: unknown config section {bounded_repr(section)} in key {bounded_repr(key)}")
         obj = sub
     fields = {f.name: f for f in dataclasses.fields(obj)}
     if leaf not in fields:
         known = ", ".join(sorted(fields))
-        raise ConfigError(f"{source}: unknown config key {key!r} (known here: {known})")
+        raise ConfigError(f"{source}: unknown config key {bounded_repr(key)} (known here: {known})")
     if dataclasses.is_dataclass(getattr(obj, leaf)):
         if not isinstance(value, dict):
-            raise ConfigError(f"{source}: key {key!r} is a section and takes a mapping, got {value!r}")
+            raise ConfigError(f"{source}: key {bounded_repr(key)} is a section and takes a mapping, got {bounded_repr(value)}")
         for sub_key, sub_value in value.items():
             _apply(cfg, f"{key}.{sub_key}", sub_value, source)
         return
@@ -334,18 +446,17 @@ def load_config(config_file: str | os.PathLike | None = None, overrides: list[st
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as err:
             raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+        data = load_yaml(text, str(path)) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
         for key, value in data.items():
             _apply(cfg, str(key), value, str(path))
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"command line: expected section.key=value, got {item!r}")
+            raise ConfigError(f"command line: expected section.key=value, got {bounded_repr(item)}")
         key, value = item.split("=", 1)
         _apply(cfg, key.strip(), value, "command line")
     _validate(cfg)
@@ -376,24 +487,94 @@ _CHOICES = {
 
 
 def _validate(cfg: Config) -> None:
+    if not cfg.run_dir.strip():  # Path("") is the current directory: every stage would write its files there
+        raise ConfigError("config key 'run_dir' is empty: name the run directory (run_dir=runs/NAME; run_dir=. for the "
+                          "current directory)")
+    _validate_lists(cfg)
     for key, choices in _CHOICES.items():
         section, leaf = key.split(".")
         value = getattr(getattr(cfg, section), leaf)
         if value not in choices:
-            raise ConfigError(f"config key {key!r} must be one of {list(choices)}, got {value!r}")
+            raise ConfigError(f"config key {key!r} must be one of {list(choices)}, got {bounded_repr(value)}")
     for key, value in _numeric_values(cfg):  # first: the checks below read numbers (train.ttt_steps)
         _check_range(key, value)
     _validate_checkpoint(cfg.train.activation_checkpoint, cfg.train.ttt_steps)
     if cfg.train.compile not in (True, False, "auto"):
-        raise ConfigError(f"config key 'train.compile' must be one of [auto, true, false], got {cfg.train.compile!r}")
+        raise ConfigError(f"config key 'train.compile' must be one of [auto, true, false], got {bounded_repr(cfg.train.compile)}")
     _validate_device_map(cfg.target)
     if not cfg.train.step_weight_decay > 0:  # the per-step losses are divided by decay^j for the stats
         raise ConfigError(f"config key 'train.step_weight_decay' must be > 0, got {cfg.train.step_weight_decay!r}")
     url = cfg.data.server_url
     if url and (not url.startswith(("http://", "https://")) or not url.split("://", 1)[1].strip("/") or any(c.isspace() for c in url)):
-        raise ConfigError(f"config key 'data.server_url' must be an http:// or https:// URL like http://localhost:8000, got {url!r}")
+        raise ConfigError(f"config key 'data.server_url' must be an http:// or https:// URL like http://localhost:8000, "
+                          f"got {bounded_repr(url)}")
     if cfg.eval.ngram_min > cfg.eval.ngram_max:
         raise ConfigError(f"config key 'eval.ngram_min' = {cfg.eval.ngram_min} must be <= eval.ngram_max = {cfg.eval.ngram_max}")
+
+
+# The range of every size of a model wherever one is read (a target's config.json, the draft built
+# from it, a shard manifest, the draft.* keys): several times the largest released model's (Llama
+# 3.1 405B: hidden 16,384, 126 layers; Gemma 3: 262,144 tokens; Kimi-K2.5: 384 experts), so no
+# real model is refused, while a mistyped or hostile number is refused by name before any memory
+# is allocated or any loop runs over it (a claimed million layers, a trillion-row embedding).
+MODEL_SIZE_BOUNDS: dict[str, tuple[int, int]] = {
+    "hidden_size": (1, 65_536),
+    "target_hidden_size": (1, 65_536),
+    "intermediate_size": (1, 262_144),
+    "moe_intermediate_size": (1, 262_144),
+    "num_hidden_layers": (1, 1_024),
+    "num_attention_heads": (1, 1_024),
+    "num_key_value_heads": (1, 1_024),
+    "head_dim": (1, 1_024),
+    "vocab_size": (1, 4_194_304),
+    "draft_vocab_size": (1, 4_194_304),
+    "n_routed_experts": (1, 4_096),
+    "n_shared_experts": (0, 64),
+    "num_experts_per_tok": (1, 4_096),
+    "first_k_dense_replace": (0, 1_024),
+    "n_group": (1, 4_096),
+    "topk_group": (1, 4_096),
+    "q_lora_rank": (0, 65_536),
+    "kv_lora_rank": (1, 65_536),
+    "qk_nope_head_dim": (1, 1_024),
+    "qk_rope_head_dim": (1, 1_024),
+    "v_head_dim": (1, 1_024),
+    "max_position_embeddings": (1, 1 << 26),
+}
+
+
+def check_model_sizes(sizes: dict, source: str) -> None:
+    """UserInputError naming `source`, the key, the value and its range for the first size of
+    `sizes` (a config dict) outside MODEL_SIZE_BOUNDS or not an integer; keys it lacks, or holds
+    as None, are left to the reader that needs them."""
+    for key, (low, high) in MODEL_SIZE_BOUNDS.items():
+        value = sizes.get(key)
+        if value is None:
+            continue
+        if type(value) is not int or not low <= value <= high:
+            raise UserInputError(f"{source}: {key} = {bounded_repr(value)} is outside [{low}, {high}], the range of a "
+                                 "model's sizes (eagleforge.config.MODEL_SIZE_BOUNDS); a mistyped or damaged config?")
+
+
+# The list keys, the type of their items, and how many items any of them may hold (a config
+# names a few layers, modules or devices).
+LIST_ITEMS = {"target.max_memory": str, "data.extra_modules": str, "extract.aux_layers": int}
+MAX_LIST_ITEMS = 1024
+
+
+def _validate_lists(cfg: Config) -> None:
+    for key, item_type in LIST_ITEMS.items():
+        section, leaf = key.split(".")
+        value = getattr(getattr(cfg, section), leaf)
+        if len(value) > MAX_LIST_ITEMS:
+            raise ConfigError(f"config key {key!r} holds {len(value)} items, more than {MAX_LIST_ITEMS}: "
+                              f"{bounded_repr(value)}")
+        if key == "target.max_memory":  # parse_max_memory says how to write its items
+            continue
+        for item in value:
+            if not isinstance(item, item_type) or isinstance(item, bool):
+                raise ConfigError(f"config key {key!r} takes a list of {item_type.__name__}s, got the item "
+                                  f"{type(item).__name__} {bounded_repr(item)}")
 
 
 # The range of every numeric key: (low, high), UNBOUNDED on that side, both ends allowed; floats
@@ -417,12 +598,12 @@ RANGES: dict[str, tuple] = {
     "data.max_retries": (0, UNBOUNDED),  # 0 = one try
     "extract.samples_per_shard": (1, UNBOUNDED),
     "extract.batch_tokens": (1, UNBOUNDED),
-    "vocab.draft_vocab_size": (1, UNBOUNDED),
-    "draft.hidden_size": (0, UNBOUNDED),  # 0 = from the target's config
-    "draft.num_attention_heads": (0, UNBOUNDED),
-    "draft.num_key_value_heads": (0, UNBOUNDED),
-    "draft.head_dim": (0, UNBOUNDED),
-    "draft.intermediate_size": (0, UNBOUNDED),
+    "vocab.draft_vocab_size": (1, MODEL_SIZE_BOUNDS["draft_vocab_size"][1]),
+    "draft.hidden_size": (0, MODEL_SIZE_BOUNDS["hidden_size"][1]),  # 0 = from the target's config
+    "draft.num_attention_heads": (0, MODEL_SIZE_BOUNDS["num_attention_heads"][1]),
+    "draft.num_key_value_heads": (0, MODEL_SIZE_BOUNDS["num_key_value_heads"][1]),
+    "draft.head_dim": (0, MODEL_SIZE_BOUNDS["head_dim"][1]),
+    "draft.intermediate_size": (0, MODEL_SIZE_BOUNDS["intermediate_size"][1]),
     "train.epochs": (0, UNBOUNDED),  # 0 only with max_steps > 0 (checked by the trainer)
     "train.max_steps": (0, UNBOUNDED),  # 0 = as many as the epochs take
     "train.batch_tokens": (1, UNBOUNDED),
@@ -474,11 +655,11 @@ def _check_range(key: str, value: Any) -> None:
     if key not in RANGES:
         raise ConfigError(f"config key {key!r} has no range in eagleforge.config.RANGES")
     low, high = RANGES[key]
-    shown = f"[{low if low is not None else '-inf'}, {high if high is not None else 'inf'}]"
+    bounds = f"[{low if low is not None else '-inf'}, {high if high is not None else 'inf'}]"
     if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"config key {key!r} must be a finite number in {shown}, got {value!r}")
+        raise ConfigError(f"config key {key!r} must be a finite number in {bounds}, got {value!r}")
     if (low is not None and value < low) or (high is not None and value > high):
-        raise ConfigError(f"config key {key!r} must be in {shown}, got {value!r}")
+        raise ConfigError(f"config key {key!r} must be in {bounds}, got {bounded_repr(value)}")
 
 
 _SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -490,14 +671,14 @@ def parse_max_memory(items: list) -> dict:
     the form accelerate takes; a ConfigError naming the item otherwise. Sizes must be > 0."""
     out: dict = {}
     for item in items:
-        where = f"config key 'target.max_memory' item {item!r}"
+        where = f"config key 'target.max_memory' item {bounded_repr(item)}"
         if not isinstance(item, str) or ":" not in item:
             # YAML reads an unquoted 1:30 as the integer 90: ask for the string form.
             raise ConfigError(f"{where}: expected a string 'DEVICE:SIZE' like '0:70GiB' or 'cpu:200GiB' (quote it in YAML)")
         device, _, size = (part.strip() for part in item.partition(":"))
         key = int(device) if device.isdigit() else device
         if key not in ("cpu", "disk") and not isinstance(key, int):
-            raise ConfigError(f"{where}: device {device!r} must be a GPU index (0, 1, ...), cpu or disk")
+            raise ConfigError(f"{where}: device {bounded_repr(device)} must be a GPU index (0, 1, ...), cpu or disk")
         number = size.rstrip("BbIiKkMmGgTt ")
         unit = size[len(number):].strip().lower()
         try:
@@ -505,9 +686,9 @@ def parse_max_memory(items: list) -> dict:
         except ValueError:
             value = math.nan
         if unit not in _SIZE_UNITS or not math.isfinite(value) or int(value * _SIZE_UNITS.get(unit, 0)) <= 0:
-            raise ConfigError(f"{where}: size {size!r} must be a number > 0 with a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+            raise ConfigError(f"{where}: size {bounded_repr(size)} must be a number > 0 with a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
         if key in out:
-            raise ConfigError(f"{where}: device {device!r} appears twice")
+            raise ConfigError(f"{where}: device {bounded_repr(device)} appears twice")
         out[key] = int(value * _SIZE_UNITS[unit])
     return out
 
@@ -518,7 +699,7 @@ def _validate_device_map(target: TargetConfig) -> None:
         key = "target.max_memory" if target.max_memory else "target.offload_folder"
         raise ConfigError(f"config key {key!r} is set but target.device_map is none: set target.device_map=auto (or balanced, ...)")
     if target.device_map != "none" and target.backend != "hf":
-        raise ConfigError(f"config key 'target.device_map' = {target.device_map!r} is for the hf backend; "
+        raise ConfigError(f"config key 'target.device_map' = {bounded_repr(target.device_map)} is for the hf backend; "
                           f"the {target.backend} backend splits the target over GPUs with target.tp and target.pp")
     if target.pp > 1 and target.backend != "native":
         raise ConfigError(f"config key 'target.pp' = {target.pp} is for the native backend (target.backend=native); "
@@ -531,11 +712,11 @@ def _validate_checkpoint(value: str, ttt_steps: int) -> None:
         return
     if "+" not in str(value) and "*" not in str(value) and value not in modes.CHECKPOINT_MODES:
         raise ConfigError(f"config key 'train.activation_checkpoint' must be one of {['auto', *modes.CHECKPOINT_MODES]} "
-                          f"or one mode per TTT step like 'selective*3+selective_all*4', got {value!r}")
+                          f"or one mode per TTT step like 'selective*3+selective_all*4', got {bounded_repr(value)}")
     try:
         modes.checkpoint_modes(value, ttt_steps)
     except ValueError as err:
-        raise ConfigError(f"config key 'train.activation_checkpoint': {err}") from None
+        raise ConfigError(f"config key 'train.activation_checkpoint': {bounded_text(str(err), 300)}") from None
 
 
 def config_to_dict(cfg: Config) -> dict:

@@ -76,7 +76,7 @@ from typing import Any, Iterable
 import torch
 
 from eagleforge.atomic import atomic_path, write_json_atomic
-from eagleforge.config import UserInputError
+from eagleforge.config import UserInputError, check_model_sizes
 
 log = logging.getLogger(__name__)
 
@@ -208,6 +208,9 @@ def _check_manifest_header(data: dict, path: Path) -> None:
     if not isinstance(target, dict) or not all(
             type(target[k]) is int and target[k] > 0 for k in ("num_layers", "hidden_size", "vocab_size") if k in target):
         raise bad("target", "an object with positive integer num_layers, hidden_size, vocab_size")
+    # the vocab stage allocates [vocab_size] counts, the trainer sizes the draft by hidden_size
+    check_model_sizes({"num_hidden_layers": target.get("num_layers"), "hidden_size": target.get("hidden_size"),
+                       "vocab_size": target.get("vocab_size")}, f"{path}: target")
 
 
 # Fields every manifest shard entry needs, and their types (bool is refused where int is asked).

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from eagleforge.atomic import atomic_dir
-from eagleforge.config import TargetConfig, UserInputError
+from eagleforge.config import TargetConfig, UserInputError, bounded_repr
 
 log = logging.getLogger(__name__)
 
@@ -293,7 +293,7 @@ def resolve_aux_layers(aux_layers: list, num_layers: int) -> list[int]:
     ascending ids in [0, num_layers), else a UserInputError naming the key and the ids."""
     aux = sorted(int(i) for i in aux_layers) if aux_layers else default_aux_layers(num_layers)
     if len(set(aux)) != len(aux) or not all(0 <= i < num_layers for i in aux):
-        given = f"= {list(aux_layers)}" if aux_layers else f"is empty, and the default for {num_layers} layers is {aux}"
+        given = f"= {bounded_repr(list(aux_layers))}" if aux_layers else f"is empty, and the default for {num_layers} layers is {aux}"
         raise UserInputError(f"config key 'extract.aux_layers' {given}: ids must be distinct, in [0, {num_layers}); "
                              "set extract.aux_layers explicitly")
     return aux

@@ -292,6 +292,19 @@ def _load_vocab_file(run_dir: str | os.PathLike, name: str, check) -> dict[str, 
     return tensors
 
 
+def vocab_fingerprint(run_dir: str | os.PathLike) -> str:
+    """sha256 over RUN/vocab's two files' tensors (the sha256 each file records of them, checked
+    at every read; computed for a file written without one): recorded in each checkpoint, so a
+    resume with another vocabulary or target head is refused at its start."""
+    digest = hashlib.sha256()
+    for name in (VOCAB_MAP, TARGET_HEAD):
+        path = Path(run_dir) / "vocab" / name
+        with safe_open(str(path), framework="pt") as f:
+            recorded = (f.metadata() or {}).get("sha256")
+        digest.update(f"{name}:{recorded or tensors_sha256(_read_checked(path, _NAMES[name])[0])}\n".encode())
+    return digest.hexdigest()
+
+
 def load_vocab_map(run_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """{"d2t", "t2d", "counts"} from RUN/vocab/vocab_map.safetensors."""
     return _load_vocab_file(run_dir, VOCAB_MAP, check_vocab_map)
@@ -352,14 +365,15 @@ def write_vocab_files(cfg: Config, counts: torch.Tensor, identity: str) -> tuple
     return d2t, t2d, coverage(counts, t2d)
 
 
-def build_vocab_from_samples(cfg: Config, samples: list[dict], header: dict) -> None:
+def build_vocab_from_samples(cfg: Config, samples: list[dict], header: dict, samples_sha256: str | None = None) -> None:
     """RUN/vocab from the samples' loss-masked ids of the training samples (the vocab stage counts
-    the same tokens from the shards); reused when the samples, holdout, Vd and target are unchanged."""
+    the same tokens from the shards); reused when the samples, holdout, Vd and target are unchanged.
+    samples_sha256: rows_sha256(samples) when the caller has it (hashing many samples takes a while)."""
     from eagleforge.shards import rows_sha256
 
     out = cfg.run / "vocab"
     files = [out / VOCAB_MAP, out / TARGET_HEAD]
-    key = {"samples": rows_sha256(samples),
+    key = {"samples": samples_sha256 or rows_sha256(samples),
            "holdout_samples": cfg.train.holdout_samples, "draft_vocab_size": cfg.vocab.draft_vocab_size,
            "target_path": cfg.target.path, "source": "online"}
     identity = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from eagleforge.config import Config, save_config
 from eagleforge.extract.samples import batch_by_tokens, read_samples
-from eagleforge.extract.target import Target, open_target
+from eagleforge.extract.target import Target, nonfinite_cause, open_target
 from eagleforge.extract.writer import BatchRows, ShardSink, make_writer, writer_summary
 from eagleforge.failures import out_of_memory
 from eagleforge.layout import Layout, init_layout
@@ -84,7 +84,8 @@ def _extract(cfg: Config, layout: Layout, target: Target, samples: list[dict], s
     total_tokens = sum(len(row["input_ids"]) for c in todo for row in chunks[c])
     # Only the group leader writes: its writer thread copies and writes chunk c while the group
     # runs the forwards of chunk c+1. The other ranks take part in the forwards and keep nothing.
-    sink = ShardSink(writer) if writer is not None else None
+    cause = nonfinite_cause(target.nonfinite_weights)
+    sink = ShardSink(writer, cause) if writer is not None else None
     out = make_writer(sink, cfg.extract.overlap_writes) if sink is not None else None
     batches = [(c, positions) for c in todo for positions in batch_by_tokens(
         [len(row["input_ids"]) for row in chunks[c]], cfg.extract.batch_tokens)]
@@ -107,7 +108,7 @@ def _extract(cfg: Config, layout: Layout, target: Target, samples: list[dict], s
     if not layout.is_main:
         return None
     manifest = merge_manifests(hidden_dir) if layout.num_groups > 1 else load_manifest(hidden_dir)
-    log_extraction_summary(manifest, hidden_dir, sink.skipped if sink is not None else 0, time.perf_counter() - start_s)
+    log_extraction_summary(manifest, hidden_dir, sink.skipped if sink is not None else 0, time.perf_counter() - start_s, cause)
     return manifest
 
 
@@ -128,15 +129,18 @@ def forward_batches(target: Target, chunks: list[list[dict]], batches: list[tupl
             progress.update(sum(len(chunks[c][j]["input_ids"]) for j in positions))
 
 
-def log_extraction_summary(manifest: dict, hidden_dir: Path, skipped_here: int, wall_s: float) -> None:
+def log_extraction_summary(manifest: dict, hidden_dir: Path, skipped_here: int, wall_s: float, cause: str | None = None) -> None:
+    """The stage's last line; with samples skipped for NaN/Inf and a target weight holding NaN/Inf
+    (`cause`, nonfinite_cause), that weight is named after the count."""
     shards = manifest["shards"]
     samples = sum(e["samples"] for e in shards)
     tokens = sum(e["tokens"] for e in shards)
     total_bytes = sum(e["bytes"] for e in shards)
     skipped = sum(len(e.get("skipped_ids", [])) for e in shards)
+    because = f"; {cause}" if cause is not None and skipped else ""
     print(
         f"extract: {len(shards)} shards in {hidden_dir}: {samples} samples, {tokens} tokens, "
         f"{total_bytes / max(tokens, 1):.0f} bytes/token ({total_bytes / 2**20:.1f} MiB), "
-        f"{skipped} samples skipped for NaN/Inf ({skipped_here} this run), wall time {wall_s:.1f} s",
+        f"{skipped} samples skipped for NaN/Inf ({skipped_here} this run{because}), wall time {wall_s:.1f} s",
         flush=True,
     )

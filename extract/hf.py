@@ -17,7 +17,7 @@ import torch
 
 from eagleforge.config import Config, UserInputError
 from eagleforge.extract.capture import HiddenStateCapture
-from eagleforge.extract.target import CapturingTarget, forward_packed, select_rows
+from eagleforge.extract.target import CapturingTarget, forward_packed, nonfinite_weights, select_rows
 from eagleforge.layout import Layout
 from eagleforge.target import decoder_layers, final_norm, load_target, padding_id, resolve_aux_layers, target_path, text_config
 
@@ -44,6 +44,7 @@ class HFTarget(CapturingTarget):
         self.header = manifest_header(cfg, self.model, tokenizer, aux_layers)
         self.header["has_target_argmax"] = bool(write_target_argmax)
         self.hf_config = self.model.config.to_dict()
+        self.nonfinite_weights = nonfinite_weights(self.model)  # named when samples are skipped for them
         super().__init__(decoder_layers(self.model), aux_layers, final_norm(self.model))
 
     def input_embedding(self) -> torch.Tensor | None:

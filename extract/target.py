@@ -22,6 +22,7 @@ manifest and online training see the same rows whichever backend made them.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Callable, Protocol, Sequence
 
@@ -39,6 +40,7 @@ class Target(Protocol):
     hf_config: dict  # the target's config as a dict: the draft is sized from it
     vocab_size: int  # every token id must stay under it
     planned_bytes: float | None  # what the memory plan counted for this rank (None: no plan)
+    nonfinite_weights: list[str]  # the group's weights holding NaN/Inf, found at load (nonfinite_weights())
 
     def forward(self, input_ids: list[list[int]], then: list[list[int]] | None = None,
                 rows_for: dict[int, list[int]] | None = None) -> "Rows | PendingRows | None": ...
@@ -52,12 +54,42 @@ class Target(Protocol):
 class CapturingTarget:
     """What both backends share: the capture hooks on the decoder layers for the target's lifetime."""
 
+    nonfinite_weights: list[str] = []  # each backend sets its own at load
+
     def __init__(self, layers: Sequence[torch.nn.Module], aux_layers: list[int], final_norm: torch.nn.Module | None):
         self.aux_layers = aux_layers
         self.capture = HiddenStateCapture(layers, aux_layers, final_norm).__enter__()
 
     def close(self) -> None:
         self.capture.__exit__(None, None, None)
+
+
+# Elements per isfinite pass when the weights are scanned: the pass's bool copy stays at 16 MB.
+SCAN_CHUNK_ELEMENTS = 1 << 24
+
+
+def nonfinite_weights(model: torch.nn.Module) -> list[str]:
+    """The names of `model`'s floating-point parameters and buffers that hold a NaN or an Inf, in
+    the model's order: a damaged checkpoint tensor turns the states of every sample whose forward
+    reads it into NaN, and the samples skipped for it should name it. Scanned once, at load, in
+    chunks (one host read each); tensors a device map left on the meta device are not."""
+    return [name for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers())
+            if tensor.is_floating_point() and tensor.device.type != "meta" and not _all_finite(tensor)]
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    flat = tensor.detach().reshape(-1)
+    return all(bool(torch.isfinite(flat[i:i + SCAN_CHUNK_ELEMENTS]).all()) for i in range(0, flat.numel(), SCAN_CHUNK_ELEMENTS))
+
+
+def nonfinite_cause(names: list[str]) -> str | None:
+    """The line that names the target's first weight holding NaN/Inf (and how many more), for
+    the samples skipped because of it; None when every weight is finite."""
+    if not names:
+        return None
+    more = f" (and {len(names) - 1} more tensors)" if len(names) > 1 else ""
+    return (f"the target's {names[0]}{more} holds NaN/Inf: every sample whose forward reads it has NaN/Inf states and "
+            "is skipped; the checkpoint is damaged (check that tensor in target.path)")
 
 
 def select_rows(packed: Rows, lengths: list[int], positions: list[int]) -> Rows:

@@ -252,8 +252,9 @@ class ShardSink:
     (pooled, reused) pinned buffers it is handed.
     """
 
-    def __init__(self, shard_writer):
+    def __init__(self, shard_writer, cause: str | None = None):
         self.shard_writer = shard_writer
+        self.cause = cause  # the line naming the target's weight holding NaN/Inf, said with the first skip
         self.skipped = 0
         self.shards_written = 0
         self._pending: dict[int, dict[int, dict[str, torch.Tensor]]] = {}  # chunk -> position -> states
@@ -280,6 +281,8 @@ class ShardSink:
             ids.append(int(row["id"]))
         if skipped:
             log.warning("chunk %d: skipped %d samples with NaN/Inf hidden states: %s", chunk, len(skipped), skipped)
+            if self.cause is not None and not self.skipped:  # once: most samples may skip for it
+                log.warning("%s", self.cause)
         self.skipped += len(skipped)
         entry = self.shard_writer.write_shard(chunk, written, ids, skipped, content_sha256=rows_sha256(rows))
         self.shards_written += 1

@@ -5,6 +5,7 @@ checkpoints)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagleforge.atomic import _owner_tag, atomic_dir, atomic_path, clear_leftovers, sweep_leftovers
-from eagleforge.train.checkpoint import list_checkpoints, tidy_checkpoints
+from eagleforge.train.checkpoint import list_checkpoints, prune_checkpoints, tidy_checkpoints
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -159,11 +160,13 @@ def test_tidy_checkpoints_removes_what_a_killed_save_or_prune_left(tmp_path):
     root = tmp_path / "checkpoints"
     for name in ("step-000002", "step-000004", "step-000006", ".pruned-step-000001", ".tmp-step-000008"):
         (root / name).mkdir(parents=True)
-        (root / name / "state.json").write_text(name)
+        (root / name / "state.json").write_text(json.dumps({"run_id": "run", "name": name}))
     # A swap of step 6 on a system without the exchange, killed between its renames: step-000006
     # moved aside by a process that is gone.
     (root / "step-000006").rename(root / f".old-step-000006-{_owner_tag().rpartition('-')[0]}-{2**22 + 1}")
-    tidy_checkpoints(tmp_path, keep_last=2)
+    tidy_checkpoints(tmp_path)
+    assert sorted(os.listdir(root)) == ["step-000002", "step-000004", "step-000006"]
+    prune_checkpoints(tmp_path, 2, "run")  # the resumed run's prune that the kill cut short
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000004", "step-000006"]
     assert sorted(os.listdir(root)) == ["step-000004", "step-000006"]
-    assert (root / "step-000006" / "state.json").read_text() == "step-000006"
+    assert json.loads((root / "step-000006" / "state.json").read_text())["name"] == "step-000006"

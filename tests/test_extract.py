@@ -270,6 +270,36 @@ def test_nan_samples_are_skipped_and_counted(tiny_run, monkeypatch, capsys):
     assert (run_dir / "hidden" / MANIFEST).read_text() == before
 
 
+def test_a_nan_weight_of_the_target_is_named_once_when_samples_skip_for_it(tiny_run, tmp_path, capsys, caplog):
+    """One NaN in one weight of the target's model.safetensors (a damaged download): every
+    sample's states are NaN, and extraction only counted the samples it skipped, shard after
+    shard. Now the tensor is named once, with the first skipped samples, and in the last line."""
+    import logging
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    target = tmp_path / "damaged-llama"
+    shutil.copytree(tiny_run["target"], target)
+    weights, name = target / "model.safetensors", "model.layers.2.mlp.down_proj.weight"
+    with safe_open(str(weights), framework="pt") as f:
+        metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    tensors[name][0, 5] = float("nan")
+    save_file(tensors, str(weights), metadata=metadata)
+    run_dir = _make_run(tmp_path / "run", tiny_run["data"])
+    overrides = [o for o in tiny_run["overrides"] if not o.startswith("target.path=")] + [f"target.path={target}"]
+    with caplog.at_level(logging.WARNING):
+        _run_in_process(run_dir, overrides)
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "23 samples skipped for NaN/Inf (23 this run; the target's model.layers.2.mlp.down_proj.weight holds NaN/Inf" in last, last
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert sum("skipped" in w and "chunk" in w for w in warnings) == 6  # every shard's samples skipped
+    assert [w for w in warnings if name in w] == [f"the target's {name} holds NaN/Inf: every sample whose forward reads it "
+                                                  "has NaN/Inf states and is skipped; the checkpoint is damaged (check that "
+                                                  "tensor in target.path)"]
+
+
 # ---------------------------------------------------------------- overlapped writing, fp8 storage
 
 

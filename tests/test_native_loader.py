@@ -222,6 +222,62 @@ def test_an_unsupported_quantization_config_is_one_line(copy, edit, message):
     assert str(caught.value).startswith(f"{copy / 'config.json'}: ") and "\n" not in str(caught.value)
 
 
+def edit_text_config(path, **values) -> None:
+    config = json.loads((path / "config.json").read_text())
+    config["text_config"].update(values)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("values,named", [
+    ({"num_hidden_layers": 1_000_000}, "num_hidden_layers = 1000000 is outside [1, 1024]"),
+    ({"num_hidden_layers": 9}, "num_hidden_layers = 9 but {index} names tensors of layers 0-2 (3 in all), none of layer 3"),
+    ({"hidden_size": 10**9}, "hidden_size = 1000000000 is outside [1, 65536]"),
+    ({"vocab_size": 2**40}, "vocab_size = 1099511627776 is outside [1, 4194304]"),
+    ({"num_experts_per_tok": N_EXPERTS + 1}, f"num_experts_per_tok = {N_EXPERTS + 1} is more than n_routed_experts = {N_EXPERTS}"),
+    ({"first_k_dense_replace": 4}, "first_k_dense_replace = 4 is more than num_hidden_layers = 3"),
+    ({"n_routed_experts": 10**7}, "n_routed_experts = 10000000 is outside [1, 4096]"),
+    ({"vocab_size": 500}, "{embed}: tensor language_model.model.embed_tokens.weight has shape [250, 64] but {config} gives "
+                          "vocab_size x hidden_size = [500, 64]"),
+])
+def test_config_numbers_are_checked_against_the_headers_and_their_bounds_before_any_work(copy, values, named):
+    """config.json's sizes are checked against the layers the index holds, the embedding's header
+    and the range of a model's sizes, before anything loops over them or allocates by them
+    (before: a million claimed layers reached the pipeline cut's quadratic search, a billion-wide
+    hidden size the model build)."""
+    edit_text_config(copy, **values)
+    index = json.loads((copy / "model.safetensors.index.json").read_text())["weight_map"]
+    named = named.format(index=copy / "model.safetensors.index.json", config=copy / "config.json",
+                         embed=copy / index["language_model.model.embed_tokens.weight"])
+    with pytest.raises(UserInputError) as caught:
+        read_checkpoint_info(copy)
+    message = str(caught.value)
+    assert named in message and "\n" not in message, message
+
+
+def test_the_extract_stage_refuses_a_million_claimed_layers_at_once(copy, tmp_path):
+    """`python -m eagleforge.extract` on a 3-layer checkpoint whose config.json claims 1,000,000
+    layers: one error line naming the key and its bound, exit 2, in seconds (before: the
+    pipeline cut's search over a million layers gave no answer in 300 s)."""
+    import os
+    import subprocess
+    import sys
+
+    edit_text_config(copy, num_hidden_layers=1_000_000)
+    source = tmp_path / "tokens.jsonl"
+    source.write_text("".join(json.dumps({"input_ids": [5, 6, 7, 8], "loss_mask": [0, 1, 1, 1]}) + "\n" for _ in range(3)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env.pop("CONFIG", None)
+    args = [f"run_dir={tmp_path / 'run'}", f"target.path={copy}", "target.backend=native", "target.device=cpu",
+            "target.dtype=float32", f"data.source={source}", "data.regenerate=false"]
+    proc = subprocess.run([sys.executable, "-m", "eagleforge.extract", *args], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0] == (f"error: {copy / 'config.json'}: num_hidden_layers = 1000000 is outside [1, 1024], the range of a "
+                        "model's sizes (eagleforge.config.MODEL_SIZE_BOUNDS); a mistyped or damaged config?"), lines[0]
+    assert "Traceback" not in proc.stderr
+
+
 @pytest.mark.parametrize("rope_key", ["rope_scaling", "rope_parameters"])
 def test_two_different_rope_thetas_are_refused_by_the_native_backend(copy, rope_key):
     """text_config.rope_theta and the RoPE dict's rope_theta disagree: one line naming both values

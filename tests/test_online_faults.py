@@ -67,6 +67,69 @@ def test_a_damaged_cache_shard_is_refused_by_name_when_a_later_epoch_needs_it(se
     assert line.startswith(f"error: {shard}: ") and ("corrupt" if damage == "flipped" else "truncated") in line, line
 
 
+def test_two_cache_shards_swapped_with_their_checksums_rewritten_are_refused_by_name(setup, capsys):
+    """Two cache shards of the first epoch (of equal sample counts) swapped, the manifest's sizes
+    and sha256 rewritten to match: each passes its checksum, and the resumed run trained the
+    second epoch on states of other tokens (exit 0). Every cached row is now checked against its
+    sample's input_ids when it is read: one line naming the shard."""
+    from eagleforge.shards import file_sha256
+    from eagleforge.train.loop import train
+
+    run = _new_run(setup["root"], "swapped", setup["rows"])
+    whole_epoch = "train.cache_gb=0.01"  # its 5 batches hold 2, 3, 5, 3 and 5 samples
+    cfg = _cfg(setup, run, whole_epoch)
+    train(cfg, stop_after_step=_epoch_steps(cfg))
+    manifest_file = run / "hidden" / "manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    by_count: dict[int, list[dict]] = {}
+    for entry in manifest["shards"]:
+        by_count.setdefault(entry["samples"], []).append(entry)
+    a, b = next(entries for entries in by_count.values() if len(entries) > 1)[:2]
+    data_a, data_b = (run / "hidden" / a["file"]).read_bytes(), (run / "hidden" / b["file"]).read_bytes()
+    (run / "hidden" / a["file"]).write_bytes(data_b)
+    (run / "hidden" / b["file"]).write_bytes(data_a)
+    for entry in (a, b):
+        entry["bytes"], entry["sha256"] = (run / "hidden" / entry["file"]).stat().st_size, file_sha256(run / "hidden" / entry["file"])
+    manifest_file.write_text(json.dumps(manifest))
+    line = stage_error_line(capsys, lambda _: train(_cfg(setup, run, whole_epoch)))
+    assert line.startswith(f"error: {run / 'hidden'}/") and "are of other tokens than the sample's" in line, line
+    assert any(f"/{entry['file']}: the cached states of sample" in line for entry in (a, b)), line
+
+
+def test_a_cache_of_other_samples_under_the_same_ids_is_refused_before_it_is_used(setup, capsys):
+    """A fresh online run whose RUN/hidden holds the cache of a run on other samples with the same
+    ids: the first epoch took those shards for its own (same ids, so "complete") and the second
+    trained on their states (exit 0). The shards' recorded content sha256 refuses the first one
+    the first epoch would keep."""
+    import shutil
+
+    from eagleforge.train.loop import train
+
+    changed = [{**row, "input_ids": [3 + (t - 2) % 208 for t in row["input_ids"]]} for row in setup["rows"]]
+    run = _new_run(setup["root"], "stale_cache", changed)
+    shutil.copytree(setup["whole"] / "hidden", run / "hidden")
+    line = stage_error_line(capsys, lambda _: train(_cfg(setup, run, CACHE)))
+    assert line.startswith(f"error: {run / 'hidden'}/shard-") and "made from other samples" in line, line
+    assert not list((run / "checkpoints").glob("step-*"))
+
+
+def test_a_resume_after_the_samples_changed_under_the_same_ids_is_refused_at_its_start(setup, capsys):
+    """samples.jsonl made again with other tokens under the same ids after the first epoch: the
+    resumed run read the first epoch's cached states for samples they do not belong to, and
+    trained on them (exit 0). The checkpoint's fingerprint of the samples refuses the resume."""
+    from eagleforge.train.loop import train
+
+    run = _new_run(setup["root"], "changed_samples", setup["rows"])
+    cfg = _cfg(setup, run, CACHE)
+    train(cfg, stop_after_step=_epoch_steps(cfg))
+    [ckpt] = sorted((run / "checkpoints").glob("step-*"))[-1:]
+    changed = [{**row, "input_ids": [3 + (t - 2) % 208 for t in row["input_ids"]]} for row in setup["rows"]]  # same lengths
+    (run / "data" / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in changed))
+    line = stage_error_line(capsys, lambda _: train(_cfg(setup, run, CACHE)))
+    assert line.startswith(f"error: {ckpt}: trained on other inputs than this run's: {run / 'data' / 'samples.jsonl'} (sha256 "), line
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*"))[-1] == ckpt.name
+
+
 def test_disk_full_while_the_cache_is_written_stops_with_one_line_and_resumes_with_a_smaller_cache(setup, capsys, monkeypatch):
     """The fourth cache shard finds the disk full: one line naming it, training stopped cleanly
     (its last checkpoint kept). Resumed with train.cache_gb=0 (no cache), the run finishes with

@@ -250,6 +250,73 @@ def test_fuzzed_config_files_give_only_config_errors(text, raw, junk):
             assert "\n" not in str(err)
 
 
+def test_a_key_or_section_given_twice_in_a_config_file_is_named_with_its_line(tmp_path):
+    """PyYAML keeps the last of two equal keys: a second `train:` section dropped the first one's
+    keys, a second `lr:` replaced the first, without a word. Now a ConfigError names the file,
+    the line and the key; a command-line value's mapping is checked the same way."""
+    section = tmp_path / "section.yaml"
+    section.write_text("train:\n  lr: 1.0e-3\nvocab:\n  draft_vocab_size: 100\ntrain:\n  epochs: 3\n")
+    with pytest.raises(ConfigError, match=rf"^{section}: line 5: key 'train' is given twice \(first on line 1\)"):
+        load_config(section)
+    key = tmp_path / "key.yaml"
+    key.write_text("train:\n  lr: 1.0e-3\n  epochs: 2\n  lr: 2.0e-3\n")
+    with pytest.raises(ConfigError, match=rf"^{key}: line 4: key 'train.lr' is given twice \(first on line 2\)"):
+        load_config(key)
+    with pytest.raises(ConfigError, match="key 'a' is given twice"):
+        load_config(None, ["extract.aux_layers={a: 1, a: 2}"])
+    merged = tmp_path / "merged.yaml"  # a merge key's values are overridden, as YAML means it
+    merged.write_text("train:\n  <<: {lr: 1.0e-3, epochs: 2}\n  lr: 2.0e-3\n")
+    assert load_config(merged).train.lr == 2e-3
+
+
+def _alias_bomb(levels: int) -> str:
+    """A YAML value of `levels` lists, each holding the one before it 9 times: a few hundred
+    bytes that expand to 9**levels strings."""
+    items = ['&l0 ["x","x","x","x","x","x","x","x","x"]']
+    items += [f"&l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, levels)]
+    return "[" + ", ".join(items) + "]"
+
+
+@pytest.mark.parametrize("where", ["file", "command line"])
+def test_an_alias_bomb_or_a_huge_list_gives_a_short_error_line(tmp_path, where):
+    """A YAML alias bomb (9**7 strings from 600 bytes) or a 20,000-item list where a number or a
+    short list belongs: before, the error line held the whole value (230 MB for the bomb's
+    repr, 130 kB for the list). Now every error line is short, showing the value's start and
+    how much more there was, and the bomb is refused before anything walks it."""
+    import time
+
+    values = {"train.lr": _alias_bomb(7), "train.epochs": "[" + ", ".join(map(str, range(20_000))) + "]",
+              "extract.aux_layers": "[" + ", ".join(map(str, range(20_000))) + "]"}
+    for key, value in values.items():
+        section, leaf = key.split(".")
+        if where == "file":
+            path = tmp_path / f"{leaf}.yaml"
+            path.write_text(f"{section}:\n  {leaf}: {value}\n")
+            load = lambda: load_config(path)  # noqa: E731
+        else:
+            load = lambda: load_config(None, [f"{key}={value}"])  # noqa: E731
+        start = time.monotonic()
+        with pytest.raises(ConfigError) as err:
+            load()
+        message = str(err.value)
+        assert len(message) < 400 and "\n" not in message, (key, len(message), message[:400])
+        assert time.monotonic() - start < 10, key
+        assert ("more than 100000 values" in message) if key == "train.lr" else ("(19994 more)" in message), message
+
+
+def test_an_empty_run_dir_is_refused_instead_of_writing_into_the_current_directory(tmp_path):
+    """`run_dir=` made Path(""), the current directory: the train stage wrote its config.yaml
+    there (and would have written checkpoints and the export). Now one error line naming the
+    key, exit 2, and nothing written."""
+    proc = _cli("eagleforge.train", "run_dir=", cwd=tmp_path)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: config key 'run_dir' is empty"), proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    for blank in ("run_dir= ", "run_dir=\t"):
+        with pytest.raises(ConfigError, match="'run_dir' is empty"):
+            load_config(None, [blank])
+
+
 # ----------------------------------------------------------------------------- (c) command line
 
 
@@ -378,6 +445,36 @@ def test_draft_config_that_does_not_fit_is_a_one_line_error(vocab_run, key, valu
         assert named in str(err) and "\n" not in str(err)
     else:
         pytest.fail(f"draft.{key}={value} was accepted")
+
+
+def test_sizes_past_a_model_s_range_are_refused_before_anything_is_allocated(vocab_run):
+    """A draft.* size or a size read from a file (the target's config.json, the shard manifest)
+    past the range of a model's sizes: one line naming the key, the value and the range, before
+    any tensor is allocated by it. Before: draft.hidden_size=10**7 was accepted, a target
+    config.json claiming a trillion-token vocabulary made the trainer ask for a 192 TB embedding
+    and the vocab stage for 8 TB of token counts (a RuntimeError from the allocator at best)."""
+    from eagleforge.train.loop import train
+    from eagleforge.vocab import main as vocab_main
+
+    cfg, _ = vocab_run
+    with pytest.raises(ConfigError, match=r"'draft.hidden_size' must be in \[0, 65536\], got 10000000$"):
+        load_config(None, ["draft.hidden_size=10000000"])
+    with pytest.raises(ConfigError, match=r"'vocab.draft_vocab_size' must be in \[1, 4194304\], got 4194305$"):
+        load_config(None, ["vocab.draft_vocab_size=4194305"])
+
+    config_file = Path(cfg.target.path) / "config.json"
+    original = config_file.read_text()
+    config_file.write_text(json.dumps({**json.loads(original), "vocab_size": 10**12}))
+    with pytest.raises(UserInputError, match=r"vocab_size = 1000000000000 is outside \[1, 4194304\], the range of a model's sizes"):
+        train(cfg)
+    config_file.write_text(original)
+
+    manifest = cfg.run / "hidden" / "manifest.json"
+    data = json.loads(manifest.read_text())
+    data["target"]["vocab_size"] = 2**40
+    manifest.write_text(json.dumps(data))
+    with pytest.raises(UserInputError, match=rf"^{manifest}: target: vocab_size = 1099511627776 is outside \[1, 4194304\]"):
+        vocab_main(cfg)
 
 
 def test_remote_code_is_not_run_unless_configured(tmp_path):
@@ -691,6 +788,92 @@ def _kill_after_checkpoint(run: Path, args: list[str], after: int) -> None:
         if proc.poll() is None:
             proc.kill()
     assert code == -signal.SIGKILL, f"the run ended before it could be killed (rc {code}): {stderr[-2000:]}"
+
+
+def _checkpoint_states(run: Path) -> dict:
+    return {p.name: (p / "state.json").read_text() for p in sorted((run / "checkpoints").iterdir())}
+
+
+def test_a_fresh_run_where_an_earlier_run_s_checkpoints_are_is_refused_and_touches_nothing(vocab_run):
+    """train.resume=false in a run directory holding an earlier run's checkpoints (steps 2 and 4):
+    the fresh run's step 2 replaced the earlier one's, its pruning by step number could remove its
+    own newest checkpoint (then the export failed) and train_log.csv mixed the two runs. Now it is
+    refused with one line naming the directory and what to do; nothing is changed."""
+    from eagleforge.train.loop import train
+
+    cfg, _ = vocab_run
+    cfg.train.holdout_samples, cfg.train.max_steps, cfg.train.save_every, cfg.train.keep_last = 0, 4, 2, 2
+    train(cfg)
+    states, log_text = _checkpoint_states(cfg.run), (cfg.run / "train_log.csv").read_text()
+    assert list(states) == ["step-000002", "step-000004"]
+    cfg.train.resume, cfg.train.max_steps = False, 2
+    with pytest.raises(UserInputError) as err:
+        train(cfg)
+    message = str(err.value)
+    assert message.startswith(f"{cfg.run / 'checkpoints'}: holds the checkpoints of an earlier run (the newest step-000004) "
+                              "and train.resume=false") and "\n" not in message, message
+    assert f"move {cfg.run / 'checkpoints'} and {cfg.run / 'train_log.csv'} aside" in message
+    assert _checkpoint_states(cfg.run) == states and (cfg.run / "train_log.csv").read_text() == log_text
+
+
+def test_pruning_removes_only_the_checkpoints_of_the_run_that_prunes(vocab_run):
+    """A checkpoint another run wrote (copied in, or left by an older version's fresh run) with a
+    lower step than this run's: pruning by step number removed it. Each checkpoint now records
+    its run's identity; a run prunes (at its saves and when it resumes) only its own."""
+    import shutil
+
+    from eagleforge.train.loop import train
+
+    cfg, _ = vocab_run
+    cfg.train.holdout_samples, cfg.train.save_every, cfg.train.keep_last = 0, 1, 1
+    other = cfg.run.parent / "other_run"
+    shutil.copytree(cfg.run, other)
+    this_run = cfg.run
+    cfg.run_dir, cfg.train.max_steps = str(other), 1
+    train(cfg)  # another run's step-000001
+    cfg.run_dir, cfg.train.max_steps = str(this_run), 4
+    train(cfg, stop_after_step=2)  # this run, killed after its step 2's checkpoint (step 1's pruned)
+    assert list(_checkpoint_states(cfg.run)) == ["step-000002"]
+    shutil.copytree(other / "checkpoints" / "step-000001", cfg.run / "checkpoints" / "step-000001")
+    foreign = (cfg.run / "checkpoints" / "step-000001" / "state.json").read_text()
+    assert train(cfg)["steps"] == 4  # resumed at step 2: prunes at the resume and at steps 3 and 4
+    states = _checkpoint_states(cfg.run)
+    assert list(states) == ["step-000001", "step-000004"] and states["step-000001"] == foreign
+    run_ids = {name: json.loads(text)["run_id"] for name, text in states.items()}
+    assert run_ids["step-000001"] != run_ids["step-000004"] and None not in run_ids.values()
+
+
+def test_a_resume_on_other_data_or_another_vocabulary_is_refused_at_its_start(vocab_run, tmp_path):
+    """A checkpoint trained on RUN/hidden's shards and RUN/vocab, resumed after either was made
+    again from other samples (the same sample ids): the resumed run trained on the mix, found
+    only at the export (another d2t) or never (other shards). Each checkpoint now records a
+    fingerprint of both; the resume is refused at once, naming what changed; nothing trained."""
+    import shutil
+
+    from test_vocab import build_tiny_run
+
+    from eagleforge.train.loop import train
+    from eagleforge.vocab import main as vocab_main
+
+    cfg, llama_config = vocab_run
+    ckpt = _trained_checkpoint(cfg)  # step 1 on this run's data and vocabulary
+    other, _, _ = build_tiny_run(tmp_path / "other", llama_config, n_samples=5, seed=7, samples_per_shard=5)
+    other.vocab.draft_vocab_size, other.train.holdout_samples = cfg.vocab.draft_vocab_size, 1
+    vocab_main(other)
+    cfg.train.max_steps = 3
+    for name in ("hidden", "vocab"):
+        mine = cfg.run / name
+        shutil.move(mine, tmp_path / f"kept_{name}")
+        shutil.copytree(other.run / name, mine)
+        with pytest.raises(UserInputError) as err:
+            train(cfg)
+        what = mine / "manifest.json" if name == "hidden" else mine
+        message = str(err.value)
+        assert message.startswith(f"{ckpt}: trained on other inputs than this run's: {what} (sha256 ") and "\n" not in message, message
+        assert sorted(p.name for p in (cfg.run / "checkpoints").iterdir()) == ["step-000001"]
+        shutil.rmtree(mine)
+        shutil.move(tmp_path / f"kept_{name}", mine)
+    assert train(cfg)["steps"] == 3  # its own inputs back: it resumes
 
 
 def test_sigkill_during_training_then_rerun_equals_uninterrupted(tmp_path, tiny_llama_config):
@@ -1014,6 +1197,28 @@ def test_eval_refuses_a_nan_draft(vocab_run):
     _resave(weights, nan)
     with pytest.raises(UserInputError, match=rf"{weights}: NaN/Inf in the draft's norm.weight"):
         load_eval_draft(cfg.run / "draft", target)
+
+
+@pytest.mark.parametrize("name,dtype", [("fc.weight", "int8"), ("lm_head.weight", "int32"), ("norm.weight", "bool"),
+                                        ("d2t", "float32"), ("d2t", "bool"), ("t2d", "float16")])
+def test_a_draft_tensor_of_a_dtype_the_format_does_not_allow_is_named(tmp_path, name, dtype):
+    """An export whose tensor has the right shape but another kind of dtype (an int8 fc.weight, a
+    float d2t): load_draft used to cast it and run a draft of other numbers. Now a ValueError
+    names the file, the tensor and the dtype; the export as written loads."""
+    from test_draft import make_config, make_draft
+
+    from eagleforge.draft import load_draft, save_draft
+
+    out = save_draft(make_draft(make_config(), seed=3), tmp_path / "draft")
+    assert load_draft(out) is not None
+    weights = out / "model.safetensors"
+
+    def retype(tensors):
+        tensors[name] = tensors[name].to(getattr(torch, dtype))
+
+    _resave(weights, retype)
+    with pytest.raises(ValueError, match=rf"{weights}: {name} is {dtype}, the format asks for"):
+        load_draft(out)
 
 
 # ----------------------------------------------------------------------------- (h) resume with a changed config

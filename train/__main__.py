@@ -33,9 +33,9 @@ check: `python -m eagleforge.train run_dir=... train.device=cpu launch.nproc=2`.
 
 Each optimizer step takes world x train.grad_accum batches of train.batch_tokens padded tokens
 (rank r runs batches r, r + world, ...): 2 GPUs with grad_accum 1 train exactly like 1 GPU with
-grad_accum 2. A run resumes by itself from the newest RUN/checkpoints/step-* (train.resume=false
-starts over), also on another number of ranks: the checkpoint is torch.distributed.checkpoint,
-and the data position is global.
+grad_accum 2. A run resumes by itself from the newest RUN/checkpoints/step-*, also on another
+number of ranks: the checkpoint is torch.distributed.checkpoint, and the data position is global.
+train.resume=false starts afresh, and is refused where an earlier run's checkpoints are.
 """
 
 from eagleforge.config import Config, run_main, save_config

@@ -3,11 +3,11 @@ the draft vocabulary, its embedding placed where the step plan wants it."""
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import asdict, fields
 
 import torch
 
-from eagleforge.config import Config, UserInputError
+from eagleforge.config import Config, UserInputError, check_model_sizes
 from eagleforge.target import target_path
 
 
@@ -47,6 +47,8 @@ def build_draft(cfg: Config, manifest: dict, vocab: dict, head: dict) -> torch.n
     except ValueError as err:  # a draft.* override that does not fit the target or itself
         set_keys = ", ".join(f"draft.{k}={v}" for k, v in overrides.items() if v not in (None, 0, ""))
         raise UserInputError(f"draft config ({set_keys or 'defaults'}) does not fit the target of {cfg.run / 'hidden'}: {err}") from None
+    # the target's config.json sized it: checked before Eagle3Draft allocates [vocab_size, hidden_size]
+    check_model_sizes(asdict(draft_config), f"the draft sized from target.path {cfg.target.path or 'embedded default'}'s config")
     shard_hidden = manifest.get("target", {}).get("hidden_size")
     if shard_hidden is not None and int(shard_hidden) != draft_config.target_hidden_size:
         raise UserInputError(

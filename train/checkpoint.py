@@ -6,7 +6,10 @@
                         writing its own shards; a resume on another number of ranks reshards
     rng-{rank:05d}.safetensors  each rank's torch CPU (and current CUDA) generator state
     state.json          step, data position (epoch, global batch index), train_tokens, scheduler
-                        state, the optimizer's param_groups (lr, betas, ...), world size
+                        state, the optimizer's param_groups (lr, betas, ...), world size, the
+                        run's identity (run_id: pruning removes only its own run's checkpoints)
+                        and the fingerprints of its data and RUN/vocab (inputs: a resume on
+                        other ones is refused)
     draft_config.json   the Eagle3Config (to rebuild a plain draft for export)
     config.yaml         the resolved config of the run that wrote it
 
@@ -21,7 +24,8 @@ checkpoint_integrity.py: no code runs, no file outside the directory is read, no
 is loaded.
 
 Atomic: every rank writes into `.tmp-step-...`; after a barrier rank 0 renames it to `step-*`,
-so a directory named `step-*` is always whole; then the oldest beyond `keep_last` are removed.
+so a directory named `step-*` is always whole; then the oldest of this run's checkpoints beyond
+`keep_last` are removed (a checkpoint of another run, or one whose run is unknown, is never).
 Multi-node runs need RUN on storage every node can write (each rank writes its own shard).
 """
 
@@ -34,6 +38,7 @@ import logging
 import os
 import re
 import shutil
+import uuid
 import warnings
 from pathlib import Path
 
@@ -53,6 +58,8 @@ FROZEN_KEYS = ("embed_tokens.weight",)
 MODEL_PREFIX = "draft."  # DraftWithLoss holds the draft as `draft`
 STATE_FILE = "state.json"
 DRAFT_CONFIG_FILE = "draft_config.json"
+RUN_ID_KEY = "run_id"  # in state.json: the run that wrote the checkpoint
+INPUTS_KEY = "inputs"  # in state.json: {"data" | "vocab": {"source": path, "sha256": ...}} the run trained on
 SINGLE = Layout()
 
 
@@ -150,7 +157,7 @@ def save_checkpoint(cfg: Config, step: int, model: torch.nn.Module, optimizer, s
         def publish():
             write_checksums(tmp, {name: v for _, files in results for name, v in files.items()})
             replace_dir(tmp, final)  # the same step saved again (the final save after a periodic one) replaces it
-            _prune(cfg.run, cfg.train.keep_last)
+            prune_checkpoints(cfg.run, cfg.train.keep_last, state.get(RUN_ID_KEY))
 
         failure = _attempt(final, publish)
     _raise_any([layout.broadcast_object(failure)], tmp, layout)
@@ -246,10 +253,28 @@ def _save_rng(path: Path, layout: Layout) -> None:
     save_file(rng, str(path))
 
 
-def _prune(run_dir: Path, keep_last: int) -> None:
+def new_run_id() -> str:
+    """The identity of a run that starts afresh, recorded in every checkpoint it writes."""
+    return uuid.uuid4().hex
+
+
+def checkpoint_run_id(path: Path) -> str | None:
+    """The run that wrote the checkpoint at `path`: state.json's run_id, None for a checkpoint
+    written before runs recorded one, and a value no run has when state.json cannot be read."""
+    try:
+        state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return "<unreadable state.json>"
+    return state.get(RUN_ID_KEY) if isinstance(state, dict) else "<unreadable state.json>"
+
+
+def prune_checkpoints(run_dir: str | os.PathLike, keep_last: int, run_id: str | None) -> None:
+    """Remove run `run_id`'s checkpoints beyond its newest `keep_last` (rank 0). A checkpoint of
+    another run is never touched: step numbers alone would let a run prune one it did not write."""
     if keep_last < 1:
         return
-    for old in list_checkpoints(run_dir)[:-keep_last]:
+    own = [path for path in list_checkpoints(run_dir) if checkpoint_run_id(path) == run_id]
+    for old in own[:-keep_last]:
         # Renamed first, removed after: a step-* name always holds a whole checkpoint, and what a
         # kill leaves half removed has a name tidy_checkpoints knows.
         doomed = old.with_name(f".pruned-{old.name}")
@@ -258,12 +283,12 @@ def _prune(run_dir: Path, keep_last: int) -> None:
         shutil.rmtree(doomed, ignore_errors=True)
 
 
-def tidy_checkpoints(run_dir: str | os.PathLike, keep_last: int) -> None:
+def tidy_checkpoints(run_dir: str | os.PathLike) -> None:
     """Remove what a killed save or prune left in RUN/checkpoints (rank 0, before a run looks for
     its resume point): a save's `.tmp-step-*` (a partial write, or the old copy after a swap), a
-    prune's `.pruned-step-*`, a swap's `.old-step-*` (moved back where its step-* is missing);
-    then the prune to keep_last that the kill cut short (a rerun that resumes at its last step
-    saves nothing, so no save would prune)."""
+    prune's `.pruned-step-*`, a swap's `.old-step-*` (moved back where its step-* is missing).
+    The prune the kill cut short is the resumed run's (prune_checkpoints, once its run is known:
+    a rerun that resumes at its last step saves nothing, so no save would prune)."""
     root = checkpoint_dir(run_dir)
     if not root.is_dir():
         return
@@ -272,7 +297,15 @@ def tidy_checkpoints(run_dir: str | os.PathLike, keep_last: int) -> None:
             remove_path(entry)
         elif m := re.match(r"\.old-(step-\d+)-", entry.name):
             clear_leftovers(root / m.group(1))
-    _prune(Path(run_dir), keep_last)
+
+
+def refuse_a_fresh_run_over(checkpoint: Path) -> None:
+    """train.resume=false where RUN/checkpoints holds a run's checkpoints: the fresh run would
+    prune them by step number and mix its steps into train_log.csv; refused, naming what to do."""
+    root = checkpoint.parent
+    raise UserInputError(f"{root}: holds the checkpoints of an earlier run (the newest {checkpoint.name}) and train.resume=false: "
+                         f"a fresh run here would mix with it; move {root} and {root.parent / 'train_log.csv'} aside (or delete "
+                         "them) to start over, use a new run_dir, or set train.resume=true to continue that run")
 
 
 # ----------------------------------------------------------------------------- load
@@ -336,8 +369,8 @@ def _check_optimizer_kind(path: Path, reader, optim_state: dict) -> None:
     if wanted != saved:
         have = "bf16 weights with fp32 master remainders" if saved else "no master remainders (fp32 weights, or bf16 AdamW moments)"
         raise UserInputError(f"{path}: its optimizer state holds {have}, this run trains with train.param_dtype "
-                             f"{'bfloat16' if wanted else 'float32'}; set train.param_dtype to the run's, or train.resume=false "
-                             "to start over")
+                             f"{'bfloat16' if wanted else 'float32'}; set train.param_dtype to the run's, or start over in a new "
+                             "run_dir")
 
 
 def _load_rng(path: Path, layout: Layout) -> None:
@@ -411,6 +444,25 @@ RESUME_MAY_CHANGE = (
 )
 
 
+def check_resume_inputs(checkpoint: Path, state: dict, inputs: dict | None, layout: Layout = SINGLE) -> None:
+    """Refuse to resume from `checkpoint` when it was trained on other data or another vocabulary
+    than this run has now (rank 0 compares state.json's fingerprints with `inputs`, every rank
+    gets the verdict): training on would mix the two, and the export would belong to neither. A
+    checkpoint written before fingerprints were recorded is not checked."""
+    failure = None
+    if layout.is_main:
+        saved = state.get(INPUTS_KEY) if isinstance(state.get(INPUTS_KEY), dict) else {}
+        changed = [f"{now['source']} (sha256 {str(saved[key].get('sha256'))[:12]}... when it was written, {now['sha256'][:12]}... now)"
+                   for key, now in (inputs or {}).items()
+                   if isinstance(saved.get(key), dict) and saved[key].get("sha256") != now["sha256"]]
+        if changed:
+            failure = (f"{checkpoint}: trained on other inputs than this run's: {'; '.join(changed)}; the data or the "
+                       "vocabulary changed since it was written. Put them back to resume it, or start over in a new run_dir")
+    failure = layout.broadcast_object(failure)
+    if failure is not None:
+        raise UserInputError(failure)
+
+
 def _flat(tree: dict, prefix: str = "") -> dict:
     out = {}
     for key, value in tree.items():
@@ -455,5 +507,5 @@ def check_resume_config(cfg: Config, checkpoint: Path, world_size: int = 1) -> N
     if changed:
         diff = "; ".join(f"{k}: {saved[k]!r} in the checkpoint, {now[k]!r} now" for k in changed)
         raise UserInputError(f"{checkpoint}: cannot resume with a changed config ({diff}); set the checkpoint's values, "
-                             "or train.resume=false / a new run_dir to start over (a resume may change only the run's length, "
+                             "or a new run_dir to start over (a resume may change only the run's length, "
                              "logging, saving, devices and performance keys: RESUME_MAY_CHANGE in eagleforge.train.checkpoint)")

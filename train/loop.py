@@ -34,11 +34,17 @@ from eagleforge.target import target_path
 from eagleforge.train.batching import Batch, gather_embeddings
 from eagleforge.train.build import build_draft, embedding_to_host
 from eagleforge.train.checkpoint import (
+    INPUTS_KEY,
+    RUN_ID_KEY,
     check_resume_config,
+    check_resume_inputs,
     checkpoint_dir,
     find_resume_checkpoint,
     load_checkpoint,
     load_draft_from_checkpoint,
+    new_run_id,
+    prune_checkpoints,
+    refuse_a_fresh_run_over,
     save_checkpoint,
     tidy_checkpoints,
 )
@@ -52,7 +58,15 @@ from eagleforge.train.sources import BatchSource, check_source, open_source
 from eagleforge.train.step_plan import plan_step, resolve_embed_device, resolve_param_dtype
 from eagleforge.train.ttt_loss import TTTLoss, target_argmax_from_hidden
 from eagleforge.train.weight_grads import fuse_weight_grads
-from eagleforge.vocab import check_vocab_files, coverage, load_target_head, load_vocab_map, read_target_head, training_sample_count
+from eagleforge.vocab import (
+    check_vocab_files,
+    coverage,
+    load_target_head,
+    load_vocab_map,
+    read_target_head,
+    training_sample_count,
+    vocab_fingerprint,
+)
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +135,8 @@ class Trainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]  # sharded under FSDP
         self.optimizer, self.scheduler = self._optimizer()
         self.step, self.position, self.train_tokens = 0, Position(), 0
+        self.run_id: str | None = None  # the run's identity: set by maybe_resume (new, or the resumed run's)
+        self._inputs: dict | None = None  # rank 0: the fingerprints of the data and RUN/vocab (input_fingerprints)
         self.last_step = self.schedule.total_steps  # run() may stop earlier; the feed reads up to it
         # Skipped (non-finite) steps: counted before this process (state.json) and, per step of
         # the current log window, device flags with the step's global batches (read at log time).
@@ -382,23 +398,41 @@ class Trainer:
     # -- state
 
     def data_state(self) -> dict:
+        """What state.json records besides the optimizer's and the scheduler's state (rank 0 writes it)."""
         return {"epoch": self.position.epoch, "batch_index": self.position.batch_index, "train_tokens": self.train_tokens,
-                "nonfinite_steps": self.nonfinite_steps()}
+                "nonfinite_steps": self.nonfinite_steps(), RUN_ID_KEY: self.run_id,
+                INPUTS_KEY: self.input_fingerprints() if self.layout.is_main else None}
+
+    def input_fingerprints(self) -> dict:
+        """{"data" | "vocab": {"source", "sha256"}} of what this run trains on (rank 0; computed once)."""
+        if self._inputs is None:
+            data_file, data_sha = self.source.fingerprint()
+            self._inputs = {"data": {"source": data_file, "sha256": data_sha},
+                            "vocab": {"source": str(self.cfg.run / "vocab"), "sha256": vocab_fingerprint(self.cfg.run)}}
+        return self._inputs
 
     def save(self) -> Path:
         return save_checkpoint(self.cfg, self.step, self.model, self.optimizer, self.scheduler, self.data_state(), self.layout)
 
     def maybe_resume(self) -> None:
+        """Resume from the newest checkpoint, or start a new run where there is none. A run that
+        starts afresh (train.resume=false) where an earlier run's checkpoints are is refused: it
+        would prune them and mix its log with theirs."""
         if self.layout.is_main:
-            tidy_checkpoints(self.cfg.run, self.cfg.train.keep_last)  # the others wait in the broadcast below
-        if not self.cfg.train.resume:
-            return
+            tidy_checkpoints(self.cfg.run)  # the others wait in the broadcast below
         path = find_resume_checkpoint(self.cfg, self.layout)
+        if path is not None and not self.cfg.train.resume:
+            refuse_a_fresh_run_over(path)
         if path is None:
+            self.run_id = self.layout.broadcast_object(new_run_id())
             return
         check_resume_config(self.cfg, path, self.layout.world_size)
         state = load_checkpoint(path, self.model, self.optimizer, self.scheduler, self.layout)
+        check_resume_inputs(path, state, self.input_fingerprints() if self.layout.is_main else None, self.layout)
         self._check_finite_state(path)
+        self.run_id = state.get(RUN_ID_KEY)  # None: written before runs recorded one; its run goes on as such
+        if self.layout.is_main:  # the prune a kill cut short, once the checkpoint is known to be good
+            prune_checkpoints(self.cfg.run, self.cfg.train.keep_last, self.run_id)
         self.step, self.position = int(state["step"]), Position(int(state["epoch"]), int(state["batch_index"]))
         self.train_tokens = int(state.get("train_tokens", 0))
         self.nonfinite_before = int(state.get("nonfinite_steps", 0))

@@ -45,7 +45,7 @@ import torch
 
 from eagleforge.config import Config
 from eagleforge.extract.samples import batch_by_tokens, read_samples
-from eagleforge.extract.target import open_target
+from eagleforge.extract.target import nonfinite_cause, open_target
 from eagleforge.layout import Layout
 from eagleforge.train.batching import Batch, pad_batch
 from eagleforge.train.schedule import Slot, make_batches
@@ -73,6 +73,7 @@ class OnlineSource:
                                       check_memory=lambda info: _check_online_memory(cfg, layout),
                                       check_inputs=lambda vocab_size: read.extend(read_samples(cfg, vocab_size)))
         self.samples, source = read
+        self.samples_file, self._samples_sha256 = source, None
         self.planned_bytes = self.target.planned_bytes  # the online plan (target + draft) on CUDA
         # the manifest as the trainer reads it: the target's header and its config (build_draft sizes the draft from it)
         self.manifest = {**self.target.header, "target": {**self.target.header["target"], "config": self.target.hf_config}}
@@ -84,7 +85,7 @@ class OnlineSource:
 
         self.state_dtype = torch_dtype(cfg.target.dtype)
         if layout.is_main:
-            build_vocab_from_samples(cfg, self.samples, self.manifest)
+            build_vocab_from_samples(cfg, self.samples, self.manifest, self.fingerprint()[1])
         layout.barrier()
         self._ids = [torch.tensor(s["input_ids"], dtype=torch.int64) for s in self.samples]
         self._masks = [torch.tensor(s["loss_mask"], dtype=torch.bool) for s in self.samples]
@@ -183,6 +184,9 @@ class OnlineSource:
                 self.skipped_samples = len(self.skipped_ids)
                 log.warning("online: sample %d: the target's hidden states held NaN/Inf; skipped (%d so far)",
                             self.samples[i]["id"], self.skipped_samples)
+                cause = nonfinite_cause(self.target.nonfinite_weights)
+                if cause is not None and self.skipped_samples == 1:  # once: most samples may skip for it
+                    log.warning("online: %s", cause)
         return bad
 
     def begin(self, epoch: int, batch_index: int) -> None:
@@ -198,6 +202,15 @@ class OnlineSource:
         if weight is None or weight.dtype != dtype or weight.device != self.device:
             return None
         return weight
+
+    def fingerprint(self) -> tuple[str, str]:
+        """The samples trained on (ids, tokens, masks as read and cut), hashed once; not RUN/hidden,
+        which the cache fills during the run."""
+        if self._samples_sha256 is None:
+            from eagleforge.shards import rows_sha256
+
+            self._samples_sha256 = rows_sha256(self.samples)
+        return str(self.samples_file), self._samples_sha256
 
     def nonfinite_error(self, step: int, samples: list[int]) -> str:
         # the states are not kept: the target made them

@@ -14,6 +14,8 @@ Both return the states in their own dtype; the trainer moves and casts them.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from pathlib import Path
 from typing import Protocol
@@ -49,6 +51,10 @@ class BatchSource(Protocol):
     def shared_embedding(self, dtype: torch.dtype) -> torch.Tensor | None:
         """A tensor on this rank equal to the draft's frozen embedding [V, H] in `dtype` (the
         online target's own), which the draft then holds instead of a copy; else None."""
+
+    def fingerprint(self) -> tuple[str, str]:
+        """(the data's file, a sha256 of what the run trains on): recorded in each checkpoint, so
+        a resume on other data is refused at its start (rank 0 calls it)."""
 
     def summary(self) -> dict: ...
 
@@ -108,6 +114,13 @@ class ShardSource:
 
     def shared_embedding(self, dtype: torch.dtype) -> None:
         return None
+
+    def fingerprint(self) -> tuple[str, str]:
+        """The shards trained on, as the manifest records them (names, sha256, sample ids): the
+        same after a byte-identical re-extraction, another one for other samples or states."""
+        shards = [[e["file"], e["sha256"], e["sample_ids"], e.get("skipped_ids", [])] for e in self.reader.shards]
+        digest = hashlib.sha256(json.dumps(shards, separators=(",", ":")).encode()).hexdigest()
+        return str(self.reader.hidden_dir / "manifest.json"), digest
 
     def summary(self) -> dict:
         return {}

@@ -31,7 +31,13 @@ class StateCache:
     A resumed run (`settle`) keeps of that plan the batches it will still write (from its position
     in epoch 0 on) and those whose shards are on disk: every rank reads the same manifests before
     it trains, so the ranks still agree, also when train.cache_gb changed since the run that
-    wrote them (a smaller cache after a full disk, or 0 for none)."""
+    wrote them (a smaller cache after a full disk, or 0 for none).
+
+    Each cached row is bound to its sample's tokens: a shard records the sha256 of its batch's
+    samples (ids, tokens, masks: `content_sha256`), so a cache made from other samples under the
+    same ids is refused before a shard of it is kept; and every row read back must hold exactly
+    its sample's input_ids, so a shard swapped for another (checksums rewritten to match) is
+    refused by name. Neither is ever trained on."""
 
     def __init__(self, hidden_dir: Path, cache_gb: float, storage_dtype: str, layout: Layout, header: dict,
                  samples: list[dict], epoch0_batches: list[list[int]], verify_checksums: bool = True):
@@ -89,14 +95,17 @@ class StateCache:
         index = self.batch_index.get(tuple(batch))
         if index is None:
             return
-        ids = [self.samples[i]["id"] for i in batch]
-        if self.writer.is_complete(index, ids):
+        from eagleforge.shards import rows_sha256
+
+        samples = [self.samples[i] for i in batch]
+        if self.writer.is_complete(index, [s["id"] for s in samples], samples):  # made from these very samples, or refused
             return
         host = [{"input_ids": r["input_ids"].to("cpu", torch.int32), "loss_mask": r["loss_mask"].to("cpu", torch.uint8),
                  "aux_hidden_states": r["aux_hidden_states"].cpu(), "last_hidden_state": r["last_hidden_state"].cpu(),
                  "target_argmax": r["target_argmax"].to("cpu", torch.int32)} for i, r in zip(batch, rows) if i not in skipped]
         self.writer.write_shard(index, host, [self.samples[i]["id"] for i in batch if i not in skipped],
-                                skipped_ids=[self.samples[i]["id"] for i in batch if i in skipped])
+                                skipped_ids=[self.samples[i]["id"] for i in batch if i in skipped],
+                                content_sha256=rows_sha256(samples))
 
     def read(self, position: int, device: torch.device, wait_s: float = 600.0) -> dict | None:
         """The cached states of sample `position` (on `device`), None for a sample the first epoch
@@ -120,5 +129,19 @@ class StateCache:
         if sample_id not in self._reader_index:
             return None
         row = self._reader[self._reader_index[sample_id]]
+        self._check_tokens(position, row["input_ids"])
         self.read_tokens += int(row["input_ids"].shape[0])
         return {key: row[key].to(device) for key in ("aux_hidden_states", "last_hidden_state", "target_argmax")}
+
+    def _check_tokens(self, position: int, cached: torch.Tensor) -> None:
+        """The cached row of sample `position` holds its input_ids, or a UserInputError names the
+        shard: its states belong to other tokens (a shard swapped for another, a cache of other
+        samples under the same ids)."""
+        tokens = self.samples[position]["input_ids"]
+        if cached.shape[0] == len(tokens) and cached.tolist() == list(tokens):
+            return
+        shard, _ = self._reader.locate(self._reader_index[self.samples[position]["id"]])
+        raise UserInputError(f"{self.hidden_dir / self._reader.shards[shard]['file']}: the cached states of sample "
+                             f"{self.samples[position]['id']} are of other tokens than the sample's (a shard swapped for "
+                             f"another, or a cache of other samples); delete {self.hidden_dir} (the cache) or set "
+                             "train.cache_gb=0")

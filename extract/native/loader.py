@@ -25,6 +25,7 @@ import functools
 import json
 import logging
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -140,6 +141,8 @@ def read_checkpoint_info(path: str | Path) -> CheckpointInfo:
     if prefix is None:
         raise UserInputError(f"{index_path}: no 'model.embed_tokens.weight' under any of the prefixes {PREFIXES}")
     args = ModelArgs.from_config(text, str(config_path))
+    _check_layers_held(args, prefix, weight_map, config_path, index_path)
+    _check_embedding_shape(args, path, prefix, weight_map, config_path)
     first_moe = args.first_k_dense_replace
     probe = f"{prefix}model.layers.{first_moe}.mlp.experts.0.gate_proj"
     quantized = f"{probe}.weight_packed" in weight_map
@@ -148,6 +151,34 @@ def read_checkpoint_info(path: str | Path) -> CheckpointInfo:
     if not quantized and f"{probe}.weight" not in weight_map and args.num_hidden_layers > first_moe:
         raise UserInputError(f"{index_path}: tensor {probe}.weight (or .weight_packed) not found")
     return CheckpointInfo(path, text, architecture, prefix, weight_map, quantized, index_path.name)
+
+
+def _check_layers_held(args: ModelArgs, prefix: str, weight_map: dict, config_path: Path, index_path: Path) -> None:
+    """config.json's num_hidden_layers against the layers the index names tensors of: a config
+    claiming more is refused here, before the pipeline cut, the memory plan or the model loop
+    over its layers (a million claimed layers made the cut search run for hours)."""
+    pattern = re.compile(rf"{re.escape(prefix)}model\.layers\.(\d+)\.")
+    held = {int(m.group(1)) for name in weight_map if (m := pattern.match(name))}
+    missing = [i for i in range(min(args.num_hidden_layers, len(held) + 1)) if i not in held]
+    if missing:
+        have = f"layers {min(held)}-{max(held)} ({len(held)} in all)" if held else "no layer"
+        raise UserInputError(f"{config_path}: num_hidden_layers = {args.num_hidden_layers} but {index_path} names tensors of "
+                             f"{have}, none of layer {missing[0]}; the config does not belong to these weights")
+
+
+def _check_embedding_shape(args: ModelArgs, path: Path, prefix: str, weight_map: dict, config_path: Path) -> None:
+    """config.json's vocab_size and hidden_size against the embedding's shape in its file's
+    safetensors header (no tensor read): every tensor the model builds is sized by them."""
+    name = f"{prefix}model.embed_tokens.weight"
+    file = path / weight_map[name]
+    try:
+        entry = read_safetensors_header(file).get(name) if file.is_file() else None
+    except UserInputError:  # a damaged or cut file: check_reads names it with the rest of this rank's problems
+        return
+    wanted = [args.vocab_size, args.hidden_size]
+    if entry is not None and entry["shape"] != wanted:
+        raise UserInputError(f"{file}: tensor {name} has shape {entry['shape']} but {config_path} gives vocab_size x "
+                             f"hidden_size = {wanted}; the config does not belong to these weights")
 
 
 def _check_weight_map(weight_map, index_path: Path) -> None:

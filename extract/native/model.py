@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
-from eagleforge.config import UserInputError
+from eagleforge.config import UserInputError, check_model_sizes
 from eagleforge.draft.config import rope_theta_conflict
 from eagleforge.extract.native import int4
 from eagleforge.extract.native.parallel import (
@@ -99,6 +99,7 @@ class ModelArgs:
                 raise UserInputError(f"{source}: {key} = {value!r} is not supported by the native backend (expects {expected!r})")
         if text_config.get("attention_bias", False):
             raise UserInputError(f"{source}: attention_bias = true is not supported by the native backend")
+        check_model_sizes(text_config, source)  # before any number sizes a loop or a tensor
         fields = {f.name: f for f in dataclasses.fields(cls)}
         kwargs = {k: text_config[k] for k in fields if k in text_config and k not in ("rope_scaling", "latent_norm_eps", "prefill_attention", "moe_backend")}
         required = [k for k, f in fields.items() if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
@@ -119,7 +120,24 @@ class ModelArgs:
             kwargs["n_group"] = 1
         if kwargs.get("topk_group") is None:
             kwargs["topk_group"] = 1
+        _check_routing(kwargs, source)
         return cls(**kwargs)
+
+
+def _check_routing(sizes: dict, source: str) -> None:
+    """The counts that must fit each other: the experts a token takes among those there are, the
+    expert groups, the dense layers among the layers; each within its own bound already."""
+    experts, groups = sizes["n_routed_experts"], sizes["n_group"]
+    relations = [
+        ("num_experts_per_tok", sizes["num_experts_per_tok"], "n_routed_experts", experts),
+        ("topk_group", sizes["topk_group"], "n_group", groups),
+        ("first_k_dense_replace", sizes["first_k_dense_replace"], "num_hidden_layers", sizes["num_hidden_layers"]),
+    ]
+    for key, value, of, most in relations:
+        if value > most:
+            raise UserInputError(f"{source}: {key} = {value} is more than {of} = {most}")
+    if experts % groups:
+        raise UserInputError(f"{source}: n_routed_experts = {experts} does not split into n_group = {groups} equal groups")
 
 
 # ---------------------------------------------------------------------------- RoPE (YaRN)

@@ -26,7 +26,17 @@ from eagleforge.extract.native.loader import build_model, load_weights, read_che
 from eagleforge.extract.native.model import DeepseekV3ForExtraction
 from eagleforge.extract.native.parallel import StageLink, tensor_parallel
 from eagleforge.extract.native.plan import GIB, check_fits, config_stage_layers, format_plan
-from eagleforge.extract.target import CapturingTarget, PendingRows, Rows, forward_packed, pack_rows, pad_right, rows_to_bytes, select_rows
+from eagleforge.extract.target import (
+    CapturingTarget,
+    PendingRows,
+    Rows,
+    forward_packed,
+    nonfinite_weights,
+    pack_rows,
+    pad_right,
+    rows_to_bytes,
+    select_rows,
+)
 from eagleforge.layout import Layout
 from eagleforge.target import resolve_aux_layers, target_path, torch_dtype
 
@@ -189,7 +199,17 @@ def load_native_target(cfg: Config, layout: Layout, write_target_argmax: bool, c
     log.info("rank 0 read %.2f GiB in %d tensors", stats.bytes_read / GIB, stats.tensors_read)
     target = NativeTarget(model, layout, aux_layers, write_target_argmax, header, hf_config)
     target.planned_bytes = planned_bytes
+    target.nonfinite_weights = group_nonfinite_weights(model, layout)
     return target
+
+
+def group_nonfinite_weights(model: DeepseekV3ForExtraction, layout: Layout) -> list[str]:
+    """The weights holding NaN/Inf over this rank's group (each rank scans its own slices; one
+    gather, which every rank of the job calls at load): a NaN in another rank's slice makes the
+    group's states NaN as well."""
+    found = layout.all_gather_object(nonfinite_weights(model))
+    ranks = layout.group_ranks
+    return [f"{name} (rank {rank})" if len(ranks) > 1 else name for rank in ranks for name in found[rank]]
 
 
 def forward_batch(model: DeepseekV3ForExtraction, capture: HiddenStateCapture, input_ids: list[list[int]],
