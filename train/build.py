@@ -47,6 +47,10 @@ def build_draft(cfg: Config, manifest: dict, vocab: dict, head: dict) -> torch.n
     except ValueError as err:  # a draft.* override that does not fit the target or itself
         set_keys = ", ".join(f"draft.{k}={v}" for k, v in overrides.items() if v not in (None, 0, ""))
         raise UserInputError(f"draft config ({set_keys or 'defaults'}) does not fit the target of {cfg.run / 'hidden'}: {err}") from None
+    try:  # the export's config.json, written at the end: refused now rather than after training
+        draft_config.to_hf_dict()
+    except ValueError as err:
+        raise UserInputError(f"{cfg.run / 'hidden'}: the draft of its aux layers cannot be exported: {err}") from None
     shard_hidden = manifest.get("target", {}).get("hidden_size")
     if shard_hidden is not None and int(shard_hidden) != draft_config.target_hidden_size:
         raise UserInputError(
@@ -92,7 +96,9 @@ def warm_start(draft: torch.nn.Module, path: str) -> None:
 
 
 # config.json keys that may differ between a warm start and the run: none changes the weights' meaning
-WARM_START_FREE_KEYS = ("max_position_embeddings", "target_num_layers", "torch_dtype", "dtype", "transformers_version")
+# (eagle_config repeats the top-level aux ids in the numbering SGLang gives the run's target).
+WARM_START_FREE_KEYS = ("max_position_embeddings", "target_num_layers", "torch_dtype", "dtype", "transformers_version",
+                        "eagle_config")
 
 
 def embedding_to_host(draft: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
