@@ -490,9 +490,11 @@ def test_load_rejects_bad_exports(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_draft(tmp_path)
     tensors = load_file(str(out / "model.safetensors"))
-    save_file({**tensors, "embed_tokens.weight": torch.zeros(151, 40)}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
-    with pytest.raises(ValueError, match="embed_tokens.weight"):
+    save_file({**tensors, "lm_head.bias": torch.zeros(67)}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"unknown tensors \['lm_head.bias'\]"):
+        load_draft(out)
+    save_file({**tensors, "embed_tokens.weight": torch.zeros(151, 41)}, str(out / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"embed_tokens.weight has shape \(151, 41\), config.json implies \(151, 40\)"):
         load_draft(out)
     save_file({k: t for k, t in tensors.items() if k != "fc.weight"}, str(out / "model.safetensors"))
     with pytest.raises(ValueError, match="fc.weight"):
