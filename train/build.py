@@ -71,13 +71,14 @@ def build_draft(cfg: Config, manifest: dict, vocab: dict, head: dict) -> torch.n
 
 
 def warm_start(draft: torch.nn.Module, path: str) -> None:
-    """Start `draft` (built for this run) from the trained weights of the draft export at `path`
-    (train.init_draft): the same shape and the same draft vocabulary, or a UserInputError naming
+    """Start `draft` (built for this run) from the trained weights of the draft at `path`
+    (train.init_draft): an export, or a draft in a form another trainer writes (load_draft,
+    docs/export.md), of the same shape and the same draft vocabulary, or a UserInputError naming
     what differs. The frozen embedding stays the run's (the target's)."""
     from eagleforge.draft import load_draft
 
-    try:
-        loaded = load_draft(path)
+    try:  # the target's depth: the aux layers of a config.json that names none
+        loaded = load_draft(path, target_num_layers=draft.config.target_num_layers)
     except (OSError, ValueError) as err:
         raise UserInputError(f"train.init_draft={path}: {err}") from None
     ours, theirs = draft.config.to_hf_dict(), loaded.config.to_hf_dict()
@@ -85,10 +86,13 @@ def warm_start(draft: torch.nn.Module, path: str) -> None:
     if differ:
         raise UserInputError(f"train.init_draft={path}: the draft differs from this run's in "
                              + ", ".join(f"{k} ({theirs.get(k)!r}, this run {ours.get(k)!r})" for k in differ[:6]))
-    for name in ("d2t", "t2d"):
-        if not torch.equal(getattr(loaded, name).cpu(), getattr(draft, name).cpu()):
-            raise UserInputError(f"train.init_draft={path}: its vocabulary map ({name}) is not this run's RUN/vocab; "
-                                 "run the vocab stage with the draft's vocabulary or train from scratch")
+    theirs_ids, ours_ids = (d.d2t.cpu() + torch.arange(d.config.draft_vocab_size) for d in (loaded, draft))
+    if not torch.equal(theirs_ids, ours_ids):  # lm_head row i scores target id i + d2t[i]: another map, other tokens
+        differ = (theirs_ids != ours_ids).nonzero().flatten()
+        i = int(differ[0])
+        raise UserInputError(f"train.init_draft={path}: its vocabulary map (d2t) is not this run's RUN/vocab: {len(differ)} of "
+                             f"{len(ours_ids)} draft ids map to other target ids (draft id {i}: target id {int(theirs_ids[i])}, "
+                             f"this run {int(ours_ids[i])}); run the vocab stage with the draft's vocabulary or train from scratch")
     trained = {n: t for n, t in loaded.state_dict().items() if n not in ("embed_tokens.weight", "d2t", "t2d")}
     with torch.no_grad():
         result = draft.load_state_dict(trained, strict=False)
