@@ -294,24 +294,27 @@ class Eagle3Config:
         if config.get("use_aux_norm") not in (None, False, True):
             raise ValueError(f"{source}: use_aux_norm is {config['use_aux_norm']!r}, expected true or false")
         variants["fc_norm"] = variants["fc_norm"] or bool(config.get("use_aux_norm"))
-        return cls(
-            hidden_size=hidden,
-            num_attention_heads=heads,
-            num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or hidden // heads),
-            intermediate_size=int(config["intermediate_size"]),
-            vocab_size=int(config["vocab_size"]),
-            # Absent: the engines take the target's vocabulary (no d2t).
-            draft_vocab_size=int(config.get("draft_vocab_size") or config["vocab_size"]),
-            target_hidden_size=int(config.get("target_hidden_size") or hidden),
-            aux_layer_ids=aux,
-            rms_norm_eps=float(config.get("rms_norm_eps", LLAMA_DEFAULTS["rms_norm_eps"])),
-            rope_theta=float(rope_theta if rope_theta is not None else LLAMA_DEFAULTS["rope_theta"]),
-            rope_scaling=copy.deepcopy(rope_scaling),
-            max_position_embeddings=int(config.get("max_position_embeddings", LLAMA_DEFAULTS["max_position_embeddings"])),
-            target_num_layers=int(target_num_layers or 0),
-            **variants,
-        )
+        try:
+            return cls(
+                hidden_size=hidden,
+                num_attention_heads=heads,
+                num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+                head_dim=int(config.get("head_dim") or hidden // heads),
+                intermediate_size=int(config["intermediate_size"]),
+                vocab_size=int(config["vocab_size"]),
+                # Absent: the engines take the target's vocabulary (no d2t).
+                draft_vocab_size=int(config.get("draft_vocab_size") or config["vocab_size"]),
+                target_hidden_size=int(config.get("target_hidden_size") or hidden),
+                aux_layer_ids=aux,
+                rms_norm_eps=float(config.get("rms_norm_eps", LLAMA_DEFAULTS["rms_norm_eps"])),
+                rope_theta=float(rope_theta if rope_theta is not None else LLAMA_DEFAULTS["rope_theta"]),
+                rope_scaling=copy.deepcopy(rope_scaling),
+                max_position_embeddings=int(config.get("max_position_embeddings", LLAMA_DEFAULTS["max_position_embeddings"])),
+                target_num_layers=int(target_num_layers or 0),
+                **variants,
+            )
+        except ValueError as err:
+            raise ValueError(f"{source}: {err}") from None
 
 
 def _id_list(value, where: str) -> list[int] | None:
