@@ -37,11 +37,9 @@ DRAFT_ARCHITECTURE = "LlamaForCausalLMEagle3"
 # vLLM's own name of the same draft class (its registry maps both; its speculators configs become it).
 DRAFT_ARCHITECTURES = (DRAFT_ARCHITECTURE, "Eagle3LlamaForCausalLM")
 
-# What both engines take for a key config.json lacks: transformers' LlamaConfig defaults (they load
-# a draft's config.json as a LlamaConfig). vLLM's speculators format leaves out every value equal
-# to these (its transformer_layer_config is saved with to_diff_dict).
-LLAMA_DEFAULTS = {"hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32, "vocab_size": 32000,
-                  "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 2048}
+# What both engines take for an optional key config.json lacks: transformers' LlamaConfig defaults
+# (they load a draft's config.json as a LlamaConfig).
+LLAMA_DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 2048}
 
 # The draft's variant switches: Eagle3Config booleans, config.json keys of the same name (top
 # level, present only when true).
@@ -377,8 +375,8 @@ def flatten_speculators(config: dict[str, Any], source: str = "config.json") -> 
     """vLLM's speculators format (`speculators_model_type: eagle3`, the decoder layer's Llama
     config in transformer_layer_config) as the plain config vLLM builds from it
     (vllm/transformers_utils/configs/speculators/algos.py update_eagle3, 0.32.0 and 0.34.0):
-    LlamaConfig's defaults for what transformer_layer_config leaves out, and norm_before_residual
-    true unless set. Any other config is returned as it is."""
+    transformer_layer_config's keys, the top-level switches, and norm_before_residual true unless
+    set. Any other config is returned as it is."""
     kind = config.get("speculators_model_type")
     if kind is None:
         return config
@@ -389,7 +387,7 @@ def flatten_speculators(config: dict[str, Any], source: str = "config.json") -> 
         raise ValueError(f"{source}: speculators format without a transformer_layer_config object")
     if layer.get("model_type", "llama") != "llama":
         raise ValueError(f"{source}: transformer_layer_config.model_type is {layer['model_type']!r}; this draft is the Llama one")
-    out = {**LLAMA_DEFAULTS, "num_hidden_layers": 32, **layer, "architectures": [DRAFT_ARCHITECTURE]}
+    out = {**layer, "architectures": [DRAFT_ARCHITECTURE]}
     out["draft_vocab_size"] = config.get("draft_vocab_size")
     out["norm_before_residual"] = config.get("norm_before_residual", True)
     for key in ("target_hidden_size", "norm_before_fc", "fc_norm", "norm_output", "eagle_aux_hidden_state_layer_ids"):

@@ -156,7 +156,7 @@ def test_forms_an_engine_refuses_loudly_are_warnings(tmp_path):
     draft = draft_for(LLAMA, [1, 2, 3], tmp_path, norm_before_residual=True)
     hf = json.loads((draft / "config.json").read_text())
     layer = {k: hf[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-                                "vocab_size", "rms_norm_eps", "max_position_embeddings", "num_hidden_layers")}
+                                "vocab_size", "rms_norm_eps", "max_position_embeddings", "num_hidden_layers", "hidden_act")}
     edit(draft, config=lambda _: {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
                                   "draft_vocab_size": hf["draft_vocab_size"], "eagle_aux_hidden_state_layer_ids": [2, 3, 4],
                                   "transformer_layer_config": {"model_type": "llama", **layer}},

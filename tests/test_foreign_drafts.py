@@ -191,10 +191,9 @@ def test_t2d_missing_and_draft_vocab_size_absent(tmp_path):
 
 
 def test_speculators_format(tmp_path):
-    """vLLM's speculators format: the layer's Llama config in transformer_layer_config, saved as
-    a diff from LlamaConfig's defaults (rms_norm_eps 1e-6 left out here), the decoder layer's
-    tensors under layers.0., its own embed_tokens.weight, norm_before_residual true unless set
-    (as vLLM reads it)."""
+    """vLLM's speculators format: the layer's Llama config in transformer_layer_config, the
+    decoder layer's tensors under layers.0., its own embed_tokens.weight, norm_before_residual
+    true unless set (as vLLM reads it)."""
     config = make_config(norm_before_residual=True)
     config.rms_norm_eps = 1e-6
     draft = make_draft(config, seed=9)
@@ -202,7 +201,8 @@ def test_speculators_format(tmp_path):
     out = save_draft(draft, tmp_path / "speculators")
     hf = json.loads((out / "config.json").read_text())
     layer = {k: hf[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-                                "vocab_size", "rope_theta", "max_position_embeddings", "num_hidden_layers")}
+                                "vocab_size", "rope_theta", "max_position_embeddings", "num_hidden_layers", "hidden_act",
+                                "rms_norm_eps")}
     speculators = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "draft_vocab_size": 67,
                    "target_hidden_size": 24, "eagle_aux_hidden_state_layer_ids": [1, 3, 6],
                    "transformer_layer_config": {"model_type": "llama", **layer},
