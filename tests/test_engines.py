@@ -15,6 +15,7 @@ import ast
 import copy
 import json
 import os
+import subprocess
 import typing
 from pathlib import Path
 from types import SimpleNamespace
@@ -245,3 +246,152 @@ def test_sglang_source_reads_the_export_as_trained():
             assert _sglang_capture(root, arch, ids, 24) == sglang_layers_to_capture(arch, ids, 24), (arch, ids)
     assert _sglang_resolve(root, {"eagle_aux_hidden_state_layer_ids": [2, 3, 4]}) == (True, None)  # top level: not read
     assert _sglang_resolve(root, {"eagle_config": {"use_aux_hidden_state": False, "eagle_aux_hidden_state_layer_ids": [1]}}) == (False, [1])
+
+
+# --------------------------------------------------------------------------------------------
+# vLLM's own code, in its environment
+
+# Run by vLLM's Python: for each draft directory, what vLLM makes of it. Its config classes
+# (SpeculativeConfig, which also converts the speculators format), both model runners' choice of
+# aux layers (0.32.0's V1 runner, its default and the CPU build's; the V2 runner, 0.34.0's only
+# one), its draft model class built from the config and loading the draft's tensors.
+VLLM_PROBE = r"""
+import json, sys
+from types import SimpleNamespace
+import torch
+import vllm
+from safetensors.torch import load_file
+from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig, set_current_vllm_config
+from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
+from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+target_dir, drafts = sys.argv[1], json.loads(sys.argv[2])
+target = ModelConfig(model=target_dir, skip_tokenizer_init=True, dtype="float32")
+out, started = {"version": vllm.__version__}, False
+for name, path in drafts.items():
+    spec = SpeculativeConfig(method="eagle3", model=path, num_speculative_tokens=2, target_model_config=target,
+                             target_parallel_config=ParallelConfig())
+    hf = spec.draft_model_config.hf_config
+    row = {"v1": GPUModelRunner._get_eagle3_aux_layers_from_config(SimpleNamespace(speculative_config=spec)),
+           "v2": get_eagle3_aux_layers_from_config(spec), "max_position_embeddings": hf.max_position_embeddings,
+           **{k: getattr(hf, k, None) for k in ("norm_before_residual", "fc_norm", "norm_output", "draft_vocab_size")}}
+    vllm_config = VllmConfig(model_config=target, speculative_config=spec, device_config=DeviceConfig("cpu"))
+    with set_current_vllm_config(vllm_config):
+        if not started:
+            init_distributed_environment(world_size=1, rank=0, distributed_init_method="tcp://127.0.0.1:" + sys.argv[3],
+                                         local_rank=0, backend="gloo")
+            initialize_model_parallel(1, 1)
+            started = True
+        model = Eagle3LlamaForCausalLM(vllm_config=vllm_config)
+        row["fc_in_features"] = model.model.fc.weight.shape[1]
+        row["fc_norm_layers"] = len(model.model.fc_norm) if model.model.fc_norm is not None else 0
+        try:
+            model.load_weights(load_file(path + "/model.safetensors").items())
+            row["loads"] = True
+        except Exception as err:
+            row["loads"] = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+    out[name] = row
+print("PROBE " + json.dumps(out))
+"""
+
+
+def _vllm_python() -> str:
+    python = os.environ.get("EAGLEFORGE_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
+    if not Path(python).is_file():
+        pytest.skip(f"resolves drafts with vLLM's own code: `make test-vllm` makes vLLM's environment (.venv-vllm); "
+                    f"or set EAGLEFORGE_VLLM_PYTHON (no vLLM Python at {python})")
+    return python
+
+
+def test_vllm_reads_exports_and_foreign_drafts_as_draft_engines_says(tmp_path):
+    """vLLM's own code (the version the Makefile pins) on the export and the forms other trainers
+    write, for a Llama target of 7 layers: the aux layers both its model runners capture are what
+    draft/engines.py and `eagleforge.export check` say, its draft model sizes fc for the export's
+    aux layers (2 here too: eagle_config's ids give the count) and loads every tensor, reads the
+    speculators format's switches as the loader does, refuses SGLang's legacy fc_norm names, and
+    raises a shorter draft's max_position_embeddings to the target's (0.32)."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    from eagleforge.draft import Eagle3Draft, engines, save_draft
+    from eagleforge.export import check_draft
+
+    python = _vllm_python()
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps(LLAMA))
+
+    def save(name, aux, edit_config=None, edit_tensors=None, **overrides):
+        config = Eagle3Config.from_target_config(copy.deepcopy(LLAMA), 105, aux, **overrides)
+        out = save_draft(Eagle3Draft(config), tmp_path / name)
+        if edit_config:
+            (out / "config.json").write_text(json.dumps(edit_config(json.loads((out / "config.json").read_text()))))
+        if edit_tensors:
+            save_file(edit_tensors(load_file(str(out / "model.safetensors"))), str(out / "model.safetensors"), metadata={"format": "pt"})
+        return out
+
+    def speculators(hf):
+        layer = {k: hf[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                                    "vocab_size", "rms_norm_eps", "max_position_embeddings", "num_hidden_layers", "hidden_act")}
+        return {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "draft_vocab_size": 105,
+                "eagle_aux_hidden_state_layer_ids": hf["eagle_aux_hidden_state_layer_ids"],
+                "transformer_layer_config": {"model_type": "llama", **layer},
+                "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy", "proposal_methods": [
+                    {"proposal_type": "greedy", "speculative_tokens": 2}], "verifier": {"name_or_path": str(target)}}}
+
+    legacy = {"fc_norm.0.": "aux_norm_low.", "fc_norm.1.": "aux_norm_mid.", "fc_norm.2.": "aux_norm_high."}
+    drafts = {
+        "export": save("export", [1, 2, 3]),
+        "export-from-layer-0": save("export0", [0, 2, 5]),
+        "export-two-aux-layers": save("export2", [1, 3]),
+        "two-aux-layers-without-eagle-config": save("two", [1, 3], lambda hf: {k: v for k, v in hf.items() if k != "eagle_config"}),
+        "export-eagle3.1": save("export31", [1, 2, 3], fc_norm=True),
+        "ids-only-in-eagle-config": save("specforge", [1, 2, 3], lambda hf: {k: v for k, v in hf.items() if k != "eagle_aux_hidden_state_layer_ids"}),
+        "no-ids": save("noids", [1, 2, 3], lambda hf: {k: v for k, v in hf.items() if k not in ("eagle_aux_hidden_state_layer_ids", "eagle_config")}),
+        "speculators": save("speculators", [1, 2, 3], speculators,
+                            lambda t: {k.replace("midlayer.", "layers.0."): v for k, v in t.items()}),
+        "sglang-legacy-fc-norm": save("legacy", [1, 2, 3], lambda hf: {**{k: v for k, v in hf.items() if k != "fc_norm"}, "use_aux_norm": True},
+                                      lambda t: {next((legacy[p] + k[len(p):] for p in legacy if k.startswith(p)), k): v
+                                                 for k, v in t.items()}, fc_norm=True),
+        "short-context": save("short", [1, 2, 3], lambda hf: {**hf, "max_position_embeddings": 128}),
+    }
+    proc = subprocess.run([python, "-c", VLLM_PROBE, str(target), json.dumps({k: str(v) for k, v in drafts.items()}),
+                           str(29500 + os.getpid() % 1000)], capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}, cwd=tmp_path)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    seen = json.loads(lines[-1][len("PROBE "):])
+    pinned = re.search(r"^VLLM_VERSION \?= ([0-9.]+)$", (REPO / "Makefile").read_text(), re.M).group(1)
+    assert seen.pop("version") == pinned and pinned in engines.VLLM_VERSIONS
+
+    for name, path in drafts.items():
+        row, hf = seen[name], json.loads((path / "config.json").read_text())
+        flat = Eagle3Config.from_hf_dict(hf, target_num_layers=7)
+        defaults = engines.default_capture(7)
+        # The model runners: V1 (0.32's) as engines.vllm_captures says for 0.32, V2 as for 0.34
+        assert (row["v1"] and list(row["v1"])) == engines.vllm_captures(hf, "0.32.0") or (
+            row["v1"] is None and engines.vllm_captures(hf, "0.32.0") is None), name
+        assert row["v2"] is None and engines.vllm_captures(hf, "0.34.0") is None or \
+            list(row["v2"]) == engines.vllm_captures(hf, "0.34.0"), name
+        captured = list(row["v1"] or defaults)
+        misread = [e for e in check_draft(path, LLAMA).errors if e.startswith("vLLM 0.32.0")]
+        assert (captured == [i + 1 for i in flat.aux_layer_ids]) == (not misread), (name, captured, misread)
+        assert row["fc_in_features"] == 48 * engines.fc_aux_count(hf), name
+        assert row["fc_norm_layers"] == (3 if name in ("export-eagle3.1",) else 0), name
+        assert row["norm_before_residual"] in (None, False) or flat.norm_before_residual, name
+        warned = [w for w in check_draft(path, LLAMA).warnings if w.startswith("vLLM") and "refuse" in w]
+        assert (row["loads"] is True) == (not warned), (name, row["loads"], warned)
+    assert seen["export-two-aux-layers"]["v1"] == [2, 4] and seen["export-two-aux-layers"]["fc_in_features"] == 96
+    # without eagle_config vLLM sizes fc for 3 aux states and refuses the weights of 2
+    assert seen["two-aux-layers-without-eagle-config"]["fc_in_features"] == 144
+    assert seen["two-aux-layers-without-eagle-config"]["loads"] == (
+        "AssertionError: Tried to load weights of size torch.Size([48, 96])to a parameter of size torch.Size([48, 144])")
+    assert seen["ids-only-in-eagle-config"]["v1"] == [1, 2, 3] and seen["ids-only-in-eagle-config"]["v2"] is None
+    assert seen["speculators"]["norm_before_residual"] is True and Eagle3Config.from_hf_dict(
+        json.loads((drafts["speculators"] / "config.json").read_text())).norm_before_residual
+    assert seen["sglang-legacy-fc-norm"]["loads"].startswith("ValueError") and "aux_norm" in seen["sglang-legacy-fc-norm"]["loads"]
+    assert seen["short-context"]["max_position_embeddings"] == 256  # 0.32 raises it to the target's
+
