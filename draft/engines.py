@@ -6,7 +6,8 @@ project's aux layer i is the OUTPUT of layer i, which is the input of layer i + 
 sources of the versions named below; tests/test_engines.py resolves configs with vLLM's own code
 and checks SGLang's rule as written here (SGLang does not import without its GPU libraries).
 
-vLLM (0.32.0: vllm/v1/worker/gpu_model_runner.py `_get_eagle3_aux_layers_from_config`; 0.34.0:
+vLLM (0.32.0's default V1 model runner, also its CPU build's: vllm/v1/worker/gpu_model_runner.py
+`_get_eagle3_aux_layers_from_config`; the V2 runner, 0.34.0's only one:
 vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py `get_eagle3_aux_layers_from_config`): the
 top-level `eagle_aux_hidden_state_layer_ids`, as layer inputs. Without them 0.32 takes
 `eagle_config.eagle_aux_hidden_state_layer_ids` (as layer inputs too), 0.34 does not look there;
