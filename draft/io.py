@@ -7,6 +7,9 @@
 
 No embed_tokens (both engines use the target's), no "model." prefix, no other keys: vLLM rejects
 unknown names. Written atomically: a temporary sibling directory, fsynced, then renamed.
+
+load_draft also reads what other trainers write: their tensor names (FOREIGN_TENSOR_NAMES), an
+embed_tokens.weight of the draft's own, and the config forms of Eagle3Config.from_hf_dict.
 """
 
 from __future__ import annotations
@@ -52,6 +55,23 @@ EXPORT_TENSOR_NAMES: dict[str, tuple] = {
 # EAGLE-3.1 (config.fc_norm): one RMSNorm weight [Ht] per aux layer i = 0 .. k-1, named as vLLM
 # and SGLang load them; present exactly when config.json has "fc_norm": true.
 FC_NORM_TENSOR = "fc_norm.{}.weight"
+
+# Other writers' names of the export's tensors (prefix -> the export's), which both engines or
+# SGLang alone load: the decoder layer as vLLM's speculators format names it (layers.0.), SGLang's
+# legacy names of the three fc_norm weights (its llama_eagle3.py load_weights; vLLM refuses them).
+FOREIGN_TENSOR_NAMES = {"layers.0.": "midlayer.", "aux_norm_low.": "fc_norm.0.", "aux_norm_mid.": "fc_norm.1.",
+                        "aux_norm_high.": "fc_norm.2."}
+# A draft's own input embedding [V, H] (SpecForge's save_pretrained writes the target's): the
+# loader uses it only when no embed_tokens is given.
+EMBED_TENSOR = "embed_tokens.weight"
+
+
+def export_tensor_name(name: str) -> str:
+    """The export's name of a tensor stored under `name` (FOREIGN_TENSOR_NAMES)."""
+    for prefix, ours in FOREIGN_TENSOR_NAMES.items():
+        if name.startswith(prefix):
+            return ours + name[len(prefix):]
+    return name
 
 
 def export_tensor_specs(config: Eagle3Config) -> dict[str, tuple]:
@@ -112,11 +132,13 @@ def _check_dtypes(tensors: dict[str, torch.Tensor], weights: Path) -> None:
 
 
 def load_draft(path, embed_tokens: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu") -> Eagle3Draft:
-    """An Eagle3Draft from an export directory.
+               device: torch.device | str = "cpu", target_num_layers: int = 0) -> Eagle3Draft:
+    """An Eagle3Draft from an export directory (or a draft another trainer wrote, docs/export.md).
 
     embed_tokens: the target's input embedding, a [V, H] tensor or an nn.Embedding; None leaves
-    the draft's embed_tokens random (attach it later with draft.set_embed_tokens).
+    the draft's embed_tokens random (attach it later with draft.set_embed_tokens) unless the
+    draft holds its own. target_num_layers: the target's depth, needed only for a config.json
+    that names no aux layers (the engines then capture the target's defaults).
     """
     path = Path(path)
     config_path, weights = path / CONFIG_FILE, path / WEIGHTS_FILE
@@ -127,21 +149,26 @@ def load_draft(path, embed_tokens: torch.Tensor | None = None, dtype: torch.dtyp
         hf = json.loads(config_path.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{config_path}: not valid JSON ({err})") from None
-    config = Eagle3Config.from_hf_dict(hf, source=str(config_path))
-    specs = export_tensor_specs(config)
+    config = Eagle3Config.from_hf_dict(hf, source=str(config_path), target_num_layers=target_num_layers)
+    specs = {**export_tensor_specs(config), EMBED_TENSOR: (lambda c: (c.vocab_size, c.hidden_size), None, False)}
     with safe_open(str(weights), framework="pt") as f:
-        names = set(f.keys())
+        stored = {export_tensor_name(n): n for n in f.keys()}
+        if len(stored) < len(f.keys()):
+            twice = sorted(n for n in f.keys() if stored[export_tensor_name(n)] != n)
+            raise ValueError(f"{weights}: {twice} hold tensors that are also stored under the export's names")
+        names = set(stored)
         _check_fc_norm(config, names, weights, config_path)
         unknown, missing = names - set(specs), {n for n, v in specs.items() if v[2]} - names
         if unknown or missing:
             raise ValueError(f"{weights}: unknown tensors {sorted(unknown)}, missing tensors {sorted(missing)}")
-        tensors = {name: f.get_tensor(name) for name in names}
+        tensors = {name: f.get_tensor(stored[name]) for name in names}
     for name, tensor in tensors.items():
         shape = tuple(specs[name][0](config))
         if tuple(tensor.shape) != shape:
-            raise ValueError(f"{weights}: {name} has shape {tuple(tensor.shape)}, config.json implies {shape}")
+            raise ValueError(f"{weights}: {stored[name]} has shape {tuple(tensor.shape)}, config.json implies {shape}")
     _check_dtypes(tensors, weights)
     draft = Eagle3Draft(config)
+    own_embed = tensors.pop(EMBED_TENSOR, None)
     params = {n: t for n, t in tensors.items() if n not in ("d2t", "t2d")}
     result = draft.load_state_dict(params, strict=False)
     assert set(result.missing_keys) <= {"embed_tokens.weight", "d2t", "t2d"}, f"not loaded: {result.missing_keys}"
@@ -150,12 +177,23 @@ def load_draft(path, embed_tokens: torch.Tensor | None = None, dtype: torch.dtyp
         if t2d is None:
             t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
             t2d[torch.arange(config.draft_vocab_size) + tensors["d2t"].long()] = True
-        draft.set_vocab_map(tensors["d2t"], t2d)
+        try:
+            draft.set_vocab_map(tensors["d2t"], t2d)
+        except ValueError as err:
+            raise ValueError(f"{weights}: {err}") from None
     elif config.draft_vocab_size < config.vocab_size:
         raise ValueError(f"{weights}: draft_vocab_size {config.draft_vocab_size} < vocab_size {config.vocab_size} but no d2t")
     if embed_tokens is not None:
         weight = getattr(embed_tokens, "weight", embed_tokens)  # nn.Embedding or its weight
-        draft.set_embed_tokens(weight.detach().to("cpu", torch.float32))
+        weight = weight.detach().to("cpu", torch.float32)
+        if own_embed is not None and not torch.equal(own_embed.float(), weight):
+            # vLLM keeps a draft's own embedding where it differs from the target's; SGLang and
+            # this loader take the target's.
+            log.warning("%s: %s differs from the target's input embedding; loaded with the target's "
+                        "(as SGLang runs it; vLLM would run the draft's own)", weights, stored[EMBED_TENSOR])
+        draft.set_embed_tokens(weight)
+    elif own_embed is not None:
+        draft.set_embed_tokens(own_embed.float())
     return draft.to(device=device, dtype=dtype)
 
 

@@ -170,13 +170,58 @@ def draft_dir(cfg: Config) -> Path:
     return path
 
 
+def target_config(cfg: Config) -> tuple[dict, Path]:
+    """(the target's config.json as a dict, its path): plain JSON where there is one (no remote
+    code), else transformers' reading (a GGUF file)."""
+    from eagleforge.export import read_target_config
+    from eagleforge.target import target_path
+
+    path = target_path(cfg.target)
+    if not cfg.target.gguf_file and (path / "config.json").is_file():
+        try:
+            return read_target_config(path), path / "config.json"
+        except ValueError as err:
+            raise UserInputError(str(err)) from None
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.target.trust_remote_code, gguf_file=cfg.target.gguf_file or None)
+    except (OSError, ValueError) as err:
+        raise UserInputError(f"target.path {path}: cannot read the target's config ({str(err).splitlines()[0]})") from None
+    return config.to_dict(), path
+
+
+def check_engines(cfg: Config, draft_path: Path) -> None:
+    """`python -m eagleforge.export check` of the draft for the target, before anything is loaded:
+    a draft that vLLM or SGLang would run otherwise than it was trained (other aux layers, a
+    switch an engine does not read) is not evaluated, as the project's engine would measure
+    what no server serves. Warnings are logged."""
+    from eagleforge.export import check_draft
+
+    target, where = target_config(cfg)
+    try:
+        report = check_draft(draft_path, target)
+    except ValueError as err:
+        raise UserInputError(str(err)) from None
+    for warning in report.warnings:
+        log.warning("eval: %s", warning)
+    if report.errors:
+        more = f" (and {len(report.errors) - 1} more)" if len(report.errors) > 1 else ""
+        raise UserInputError(f"{draft_path}: {report.errors[0]}{more}; not evaluated "
+                             f"(python -m eagleforge.export check {draft_path} --target {where})")
+
+
 def load_eval_draft(path: Path, target):
-    """The draft in the export format, sharing the target's input embedding, on its device
-    and in its dtype (the export is bf16; CPU evaluation runs the target in fp32)."""
+    """The draft (the export, or a form another trainer writes), sharing the target's input
+    embedding, on its device and in its dtype (the export is bf16; CPU evaluation runs the target
+    in fp32)."""
     from eagleforge.draft import load_draft
+    from eagleforge.target import text_config
 
     param = next(target.parameters())
-    draft = load_draft(path, embed_tokens=target.get_input_embeddings(), dtype=param.dtype, device=param.device)
+    layers = int(getattr(text_config(target.config), "num_hidden_layers", 0) or 0)  # a config naming no aux layers
+    draft = load_draft(path, embed_tokens=target.get_input_embeddings(), dtype=param.dtype, device=param.device,
+                       target_num_layers=layers)
     # A NaN/Inf weight makes every proposal garbage (NaN logits argmax to id 0) and the measured
     # acceptance meaningless: refuse the draft instead of reporting it.
     bad = draft.nonfinite_tensors()
@@ -289,6 +334,7 @@ def evaluate(cfg: Config) -> dict:
     check_greedy = cfg.eval.check_greedy
 
     draft_path = draft_dir(cfg)
+    check_engines(cfg, draft_path)
     vllm = None
     if cfg.eval.engine == "vllm":
         # vLLM first, in its own process, while nothing of the target is loaded here (on a GPU it

@@ -451,6 +451,8 @@ def test_export_format_and_reload(tmp_path, draft_vocab_size):
         "rope_scaling": None, "max_position_embeddings": 256, "vocab_size": 151, "draft_vocab_size": vd,
         "tie_word_embeddings": False, "attention_bias": False, "torch_dtype": "bfloat16",
         "eagle_aux_hidden_state_layer_ids": [1, 3, 6], "target_hidden_size": 24,
+        # SGLang reads the ids only here, as layer outputs for a target of unknown architecture
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 2, 5], "use_aux_hidden_state": True},
     }
 
     loaded = load_draft(out, embed_tokens=draft.embed_tokens.weight)
@@ -488,9 +490,11 @@ def test_load_rejects_bad_exports(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_draft(tmp_path)
     tensors = load_file(str(out / "model.safetensors"))
-    save_file({**tensors, "embed_tokens.weight": torch.zeros(151, 40)}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
-    with pytest.raises(ValueError, match="embed_tokens.weight"):
+    save_file({**tensors, "lm_head.bias": torch.zeros(67)}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"unknown tensors \['lm_head.bias'\]"):
+        load_draft(out)
+    save_file({**tensors, "embed_tokens.weight": torch.zeros(151, 41)}, str(out / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"embed_tokens.weight has shape \(151, 41\), config.json implies \(151, 40\)"):
         load_draft(out)
     save_file({k: t for k, t in tensors.items() if k != "fc.weight"}, str(out / "model.safetensors"))
     with pytest.raises(ValueError, match="fc.weight"):
@@ -511,7 +515,7 @@ def test_export_fc_norm_round_trip(tmp_path):
     draft.to(torch.bfloat16).float()  # the export is bf16: round first so the reload is exact
     out = save_draft(draft, tmp_path / "draft")
     hf = json.loads((out / "config.json").read_text())
-    assert hf["fc_norm"] is True and "eagle_config" not in hf
+    assert hf["fc_norm"] is True
     assert not {"norm_output", "norm_before_residual", "norm_before_fc"} & set(hf)
     assert {k: v for k, v in hf.items() if k != "fc_norm"} == make_config().to_hf_dict()
     fc_norm_names = ["fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"]
@@ -650,7 +654,8 @@ def _check_kimi(cfg):
     assert cfg.rope_scaling["original_max_position_embeddings"] == 4096 and "rope_theta" not in cfg.rope_scaling
     hf = cfg.to_hf_dict()
     assert hf["eagle_aux_hidden_state_layer_ids"] == [2, 30, 58] and "target_hidden_size" not in hf
-    assert "eagle_config" not in hf
+    # SGLang's DeepSeek-V2 family adds one to eagle_config's ids starting at 1: the project's ids
+    assert hf["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 29, 57], "use_aux_hidden_state": True}
 
 
 def test_from_target_config_deepseek_v3_and_kimi():
@@ -670,7 +675,7 @@ def test_from_target_config_deepseek_v3_and_kimi():
            "text_config": {"model_type": "deepseek_v3", **KIMI_TEXT}, "vision_config": {}}
     cfg = Eagle3Config.from_target_config(raw, 32000, aux)
     _check_kimi(cfg)
-    assert Eagle3Config.from_hf_dict(cfg.to_hf_dict()) == Eagle3Config(**{**cfg.__dict__, "target_num_layers": 0})
+    assert Eagle3Config.from_hf_dict(cfg.to_hf_dict()) == Eagle3Config(**{**cfg.__dict__, "target_num_layers": 0, "target_architecture": ""})
     # The Kimi-sized draft builds on the meta device (no memory) with the export's shapes.
     with torch.device("meta"):
         kimi = Eagle3Draft(cfg)

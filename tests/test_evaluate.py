@@ -203,6 +203,55 @@ def test_cli_missing_draft_is_one_line_exit_2(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def _rewrite_config(draft_dir, edit) -> None:
+    path = draft_dir / "config.json"
+    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+
+
+def test_eval_checks_the_draft_against_the_engines_first(tmp_path):
+    """The eval stage runs `python -m eagleforge.export check` first: a draft that an engine would
+    run on other layers (here the ids only in eagle_config, which vLLM 0.32 reads as layer inputs)
+    is one error line and exit 2 before the target is loaded."""
+    from transformers import AutoConfig
+
+    from eagleforge.draft import Eagle3Config, Eagle3Draft, save_draft
+    from eagleforge.target import embedded_target_dir
+
+    config = Eagle3Config.from_target_config(AutoConfig.from_pretrained(embedded_target_dir()), 64, [1, 14, 26])
+    draft = tmp_path / "run" / "draft"
+    save_draft(Eagle3Draft(config), draft)
+    _rewrite_config(draft, lambda hf: {k: v for k, v in hf.items() if k != "eagle_aux_hidden_state_layer_ids"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "eagleforge.eval", f"run_dir={tmp_path / 'run'}", "target.device=cpu"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: {draft}: vLLM 0.32.0 captures the inputs of layers [1, 14, 26] (no top-level ids: eagle_config's, as layer "
+        "inputs) but the draft was trained on the outputs of [1, 14, 26], the inputs of [2, 15, 27]; write top-level "
+        f"eagle_aux_hidden_state_layer_ids [2, 15, 27]; not evaluated (python -m eagleforge.export check {draft} --target "
+        f"{embedded_target_dir() / 'config.json'})")
+    assert "Traceback" not in proc.stderr
+
+
+def test_eval_stage_runs_a_draft_naming_no_aux_layers(smollm2, tmp_path):
+    """A draft naming no aux layers (as vLLM's example drafts ship; the engines capture the
+    target's defaults, here the layers it was made for) and without t2d is evaluated."""
+    from safetensors.torch import load_file, save_file
+
+    from eagleforge.eval.evaluate import main
+
+    model, _ = smollm2
+    draft = tmp_path / "run" / "draft"
+    _export_random_draft(model, draft)
+    _rewrite_config(draft, lambda hf: {k: v for k, v in hf.items() if k not in ("eagle_aux_hidden_state_layer_ids", "eagle_config")})
+    tensors = load_file(str(draft / "model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if k != "t2d"}, str(draft / "model.safetensors"), metadata={"format": "pt"})
+    cfg = load_config(None, [f"run_dir={tmp_path / 'run'}", "target.device=cpu", "eval.n_prompts=1", "eval.max_new_tokens=4", "eval.k=2"])
+    results = main(cfg)
+    assert results["eagle"]["rounds"] > 0 and results["draft"] == str(draft)
+
+
 def test_acceptance_curve_per_epoch(tmp_path):
     """Last logged row of each epoch -> 1 + sum_j prod_{i<=j} acc_i, tokens = step * tokens/step."""
     import random

@@ -3,6 +3,7 @@
 import csv
 import json
 import math
+import re
 import shutil
 
 import pytest
@@ -458,3 +459,57 @@ def test_draft_fc_norm_trains_an_eagle31_draft(tmp_path, tiny_llama_config):
             assert set(f.keys()) == set(expected_tensors(draft.config)) and set(names) <= set(f.keys())
         for name in names:
             torch.testing.assert_close(draft.state_dict()[name], weights[name].bfloat16().float(), atol=0, rtol=0)
+
+
+def test_warm_start_begins_at_the_loaded_drafts_heldout_figures(tmp_path, tiny_llama_config):
+    """train.init_draft: a run started from a trained draft (one step at lr 0) has that draft's
+    held-out figures, not a fresh draft's, from the export and from the same draft in SpecForge's
+    form alike (ids only in eagle_config, its own embed_tokens, no t2d); a draft of another
+    vocabulary map is refused, naming the first draft id that maps elsewhere."""
+    from safetensors.torch import load_file, save_file
+
+    from eagleforge.config import UserInputError
+    from eagleforge.vocab import load_target_head
+    from eagleforge.vocab import main as vocab_main
+
+    cfg, _, _ = build_tiny_run(tmp_path / "base", tiny_llama_config, n_samples=24, with_argmax=True)
+    _configure(cfg, max_steps=200, save_every=1000, device="cpu")
+    vocab_main(cfg)
+    train_variants(cfg, cfg.run, tmp_path, {"trained": {}})
+    trained = tmp_path / "trained" / "draft"
+    specforge = tmp_path / "specforge-form"
+    shutil.copytree(trained, specforge)
+    hf = json.loads((specforge / "config.json").read_text())
+    assert hf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    del hf["eagle_aux_hidden_state_layer_ids"]
+    (specforge / "config.json").write_text(json.dumps(hf))
+    tensors = load_file(str(specforge / "model.safetensors"))
+    tensors.pop("t2d")
+    tensors["embed_tokens.weight"] = load_target_head(cfg.run)["embed_tokens"].bfloat16()
+    save_file(tensors, str(specforge / "model.safetensors"), metadata={"format": "pt"})
+    train_variants(cfg, cfg.run, tmp_path, {"fresh": {"max_steps": 1, "lr": 0.0}, "warm": {"init_draft": str(trained)},
+                                            "warm-specforge": {"init_draft": str(specforge)}})
+    held = {name: json.loads((tmp_path / name / "train_summary.json").read_text()) for name in ("trained", "fresh", "warm", "warm-specforge")}
+    length = {name: s["simulated_acceptance_length"] for name, s in held.items()}
+    acc = {name: s["heldout"]["accuracy_per_step"] for name, s in held.items()}
+    assert held["warm"]["heldout"] == held["warm-specforge"]["heldout"]
+    # the export is the trained draft rounded to bf16: the same figures but for a few near-ties
+    assert length["warm"] == pytest.approx(length["trained"], abs=0.02), length
+    assert acc["warm"] == pytest.approx(acc["trained"], abs=0.02), acc
+    assert length["trained"] - length["fresh"] > 0.1 and acc["trained"][0] - acc["fresh"][0] > 0.1, (length, acc)
+
+    other = tmp_path / "other-vocabulary"
+    shutil.copytree(trained, other)
+    tensors = load_file(str(other / "model.safetensors"))
+    ids = torch.arange(60) + tensors["d2t"]
+    unused = int((~tensors["t2d"]).nonzero()[-1])  # a target id outside the draft vocabulary
+    new_ids = torch.cat([ids[:-1], torch.tensor([unused])]).sort().values
+    first = int((new_ids != ids).nonzero()[0])
+    tensors["d2t"] = new_ids - torch.arange(60)
+    tensors["t2d"] = torch.zeros_like(tensors["t2d"]).index_fill_(0, new_ids, True)
+    save_file(tensors, str(other / "model.safetensors"), metadata={"format": "pt"})
+    cfg.train.init_draft = str(other)
+    with pytest.raises(UserInputError, match=re.escape(
+            f"train.init_draft={other}: its vocabulary map (d2t) is not this run's RUN/vocab: {int((new_ids != ids).sum())} of 60 "
+            f"draft ids map to other target ids (draft id {first}: target id {int(new_ids[first])}, this run {int(ids[first])})")):
+        train_variants(cfg, cfg.run, tmp_path, {"refused": {}})

@@ -270,7 +270,7 @@ def test_online_resumes_after_sigkill_at_the_same_data_position(hf):
 
 
 def _native_overrides(run: Path, ckpt: Path, *extra: str) -> list[str]:
-    return _train_overrides(run, ckpt, "target.backend=native", "target.expert_layout=ep", "extract.aux_layers=[0,2]",
+    return _train_overrides(run, ckpt, "target.backend=native", "target.expert_layout=ep", "extract.aux_layers=[1,2]",
                             *extra)
 
 

@@ -49,6 +49,10 @@ def build_draft(cfg: Config, manifest: dict, vocab: dict, head: dict) -> torch.n
         raise UserInputError(f"draft config ({set_keys or 'defaults'}) does not fit the target of {cfg.run / 'hidden'}: {err}") from None
     # the target's config.json sized it: checked before Eagle3Draft allocates [vocab_size, hidden_size]
     check_model_sizes(asdict(draft_config), f"the draft sized from target.path {cfg.target.path or 'embedded default'}'s config")
+    try:  # the export's config.json, written at the end: refused now rather than after training
+        draft_config.to_hf_dict()
+    except ValueError as err:
+        raise UserInputError(f"{cfg.run / 'hidden'}: the draft of its aux layers cannot be exported: {err}") from None
     shard_hidden = manifest.get("target", {}).get("hidden_size")
     if shard_hidden is not None and int(shard_hidden) != draft_config.target_hidden_size:
         raise UserInputError(
@@ -69,13 +73,14 @@ def build_draft(cfg: Config, manifest: dict, vocab: dict, head: dict) -> torch.n
 
 
 def warm_start(draft: torch.nn.Module, path: str) -> None:
-    """Start `draft` (built for this run) from the trained weights of the draft export at `path`
-    (train.init_draft): the same shape and the same draft vocabulary, or a UserInputError naming
+    """Start `draft` (built for this run) from the trained weights of the draft at `path`
+    (train.init_draft): an export, or a draft in a form another trainer writes (load_draft,
+    docs/export.md), of the same shape and the same draft vocabulary, or a UserInputError naming
     what differs. The frozen embedding stays the run's (the target's)."""
     from eagleforge.draft import load_draft
 
-    try:
-        loaded = load_draft(path)
+    try:  # the target's depth: the aux layers of a config.json that names none
+        loaded = load_draft(path, target_num_layers=draft.config.target_num_layers)
     except (OSError, ValueError) as err:
         raise UserInputError(f"train.init_draft={path}: {err}") from None
     ours, theirs = draft.config.to_hf_dict(), loaded.config.to_hf_dict()
@@ -83,10 +88,13 @@ def warm_start(draft: torch.nn.Module, path: str) -> None:
     if differ:
         raise UserInputError(f"train.init_draft={path}: the draft differs from this run's in "
                              + ", ".join(f"{k} ({theirs.get(k)!r}, this run {ours.get(k)!r})" for k in differ[:6]))
-    for name in ("d2t", "t2d"):
-        if not torch.equal(getattr(loaded, name).cpu(), getattr(draft, name).cpu()):
-            raise UserInputError(f"train.init_draft={path}: its vocabulary map ({name}) is not this run's RUN/vocab; "
-                                 "run the vocab stage with the draft's vocabulary or train from scratch")
+    theirs_ids, ours_ids = (d.d2t.cpu() + torch.arange(d.config.draft_vocab_size) for d in (loaded, draft))
+    if not torch.equal(theirs_ids, ours_ids):  # lm_head row i scores target id i + d2t[i]: another map, other tokens
+        differ = (theirs_ids != ours_ids).nonzero().flatten()
+        i = int(differ[0])
+        raise UserInputError(f"train.init_draft={path}: its vocabulary map (d2t) is not this run's RUN/vocab: {len(differ)} of "
+                             f"{len(ours_ids)} draft ids map to other target ids (draft id {i}: target id {int(theirs_ids[i])}, "
+                             f"this run {int(ours_ids[i])}); run the vocab stage with the draft's vocabulary or train from scratch")
     trained = {n: t for n, t in loaded.state_dict().items() if n not in ("embed_tokens.weight", "d2t", "t2d")}
     with torch.no_grad():
         result = draft.load_state_dict(trained, strict=False)
@@ -94,7 +102,9 @@ def warm_start(draft: torch.nn.Module, path: str) -> None:
 
 
 # config.json keys that may differ between a warm start and the run: none changes the weights' meaning
-WARM_START_FREE_KEYS = ("max_position_embeddings", "target_num_layers", "torch_dtype", "dtype", "transformers_version")
+# (eagle_config repeats the top-level aux ids in the numbering SGLang gives the run's target).
+WARM_START_FREE_KEYS = ("max_position_embeddings", "target_num_layers", "torch_dtype", "dtype", "transformers_version",
+                        "eagle_config")
 
 
 def embedding_to_host(draft: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
