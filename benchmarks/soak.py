@@ -39,9 +39,13 @@ stage's last log line is kept) and every process gets SIGKILL.
 After the final rerun, the outputs must equal the uninterrupted run's: shards, samples, vocab
 and export files by sha256 (vocab files: their tensors and metadata), train_log.csv every step
 once with the same numbers (tokens/s aside), the same checkpoints kept with equal tensor data,
-RNG and state, the final weights bitwise in fp32, JSON files equal but for timings and this
-process's counters; no file or directory that the uninterrupted run does not have (temp files,
-half-pruned checkpoints), none missing, and no process of the trial still running.
+RNG and state, the final checkpoint's every tensor bitwise in its own dtype (the weights, fp32
+or, with train.param_dtype=bfloat16, bf16 with the optimizer's int16 master remainder of each:
+together the exact fp32 masters; the fp32 moments and step counts), JSON files equal but for
+timings and this process's counters; no file or directory that the uninterrupted run does not
+have (temp files, half-pruned checkpoints), none missing, and no process of the trial still
+running. --set KEY=VALUE runs every stage with an override (--set train.param_dtype=bfloat16
+--set train.bf16=true: the CUDA default's bf16 parameters, on the CPU).
 
 By default a stage runs in a child forked from one process that has imported torch,
 transformers and eagleforge (a few seconds per start saved, so kills land in the work rather
@@ -796,11 +800,76 @@ def compare_conversations(got: Path, want: Path) -> str | None:
     return None
 
 
-def final_weights(run: Path):
-    from eagleforge.train.checkpoint import latest_checkpoint, load_draft_from_checkpoint
+def checkpoint_tensors(checkpoint: Path) -> dict:
+    """Every tensor of a checkpoint, full, on the CPU, in the dtype it was saved in: the model's
+    (`model.draft.*`: fp32 weights, or bf16 weights with train.param_dtype=bfloat16) and the
+    optimizer's (`optim.*`: fp32 moments and step counts; the int16 master remainders of bf16
+    weights), whatever number of ranks wrote it. Read through the checksum and metadata checks that
+    resume and export use."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    path = latest_checkpoint(run)
-    return path.name, {k: v for k, v in load_draft_from_checkpoint(path).state_dict().items() if k != "embed_tokens.weight"}
+    from eagleforge.train.checkpoint import _single_process_ok, read_state
+    from eagleforge.train.checkpoint_integrity import dcp_errors, safe_reader
+
+    read_state(checkpoint)  # every file matches checksums.json
+    reader = safe_reader(checkpoint)
+    with dcp_errors(reader, checkpoint):
+        index = reader.read_metadata().state_dict_metadata
+    tensors = {key: torch.empty(entry.size, dtype=entry.properties.dtype) for key, entry in index.items()
+               if isinstance(entry, TensorStorageMetadata)}
+    with _single_process_ok(), dcp_errors(reader, checkpoint):
+        dcp.load(tensors, storage_reader=reader, no_dist=True)
+    return tensors
+
+
+def state_kind(key: str, tensor) -> str:
+    """What a checkpoint tensor is: a weight, a buffer (the vocabulary maps), a master remainder, a
+    moment, a step count."""
+    if key.startswith("model."):
+        return "weight" if tensor.is_floating_point() else "buffer"
+    if key.endswith(".master_remainder"):
+        return "master remainder"
+    if key.endswith((".exp_avg", ".exp_avg_sq")):
+        return "moment"
+    if key.endswith(".step"):
+        return "step count"
+    return "optimizer state"
+
+
+def compare_final_state(got: Path, want: Path) -> tuple[list[str], dict]:
+    """The newest checkpoints of two runs, tensor by tensor in their own dtypes, bitwise: weights
+    (fp32, or bf16 with their int16 master remainders: together the exact fp32 masters), fp32
+    moments and step counts. (differences, {kind and dtype: tensors compared})."""
+    from eagleforge.train.checkpoint import latest_checkpoint
+
+    a, b = latest_checkpoint(got), latest_checkpoint(want)
+    if a is None or b is None or a.name != b.name:
+        return [f"final checkpoint {a and a.name} != {b and b.name}"], {}
+    ta, tb = checkpoint_tensors(a), checkpoint_tensors(b)
+    diffs, compared = [], Counter()
+    for key in sorted(set(ta) | set(tb)):
+        kind = state_kind(key, tb.get(key, ta.get(key)))
+        if key not in ta or key not in tb:
+            diffs.append(f"final state: {key} ({kind}) only in {'the resumed run' if key in ta else 'the reference'}")
+            continue
+        x, y = ta[key], tb[key]
+        if x.dtype != y.dtype or x.shape != y.shape:
+            diffs.append(f"final state: {key} ({kind}) is {x.dtype} {tuple(x.shape)}, the reference's {y.dtype} {tuple(y.shape)}")
+        elif not _bitwise_equal(x, y):
+            diffs.append(f"final state: {key} ({kind}, {y.dtype}) differs in {_differing(x, y)} of {y.numel()} elements")
+        else:
+            compared[f"{kind} {str(y.dtype).replace('torch.', '')}"] += 1
+    return diffs, dict(compared)
+
+
+def _differing(a, b) -> int:
+    """How many elements of two tensors of one dtype and shape differ in their bits."""
+    import torch
+
+    bits = [t.contiguous().view(-1).view(torch.uint8).view(-1, t.element_size()) for t in (a, b)]
+    return int((bits[0] != bits[1]).any(dim=1).sum())
 
 
 def compare_runs(stage: Stage, got: Path, want: Path, got_cache: Path) -> tuple[list[str], list[str]]:
@@ -815,17 +884,18 @@ def compare_runs(stage: Stage, got: Path, want: Path, got_cache: Path) -> tuple[
         problem = compare_file(rel, got, want, got, want)
         if problem:
             diffs.append(problem)
-    if stage.name in ("train", "online", "train2") and not diffs:
-        import torch
-
-        (name_a, wa), (name_b, wb) = final_weights(got), final_weights(want)
-        if name_a != name_b:
-            diffs.append(f"final checkpoint {name_a} != {name_b}")
-        for key in wb:
-            if key not in wa or not _bitwise_equal(wa[key], wb[key]):
-                diffs.append(f"final weights: {key} differs ({wb[key].dtype})")
-            elif wb[key].is_floating_point() and wb[key].dtype != torch.float32:
-                diffs.append(f"final weights: {key} is {wb[key].dtype}, not compared at fp32")
+    if stage.name in ("train", "online", "train2"):
+        # the checkpoints' files are compared by sha256 above; this names what differs in the final one
+        try:
+            state_diffs, compared = compare_final_state(got, want)
+        except Exception as err:  # noqa: BLE001 - an unreadable checkpoint is a difference, not a crash of the soak
+            state_diffs, compared = [f"final state: cannot be read ({str(err).splitlines()[0][:200]})"], {}
+        diffs += state_diffs
+        weights = compared.get("weight float32", 0) + compared.get("weight bfloat16", 0)
+        if not state_diffs and not weights:
+            diffs.append(f"final state: no weights compared ({compared})")
+        elif not state_diffs and compared.get("master remainder int16", 0) != compared.get("weight bfloat16", 0):
+            diffs.append(f"final state: not one master remainder per bf16 weight ({compared})")
     return diffs, left
 
 
