@@ -45,7 +45,8 @@ together the exact fp32 masters; the fp32 moments and step counts), JSON files e
 timings and this process's counters; no file or directory that the uninterrupted run does not
 have (temp files, half-pruned checkpoints), none missing, and no process of the trial still
 running. --set KEY=VALUE runs every stage with an override (--set train.param_dtype=bfloat16
---set train.bf16=true: the CUDA default's bf16 parameters, on the CPU).
+--set train.bf16=true: the CUDA default's bf16 parameters, on the CPU); Soak.trial takes
+overrides for one stage's runs.
 
 By default a stage runs in a child forked from one process that has imported torch,
 transformers and eagleforge (a few seconds per start saved, so kills land in the work rather
@@ -918,7 +919,7 @@ class Soak:
         self.out, self.seed, self.log, self.overrides = out, seed, log, list(overrides)
         self.env = base_env()
         self.runner = Spawner(self.env) if spawn else Zygote(self.env)
-        self.refs: dict[str, Reference] = {}
+        self.refs: dict[tuple[str, tuple[str, ...]], Reference] = {}  # (stage, its overrides) -> its uninterrupted run
         self.kills: list[dict] = []
         self.trials: list[dict] = []
         self.failures: list[dict] = []
@@ -930,13 +931,14 @@ class Soak:
 
     # -- running one attempt
 
-    def args(self, stage: Stage, run: Path) -> list[str]:
-        return [f"run_dir={run}", f"target.path={self.target}", *COMMON, *stage.extra, *self.overrides]
+    def args(self, stage: Stage, run: Path, overrides: tuple[str, ...] = ()) -> list[str]:
+        return [f"run_dir={run}", f"target.path={self.target}", *COMMON, *stage.extra, *self.overrides, *overrides]
 
     def attempt(self, stage: Stage, run: Path, cache: Path, logfile: Path, plan: dict | None, tag: str,
-                total_steps: int | None = None) -> dict:
-        """Run the stage once; with a plan, SIGKILL it at the planned moment (else count its
-        write phases and file-system calls). Returns what happened."""
+                total_steps: int | None = None, overrides: tuple[str, ...] = ()) -> dict:
+        """Run the stage once (`overrides`: config overrides of this run on top of the soak's);
+        with a plan, SIGKILL it at the planned moment (else count its write phases and
+        file-system calls). Returns what happened."""
         env = {"EAGLEFORGE_CACHE": str(cache), "SOAK_TAG": tag}
         fault_file = logfile.with_name(f"{logfile.stem}-fs-{self._tag()}.jsonl")
         if plan is None or plan["kind"] == "fs":
@@ -946,11 +948,11 @@ class Soak:
                        SOAK_FAULT_ROOTS=os.pathsep.join([str(run), str(cache)]),
                        PYTHONPATH=os.pathsep.join([str(HOOK_DIR), *filter(None, [self.env.get("PYTHONPATH")])]))
         with open(logfile, "a") as f:
-            f.write(f"\n===== {stage.module} {' '.join(self.args(stage, run))}  plan={json.dumps(plan)}\n")
+            f.write(f"\n===== {stage.module} {' '.join(self.args(stage, run, overrides))}  plan={json.dumps(plan)}\n")
         before = scan(run)
         started_ns = time.time_ns()
         t0 = time.monotonic()
-        proc = self.runner.start(stage.module, self.args(stage, run), env, logfile)
+        proc = self.runner.start(stage.module, self.args(stage, run, overrides), env, logfile)
         try:
             seen: dict[str, set] = {e.name: {rel for rel in before if e.match(rel)} for e in stage.events}
             counts = Counter()
@@ -1011,46 +1013,50 @@ class Soak:
 
     # -- references
 
-    def reference(self, name: str) -> Reference:
-        """The stage run uninterrupted on the reference outputs of the stages before it."""
-        if name in self.refs:
-            return self.refs[name]
-        stage = STAGES[name]
-        run = self.out / "ref" / name
+    def reference(self, name: str, overrides: tuple[str, ...] = ()) -> Reference:
+        """The stage run uninterrupted on the reference outputs of the stages before it;
+        `overrides`: config overrides of this stage's runs (the stages before it are the soak's
+        own references), e.g. train.param_dtype=bfloat16 for a train stage."""
+        overrides = tuple(overrides)
+        if (name, overrides) in self.refs:
+            return self.refs[(name, overrides)]
+        stage, label = STAGES[name], _label(name, overrides)
+        run = self.out / "ref" / label
         shutil.rmtree(run, ignore_errors=True)
         if stage.base:
             shutil.copytree(self.reference(stage.base).run, run, symlinks=True)
         else:
             run.mkdir(parents=True)
-        cache = self.out / "ref" / f"cache-{name}"
-        result = self.attempt(stage, run, cache, self.out / "ref" / f"{name}.log", None, self._tag())
+        cache = self.out / "ref" / f"cache-{label}"
+        result = self.attempt(stage, run, cache, self.out / "ref" / f"{label}.log", None, self._tag(), overrides=overrides)
         if result["rc"] != 0:
-            raise RuntimeError(f"the uninterrupted {name} stage failed (rc {result['rc']}): see {self.out / 'ref' / f'{name}.log'}"
-                               f"\n{_tail(self.out / 'ref' / f'{name}.log')}")
+            raise RuntimeError(f"the uninterrupted {label} stage failed (rc {result['rc']}): see {self.out / 'ref' / f'{label}.log'}"
+                               f"\n{_tail(self.out / 'ref' / f'{label}.log')}")
         steps = _csv_steps(run / "train_log.csv")
         ref = Reference(run, result["seconds"], result["appearances"], steps[-1] if steps else None, result["fs_calls"], cache)
-        self.refs[name] = ref
+        self.refs[(name, overrides)] = ref
         calls = {rank or "one process": dict(Counter(op for op, _ in c)) for rank, c in ref.fs_calls.items()}
-        self.log(f"reference {name}: {ref.seconds:.1f} s, write phases seen {ref.appearances}, file-system calls {calls}")
+        self.log(f"reference {label}: {ref.seconds:.1f} s, write phases seen {ref.appearances}, file-system calls {calls}")
         return ref
 
-    def check_reference(self, name: str) -> None:
+    def check_reference(self, name: str, overrides: tuple[str, ...] = ()) -> None:
         """A second uninterrupted run must equal the first, or no comparison means anything."""
-        stage, ref = STAGES[name], self.reference(name)
-        run = self.out / "ref" / f"{name}-again"
+        overrides = tuple(overrides)
+        stage, ref, label = STAGES[name], self.reference(name, overrides), _label(name, overrides)
+        run = self.out / "ref" / f"{label}-again"
         shutil.rmtree(run, ignore_errors=True)
         if stage.base:
             shutil.copytree(self.reference(stage.base).run, run, symlinks=True)
         else:
             run.mkdir(parents=True)
-        cache = self.out / "ref" / f"cache-{name}-again"
-        result = self.attempt(stage, run, cache, self.out / "ref" / f"{name}-again.log", None, self._tag())
+        cache = self.out / "ref" / f"cache-{label}-again"
+        result = self.attempt(stage, run, cache, self.out / "ref" / f"{label}-again.log", None, self._tag(), overrides=overrides)
         diffs, left = compare_runs(stage, run, ref.run, cache) if result["rc"] == 0 else ([f"rc {result['rc']}"], [])
         if diffs or left:
-            self.fail({"stage": name, "trial_seed": None, "phase": "none (two uninterrupted runs)",
+            self.fail({"stage": name, "overrides": list(overrides), "trial_seed": None, "phase": "none (two uninterrupted runs)",
                        "symptom": "the uninterrupted run is not deterministic", "differences": diffs, "left_behind": left})
         else:
-            self.log(f"reference {name}: a second uninterrupted run is equal")
+            self.log(f"reference {label}: a second uninterrupted run is equal")
             shutil.rmtree(run, ignore_errors=True)
 
     def _tag(self) -> str:
@@ -1094,13 +1100,15 @@ class Soak:
                     "jitter_s": round(rng.uniform(0, event.jitter_s), 4)}
         return {"kind": "timed", "delay_s": round(rng.uniform(0, ref.seconds), 3)}
 
-    def trial(self, name: str, trial_seed: int, kills: int, cover: list[str] = (), keep: bool = False) -> dict:
+    def trial(self, name: str, trial_seed: int, kills: int, cover: list[str] = (), keep: bool = False,
+              overrides: tuple[str, ...] = ()) -> dict:
         """Copy the stage's inputs, start and kill the stage `kills` times (each at a new moment,
-        `cover`'s first), rerun it to the end, compare; the trial's record."""
-        cover = list(cover)
-        stage, ref = STAGES[name], self.reference(name)
+        `cover`'s first), rerun it to the end, compare with the uninterrupted run of the same
+        `overrides` (Soak.reference); the trial's record."""
+        cover, overrides = list(cover), tuple(overrides)
+        stage, ref, label = STAGES[name], self.reference(name, overrides), _label(name, overrides)
         rng = random.Random(trial_seed)
-        root = self.out / "trials" / f"{name}-{trial_seed}"
+        root = self.out / "trials" / f"{label}-{trial_seed}"
         shutil.rmtree(root, ignore_errors=True)
         run, cache, logfile = root / "run", root / "cache", root / "stage.log"
         if stage.base:
@@ -1111,7 +1119,7 @@ class Soak:
         planned, kills, problems = kills, [], []
         for _ in range(planned):
             plan = self.plan(rng, stage, ref, cover)
-            result = self.attempt(stage, run, cache, logfile, plan, tag, ref.total_steps)
+            result = self.attempt(stage, run, cache, logfile, plan, tag, ref.total_steps, overrides)
             if not result["killed"]:
                 if result["rc"] != 0:
                     problems.append({"symptom": f"a run ended with rc {result['rc']} (after {len(kills)} kills)",
@@ -1122,7 +1130,7 @@ class Soak:
             if result["survivors"]:
                 problems.append({"symptom": "processes outlived the kill", "pids": result["survivors"], "phase": result["phase"]})
         if not problems:
-            final = self.attempt(stage, run, cache, logfile, None, tag, ref.total_steps)
+            final = self.attempt(stage, run, cache, logfile, None, tag, ref.total_steps, overrides)
             if final["rc"] != 0:
                 problems.append({"symptom": f"the rerun failed (rc {final['rc']}{', hung' if final.get('hung') else ''})",
                                  "log_tail": _tail(logfile)})
@@ -1139,18 +1147,24 @@ class Soak:
         self.kills += kills
         phases = ", ".join(f"{k['phase']}{' [' + k['fs_point'] + ']' if 'fs_point' in k else ''} @{k['at_s']:.2f}s" for k in kills)
         status = "outputs equal, nothing left" if not problems else "FAIL: " + "; ".join(p["symptom"] for p in problems)
-        self.log(f"[{name} seed={trial_seed}] {len(kills)} kill(s): {phases or '-'}; {status}")
-        trial = {"stage": name, "trial_seed": trial_seed, "kills": len(kills), "ok": not problems,
+        self.log(f"[{label} seed={trial_seed}] {len(kills)} kill(s): {phases or '-'}; {status}")
+        trial = {"stage": name, **({"overrides": list(overrides)} if overrides else {}), "trial_seed": trial_seed,
+                 "kills": len(kills), "ok": not problems,
                  "phases": [k["phase"] for k in kills], "fs_points": [k.get("fs_point") for k in kills],
                  "problems": problems, "dir": str(root)}
         self.trials.append(trial)
         for problem in problems:
-            self.fail({"stage": name, "trial_seed": trial_seed,
+            self.fail({"stage": name, **({"overrides": list(overrides)} if overrides else {}), "trial_seed": trial_seed,
                        "phases": [k["phase"] for k in kills], "kills": [{k: v for k, v in rec.items() if k not in ("stage", "trial_seed")}
                                                                          for rec in kills], **problem, "dir": str(root)})
         if not problems and not keep:
             shutil.rmtree(root, ignore_errors=True)
         return trial
+
+
+def _label(name: str, overrides: tuple[str, ...] = ()) -> str:
+    """A stage's name with the overrides of its runs, as a file name: train+train.param_dtype=bfloat16."""
+    return "+".join([name, *(re.sub(r"[^A-Za-z0-9._=-]+", "_", item) for item in overrides)])
 
 
 def _last_line(path: Path) -> str:
@@ -1250,7 +1264,7 @@ def summarize(soak: Soak, seed: int, stages: list[str], seconds: float, spawn: b
         }
     return {"seed": seed, "seconds": round(seconds, 1), "mode": "spawn" if spawn else "fork", "kills": len(soak.kills),
             "trials": len(soak.trials), "stages": per_stage, "failures": soak.failures,
-            "reference_seconds": {k: round(v.seconds, 2) for k, v in soak.refs.items()},
+            "reference_seconds": {_label(*k): round(v.seconds, 2) for k, v in soak.refs.items()},
             "kill_log": soak.kills}
 
 
