@@ -39,9 +39,14 @@ stage's last log line is kept) and every process gets SIGKILL.
 After the final rerun, the outputs must equal the uninterrupted run's: shards, samples, vocab
 and export files by sha256 (vocab files: their tensors and metadata), train_log.csv every step
 once with the same numbers (tokens/s aside), the same checkpoints kept with equal tensor data,
-RNG and state, the final weights bitwise in fp32, JSON files equal but for timings and this
-process's counters; no file or directory that the uninterrupted run does not have (temp files,
-half-pruned checkpoints), none missing, and no process of the trial still running.
+RNG and state, the final checkpoint's every tensor bitwise in its own dtype (the weights, fp32
+or, with train.param_dtype=bfloat16, bf16 with the optimizer's int16 master remainder of each:
+together the exact fp32 masters; the fp32 moments and step counts), JSON files equal but for
+timings and this process's counters; no file or directory that the uninterrupted run does not
+have (temp files, half-pruned checkpoints), none missing, and no process of the trial still
+running. --set KEY=VALUE runs every stage with an override (--set train.param_dtype=bfloat16
+--set train.bf16=true: the CUDA default's bf16 parameters, on the CPU); Soak.trial takes
+overrides for one stage's runs.
 
 By default a stage runs in a child forked from one process that has imported torch,
 transformers and eagleforge (a few seconds per start saved, so kills land in the work rather
@@ -796,11 +801,76 @@ def compare_conversations(got: Path, want: Path) -> str | None:
     return None
 
 
-def final_weights(run: Path):
-    from eagleforge.train.checkpoint import latest_checkpoint, load_draft_from_checkpoint
+def checkpoint_tensors(checkpoint: Path) -> dict:
+    """Every tensor of a checkpoint, full, on the CPU, in the dtype it was saved in: the model's
+    (`model.draft.*`: fp32 weights, or bf16 weights with train.param_dtype=bfloat16) and the
+    optimizer's (`optim.*`: fp32 moments and step counts; the int16 master remainders of bf16
+    weights), whatever number of ranks wrote it. Read through the checksum and metadata checks that
+    resume and export use."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    path = latest_checkpoint(run)
-    return path.name, {k: v for k, v in load_draft_from_checkpoint(path).state_dict().items() if k != "embed_tokens.weight"}
+    from eagleforge.train.checkpoint import _single_process_ok, read_state
+    from eagleforge.train.checkpoint_integrity import dcp_errors, safe_reader
+
+    read_state(checkpoint)  # every file matches checksums.json
+    reader = safe_reader(checkpoint)
+    with dcp_errors(reader, checkpoint):
+        index = reader.read_metadata().state_dict_metadata
+    tensors = {key: torch.empty(entry.size, dtype=entry.properties.dtype) for key, entry in index.items()
+               if isinstance(entry, TensorStorageMetadata)}
+    with _single_process_ok(), dcp_errors(reader, checkpoint):
+        dcp.load(tensors, storage_reader=reader, no_dist=True)
+    return tensors
+
+
+def state_kind(key: str, tensor) -> str:
+    """What a checkpoint tensor is: a weight, a buffer (the vocabulary maps), a master remainder, a
+    moment, a step count."""
+    if key.startswith("model."):
+        return "weight" if tensor.is_floating_point() else "buffer"
+    if key.endswith(".master_remainder"):
+        return "master remainder"
+    if key.endswith((".exp_avg", ".exp_avg_sq")):
+        return "moment"
+    if key.endswith(".step"):
+        return "step count"
+    return "optimizer state"
+
+
+def compare_final_state(got: Path, want: Path) -> tuple[list[str], dict]:
+    """The newest checkpoints of two runs, tensor by tensor in their own dtypes, bitwise: weights
+    (fp32, or bf16 with their int16 master remainders: together the exact fp32 masters), fp32
+    moments and step counts. (differences, {kind and dtype: tensors compared})."""
+    from eagleforge.train.checkpoint import latest_checkpoint
+
+    a, b = latest_checkpoint(got), latest_checkpoint(want)
+    if a is None or b is None or a.name != b.name:
+        return [f"final checkpoint {a and a.name} != {b and b.name}"], {}
+    ta, tb = checkpoint_tensors(a), checkpoint_tensors(b)
+    diffs, compared = [], Counter()
+    for key in sorted(set(ta) | set(tb)):
+        kind = state_kind(key, tb.get(key, ta.get(key)))
+        if key not in ta or key not in tb:
+            diffs.append(f"final state: {key} ({kind}) only in {'the resumed run' if key in ta else 'the reference'}")
+            continue
+        x, y = ta[key], tb[key]
+        if x.dtype != y.dtype or x.shape != y.shape:
+            diffs.append(f"final state: {key} ({kind}) is {x.dtype} {tuple(x.shape)}, the reference's {y.dtype} {tuple(y.shape)}")
+        elif not _bitwise_equal(x, y):
+            diffs.append(f"final state: {key} ({kind}, {y.dtype}) differs in {_differing(x, y)} of {y.numel()} elements")
+        else:
+            compared[f"{kind} {str(y.dtype).replace('torch.', '')}"] += 1
+    return diffs, dict(compared)
+
+
+def _differing(a, b) -> int:
+    """How many elements of two tensors of one dtype and shape differ in their bits."""
+    import torch
+
+    bits = [t.contiguous().view(-1).view(torch.uint8).view(-1, t.element_size()) for t in (a, b)]
+    return int((bits[0] != bits[1]).any(dim=1).sum())
 
 
 def compare_runs(stage: Stage, got: Path, want: Path, got_cache: Path) -> tuple[list[str], list[str]]:
@@ -815,17 +885,18 @@ def compare_runs(stage: Stage, got: Path, want: Path, got_cache: Path) -> tuple[
         problem = compare_file(rel, got, want, got, want)
         if problem:
             diffs.append(problem)
-    if stage.name in ("train", "online", "train2") and not diffs:
-        import torch
-
-        (name_a, wa), (name_b, wb) = final_weights(got), final_weights(want)
-        if name_a != name_b:
-            diffs.append(f"final checkpoint {name_a} != {name_b}")
-        for key in wb:
-            if key not in wa or not _bitwise_equal(wa[key], wb[key]):
-                diffs.append(f"final weights: {key} differs ({wb[key].dtype})")
-            elif wb[key].is_floating_point() and wb[key].dtype != torch.float32:
-                diffs.append(f"final weights: {key} is {wb[key].dtype}, not compared at fp32")
+    if stage.name in ("train", "online", "train2"):
+        # the checkpoints' files are compared by sha256 above; this names what differs in the final one
+        try:
+            state_diffs, compared = compare_final_state(got, want)
+        except Exception as err:  # noqa: BLE001 - an unreadable checkpoint is a difference, not a crash of the soak
+            state_diffs, compared = [f"final state: cannot be read ({str(err).splitlines()[0][:200]})"], {}
+        diffs += state_diffs
+        weights = compared.get("weight float32", 0) + compared.get("weight bfloat16", 0)
+        if not state_diffs and not weights:
+            diffs.append(f"final state: no weights compared ({compared})")
+        elif not state_diffs and compared.get("master remainder int16", 0) != compared.get("weight bfloat16", 0):
+            diffs.append(f"final state: not one master remainder per bf16 weight ({compared})")
     return diffs, left
 
 
@@ -848,7 +919,7 @@ class Soak:
         self.out, self.seed, self.log, self.overrides = out, seed, log, list(overrides)
         self.env = base_env()
         self.runner = Spawner(self.env) if spawn else Zygote(self.env)
-        self.refs: dict[str, Reference] = {}
+        self.refs: dict[tuple[str, tuple[str, ...]], Reference] = {}  # (stage, its overrides) -> its uninterrupted run
         self.kills: list[dict] = []
         self.trials: list[dict] = []
         self.failures: list[dict] = []
@@ -860,13 +931,14 @@ class Soak:
 
     # -- running one attempt
 
-    def args(self, stage: Stage, run: Path) -> list[str]:
-        return [f"run_dir={run}", f"target.path={self.target}", *COMMON, *stage.extra, *self.overrides]
+    def args(self, stage: Stage, run: Path, overrides: tuple[str, ...] = ()) -> list[str]:
+        return [f"run_dir={run}", f"target.path={self.target}", *COMMON, *stage.extra, *self.overrides, *overrides]
 
     def attempt(self, stage: Stage, run: Path, cache: Path, logfile: Path, plan: dict | None, tag: str,
-                total_steps: int | None = None) -> dict:
-        """Run the stage once; with a plan, SIGKILL it at the planned moment (else count its
-        write phases and file-system calls). Returns what happened."""
+                total_steps: int | None = None, overrides: tuple[str, ...] = ()) -> dict:
+        """Run the stage once (`overrides`: config overrides of this run on top of the soak's);
+        with a plan, SIGKILL it at the planned moment (else count its write phases and
+        file-system calls). Returns what happened."""
         env = {"EAGLEFORGE_CACHE": str(cache), "SOAK_TAG": tag}
         fault_file = logfile.with_name(f"{logfile.stem}-fs-{self._tag()}.jsonl")
         if plan is None or plan["kind"] == "fs":
@@ -876,11 +948,11 @@ class Soak:
                        SOAK_FAULT_ROOTS=os.pathsep.join([str(run), str(cache)]),
                        PYTHONPATH=os.pathsep.join([str(HOOK_DIR), *filter(None, [self.env.get("PYTHONPATH")])]))
         with open(logfile, "a") as f:
-            f.write(f"\n===== {stage.module} {' '.join(self.args(stage, run))}  plan={json.dumps(plan)}\n")
+            f.write(f"\n===== {stage.module} {' '.join(self.args(stage, run, overrides))}  plan={json.dumps(plan)}\n")
         before = scan(run)
         started_ns = time.time_ns()
         t0 = time.monotonic()
-        proc = self.runner.start(stage.module, self.args(stage, run), env, logfile)
+        proc = self.runner.start(stage.module, self.args(stage, run, overrides), env, logfile)
         try:
             seen: dict[str, set] = {e.name: {rel for rel in before if e.match(rel)} for e in stage.events}
             counts = Counter()
@@ -941,46 +1013,50 @@ class Soak:
 
     # -- references
 
-    def reference(self, name: str) -> Reference:
-        """The stage run uninterrupted on the reference outputs of the stages before it."""
-        if name in self.refs:
-            return self.refs[name]
-        stage = STAGES[name]
-        run = self.out / "ref" / name
+    def reference(self, name: str, overrides: tuple[str, ...] = ()) -> Reference:
+        """The stage run uninterrupted on the reference outputs of the stages before it;
+        `overrides`: config overrides of this stage's runs (the stages before it are the soak's
+        own references), e.g. train.param_dtype=bfloat16 for a train stage."""
+        overrides = tuple(overrides)
+        if (name, overrides) in self.refs:
+            return self.refs[(name, overrides)]
+        stage, label = STAGES[name], _label(name, overrides)
+        run = self.out / "ref" / label
         shutil.rmtree(run, ignore_errors=True)
         if stage.base:
             shutil.copytree(self.reference(stage.base).run, run, symlinks=True)
         else:
             run.mkdir(parents=True)
-        cache = self.out / "ref" / f"cache-{name}"
-        result = self.attempt(stage, run, cache, self.out / "ref" / f"{name}.log", None, self._tag())
+        cache = self.out / "ref" / f"cache-{label}"
+        result = self.attempt(stage, run, cache, self.out / "ref" / f"{label}.log", None, self._tag(), overrides=overrides)
         if result["rc"] != 0:
-            raise RuntimeError(f"the uninterrupted {name} stage failed (rc {result['rc']}): see {self.out / 'ref' / f'{name}.log'}"
-                               f"\n{_tail(self.out / 'ref' / f'{name}.log')}")
+            raise RuntimeError(f"the uninterrupted {label} stage failed (rc {result['rc']}): see {self.out / 'ref' / f'{label}.log'}"
+                               f"\n{_tail(self.out / 'ref' / f'{label}.log')}")
         steps = _csv_steps(run / "train_log.csv")
         ref = Reference(run, result["seconds"], result["appearances"], steps[-1] if steps else None, result["fs_calls"], cache)
-        self.refs[name] = ref
+        self.refs[(name, overrides)] = ref
         calls = {rank or "one process": dict(Counter(op for op, _ in c)) for rank, c in ref.fs_calls.items()}
-        self.log(f"reference {name}: {ref.seconds:.1f} s, write phases seen {ref.appearances}, file-system calls {calls}")
+        self.log(f"reference {label}: {ref.seconds:.1f} s, write phases seen {ref.appearances}, file-system calls {calls}")
         return ref
 
-    def check_reference(self, name: str) -> None:
+    def check_reference(self, name: str, overrides: tuple[str, ...] = ()) -> None:
         """A second uninterrupted run must equal the first, or no comparison means anything."""
-        stage, ref = STAGES[name], self.reference(name)
-        run = self.out / "ref" / f"{name}-again"
+        overrides = tuple(overrides)
+        stage, ref, label = STAGES[name], self.reference(name, overrides), _label(name, overrides)
+        run = self.out / "ref" / f"{label}-again"
         shutil.rmtree(run, ignore_errors=True)
         if stage.base:
             shutil.copytree(self.reference(stage.base).run, run, symlinks=True)
         else:
             run.mkdir(parents=True)
-        cache = self.out / "ref" / f"cache-{name}-again"
-        result = self.attempt(stage, run, cache, self.out / "ref" / f"{name}-again.log", None, self._tag())
+        cache = self.out / "ref" / f"cache-{label}-again"
+        result = self.attempt(stage, run, cache, self.out / "ref" / f"{label}-again.log", None, self._tag(), overrides=overrides)
         diffs, left = compare_runs(stage, run, ref.run, cache) if result["rc"] == 0 else ([f"rc {result['rc']}"], [])
         if diffs or left:
-            self.fail({"stage": name, "trial_seed": None, "phase": "none (two uninterrupted runs)",
+            self.fail({"stage": name, "overrides": list(overrides), "trial_seed": None, "phase": "none (two uninterrupted runs)",
                        "symptom": "the uninterrupted run is not deterministic", "differences": diffs, "left_behind": left})
         else:
-            self.log(f"reference {name}: a second uninterrupted run is equal")
+            self.log(f"reference {label}: a second uninterrupted run is equal")
             shutil.rmtree(run, ignore_errors=True)
 
     def _tag(self) -> str:
@@ -1024,13 +1100,15 @@ class Soak:
                     "jitter_s": round(rng.uniform(0, event.jitter_s), 4)}
         return {"kind": "timed", "delay_s": round(rng.uniform(0, ref.seconds), 3)}
 
-    def trial(self, name: str, trial_seed: int, kills: int, cover: list[str] = (), keep: bool = False) -> dict:
+    def trial(self, name: str, trial_seed: int, kills: int, cover: list[str] = (), keep: bool = False,
+              overrides: tuple[str, ...] = ()) -> dict:
         """Copy the stage's inputs, start and kill the stage `kills` times (each at a new moment,
-        `cover`'s first), rerun it to the end, compare; the trial's record."""
-        cover = list(cover)
-        stage, ref = STAGES[name], self.reference(name)
+        `cover`'s first), rerun it to the end, compare with the uninterrupted run of the same
+        `overrides` (Soak.reference); the trial's record."""
+        cover, overrides = list(cover), tuple(overrides)
+        stage, ref, label = STAGES[name], self.reference(name, overrides), _label(name, overrides)
         rng = random.Random(trial_seed)
-        root = self.out / "trials" / f"{name}-{trial_seed}"
+        root = self.out / "trials" / f"{label}-{trial_seed}"
         shutil.rmtree(root, ignore_errors=True)
         run, cache, logfile = root / "run", root / "cache", root / "stage.log"
         if stage.base:
@@ -1041,7 +1119,7 @@ class Soak:
         planned, kills, problems = kills, [], []
         for _ in range(planned):
             plan = self.plan(rng, stage, ref, cover)
-            result = self.attempt(stage, run, cache, logfile, plan, tag, ref.total_steps)
+            result = self.attempt(stage, run, cache, logfile, plan, tag, ref.total_steps, overrides)
             if not result["killed"]:
                 if result["rc"] != 0:
                     problems.append({"symptom": f"a run ended with rc {result['rc']} (after {len(kills)} kills)",
@@ -1052,7 +1130,7 @@ class Soak:
             if result["survivors"]:
                 problems.append({"symptom": "processes outlived the kill", "pids": result["survivors"], "phase": result["phase"]})
         if not problems:
-            final = self.attempt(stage, run, cache, logfile, None, tag, ref.total_steps)
+            final = self.attempt(stage, run, cache, logfile, None, tag, ref.total_steps, overrides)
             if final["rc"] != 0:
                 problems.append({"symptom": f"the rerun failed (rc {final['rc']}{', hung' if final.get('hung') else ''})",
                                  "log_tail": _tail(logfile)})
@@ -1069,18 +1147,24 @@ class Soak:
         self.kills += kills
         phases = ", ".join(f"{k['phase']}{' [' + k['fs_point'] + ']' if 'fs_point' in k else ''} @{k['at_s']:.2f}s" for k in kills)
         status = "outputs equal, nothing left" if not problems else "FAIL: " + "; ".join(p["symptom"] for p in problems)
-        self.log(f"[{name} seed={trial_seed}] {len(kills)} kill(s): {phases or '-'}; {status}")
-        trial = {"stage": name, "trial_seed": trial_seed, "kills": len(kills), "ok": not problems,
+        self.log(f"[{label} seed={trial_seed}] {len(kills)} kill(s): {phases or '-'}; {status}")
+        trial = {"stage": name, **({"overrides": list(overrides)} if overrides else {}), "trial_seed": trial_seed,
+                 "kills": len(kills), "ok": not problems,
                  "phases": [k["phase"] for k in kills], "fs_points": [k.get("fs_point") for k in kills],
                  "problems": problems, "dir": str(root)}
         self.trials.append(trial)
         for problem in problems:
-            self.fail({"stage": name, "trial_seed": trial_seed,
+            self.fail({"stage": name, **({"overrides": list(overrides)} if overrides else {}), "trial_seed": trial_seed,
                        "phases": [k["phase"] for k in kills], "kills": [{k: v for k, v in rec.items() if k not in ("stage", "trial_seed")}
                                                                          for rec in kills], **problem, "dir": str(root)})
         if not problems and not keep:
             shutil.rmtree(root, ignore_errors=True)
         return trial
+
+
+def _label(name: str, overrides: tuple[str, ...] = ()) -> str:
+    """A stage's name with the overrides of its runs, as a file name: train+train.param_dtype=bfloat16."""
+    return "+".join([name, *(re.sub(r"[^A-Za-z0-9._=-]+", "_", item) for item in overrides)])
 
 
 def _last_line(path: Path) -> str:
@@ -1180,7 +1264,7 @@ def summarize(soak: Soak, seed: int, stages: list[str], seconds: float, spawn: b
         }
     return {"seed": seed, "seconds": round(seconds, 1), "mode": "spawn" if spawn else "fork", "kills": len(soak.kills),
             "trials": len(soak.trials), "stages": per_stage, "failures": soak.failures,
-            "reference_seconds": {k: round(v.seconds, 2) for k, v in soak.refs.items()},
+            "reference_seconds": {_label(*k): round(v.seconds, 2) for k, v in soak.refs.items()},
             "kill_log": soak.kills}
 
 

@@ -3,8 +3,9 @@ hundreds of random kills): each stage of a tiny run SIGKILLed at a few chosen mo
 the write phases (a file-system point: right before or after a shard's, a checkpoint's, the
 cache's, the export's fsync or rename, half-way through removing an old checkpoint), rerun to the
 end, and its outputs compared with an uninterrupted run's: shards, samples, vocab and export by
-sha256, train_log.csv every step once with the same numbers, the final weights bitwise in fp32,
-nothing left behind, no process left running."""
+sha256, train_log.csv every step once with the same numbers, the final checkpoint's tensors bitwise
+in their own dtypes (fp32 weights; in the bf16 trial bf16 weights, their int16 master remainders
+and fp32 moments), nothing left behind, no process left running."""
 
 from __future__ import annotations
 
@@ -55,6 +56,28 @@ def _check(trial: dict, planned: int) -> None:
 @pytest.mark.parametrize("stage", list(SHORT))
 def test_a_killed_stage_reruns_to_the_uninterrupted_outputs(short_soak, stage):
     _check(short_soak.trial(stage, TRIAL_SEED, len(SHORT[stage]), SHORT[stage]), len(SHORT[stage]))
+
+
+# The CUDA default's precision on the CPU (soak.py --set ... for every stage): bf16 weights, each
+# with an int16 master remainder (the exact fp32 master), fp32 moments (train/optimizer.py).
+BF16 = ("train.param_dtype=bfloat16", "train.bf16=true")
+
+
+def test_a_killed_bf16_training_reruns_to_the_uninterrupted_state(short_soak):
+    """Killed right after its first checkpoint is published (the rerun restores step 2's weights,
+    remainders and moments), then with the last checkpoint's shard written but not yet published
+    (the rerun resumes from step 6 and steps again): the same files, and the final checkpoint's
+    bf16 weights, int16 remainders and fp32 moments bit for bit (two uninterrupted runs first: the
+    CPU's bf16 path is deterministic, so nothing less than equality is taken)."""
+    cover = ["fs-first:after replace checkpoints/.tmp-step-N -> checkpoints/step-N",
+             "fs-last:after fsync checkpoints/.tmp-step-N/__N_N.distcp"]
+    short_soak.check_reference("train", BF16)
+    assert not short_soak.failures, json.dumps(short_soak.failures, indent=1)[:4000]
+    ref = short_soak.reference("train", BF16).run
+    _, compared = soak.compare_final_state(ref, ref)
+    assert compared.get("weight bfloat16", 0) > 0 and compared.get("master remainder int16") == compared["weight bfloat16"], compared
+    assert "weight float32" not in compared and compared.get("moment float32") == 2 * compared["weight bfloat16"], compared
+    _check(short_soak.trial("train", TRIAL_SEED, len(cover), cover, overrides=BF16), len(cover))
 
 
 # Three moments that once left files behind (RELIABILITY.md, "Kill-and-resume soak").

@@ -1,6 +1,7 @@
 """Online training (train.source=online) against its independent reference: offline
 extract -> vocab -> train on the same samples in the same order must give the same per-step
-losses (fp32 everywhere), with no file under RUN/hidden; and a run killed with SIGKILL resumes
+losses (fp32 everywhere; with bf16 parameters, the CUDA default, within LOSS_REL_BF16), with no
+file under RUN/hidden; and a run killed with SIGKILL resumes
 from its last checkpoint at the same data position (the same losses as an uninterrupted run)."""
 
 from __future__ import annotations
@@ -171,6 +172,44 @@ def test_online_equals_offline_hf_one_process(hf):
         assert torch.equal(a[key], b[key]), key
     assert torch.equal(load_target_head(hf["online"])["lm_head"], load_target_head(hf["offline"])["lm_head"])
     assert (hf["online"] / "draft" / "model.safetensors").is_file()
+
+
+# bf16 parameters (train.param_dtype=bfloat16, bf16=true: the CUDA default) on both sides. The
+# trainer casts the states to bf16, so where online and offline states differ (the target's
+# forwards batch the samples differently: by train batch online, by extract.batch_tokens chunk
+# offline), some round to the other bf16 neighbour; and bf16 weights (2^-8 apart) turn any such
+# input difference into a loss difference of ~1e-4 within a few steps: one state element of 80k
+# moved by one bf16 ulp moves the 6 steps' losses by up to 1.4e-4 and the held-out loss by up to
+# 3.4e-4 (5 elements tried). bf16 target and states: ~1.4% of the elements differ, losses up to
+# 9.7e-4 and held-out 5.8e-4 apart over 8 sample sets. fp32 target and states: the differences
+# (~6% of the elements, fp32 rounding) all rounded to the same bf16 states, equal losses in 8 of
+# 8 sample sets, but one state of the ~5000 rounding the other way (a few % likely on another
+# machine's kernels) costs ~1e-4 as above. Either way a wrong batch, order or state is > 1e-2.
+LOSS_REL_BF16 = 2e-3
+
+
+@pytest.mark.parametrize("states", ["float32", "bfloat16"])
+def test_online_equals_offline_hf_with_bf16_parameters(hf, states):
+    """bf16 weights, master remainders and moments, bf16 autocast, on both sides; the target and
+    the shards in `states` (bfloat16: the CUDA default's precision path throughout)."""
+    from eagleforge.extract.driver import extract as extract_hf
+    from eagleforge.train.checkpoint import latest_checkpoint
+    from eagleforge.train.checkpoint_integrity import safe_reader
+    from eagleforge.train.loop import train
+
+    extra = ("train.grad_accum=2", "train.param_dtype=bfloat16", "train.bf16=true", f"target.dtype={states}",
+             f"extract.storage_dtype={states}")
+    offline = _new_run(hf["root"], f"offline_bf16_{states}", hf["rows"])
+    _offline(_train_overrides(offline, hf["target"], *extra), extract_hf)
+    online = _new_run(hf["root"], f"online_bf16_{states}", hf["rows"])
+    train(load_config(None, _train_overrides(online, hf["target"], *extra, "train.source=online")))
+    _assert_same_losses(online, offline, rel=LOSS_REL_BF16)
+    _assert_no_hidden(online)
+    for run in (online, offline):
+        index = safe_reader(latest_checkpoint(run)).read_metadata().state_dict_metadata
+        weights = {v.properties.dtype for k, v in index.items() if k.startswith("model.draft.") and k.endswith(".weight")}
+        remainders = [k for k in index if k.endswith(".master_remainder")]
+        assert weights == {torch.bfloat16} and remainders, (run, weights)
 
 
 def test_online_two_ranks_data_parallel_equal_offline(hf):
