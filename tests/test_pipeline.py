@@ -10,12 +10,11 @@ import itertools
 import json
 import os
 import random
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from procs import PROCESS_GROUP_TIMEOUT, spawn_ranks
 
 from eagleforge.config import UserInputError, load_config
 from eagleforge.extract.driver import extract
@@ -34,12 +33,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 AUX = [0, 2]
 N_EXPERTS = 9  # over 2 tp ranks: 5 + 4
 REFERENCE = {}  # "model": the tiny checkpoint's transformers model, filled by the fixture
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------- cutting the layers
@@ -136,14 +129,13 @@ def _overrides(ckpt, run, source, tp: int, pp: int, layout: str) -> list[str]:
             f"data.source={source}"]
 
 
-def _ranks_run(rank: int, world: int, port: int, jobs: list) -> None:
-    """One rank as torchrun starts it, running each job's extraction in one gloo process group."""
+def _ranks_run(rank: int, world: int, jobs: list) -> None:
+    """One rank as torchrun starts it (spawn_ranks sets its environment), running each job's
+    extraction in one gloo process group."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
     try:
         for args in jobs:
             extract(load_config(None, args))
@@ -177,7 +169,7 @@ def test_stages_give_the_tensor_parallel_shards_bit_for_bit_and_the_reference(ti
     for tp, pp, layout in ((1, 2, "ep"), (1, 4, "ep"), (2, 2, "ep"), (2, 2, "tp"), (2, 1, "ep"), (2, 1, "tp")):
         runs[(tp, pp, layout)] = run = tmp_path / f"tp{tp}-pp{pp}-{layout}"
         jobs.append(_overrides(tiny_ckpt, run, source, tp, pp, layout))
-    mp.spawn(_ranks_run, args=(4, _free_port(), jobs), nprocs=4, join=True)
+    spawn_ranks(_ranks_run, (jobs,), world=4)
 
     reference = _rows(single)
     assert sorted(reference) == list(range(9))
