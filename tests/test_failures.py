@@ -28,12 +28,13 @@ from safetensors.torch import save_file
 from eagleforge import failures
 
 STAGE = """
+import datetime
 import os
 import torch.distributed as dist
 from eagleforge.config import UserInputError, run_main
 
 def main(cfg):
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))  # a hang fails, in bounded time
     if str(dist.get_rank()) in os.environ["FAIL_RANKS"].split(","):
         raise UserInputError(f"{cfg.run_dir}/bad.jsonl line 3: not JSON")
     dist.barrier()  # a healthy rank waits here, as a stage waits at its next collective
