@@ -150,6 +150,8 @@ def spawn_ranks(fn: Callable, args: tuple = (), world: int = 2, timeout_s: float
                     raise RanksFailed(f"{name}: rank {err.error_index} of {world} ended with {how}") from None
                 if time.monotonic() >= deadline:
                     hung = _alive(context)
+                    if not hung:  # all ended just now: the next join says how
+                        continue
                     stacks = _stacks_of(context, hung, stacks_dir)
                     raise RanksFailed(f"{name}: rank{'s' if len(hung) > 1 else ''} {', '.join(map(str, hung))} of {world} "
                                       f"still running after {timeout_s:.0f} s; all ranks killed{stacks}")
