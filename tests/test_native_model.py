@@ -81,6 +81,8 @@ def _worker(rank: int, world: int, path: str, input_ids: torch.Tensor, out_dir: 
             save_file({k: v.clone().contiguous() for k, v in result.items()}, os.path.join(out_dir, f"{layout}-rank{rank}.safetensors"))
             with open(os.path.join(out_dir, f"{layout}-rank{rank}.names.json"), "w") as f:
                 json.dump(names, f)
+        dist.barrier()  # leave together: a gloo rank that tears its group down while another still
+        # reads from it makes that one abort at exit (SIGABRT, 'terminate called without an active exception')
     finally:
         dist.destroy_process_group()
 
@@ -186,6 +188,7 @@ def _split_rows_worker(rank: int, world: int, n: int, out_dir: str) -> None:
 
         total, doubled = tp.split_rows(fn, x)
         save_file({"total": total, "doubled": doubled, "seen": seen[0]}, os.path.join(out_dir, f"rank{rank}.safetensors"))
+        dist.barrier()  # leave together (gloo's teardown)
     finally:
         dist.destroy_process_group()
 
@@ -282,6 +285,7 @@ def _nccl_worker(rank: int, world: int, path: str, input_ids: torch.Tensor, out_
             result = run_native(path, layout, tp, input_ids, device=torch.device("cuda", rank))
             result.pop("names")
             save_file({k: v.clone().contiguous() for k, v in result.items()}, os.path.join(out_dir, f"{layout}-rank{rank}.safetensors"))
+        dist.barrier()  # leave together (gloo's teardown)
     finally:
         dist.destroy_process_group()
 

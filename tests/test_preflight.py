@@ -85,6 +85,8 @@ def _counting_worker(rank: int, world: int, path: str, out_dir: str) -> None:
             result[split] = _count_forward(model)
         with open(f"{out_dir}/rank{rank}.json", "w") as f:
             json.dump(result, f)
+        dist.barrier()  # leave together: a gloo rank that tears its group down while another still
+        # reads from it makes that one abort at exit (SIGABRT, 'terminate called without an active exception')
     finally:
         dist.destroy_process_group()
 
@@ -128,6 +130,7 @@ def _preflight_worker(rank: int, world: int, overrides: list, out_file: str) -> 
         if rank == 0:
             with open(out_file, "w") as f:
                 json.dump(report, f)
+        dist.barrier()  # leave together (gloo's teardown)
     finally:
         dist.destroy_process_group()
 

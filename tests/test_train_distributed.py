@@ -58,6 +58,8 @@ def _worker(rank: int, world: int, jobs: list) -> None:
     try:
         for cfg, stop_after in jobs:
             train(cfg, stop_after)
+        dist.barrier()  # leave together: a gloo rank that tears its group down while another still
+        # reads from it makes that one abort at exit (SIGABRT, 'terminate called without an active exception')
     finally:
         dist.destroy_process_group()
 

@@ -91,6 +91,8 @@ def _rank_main(rank: int, world: int, jobs: list) -> None:
     try:
         for args in jobs:
             train(load_config(None, args))
+        dist.barrier()  # leave together: a gloo rank that tears its group down while another still
+        # reads from it makes that one abort at exit (SIGABRT, 'terminate called without an active exception')
     finally:
         dist.destroy_process_group()
 
