@@ -10,6 +10,7 @@ import itertools
 import json
 import os
 import random
+import re
 import time
 from pathlib import Path
 
@@ -140,6 +141,8 @@ def _ranks_run(rank: int, world: int, jobs: list) -> None:
     try:
         for args in jobs:
             extract(load_config(None, args))
+        dist.barrier()  # leave together: a gloo rank that tears its group down while another still
+        # reads from it makes that one abort at exit (SIGABRT, 'terminate called without an active exception')
     finally:
         dist.destroy_process_group()
 
@@ -229,7 +232,7 @@ def _stopped(pid: int) -> bool:
     return False
 
 
-STOP_BOUND_S = 60  # at least 5x the measured time (below)
+STOP_BOUND_S = 60  # over 50x the measured time (below)
 
 
 def test_a_killed_stage_stops_every_rank_with_one_line_and_the_rerun_resumes(tiny_ckpt, tmp_path):
@@ -269,12 +272,13 @@ def test_a_killed_stage_stops_every_rank_with_one_line_and_the_rerun_resumes(tin
         written = len(list((run / "hidden").glob("shard-*.safetensors")))
         os.kill(pids[1], signal.SIGKILL)
         try:
-            # stage 0 is stopped in about a second (1.4 s measured on a 2-core machine with another
-            # process busy on one core, 2025-12-06); a stage left to run on would block at its next
-            # send until gloo's 60-minute timeout
+            # the launcher ends and stage 0 with it about a second after the kill (0.94 s measured on
+            # the 2-core machine with another process busy on one core, 1.31 s without it,
+            # 2026-12-06); a stage left to run on would block at its next send until gloo's
+            # 60-minute timeout
             killed = time.monotonic()
             _, stderr = launcher.communicate(timeout=STOP_BOUND_S)
-            print(f"stopped {time.monotonic() - killed:.2f} s after the kill")
+            print(f"the launcher ended {time.monotonic() - killed:.2f} s after the kill")
         except subprocess.TimeoutExpired:
             alive = [rank for rank, pid in pids.items() if _alive(pid)]
             raise AssertionError(f"the launcher still running {STOP_BOUND_S} s after rank 1 was killed; ranks alive: {alive}") from None
@@ -282,7 +286,12 @@ def test_a_killed_stage_stops_every_rank_with_one_line_and_the_rerun_resumes(tin
         if launcher.poll() is None:
             launcher.kill()
     assert launcher.returncode == 128 + signal.SIGKILL, stderr[-3000:]
-    assert stderr.strip().splitlines()[-1] == "launch: rank 1 was killed by SIGKILL; the other ranks were stopped"
+    # the command's last line names the rank; a killed rank may leave its progress bar's last
+    # update without a line end (the bar shows only once the run has gone on for a while, so on
+    # a slow machine), which the line then follows
+    line = "launch: rank 1 was killed by SIGKILL; the other ranks were stopped"
+    last = stderr.strip().splitlines()[-1]
+    assert last == line or (last.endswith(line) and re.fullmatch(r"extract: .*\]", last[: -len(line)])), stderr[-3000:]
     assert not _alive(pids[0]), "stage 0 still running after the launcher ended"
     assert 3 <= written < 80, f"{written} of 80 shards at the kill"
 
