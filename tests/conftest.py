@@ -1,6 +1,7 @@
 """Shared fixtures. Tests run on a 2-core CPU: keep models tiny unless a test needs SmolLM2."""
 
 import os
+import zlib
 
 import pytest
 import torch
@@ -58,3 +59,13 @@ def compiled():
     except Exception as err:  # noqa: BLE001 - any failure means: skip with the reason
         pytest.skip(f"torch.compile does not work on this machine: {err!r}"[:300])
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def test_seed(request) -> int:
+    """The seed of a test's random draws: from its name (each test its own, the same on every run
+    and in any order of the tests), or EAGLEFORGE_TEST_SEED to repeat a draw. Printed, so a failing
+    test's captured output says which seed it ran with."""
+    seed = int(os.environ.get("EAGLEFORGE_TEST_SEED") or zlib.crc32(request.node.name.encode()))
+    print(f"random seed {seed} (EAGLEFORGE_TEST_SEED={seed} repeats this test's draws)")
+    return seed

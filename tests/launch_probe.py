@@ -34,7 +34,10 @@ def main(cfg: Config) -> None:
     if STAGE == "extract" and env.distributed:
         record["groups"] = {"num_groups": env.num_groups, "group_index": env.group_index, "tp_rank": env.tp_rank}
     cfg.run.mkdir(parents=True, exist_ok=True)
-    (cfg.run / f"rank-{env.rank}.json").write_text(json.dumps(record))
+    # written whole, then renamed: a reader that sees rank-<r>.json sees all of it
+    partial = cfg.run / f".rank-{env.rank}.json.partial"
+    partial.write_text(json.dumps(record))
+    os.replace(partial, cfg.run / f"rank-{env.rank}.json")
     code = os.environ.get("LAUNCH_PROBE_EXIT", "0")
     if code == "hang":
         import time

@@ -252,12 +252,12 @@ def test_chat_messages_and_sharegpt_formats_agree(tmp_path):
         assert (sample["input_ids"], sample["loss_mask"]) == tuple(tokenize_messages(tokenizer, messages))
 
 
-def test_chat_file_reasoning_is_kept_without_regeneration(tmp_path):
+def test_chat_file_reasoning_is_kept_without_regeneration(tmp_path, test_seed):
     """A chat file of a thinking model's answers, used as it is (data.regenerate=false): the last
     assistant turn's reasoning (`reasoning_content`, or `reasoning` as newer vLLM sends it) is
     trained on as it was served, <think>reasoning</think>answer plus the end of turn, all in the
     loss mask; a reasoning that is not a string makes the row malformed."""
-    rng = random.Random()
+    rng = random.Random(test_seed)
     words = lambda n: " ".join(rng.choice(WORDS) for _ in range(n))  # noqa: E731
     rows, served = [], []
     for i in range(4):
@@ -281,8 +281,8 @@ def test_chat_file_reasoning_is_kept_without_regeneration(tmp_path):
         assert tokenizer.decode(masked) == want
 
 
-def test_pretokenized_rows_and_default_mask(tmp_path):
-    rng = random.Random()
+def test_pretokenized_rows_and_default_mask(tmp_path, test_seed):
+    rng = random.Random(test_seed)
     rows = [{"input_ids": [rng.randrange(49152) for _ in range(n)]} for n in (7, 13)]
     rows[1]["loss_mask"] = [1] + [rng.randint(0, 1) for _ in range(12)]
     path = _write_lines(tmp_path / "tok.jsonl", rows + [{"input_ids": [1, 2], "loss_mask": [0, 0]}, {"input_ids": [49152]}])
@@ -294,7 +294,7 @@ def test_pretokenized_rows_and_default_mask(tmp_path):
     assert [m["line"] for m in stats["malformed_lines"]] == [3, 4]  # all-zero mask, id outside the vocabulary
 
 
-def test_pretokenized_input_needs_no_tokenizer(tmp_path, monkeypatch):
+def test_pretokenized_input_needs_no_tokenizer(tmp_path, monkeypatch, test_seed):
     """A target directory with a config.json and nothing else (no tokenizer files, no weights), a
     Kimi-K2.5-style wrapper config (vocab_size inside text_config): pre-tokenized rows are checked
     against that vocabulary and written; no tokenizer is ever asked for (AutoTokenizer raises
@@ -307,7 +307,7 @@ def test_pretokenized_input_needs_no_tokenizer(tmp_path, monkeypatch):
     vocab = random.randrange(100, 1000)
     (target / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
                                                     "text_config": {"model_type": "deepseek_v3", "vocab_size": vocab}}))
-    rng = random.Random()
+    rng = random.Random(test_seed)
     rows = [{"input_ids": [rng.randrange(vocab) for _ in range(n)], "loss_mask": [0] + [1] * (n - 1)} for n in (5, 9)]
     path = _write_lines(tmp_path / "tok.jsonl", rows + [{"input_ids": [3, vocab]}, {"input_ids": [vocab - 1]}])
     asked = []
@@ -366,8 +366,8 @@ def test_empty_missing_and_prompt_without_regeneration(tmp_path):
         _run(tmp_path, prompts, "data.regenerate=false")
 
 
-def test_overlong_truncate_vs_drop_counts_and_system_prompt(tmp_path):
-    rng = random.Random()
+def test_overlong_truncate_vs_drop_counts_and_system_prompt(tmp_path, test_seed):
+    rng = random.Random(test_seed)
     lengths = [rng.randint(1, 30) for _ in range(6)] + [400, 500]
     rows = [{"conversations": [{"role": "user", "content": "go"}, {"role": "assistant", "content": " ".join(["tok"] * n)}]} for n in lengths]
     path = _write_lines(tmp_path / "long.jsonl", rows)
@@ -384,11 +384,11 @@ def test_overlong_truncate_vs_drop_counts_and_system_prompt(tmp_path):
     assert text.startswith("<|im_start|>system\nAnswer tersely.<|im_end|>") and "SmolLM" not in text
 
 
-def test_hub_style_directory_source(tmp_path):
+def test_hub_style_directory_source(tmp_path, test_seed):
     """A dataset directory goes through datasets.load_dataset (as a hub name would), split honoured."""
     folder = tmp_path / "ds"
     folder.mkdir()
-    conversations = _conversations(random.Random(), 3)
+    conversations = _conversations(random.Random(test_seed), 3)
     _write_lines(folder / "train.jsonl", [{"messages": c} for c in conversations])
     samples, stats = _run(tmp_path, folder, "data.regenerate=false")
     tokenizer = _tokenizer("smollm2")
@@ -590,9 +590,9 @@ def _lines(path):
     return path.read_text().splitlines() if path.exists() else []
 
 
-def test_regeneration_resumes_after_sigkill(tmp_path):
+def test_regeneration_resumes_after_sigkill(tmp_path, test_seed):
     # short prompts of random lengths (prefill is most of the time on a CPU), 6 batches of 2
-    rng = random.Random()
+    rng = random.Random(test_seed)
     prompts = [" ".join(rng.choice(WORDS[:12]) for _ in range(rng.randint(1, 12))) + "?" for _ in range(12)]
     source = _write_lines(tmp_path / "prompts.jsonl", [{"prompt": p} for p in prompts])
     overrides = [f"data.source={source}", "target.device=cpu", "data.gen_batch_size=2", "data.max_new_tokens=6", "data.system_prompt=Be brief."]

@@ -241,7 +241,7 @@ def test_triton_interpreter():
     """The Triton path on the CPU: this file's tests again, in a subprocess under TRITON_INTERPRET=1."""
     # The interpreter runs kernels in numpy, about 100x slower: a subset of the cases.
     run_interpreted(__file__, "not onechunk and not 5x16x33 and not chunk6 and not (ttt_shared and fp32) "
-                              "and not test_triton_interpreter and not gpu and not sm90")
+                              "and not test_triton_interpreter and not gpu and not sm90", min_passed=19)  # all 19 selected
 
 
 @pytest.mark.skipif(INNER, reason="compiles, does not run: outside the interpreter subprocess")

@@ -13,12 +13,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from procs import PROCESS_GROUP_TIMEOUT, spawn_ranks
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -35,12 +34,6 @@ CASES = {
                      max_position_embeddings=262144),
     "grouped": dict(n_group=2, topk_group=1),
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +68,9 @@ def run_native(path, layout: str, tp: TensorParallel, input_ids: torch.Tensor, d
             "bytes_read": torch.tensor(stats.bytes_read), "names": stats.names}
 
 
-def _worker(rank: int, world: int, port: int, path: str, input_ids: torch.Tensor, out_dir: str, tp_options: dict) -> None:
+def _worker(rank: int, world: int, path: str, input_ids: torch.Tensor, out_dir: str, tp_options: dict) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)  # env:// from spawn_ranks
     try:
         tp = tensor_parallel(layout_of_world(world, 1, torch.device("cpu")))
         for name, value in tp_options.items():
@@ -88,6 +81,8 @@ def _worker(rank: int, world: int, port: int, path: str, input_ids: torch.Tensor
             save_file({k: v.clone().contiguous() for k, v in result.items()}, os.path.join(out_dir, f"{layout}-rank{rank}.safetensors"))
             with open(os.path.join(out_dir, f"{layout}-rank{rank}.names.json"), "w") as f:
                 json.dump(names, f)
+        dist.barrier()  # leave together: a gloo rank that tears its group down while another still
+        # reads from it makes that one abort at exit (SIGABRT, 'terminate called without an active exception')
     finally:
         dist.destroy_process_group()
 
@@ -95,7 +90,7 @@ def _worker(rank: int, world: int, port: int, path: str, input_ids: torch.Tensor
 def run_world(path, world: int, input_ids: torch.Tensor, out_dir, **tp_options) -> dict:
     """{(layout, rank): (tensors, names read)} from `world` spawned gloo processes; tp_options set
     TensorParallel's thresholds (target.split_rows_min_tokens, target.overlap_min_rows)."""
-    mp.spawn(_worker, args=(world, free_port(), str(path), input_ids, str(out_dir), tp_options), nprocs=world, join=True)
+    spawn_ranks(_worker, (str(path), input_ids, str(out_dir), tp_options), world)
     results = {}
     for layout in ("ep", "tp"):
         for rank in range(world):
@@ -180,8 +175,8 @@ def test_tensor_parallel_matches_transformers(checkpoints, tmp_path, world):
             check_bytes_read(path, results, world, layout, n_experts=10)
 
 
-def _split_rows_worker(rank: int, world: int, port: int, n: int, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def _split_rows_worker(rank: int, world: int, n: int, out_dir: str) -> None:
+    dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
     try:
         tp = tensor_parallel(layout_of_world(world, 1, torch.device("cpu")))
         x = torch.arange(n * 3, dtype=torch.float64).view(n, 3)
@@ -193,6 +188,7 @@ def _split_rows_worker(rank: int, world: int, port: int, n: int, out_dir: str) -
 
         total, doubled = tp.split_rows(fn, x)
         save_file({"total": total, "doubled": doubled, "seen": seen[0]}, os.path.join(out_dir, f"rank{rank}.safetensors"))
+        dist.barrier()  # leave together (gloo's teardown)
     finally:
         dist.destroy_process_group()
 
@@ -202,7 +198,7 @@ def test_split_rows_gives_every_rank_all_rows_each_computed_once(tmp_path, n):
     """TensorParallel.split_rows over 3 gloo ranks: uneven rows (7 = 3 + 3 + 1) and fewer rows
     than ranks (2: the last rank computes none); every rank ends with fn(x) of all rows."""
     world = 3
-    mp.spawn(_split_rows_worker, args=(world, free_port(), n, str(tmp_path)), nprocs=world, join=True)
+    spawn_ranks(_split_rows_worker, (n, str(tmp_path)), world)
     x = torch.arange(n * 3, dtype=torch.float64).view(n, 3)
     seen = []
     for rank in range(world):
@@ -280,15 +276,16 @@ def test_cuda_matches_transformers(checkpoints):
             assert torch.equal(result["greedy"].long().cpu(), greedy)
 
 
-def _nccl_worker(rank: int, world: int, port: int, path: str, input_ids: torch.Tensor, out_dir: str) -> None:
+def _nccl_worker(rank: int, world: int, path: str, input_ids: torch.Tensor, out_dir: str) -> None:
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("nccl", timeout=PROCESS_GROUP_TIMEOUT)
     try:
         tp = tensor_parallel(layout_of_world(world, 1, torch.device("cuda", rank)))
         for layout in ("ep", "tp"):
             result = run_native(path, layout, tp, input_ids, device=torch.device("cuda", rank))
             result.pop("names")
             save_file({k: v.clone().contiguous() for k, v in result.items()}, os.path.join(out_dir, f"{layout}-rank{rank}.safetensors"))
+        dist.barrier()  # leave together (gloo's teardown)
     finally:
         dist.destroy_process_group()
 
@@ -298,7 +295,7 @@ def _nccl_worker(rank: int, world: int, port: int, path: str, input_ids: torch.T
 def test_nccl_tensor_parallel_matches_transformers(checkpoints, tmp_path):
     world = 4 if torch.cuda.device_count() >= 4 else 2
     path, input_ids, aux, normed, greedy = checkpoints["k25_yarn"]
-    mp.spawn(_nccl_worker, args=(world, free_port(), str(path), input_ids, str(tmp_path)), nprocs=world, join=True)
+    spawn_ranks(_nccl_worker, (str(path), input_ids, str(tmp_path)), world)
     for layout in ("ep", "tp"):
         for rank in range(world):
             tensors = load_file(os.path.join(tmp_path, f"{layout}-rank{rank}.safetensors"))

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from procs import spawn_ranks
 
 from eagleforge.config import UserInputError, load_config
 from eagleforge.extract.driver import extract as extract_native
@@ -29,12 +28,6 @@ from eagleforge.shards import ShardReader
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # kimi_shaped: the benchmarks' Kimi-shaped model
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def overrides(ckpt, run_dir, tp: int, source: str = "stdlib") -> list[str]:
     return [f"run_dir={run_dir}", f"target.path={ckpt}", "target.backend=native", f"target.tp={tp}",
             "target.expert_layout=ep", "target.dtype=float32", "target.device=cpu", "extract.aux_layers=[0,2]",
@@ -42,10 +35,8 @@ def overrides(ckpt, run_dir, tp: int, source: str = "stdlib") -> list[str]:
             f"data.source={source}"]
 
 
-def _rank_main(rank: int, world: int, port: int, args: list[str]) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _rank_main(rank: int, world: int, args: list[str]) -> None:
+    torch.set_num_threads(1)  # torchrun's environment comes from spawn_ranks; the stage joins the group itself
     extract_native(load_config(None, args))
 
 
@@ -80,7 +71,7 @@ def test_two_groups_of_two_equal_one_process(tiny_ckpt, tmp_path):
     multi = tmp_path / "multi"
     (multi / "data").mkdir(parents=True)
     (multi / "data" / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in samples))
-    mp.spawn(_rank_main, args=(4, free_port(), overrides(tiny_ckpt, multi, tp=2)), nprocs=4, join=True)
+    spawn_ranks(_rank_main, (overrides(tiny_ckpt, multi, tp=2),), world=4)
 
     hidden = multi / "hidden"
     merged = json.loads((hidden / "manifest.json").read_text())

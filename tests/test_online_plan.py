@@ -17,6 +17,67 @@ def _cfg(name: str, *extra: str):
     return load_config(f"configs/{name}.yaml", ["train.source=online", "target.path=/nonexistent/Kimi-K2.5", *layout, *extra])
 
 
+# ---- Kimi-K2.5's resident target by hand (docs/kimi-k25.md's config; extract/native/plan.py's
+# docstrings say what each term holds). H 7168, 64 heads (qk 128 + 64 rope, v 128), q_lora 1536,
+# kv_lora 512, 61 layers (layer 0 dense, 18432 wide; 60 MoE: 384 experts 2048 wide, 8 routed + 1
+# shared a token, a router of 384 x H bf16 + 384 fp32 biases), vocabulary 163840, bf16 (2 bytes).
+def _int4(rows, cols):  # packed nibbles, one bf16 scale per 32 input columns, the int64 [2] shape
+    return rows * cols // 2 + rows * (cols // 32) * 2 + 16
+
+
+EXPERT = 2 * _int4(2048, 7168) + _int4(7168, 2048)  # gate, up [2048, H]; down [H, 2048]: 24,772,656 bytes
+REPLICATED_ATTENTION = 7168 * 1536 + 1536 + 7168 * (512 + 64) + 512 + 2 * 7168  # q_a, its norm, kv_a, its norm, 2 layer norms
+
+
+def _split_attention(heads):  # q_b, kv_b, o_proj for this rank's heads
+    return heads * (128 + 64) * 1536 + 512 * heads * (128 + 128) + heads * 128 * 7168
+
+
+def _reserve(ranks, activations):  # context 1 GiB, NCCL 1 GiB (several ranks), 10% of the activations' peak
+    return (1 << 30) + (1 << 30 if ranks > 1 else 0) + int(0.10 * activations)
+
+
+# tp 8, whole model, T = 32768 tokens a forward: rank 0 holds vocabulary rows 0-20479, 48 experts a
+# MoE layer, 8 heads, 1/8 of the dense and shared MLPs
+_T = 32768
+_NH = _T * 7168 * 2  # one [T, H] bf16 state
+_B300_ACTIVATIONS = max(
+    # MoE, the peak: 4 states held (aux 1, 29, 57 and the input of layer 60) + 5 more, the 8 slots'
+    # [8T, 2048 + H] and their 20 bytes of routing each
+    4 * _NH + 5 * _NH + 8 * _T * (2048 + 7168) * 2 + 8 * _T * 20,  # 9,064,939,520
+    4 * _NH + 2 * _NH + _T * 2112 * 2 + _T * 8 * (3 * 192 + 256 + 128) * 2 + _T * 8 * 4,  # attention: 3,461,349,376
+    1 * _NH + 2 * _NH + 4 * _T * (18432 // 8) * 2,  # the dense MLP of layer 0: 2,013,265,920
+    8 * _NH,  # the end: the aux states, the final norm, their packed copies: 3,758,096,384
+)
+B300_TARGET_BYTES = (
+    2 * 20480 * 7168 * 2  # embedding and lm_head rows
+    + 61 * (REPLICATED_ATTENTION + _split_attention(8)) * 2
+    + 1 * 3 * 7168 * (18432 // 8) * 2  # dense MLP
+    + 60 * 384 * (7168 * 2 + 4)  # router
+    + 60 * 3 * 7168 * (2048 // 8) * 2  # shared expert
+    + 60 * 48 * EXPERT  # routed experts, INT4
+    + _B300_ACTIVATIONS + _reserve(8, _B300_ACTIVATIONS)
+)  # 88,301,634,560 bytes = 82.24 GiB
+
+# pp 8, tp 1, stage 4 (layers 32-39, all MoE), T = 8192: every head and expert, no embedding or head;
+# aux 1 and 29 arrive from earlier stages and leave with this one's output
+_T8 = 8192
+_NH8 = _T8 * 7168 * 2
+_STAGE_ACTIVATIONS = max(
+    3 * _NH8 + 5 * _NH8 + 8 * _T8 * (2048 + 7168) * 2 + 8 * _T8 * 20,  # MoE (2 aux + the input): 2,148,794,368
+    3 * _NH8 + 2 * _NH8 + _T8 * 2112 * 2 + _T8 * 64 * (3 * 192 + 256 + 128) * 2 + _T8 * 64 * 4,  # attention: 1,630,535,680
+)
+PILOT_STAGE_BYTES = (
+    8 * (REPLICATED_ATTENTION + _split_attention(64)) * 2
+    + 8 * 384 * (7168 * 2 + 4)  # router
+    + 8 * 3 * 7168 * 2048 * 2  # shared expert
+    + 8 * 384 * EXPERT  # routed experts, INT4
+    + _STAGE_ACTIVATIONS
+    + (1 + 2) * _NH8 + 2 * (1 + 2) * _NH8  # the next receive posted ahead, 2 sends in flight: hidden + 2 aux rows each
+    + _reserve(8, _STAGE_ACTIVATIONS)
+)  # 84,036,631,756 bytes = 78.27 GiB
+
+
 def test_draft_parameters_by_hand():
     """Kimi's draft: fc [H, 3H], q/k/v [64*128, 2H], o [H, 64*128], MLP 3 x H x 18432, lm_head
     [32000, H], 4 norms; the embedding [163840, H] frozen."""
@@ -41,7 +102,10 @@ def test_pilot_refused_with_the_shortfall_and_b300_fits():
     b300 = _cfg("kimi_k25_b300")
     plan = check_online_fits(b300, int(288e9), 8)
     assert plan.total_bytes() <= 288e9 and plan.max_batch_tokens(288e9) >= b300.train.batch_tokens
-    assert plan.target.total_bytes / GIB == pytest.approx(82.2, abs=0.1)  # the extraction plan of README's grid
+    # the extraction plan of README's grid (82.2 GiB), by hand: tp 8, ep layout, bf16, INT4 experts,
+    # extract.batch_tokens 32768, aux layers 1, 29, 57
+    assert plan.target.total_bytes == B300_TARGET_BYTES, (plan.target.components, B300_TARGET_BYTES)
+    assert plan.target.total_bytes / GIB == pytest.approx(82.2, abs=0.1)
 
 
 def test_pipeline_stages_plan_their_fullest_stage_beside_the_draft():
@@ -49,7 +113,11 @@ def test_pipeline_stages_plan_their_fullest_stage_beside_the_draft():
     on 96 GB cards no batch fits (README), on 141 GB ones the same layout fits a batch."""
     stages = _cfg("kimi_k25_pilot", "target.tp=1", "target.pp=8")
     plan = plan_online(stages, world=8)
-    assert plan.target.pp == 8 and plan.target.total_bytes / GIB == pytest.approx(78.3, abs=0.1)  # the fullest stage
+    # the fullest stage: 8 MoE layers, 32-39 (the cut itself is tested against brute force in
+    # test_pipeline.py), with its bytes by hand
+    assert plan.target.pp == 8 and plan.target.layers == range(32, 40)
+    assert plan.target.total_bytes == PILOT_STAGE_BYTES, (plan.target.components, PILOT_STAGE_BYTES)
+    assert plan.target.total_bytes / GIB == pytest.approx(78.3, abs=0.1)
     assert any("rows arriving from the last stage (7 slots ahead)" in name for name in plan.in_flight_per_token)
     with pytest.raises(UserInputError, match=r"target.tp = 1, target.pp = 8, .* no train.batch_tokens fits"):
         check_online_fits(stages, int(96e9), 8)

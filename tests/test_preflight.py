@@ -17,10 +17,10 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from procs import PROCESS_GROUP_TIMEOUT, spawn_ranks
 
 from eagleforge.config import load_config
-from eagleforge.extract.native.plan import KIMI_K25_TEXT_CONFIG, collective_bytes_per_token, flops_per_token
+from eagleforge.extract.native.plan import collective_bytes_per_token, flops_per_token
 from eagleforge.extract.native.preflight import Link, bandwidth_warning, busbw_factor, link_from_smi, project_tokens_per_s
 
 T = 24  # tokens of the tiny model's forward (even: the split rows are not padded)
@@ -70,12 +70,12 @@ def _build(path, tp):
     return model
 
 
-def _counting_worker(rank: int, world: int, port: int, path: str, out_dir: str) -> None:
+def _counting_worker(rank: int, world: int, path: str, out_dir: str) -> None:
     from eagleforge.extract.native.parallel import tensor_parallel
     from eagleforge.layout import layout_of_world
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)  # env:// from spawn_ranks
     try:
         tp = tensor_parallel(layout_of_world(world, 1, torch.device("cpu")))
         model = _build(path, tp)
@@ -85,13 +85,14 @@ def _counting_worker(rank: int, world: int, port: int, path: str, out_dir: str) 
             result[split] = _count_forward(model)
         with open(f"{out_dir}/rank{rank}.json", "w") as f:
             json.dump(result, f)
+        dist.barrier()  # leave together: a gloo rank that tears its group down while another still
+        # reads from it makes that one abort at exit (SIGABRT, 'terminate called without an active exception')
     finally:
         dist.destroy_process_group()
 
 
 def test_planner_flops_and_collective_bytes_match_the_native_model(tmp_path):
     from test_native_fixtures import tiny_text_config, write_tiny_kimi
-    from test_native_model import free_port
 
     from eagleforge.extract.native.model import ModelArgs
     from eagleforge.extract.native.parallel import TensorParallel
@@ -102,7 +103,7 @@ def test_planner_flops_and_collective_bytes_match_the_native_model(tmp_path):
     # query (seq_len / 2 on average) are T at seq_len = 2T.
     one = _count_forward(_build(tmp_path / "ckpt", TensorParallel()))
     assert one == {"all_reduce": 0, "all_gather": 0, "flops": T * flops_per_token(a, 1, 2 * T, False)}
-    mp.spawn(_counting_worker, args=(2, free_port(), str(tmp_path / "ckpt"), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_counting_worker, (str(tmp_path / "ckpt"), str(tmp_path)), world=2)
     for rank in range(2):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for mode, split in (("split", True), ("replicated", False)):
@@ -117,11 +118,11 @@ def test_planner_flops_and_collective_bytes_match_the_native_model(tmp_path):
 # ---------------------------------------------------------------------------------------------- the preflight over gloo
 
 
-def _preflight_worker(rank: int, world: int, port: int, overrides: list, out_file: str) -> None:
+def _preflight_worker(rank: int, world: int, overrides: list, out_file: str) -> None:
     from eagleforge.extract.native.preflight import run_preflight
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)  # env:// from spawn_ranks
     try:
         pcie5 = Link("PCIe", "Gen5 x16", 63.0)
         report = run_preflight(load_config(None, overrides), torch.device("cpu"), sizes=[64 << 10, 1 << 20], iters=2,
@@ -129,20 +130,17 @@ def _preflight_worker(rank: int, world: int, port: int, overrides: list, out_fil
         if rank == 0:
             with open(out_file, "w") as f:
                 json.dump(report, f)
+        dist.barrier()  # leave together (gloo's teardown)
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_preflight_over_gloo_measures_and_projects(world, tmp_path):
-    from test_native_model import free_port
-
-    from eagleforge.extract.native.model import ModelArgs
-
     tp, tokens = 2, 2048
     overrides = ["target.backend=native", f"target.tp={tp}", "target.device=cpu", f"extract.batch_tokens={tokens}",
                  "data.max_length=1024"]
-    mp.spawn(_preflight_worker, args=(world, free_port(), overrides, str(tmp_path / "report.json")), nprocs=world, join=True)
+    spawn_ranks(_preflight_worker, (overrides, str(tmp_path / "report.json")), world)
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["world"] == world and report["backend"] == "gloo"
     assert [r["bytes"] for r in report["all_reduce"]] == [64 << 10, 1 << 20]
@@ -153,12 +151,30 @@ def test_preflight_over_gloo_measures_and_projects(world, tmp_path):
     rates = report["matmul_tflops"]
     assert len(rates) == world and all(r > 0 for r in rates)
 
-    # By hand: the built-in Kimi config (no target.path), tp 2, 2048 tokens (router and latents
-    # split), sequences of 1024; the slowest rank's rate at 60% and the largest size's busbw.
-    a = ModelArgs.from_config(KIMI_K25_TEXT_CONFIG)
-    flops = flops_per_token(a, tp, 1024, True)
-    traffic = collective_bytes_per_token(a, tp, 2, True)
+    # By hand: the built-in Kimi config (no target.path: H 7168, 64 heads, q_lora 1536, kv_lora 512,
+    # rope 64, nope 128, v 128, dense MLP 18432, experts 2048 wide, 8 routed + 1 shared of 384, 61
+    # layers of which 1 dense, vocabulary 163840), tp 2 (32 heads a rank), 2048 tokens (router and
+    # latents split over the 2 ranks), sequences of 1024 (512 keys per query on average).
+    # FLOPs per token, 2 x the multiply-adds of one rank:
+    latents = 7168 * (1536 + 512 + 64) / 2  # q_a, kv_a: half the tokens
+    q_b = 1536 * 32 * (128 + 64)
+    kv_b = 512 * 32 * (128 + 128)
+    core = 32 * 512 * ((128 + 64) + 128)  # q.k and p.v over 512 keys
+    o_proj = 32 * 128 * 7168
+    attention = latents + q_b + kv_b + core + o_proj  # 55,803,904
+    dense = 3 * 7168 * 18432 / 2  # gate, up, down: half the width
+    moe = 3 * 7168 * 2048 * (8 + 1) / 2 + 7168 * 384 / 2  # 8 routed + 1 shared slots, half the width; router: half the tokens
+    head = 7168 * 163840 / 2  # the greedy head: half the vocabulary
+    flops = 2 * (1 * (attention + dense) + 60 * (attention + moe) + head)
+    assert flops == 32_325_697_536
+    # bytes per token (bf16): an all-reduce of [H] after the embedding and after each attention and
+    # MLP; all-gathers of the split latents (2112 values a layer), of the router's 8 slots (fp32
+    # weight + int64 id) in the 60 MoE layers, and of each rank's best logit (fp32) and id (int64)
+    traffic = {"all_reduce": (1 + 2 * 61) * 7168 * 2, "all_gather": 61 * 2112 * 2 + 60 * 8 * (4 + 8) + 2 * (4 + 8)}
+    assert traffic == {"all_reduce": 1_763_328, "all_gather": 263_448}
     busbw = report["all_reduce"][-1]["busbw_gbs"]
+    # the slowest rank's rate at 60%, the largest size's busbw; a ring all-reduce moves 2(n-1)/n of
+    # the bytes, an all-gather (n-1)/n
     compute_s = flops / (min(rates) * 1e12 * 0.6)
     comm_s = (traffic["all_reduce"] * 2 * (tp - 1) / tp + traffic["all_gather"] * (tp - 1) / tp) / (busbw * 1e9)
     p = report["projection"]

@@ -4,11 +4,10 @@ Llama target -> shards -> vocab; test_vocab.build_tiny_run)."""
 
 import json
 import shutil
-import socket
-import time
 
 import pytest
 import torch
+from procs import PROCESS_GROUP_TIMEOUT, spawn_ranks
 from test_vocab import build_tiny_run
 from tiny_runs import configure
 
@@ -44,46 +43,30 @@ def _clone_run(base_cfg, name, **train):
     return cfg
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, jobs: list) -> None:
-    """One rank: a gloo process group from env:// variables (as torchrun sets them), then the
-    jobs in order: (cfg, stop_after_step) -> train(cfg, stop_after_step)."""
+def _worker(rank: int, world: int, jobs: list) -> None:
+    """One rank: a gloo process group from env:// variables (as torchrun sets them: spawn_ranks),
+    then the jobs in order: (cfg, stop_after_step) -> train(cfg, stop_after_step)."""
     import os
 
     import torch.distributed as dist
 
     from eagleforge.train.loop import train
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
     try:
         for cfg, stop_after in jobs:
             train(cfg, stop_after)
+        dist.barrier()  # leave together: a gloo rank that tears its group down while another still
+        # reads from it makes that one abort at exit (SIGABRT, 'terminate called without an active exception')
     finally:
         dist.destroy_process_group()
 
 
 def _spawn(jobs: list) -> None:
     """Run `jobs` on WORLD gloo ranks; fails (and kills the ranks) on an error or a hang."""
-    import torch.multiprocessing as mp
-
-    context = mp.start_processes(_worker, args=(WORLD, _free_port(), jobs), nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    try:
-        while not context.join(timeout=5):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"distributed training did not finish in {SPAWN_TIMEOUT_S} s (a hang?)")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
+    spawn_ranks(_worker, (jobs,), WORLD, timeout_s=SPAWN_TIMEOUT_S)
 
 
 def _losses(cfg) -> list[tuple[int, float, float]]:
@@ -252,7 +235,7 @@ def test_two_rank_checkpoint_resumes_on_one_process(runs, tmp_path):
         assert lb == pytest.approx(la, rel=1e-5), (step, la, lb)
 
 
-def _disk_full_on_one_rank(rank: int, world: int, port: int, run_dir: str, out_dir: str) -> None:
+def _disk_full_on_one_rank(rank: int, world: int, run_dir: str, out_dir: str) -> None:
     """Rank 1's own file of a checkpoint hits ENOSPC; every rank must raise the same one line."""
     import dataclasses
     import datetime
@@ -266,8 +249,7 @@ def _disk_full_on_one_rank(rank: int, world: int, port: int, run_dir: str, out_d
     from eagleforge.train import checkpoint
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))  # a hang shows as a timeout, not as a pass
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))  # a hang shows as a timeout, not as a pass
 
     @dataclasses.dataclass
     class Sizes:
@@ -305,11 +287,8 @@ def test_disk_full_on_one_rank_stops_every_rank_with_the_same_line(tmp_path):
     """A checkpoint write that fails on one rank only (its RNG file, after DCP's shards): both ranks
     reach the same collectives and raise the same one-line error instead of waiting at a barrier
     until the process-group timeout; the unfinished directory is removed."""
-    import torch.multiprocessing as mp
-    from test_native_model import free_port
-
     run = tmp_path / "run"
-    mp.spawn(_disk_full_on_one_rank, args=(2, free_port(), str(run), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_disk_full_on_one_rank, (str(run), str(tmp_path)), world=2)
     outcomes = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
     assert outcomes[0] == outcomes[1], outcomes
     assert outcomes[0].startswith("UserInputError: ") and "step-000003: cannot write, no space left on device" in outcomes[0]

@@ -21,8 +21,10 @@ import torch
 
 STEPS = 200
 WARMUP = 40  # steps before the memory baseline: the draft, AdamW's moments, the caches' first fill
+# Measured 2026-12-06 on the 2-core machine with another process busy on one core: 0.7 MB of growth
+# and a CPU time per token 1.003x that after warm-up (unbounded oneDNN caches: about 1 GB of growth).
 MAX_GROWTH_MB = 60  # anonymous resident memory from step WARMUP to the end
-MAX_SLOWDOWN = 1.5  # median CPU time of the last steps against the steps just after warm-up
+MAX_SLOWDOWN = 1.5  # CPU time per token of the last steps against the steps just after warm-up
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status (Linux)")
 
@@ -116,6 +118,14 @@ def test_cpu_training_memory_and_speed_stay_flat_over_changing_shapes(tmp_path):
     curve = " ".join(f"{s}:{anon_mb[s - 1]:.0f}" for s in range(WARMUP, STEPS + 1, 40))
     assert growth <= MAX_GROWTH_MB, f"anonymous RSS grew {growth:.0f} MB after step {WARMUP} (MB by step: {curve})"
 
-    early = statistics.median(r["cpu_s"] for r in rows[WARMUP : WARMUP + 50])
-    late = statistics.median(r["cpu_s"] for r in rows[-50:])
-    assert late <= MAX_SLOWDOWN * early, f"median CPU s per step {early:.4f} after warm-up, {late:.4f} at the end"
+    # CPU time per token of the steps just after warm-up against the last steps, each window's
+    # 10th percentile: another process on the machine only adds time to a step (caches, memory
+    # bandwidth, migrations), so the fast steps of a window are its own cost, while a median moves
+    # with the neighbour's load, which may differ between the windows. A step that gets slower
+    # (kernels compiled again and again) raises every step of the late window, its fast ones too.
+    def fast(window):
+        return statistics.quantiles([r["cpu_s"] / r["tokens"] for r in window], n=10)[0]
+
+    early, late = fast(rows[WARMUP : WARMUP + 50]), fast(rows[-50:])
+    print(f"anonymous RSS growth {growth:.1f} MB; CPU us per token {early * 1e6:.2f} -> {late * 1e6:.2f} ({late / early:.3f}x)")
+    assert late <= MAX_SLOWDOWN * early, f"CPU us per token {early * 1e6:.2f} after warm-up, {late * 1e6:.2f} at the end"

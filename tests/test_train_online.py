@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from procs import PROCESS_GROUP_TIMEOUT, spawn_ranks
 
 from eagleforge.config import load_config
 
@@ -79,44 +79,27 @@ def _assert_no_hidden(run: Path) -> None:
     assert not hidden.exists() or not any(hidden.rglob("*")), sorted(hidden.rglob("*"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, world: int, port: int, jobs: list) -> None:
-    """One rank as torchrun starts it (env:// variables), running train(...) for each job in
-    one gloo process group."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+def _rank_main(rank: int, world: int, jobs: list) -> None:
+    """One rank as torchrun starts it (env:// variables: spawn_ranks), running train(...) for each
+    job in one gloo process group."""
+    os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     import torch.distributed as dist
 
     from eagleforge.train.loop import train
 
-    dist.init_process_group("gloo")  # one group for all jobs (a second store on the same port would hang)
+    dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)  # one group for all jobs
     try:
         for args in jobs:
             train(load_config(None, args))
+        dist.barrier()  # leave together: a gloo rank that tears its group down while another still
+        # reads from it makes that one abort at exit (SIGABRT, 'terminate called without an active exception')
     finally:
         dist.destroy_process_group()
 
 
 def _spawn(world: int, jobs: list) -> None:
-    import torch.multiprocessing as mp
-
-    context = mp.start_processes(_rank_main, args=(world, _free_port(), jobs), nprocs=world, join=False,
-                                 start_method="spawn")
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    try:
-        while not context.join(timeout=2):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"online training did not finish in {SPAWN_TIMEOUT_S} s (a hang?)")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
+    spawn_ranks(_rank_main, (jobs,), world, timeout_s=SPAWN_TIMEOUT_S)
 
 
 def _offline(args: list[str], backend_extract) -> None:

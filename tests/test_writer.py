@@ -36,15 +36,47 @@ def test_writer_copies_so_producer_may_reuse_its_tensors():
 
 
 def test_slow_sink_blocks_the_producer():
-    """A sink slower than the producer fills the queue: submit waits, and the wait is reported."""
+    """A sink slower than the producer fills the queue: submit waits, and the wait is reported.
+
+    The sink holds item 0 until released; with one queue slot, item 1 fills it and the submit of
+    item 2 must wait. Once the producer is seen waiting in the queue, the release comes at least
+    0.1 s later, so the reported wait is at least the time from then to the release, whatever the
+    machine's load."""
+    import threading
+
+    release, order = threading.Event(), []
+
     def slow(meta, t):
-        time.sleep(0.05)
+        order.append(("sink", meta))
+        if meta == 0:
+            assert release.wait(120)
+        else:
+            time.sleep(0.05)
 
     with OverlappedWriter(slow, max_pending=1) as w:
-        for i in range(5):
-            w.submit({"x": torch.ones(2)}, meta=i)
-    assert w.stats.submit_blocked_s > 0.08, w.stats
-    assert w.stats.sink_s >= 0.2
+        def produce():
+            for i in range(5):
+                w.submit({"x": torch.ones(2)}, meta=i)
+                order.append(("submitted", i))
+
+        producer = threading.Thread(target=produce)
+        producer.start()
+        deadline = time.monotonic() + 120  # a bound on a hang only
+        # the sink holds item 0, item 1 fills the slot, and the producer waits for a free slot (a
+        # waiter on queue.Queue's condition): it is in the submit of item 2, which only the release ends
+        while not (("sink", 0) in order and w._queue.full() and w._queue.not_full._waiters):
+            assert producer.is_alive() and time.monotonic() < deadline, order
+            time.sleep(0.001)
+        waiting_since = time.perf_counter()
+        time.sleep(0.1)
+        released_at = time.perf_counter()
+        order.append(("release", 0))
+        release.set()
+        producer.join(120)
+    # items 0 and 1 went in at once (the sink's item and the one slot); item 2 only after the sink let go of item 0
+    assert order.index(("submitted", 1)) < order.index(("release", 0)) < order.index(("submitted", 2)), order
+    assert w.stats.submit_blocked_s >= released_at - waiting_since, (w.stats, released_at - waiting_since)
+    assert w.stats.sink_s >= 0.1 + 4 * 0.05
 
 
 def test_sink_error_reaches_the_producer():
