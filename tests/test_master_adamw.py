@@ -24,8 +24,8 @@ def _master_values(n: int, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(n, generator=gen) * scale
 
 
-def test_split_then_join_is_the_master_bit_for_bit():
-    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+def test_split_then_join_is_the_master_bit_for_bit(test_seed):
+    gen = torch.Generator().manual_seed(test_seed)
     master = torch.cat([_master_values(100_003, gen), torch.tensor([0.0, -0.0, 1.0, -1.0, 3.0e38, -1e-40])])
     weight, remainder = split_master(master)
     assert weight.dtype == torch.bfloat16 and remainder.dtype == torch.int16
@@ -74,8 +74,8 @@ def _assert_rounding_close(master: torch.Tensor, reference: torch.Tensor, start:
 
 
 @pytest.mark.parametrize("shape", [(37, 13), (1001,), (3, 5, 7)], ids=lambda s: "x".join(map(str, s)))
-def test_steps_equal_adamw_over_fp32_masters(shape):
-    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+def test_steps_equal_adamw_over_fp32_masters(shape, test_seed):
+    gen = torch.Generator().manual_seed(test_seed)
     master, weight, reference, state, start = _run_both(shape, steps=12, lr=3e-3, weight_decay=0.1, gen=gen, skip_at={4})
     _assert_rounding_close(master, reference, start, lr=3e-3, steps=12)
     not_tie = (master.view(torch.int32) & 0xFFFF) != 0x8000  # a tie (one in 2^16) rounds away from zero
@@ -153,7 +153,7 @@ def test_state_dict_round_trip_continues_the_same_steps():
 _INTERPRETED = r"""
 import json, os, torch
 from test_master_adamw import _assert_rounding_close, _run_both
-gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+gen = torch.Generator().manual_seed(int(os.environ["SEED"]))
 master, weight, reference, state, start = _run_both((7, 300), steps=6, lr=3e-3, weight_decay=0.1, gen=gen, skip_at={2})
 _assert_rounding_close(master, reference, start, lr=3e-3, steps=6)
 print(json.dumps({"step": float(state["step"])}))
@@ -161,8 +161,8 @@ print(json.dumps({"step": float(state["step"])}))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (its interpreter runs the kernel on the CPU)")
-def test_triton_kernel_interpreted_matches_reference():
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", PYTHONPATH=os.path.dirname(__file__))
+def test_triton_kernel_interpreted_matches_reference(test_seed):
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", PYTHONPATH=os.path.dirname(__file__), SEED=str(test_seed))
     result = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
