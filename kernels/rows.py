@@ -430,8 +430,8 @@ def row_loss_forward(draft_hidden, draft_head, teacher_hidden, teacher_head, tea
 def _ttt_outputs(draft_hiddens, draft_head, n_rows: int, need_grad_h, need_grad_head):
     """(loss_rows [K, N] fp32 zeros, argmax [K, N], grads_h, grad_head) of the TTT forwards. The
     gradients are left EMPTY: every row with a teacher is written by its chunk, `_ttt_tails`
-    zeroes the rest, and the first grad-head addmm has beta 0 (zero-filling them cost ~0.9 ms a
-    call at T = 8192 on an H200)."""
+    zeroes the rest, and the first grad-head addmm has beta 0 (what zero-filling them cost:
+    BENCHMARKS.md, "Fused EAGLE-3 loss")."""
     k_steps, dev = len(draft_hiddens), draft_head.device
     loss_rows = torch.zeros(k_steps, n_rows, dtype=torch.float32, device=dev)
     argmax = torch.empty(k_steps, n_rows, dtype=torch.int64, device=dev)
@@ -515,7 +515,7 @@ def _packed_index(spans, n_rows: int, shift: int, dev) -> tuple[torch.Tensor, to
 
 def _scatter_grads(grads_h, packed: torch.Tensor, spans, s0: int, shift: int) -> None:
     """Packed hidden-state gradients [P, H] to their steps, one contiguous copy per step (an index
-    copy of all rows at once was slower: 95 us against ~70 us for the seven copies on an H200)."""
+    copy of all rows at once was slower: BENCHMARKS.md, "Fused EAGLE-3 loss")."""
     off = 0
     for j, t0, t1 in spans:
         n = t1 - t0
@@ -605,9 +605,9 @@ def scale_grads_(grads, upstream: torch.Tensor, backend: str) -> None:
     bf16). No host sync: testing for the usual upstream of 1 would read a device value back and
     stall the launch queue at the start of every backward, so the pass is always made: on the
     Triton backend one kernel per gradient reading the upstream on the device (one read and one
-    write: ~0.6 ms for the 7 TTT steps' gradients at T = 8192; the chunked fp32 torch version,
-    three kernels per 2^24 elements, took 5.2 ms on an H200); on the torch backend in chunks
-    of bounded fp32 temporaries.
+    write, where the chunked fp32 torch version makes three kernels per 2^24 elements; both
+    measured: BENCHMARKS.md, "Fused EAGLE-3 loss"); on the torch backend in chunks of bounded
+    fp32 temporaries.
     In place: a second backward through the same graph (retain_graph) is refused by autograd's
     own version check on the saved tensors ("modified by an inplace operation"), not scaled twice."""
     upstream = upstream.detach().reshape(1)
