@@ -29,9 +29,10 @@ with c_ce = lam w, c_g = -(1 - lam) w (lambda) and c_ce = 0, c_g = -w / alpha (a
 the floor, where the loss is the constant -log ALPHA_FLOOR). Each row's (c_ce, c_acc) pair is
 its weight [rows, 2]; the row pass reads nothing of other rows, so it runs inside the chunk loops
 the soft cross-entropy runs in (kernels/rows.py: row_loss_forward, ttt_forward per step or packed):
-same chunking, matmuls and buffers, gradients computed in the forward. Only lam needs the whole
-batch: the lambda variant first runs those loops WITHOUT gradients to get abar per step
-(one more draft-logits matmul per step, and the teacher's once more), then the real pass.
+same chunking, matmuls and buffers, gradients computed in the forward, which the backward only
+scales by the upstream gradient. Only lam needs the whole batch: the lambda variant first runs
+those loops WITHOUT gradients to get abar per step (one more draft-logits matmul per step, and the
+teacher's once more), then the real pass.
 
 How the references differ (this file follows SpecForge, whose LK code comes from the paper's
 authors):
@@ -48,6 +49,9 @@ authors):
 
 The Triton row pass makes three passes over Vd (draft lse and argmax; CE, alpha, A; G) where
 the soft cross-entropy's makes two.
+
+This file, top to bottom: the row pass (Triton kernel, launcher, CPU path), the variants' row
+weights, then each op (`fused_lk_loss`, `fused_lk_loss_ttt`) with its autograd Function.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ import functools
 from typing import Sequence
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from eagleforge.kernels import rows
 from eagleforge.kernels.optional_triton import HAS_TRITON, tl, triton
@@ -76,49 +81,30 @@ ACCEPT = 2  # loss c_acc alpha, no G: the lambda variant's first pass (logits le
 
 
 # ----------------------------------------------------------------------------------------------
-# Row pass: one chunk of logits -> per-row loss, argmax, and G in place
+# Row pass: one chunk of logits -> per-row loss, argmax, and G in place of the logits
 # ----------------------------------------------------------------------------------------------
-
-
-def _lk_rows_torch(logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_lse: torch.Tensor, weight: torch.Tensor,
-                   teacher_index: torch.Tensor | None = None, teacher_psum: torch.Tensor | None = None, *, kind: int):
-    """Torch row pass (rows.RowsFn) with weight [c, 2] fp32 = (c_ce, c_acc): logits [c, Vd]
-    (overwritten with G unless kind is ACCEPT) -> (loss_rows [c] fp32, argmax [c]). Rows whose
-    two weights are 0 give 0 loss and G = 0 whatever their inputs."""
-    z, p, lse, argmax, p_sum = rows.torch_row_operands(logits, teacher_logits, teacher_lse, teacher_index, teacher_psum)
-    q = torch.exp(z - lse[:, None])  # [c, Vd]
-    c_ce, c_acc = weight[:, 0], weight[:, 1]  # [c], [c]
-    keep = (c_ce != 0) | (c_acc != 0)
-    zero = torch.zeros_like(lse)
-    alpha = torch.minimum(p, q).sum(-1)  # [c]
-    if kind == ACCEPT:
-        return torch.where(keep, c_acc * alpha, zero), argmax
-    below = torch.where(q < p, q, torch.zeros_like(q))  # [c, Vd]: min's draft branch
-    a_sum = below.sum(-1)  # [c]
-    p_sum = p.sum(-1) if p_sum is None else p_sum
-    ce = (p * (lse[:, None] - z)).sum(-1)  # [c]
-    if kind == LINEAR:
-        acc_loss, c_g = 1 - alpha, -c_acc
-    else:
-        ok = alpha >= ALPHA_FLOOR
-        acc_loss = -torch.log(alpha.clamp_min(ALPHA_FLOOR))
-        c_g = torch.where(ok, -c_acc / torch.where(ok, alpha, 1.0), zero)
-    grad = c_ce[:, None] * (q * p_sum[:, None] - p) + c_g[:, None] * (below - q * a_sum[:, None])  # [c, Vd]
-    return rows.torch_row_outputs(logits, keep, torch.where(c_ce != 0, c_ce * ce, zero) + c_acc * acc_loss, grad, argmax)
 
 
 if HAS_TRITON:
 
+    # One program per row r, z = its draft logits, p = exp(t - teacher_lse) its teacher's
+    # probabilities (HAS_TIDX / HAS_PSUM as soft_ce._soft_ce_rows_kernel), (c_ce, c_acc) = its
+    # weight pair (w_ptr: [rows, 2] fp32), q = softmax(z):
+    #     pass 1 (rows.row_pass1): lse = logsumexp(z), the first argmax, S = sum_v p_v
+    #     pass 2: CE = sum_v p_v (lse - z_v), alpha = sum_v min(p_v, q_v), A = sum_{q_v < p_v} q_v
+    #     KIND ACCEPT: loss_r = c_acc alpha, no G (the logits are left as they are)
+    #     KIND LINEAR: loss_r = c_ce CE + c_acc (1 - alpha),  c_g = -c_acc
+    #     KIND LOG:    loss_r = c_ce CE + c_acc (-log max(alpha, floor)),
+    #                  c_g = -c_acc / alpha (0 below the floor)
+    #     pass 3 (LINEAR, LOG): G = dloss_r/dz = c_ce (q S - p) + c_g ([q < p] q - q A), over z in
+    #            z's dtype
+    # A row whose two weights are 0 stores loss 0 and G = 0 whatever its inputs.
     @triton.jit
     def _lk_rows_kernel(
         z_ptr, t_ptr, tidx_ptr, tlse_ptr, psum_ptr, w_ptr, loss_ptr, argmax_ptr,
         z_stride, t_stride, vocab, floor,
         BLOCK: tl.constexpr, HAS_TIDX: tl.constexpr, HAS_PSUM: tl.constexpr, KIND: tl.constexpr,
     ):
-        """One program per row. Pass 1 over Vd blocks: online max / sum-exp of z (draft lse), the
-        first argmax, S unless given. Pass 2: CE, alpha = sum min(p, q), A = sum_{q < p} q.
-        Pass 3 (not for ACCEPT): G over z in z's dtype. w_ptr: [rows, 2] fp32 (c_ce, c_acc).
-        HAS_TIDX / HAS_PSUM as soft_ce._soft_ce_rows_kernel."""
         row = tl.program_id(0).to(tl.int64)
         z_row, trow, t_row, tlse = row_operands(row, z_ptr, t_ptr, tidx_ptr, tlse_ptr, z_stride, t_stride, HAS_TIDX)
         c_ce = tl.load(w_ptr + 2 * row)
@@ -160,9 +146,44 @@ if HAS_TRITON:
 
 def _lk_rows_triton(logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_lse: torch.Tensor, weight: torch.Tensor,
                     teacher_index: torch.Tensor | None = None, teacher_psum: torch.Tensor | None = None, *, kind: int):
-    """Triton row pass, same contract as `_lk_rows_torch`."""
+    """Triton row pass (rows.RowsFn) with weight [c, 2] fp32 = (c_ce, c_acc): logits [c, Vd]
+    (overwritten with G unless kind is ACCEPT) -> (loss_rows [c] fp32, argmax [c]).
+    rows.launch_rows checks the operands (the message names them) before the launch."""
     return rows.launch_rows(_lk_rows_kernel, logits, teacher_logits, teacher_lse, weight, teacher_index, teacher_psum,
                             ALPHA_FLOOR, weights_per_row=2, KIND=kind)
+
+
+def _lk_rows_torch(logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_lse: torch.Tensor, weight: torch.Tensor,
+                   teacher_index: torch.Tensor | None = None, teacher_psum: torch.Tensor | None = None, *, kind: int):
+    """CPU path: the kernel's math in plain torch, fp32, same contract as `_lk_rows_triton`."""
+    if teacher_index is not None:  # row r's teacher is teacher row teacher_index[r]
+        index = teacher_index.long()
+        teacher_logits, teacher_lse = teacher_logits[index], teacher_lse[index]  # [c, Vd], [c]
+        teacher_psum = teacher_psum[index] if teacher_psum is not None else None
+    z = logits.float()  # a view when the logits are fp32: everything is read before G is written
+    p = torch.exp(teacher_logits.float() - teacher_lse[:, None])  # [c, Vd]
+    lse, argmax = torch.logsumexp(z, dim=-1), z.argmax(-1)  # [c], [c]
+    q = torch.exp(z - lse[:, None])  # [c, Vd]
+    c_ce, c_acc = weight[:, 0], weight[:, 1]  # [c], [c]
+    keep = (c_ce != 0) | (c_acc != 0)  # rows whose two weights are 0: loss 0 and G = 0 (no 0 * inf = nan)
+    zero = torch.zeros_like(lse)
+    alpha = torch.minimum(p, q).sum(-1)  # [c]
+    if kind == ACCEPT:
+        return torch.where(keep, c_acc * alpha, zero), argmax
+    below = torch.where(q < p, q, torch.zeros_like(q))  # [c, Vd]: min's draft branch
+    a_sum = below.sum(-1)  # [c]
+    p_sum = p.sum(-1) if teacher_psum is None else teacher_psum  # S [c]
+    ce = (p * (lse[:, None] - z)).sum(-1)  # [c]
+    if kind == LINEAR:
+        acc_loss, c_g = 1 - alpha, -c_acc
+    else:
+        ok = alpha >= ALPHA_FLOOR
+        acc_loss = -torch.log(alpha.clamp_min(ALPHA_FLOOR))
+        c_g = torch.where(ok, -c_acc / torch.where(ok, alpha, 1.0), zero)
+    grad = c_ce[:, None] * (q * p_sum[:, None] - p) + c_g[:, None] * (below - q * a_sum[:, None])  # [c, Vd]
+    logits.copy_(torch.where(keep[:, None], grad, torch.zeros_like(grad)))
+    loss = torch.where(c_ce != 0, c_ce * ce, zero) + c_acc * acc_loss
+    return torch.where(keep, loss, torch.zeros_like(loss)), argmax
 
 
 def lk_rows_fn(backend: str, kind: int) -> rows.RowsFn:
@@ -170,9 +191,9 @@ def lk_rows_fn(backend: str, kind: int) -> rows.RowsFn:
     return functools.partial(_lk_rows_triton if backend == "triton" else _lk_rows_torch, kind=kind)
 
 
-def _row_pass(kind: int):
-    """backend -> the LK row pass of `kind` (the row_pass argument of rows.py's chunk loops)."""
-    return functools.partial(lk_rows_fn, kind=kind)
+# ----------------------------------------------------------------------------------------------
+# The variants: each row's weight pair (c_ce, c_acc)
+# ----------------------------------------------------------------------------------------------
 
 
 def check_options(variant: str, kl_scale: float, kl_decay: float) -> None:
@@ -198,23 +219,48 @@ def _mean(weighted_sum: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# Single step: fused_lk_loss
+# Single step: fused_lk_loss, gradients computed in the forward, the backward scales them
 # ----------------------------------------------------------------------------------------------
 
 
 @torch.no_grad()
 def _lk_forward(draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight, need_grad_h,
-                need_grad_head, chunk, backend, *, variant, kl_scale, kl_decay):
-    """(loss fp32 scalar, argmax [N], grad_hidden | None, grad_head | None) through rows.py's loop."""
+                need_grad_head, chunk, backend, variant, kl_scale, kl_decay):
+    """(loss fp32 scalar, argmax [N], grad_hidden | None, grad_head | None) through rows.py's chunk
+    loop with the LK row pass; lambda: a first pass without gradients for abar."""
     args = (draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse)
     mean_acc = None
     if variant == "lambda":
         accept = torch.stack([torch.zeros_like(weight), weight], -1)
-        acc_sum, _, _, _ = rows.row_loss_forward(*args, accept, False, False, chunk, backend, row_pass=_row_pass(ACCEPT))
+        acc_sum, _, _, _ = rows.row_loss_forward(*args, accept, False, False, chunk, lk_rows_fn(backend, ACCEPT))
         mean_acc = _mean(acc_sum, weight)
     pairs = _row_weights(weight, mean_acc, variant, kl_scale, kl_decay)
-    return rows.row_loss_forward(*args, pairs, need_grad_h, need_grad_head, chunk, backend,
-                                 row_pass=_row_pass(LINEAR if variant == "lambda" else LOG))
+    return rows.row_loss_forward(*args, pairs, need_grad_h, need_grad_head, chunk,
+                                 lk_rows_fn(backend, LINEAR if variant == "lambda" else LOG))
+
+
+class LKLossFunction(torch.autograd.Function):
+    """fused_lk_loss with a gradient: the forward computes d loss / d draft_hidden and
+    d loss / d draft_head and saves them; the backward scales them by the upstream gradient."""
+
+    @staticmethod
+    def forward(ctx, draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight, chunk, backend,
+                variant, kl_scale, kl_decay):
+        loss, argmax, grad_hidden, grad_head = _lk_forward(
+            draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight, ctx.needs_input_grad[0],
+            ctx.needs_input_grad[1], chunk, backend, variant, kl_scale, kl_decay,
+        )
+        ctx.save_for_backward(grad_hidden, grad_head)
+        ctx.mark_non_differentiable(argmax)
+        ctx.backend = backend
+        return loss, argmax
+
+    @staticmethod
+    @once_differentiable  # the saved gradients are constants: a create_graph backward must fail, not drop terms
+    def backward(ctx, grad_loss, grad_argmax):
+        grad_hidden, grad_head = ctx.saved_tensors
+        rows.scale_grads_((grad_hidden, grad_head), grad_loss, ctx.backend)
+        return grad_hidden, grad_head, None, None, None, None, None, None, None, None, None
 
 
 def fused_lk_loss(draft_hidden: torch.Tensor, draft_head: torch.Tensor, teacher_hidden: torch.Tensor,
@@ -225,9 +271,13 @@ def fused_lk_loss(draft_hidden: torch.Tensor, draft_head: torch.Tensor, teacher_
     soft_ce.fused_soft_cross_entropy (shapes, dtypes, chunking, zero-weight rows) plus the
     variant and its weights; the lambda variant's abar is over this call's rows."""
     check_options(variant, kl_scale, kl_decay)
-    forward = functools.partial(_lk_forward, variant=variant, kl_scale=float(kl_scale), kl_decay=float(kl_decay))
-    return rows.row_loss(forward, draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight,
-                         chunk_tokens, backend)
+    args, chunk, backend = rows.prepare_row_loss(draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse,
+                                                 weight, chunk_tokens, backend)
+    options = (variant, float(kl_scale), float(kl_decay))
+    if rows.wants_grad(draft_hidden, draft_head):
+        return LKLossFunction.apply(*args, chunk, backend, *options)
+    loss, argmax, _, _ = _lk_forward(*args, False, False, chunk, backend, *options)
+    return loss, argmax
 
 
 # ----------------------------------------------------------------------------------------------
@@ -237,10 +287,9 @@ def fused_lk_loss(draft_hidden: torch.Tensor, draft_head: torch.Tensor, teacher_
 
 @torch.no_grad()
 def _lk_ttt_forward(draft_hiddens, draft_head, teacher_hidden, teacher_head, weight, shift, need_grad_h,
-                    need_grad_head, chunk, backend, *, packed, variant, kl_scale, kl_decay):
+                    need_grad_head, chunk, backend, packed, variant, kl_scale, kl_decay):
     """rows.py's TTT loops (per step or packed) with the LK row pass; lambda: a first pass
     without gradients for each step's abar. -> (step_losses [K], argmax [K, N], grads_h, grad_head)."""
-    forward = functools.partial(rows.ttt_forward, packed=packed)
     k_steps, n_rows = weight.shape
     # Rows without a teacher are never scored: their weight must not count in abar's denominator
     # either (a caller with check_weight=False may leave weight there).
@@ -251,12 +300,37 @@ def _lk_ttt_forward(draft_hiddens, draft_head, teacher_hidden, teacher_head, wei
     mean_acc = None
     if variant == "lambda":
         accept = torch.stack([torch.zeros_like(weight), weight], -1)  # [K, N, 2]
-        acc_sums, _, _, _ = forward(*args, accept, shift, [False] * k_steps, False, chunk, backend,
-                                    row_pass=_row_pass(ACCEPT))
+        acc_sums, _, _, _ = rows.ttt_forward(*args, accept, shift, [False] * k_steps, False, chunk, backend,
+                                             lk_rows_fn(backend, ACCEPT), packed)
         mean_acc = _mean(acc_sums, weight)  # [K]
     pairs = _row_weights(weight, mean_acc, variant, kl_scale, kl_decay)  # [K, N, 2]
-    return forward(*args, pairs, shift, need_grad_h, need_grad_head, chunk, backend,
-                   row_pass=_row_pass(LINEAR if variant == "lambda" else LOG))
+    return rows.ttt_forward(*args, pairs, shift, need_grad_h, need_grad_head, chunk, backend,
+                            lk_rows_fn(backend, LINEAR if variant == "lambda" else LOG), packed)
+
+
+class LKLossTTTFunction(torch.autograd.Function):
+    """fused_lk_loss_ttt with a gradient: the forward computes the gradients of the head and of
+    each step's hidden states and saves them; the backward scales them by the upstream gradient.
+    -> (loss = sum of the steps, step_losses [K], argmax [K, N])."""
+
+    @staticmethod
+    def forward(ctx, draft_head, teacher_hidden, teacher_head, weight, shift, chunk, backend, packed, variant, kl_scale,
+                kl_decay, *draft_hiddens):
+        step_losses, argmax, grads_hidden, grad_head = _lk_ttt_forward(
+            draft_hiddens, draft_head, teacher_hidden, teacher_head, weight, shift, ctx.needs_input_grad[11:],
+            ctx.needs_input_grad[0], chunk, backend, packed, variant, kl_scale, kl_decay,
+        )
+        ctx.save_for_backward(grad_head, *grads_hidden)
+        ctx.mark_non_differentiable(step_losses, argmax)
+        ctx.backend = backend
+        return step_losses.sum(), step_losses, argmax
+
+    @staticmethod
+    @once_differentiable  # the saved gradients are constants: a create_graph backward must fail, not drop terms
+    def backward(ctx, grad_loss, grad_steps, grad_argmax):
+        grad_head, *grads_hidden = ctx.saved_tensors
+        rows.scale_grads_((grad_head, *grads_hidden), grad_loss, ctx.backend)
+        return (grad_head, *[None] * 10, *grads_hidden)
 
 
 def fused_lk_loss_ttt(draft_hiddens: Sequence[torch.Tensor], draft_head: torch.Tensor, teacher_hidden: torch.Tensor,
@@ -270,7 +344,11 @@ def fused_lk_loss_ttt(draft_hiddens: Sequence[torch.Tensor], draft_head: torch.T
     draft argmax [K, N] int64). The lambda variant's abar and lam are per step, over that step's
     weighted rows."""
     check_options(variant, kl_scale, kl_decay)
-    forward = functools.partial(_lk_ttt_forward, packed=bool(packed), variant=variant, kl_scale=float(kl_scale),
-                                kl_decay=float(kl_decay))
-    return rows.ttt_loss(forward, draft_hiddens, draft_head, teacher_hidden, teacher_head, weight, teacher_shift,
-                         chunk_tokens, backend, check_weight)
+    args, chunk, backend = rows.prepare_ttt_loss(draft_hiddens, draft_head, teacher_hidden, teacher_head, weight,
+                                                 teacher_shift, chunk_tokens, backend, check_weight)
+    options = (bool(packed), variant, float(kl_scale), float(kl_decay))
+    if rows.wants_grad(draft_head, *draft_hiddens):
+        return LKLossTTTFunction.apply(*args, teacher_shift, chunk, backend, *options, *draft_hiddens)
+    step_losses, argmax, _, _ = _lk_ttt_forward(draft_hiddens, *args, teacher_shift, [False] * len(draft_hiddens), False,
+                                                chunk, backend, *options)
+    return step_losses.sum(), step_losses, argmax

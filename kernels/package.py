@@ -5,8 +5,10 @@ tests (the loss's is eagleforge.train.loss, which the trainer can also run):
 - `soft_ce`: the EAGLE-3 fused linear soft cross-entropy, one step (docs/training.md), and the
   teacher's logsumexp; `soft_ce_ttt`: all TTT steps at once, the teacher shared.
 - `lk`: the acceptance-aware LK loss in the same two forms.
-- `rows`: what those losses share: each is a row pass (torch and Triton) run by rows' chunk
-  loops, checks, Triton launcher and autograd Functions.
+  Each loss file holds its row pass (the Triton kernel, its launcher, the CPU path) and, per op,
+  the autograd Function whose forward computes the gradients and whose backward scales them.
+- `rows`: helpers those losses share: input checks, the chunk loops around a row pass, the
+  row kernels' launcher, the teacher's lse, the backward's scaling.
 - `int4_moe`: the W4A16 routed experts of the native extraction (and its slot combine).
 - `rms_norm`: RMSNorm in one pass for the native extraction.
 - `optional_triton`: triton, tl and HAS_TRITON for all of them (Triton is optional).

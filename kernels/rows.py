@@ -1,7 +1,16 @@
-"""What the fused per-row losses share (the soft cross-entropy: soft_ce.py, soft_ce_ttt.py; the LK
-loss: lk.py): everything but the math of their row pass.
+"""What the fused per-row losses (soft_ce.py, soft_ce_ttt.py, lk.py) share: helpers, not a
+framework. Each op file holds its own math (a Triton kernel, its launcher, the CPU path), its
+autograd Function and its entry point; this module holds what they would otherwise repeat:
+- backends, chunk sizes and the input checks (`prepare_row_loss`, `prepare_ttt_loss`);
+- the Triton row kernels' common pieces (`row_operands`, `row_pass1`, `row_block`) and their one
+  launcher (`launch_rows`, which checks the operands);
+- the teacher's side of a row pass, lse and S once per teacher row (`teacher_lse_fns`);
+- the chunk loops that run the matmuls around an op's row pass and compute the gradients in the
+  forward: one step (`row_loss_forward`), all TTT steps with the teacher shared (`ttt_forward`,
+  per step or packed);
+- the backward's scaling of those gradients by the upstream (`scale_grads_`).
 
-A loss here is a ROW PASS, a function with this contract (`RowsFn`):
+A row pass (`RowsFn`) is one op's math on one chunk of logits:
 
     rows_fn(logits [c, Vd], teacher_logits [c', Vd], teacher_lse [c'] fp32, weight [c] or [c, k] fp32,
             teacher_index [c] int32 | None = None, teacher_psum [c'] fp32 | None = None)
@@ -9,18 +18,7 @@ A loss here is a ROW PASS, a function with this contract (`RowsFn`):
 
 (one teacher row per row, c' = c, or the row named by teacher_index; teacher_psum: S = sum_v p_v
 per teacher row, summed by the row pass when not given; rows whose weights are all 0 give 0 loss
-and G = 0 whatever their inputs). A loss file holds its row pass on both backends (torch, from
-`torch_row_operands` to `torch_row_outputs`; a Triton kernel built on `row_operands`, `row_pass1`
-and `row_block`, launched by `launch_rows`) and its entry points; this module holds the rest:
-- backends, chunk sizes and the input checks (`prepare_row_loss`, `check_ttt_inputs`);
-- the teacher's side of a row pass (lse and S, once per teacher row): `teacher_lse_fns`;
-- the chunk loops that run the matmuls around a row pass, the gradients computed in the forward:
-  one step (`row_loss_forward`), all TTT steps with the teacher shared (`ttt_forward`, per step
-  or packed);
-- the autograd Functions whose backward scales those gradients by the upstream (`scale_grads_`),
-  and `row_loss` / `ttt_loss`, which run an op's forward through them or alone.
-
-A `row_pass` argument is a function backend -> RowsFn ("torch" or "triton").
+and G = 0 whatever their inputs).
 """
 
 from __future__ import annotations
@@ -29,7 +27,6 @@ import os
 from typing import Callable
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from eagleforge.kernels.optional_triton import HAS_TRITON, tl, triton
 
@@ -125,10 +122,11 @@ def _check_no_teacher_weight(weight: torch.Tensor, shift: int) -> None:
                          f"lies past the last of {n_rows} rows")
 
 
-def check_ttt_inputs(draft_hiddens, draft_head, teacher_hidden, teacher_head, weight, teacher_shift: int,
-                     chunk_tokens: int | None, backend: str, check_weight: bool) -> tuple[str, int]:
-    """The preconditions of a TTT-form call (shapes, dtypes, devices; see
-    soft_ce_ttt.fused_soft_cross_entropy_ttt) -> (resolved backend, rows per chunk)."""
+def prepare_ttt_loss(draft_hiddens, draft_head, teacher_hidden, teacher_head, weight, teacher_shift: int,
+                     chunk_tokens: int | None, backend: str, check_weight: bool) -> tuple[tuple, int, str]:
+    """The checks and the argument tuple of an all-steps op (shapes, dtypes, devices; see
+    soft_ce_ttt.fused_soft_cross_entropy_ttt). -> ((draft_head, teacher_hidden, teacher_head,
+    weight) with the constants detached, chunk rows, backend)."""
     if len(draft_hiddens) == 0:
         raise ValueError("draft_hiddens is empty: need one [N, H] tensor per TTT step")
     check_pair(teacher_hidden, teacher_head, "teacher_hidden", "teacher_head")
@@ -151,53 +149,16 @@ def check_ttt_inputs(draft_hiddens, draft_head, teacher_hidden, teacher_head, we
     backend = resolve_backend(backend, teacher_hidden.device)
     chunk = chunk_tokens or default_chunk_tokens(vocab, draft_head.dtype, teacher_hidden.device)
     check_chunk(chunk)
-    return backend, chunk
+    return (draft_head, teacher_hidden.detach(), teacher_head.detach(), weight.detach()), chunk, backend
+
+
+def wants_grad(*tensors: torch.Tensor) -> bool:
+    """Whether an op runs through its autograd Function (else its forward alone, no gradient work)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 # ----------------------------------------------------------------------------------------------
-# Row passes on the torch backend: the common start, the teacher's side
-# ----------------------------------------------------------------------------------------------
-
-
-def torch_row_operands(logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_lse: torch.Tensor,
-                       teacher_index: torch.Tensor | None = None, teacher_psum: torch.Tensor | None = None):
-    """The start of a torch row pass -> (z = the logits in fp32 [c, Vd] (a view when they are
-    fp32: build G before writing it), p = exp(teacher logits - teacher lse) [c, Vd] fp32 of each
-    row's teacher, the draft lse [c], the first argmax [c], S [c] of each row's teacher if given
-    else None)."""
-    if teacher_index is not None:
-        rows = teacher_index.long()
-        teacher_logits, teacher_lse = teacher_logits[rows], teacher_lse[rows]  # [c, Vd], [c]
-        teacher_psum = teacher_psum[rows] if teacher_psum is not None else None
-    z = logits.float()
-    p = torch.exp(teacher_logits.float() - teacher_lse[:, None])
-    return z, p, torch.logsumexp(z, dim=-1), z.argmax(-1), teacher_psum
-
-
-def torch_row_outputs(logits: torch.Tensor, keep: torch.Tensor, loss: torch.Tensor, grad: torch.Tensor,
-                      argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The end of a torch row pass: G [c, Vd] written over the logits in their dtype; rows not
-    kept (all their weights 0) get loss 0 and G = 0 whatever their inputs (no 0 * inf = nan).
-    -> (loss_rows [c], argmax [c])."""
-    logits.copy_(torch.where(keep[:, None], grad, torch.zeros_like(grad)))
-    return torch.where(keep, loss, torch.zeros_like(loss)), argmax
-
-
-def _lse_torch(teacher_logits: torch.Tensor) -> torch.Tensor:
-    """[c, Vd] -> [c] fp32."""
-    return torch.logsumexp(teacher_logits.float(), dim=-1)
-
-
-def _lse_psum_torch(teacher_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[c, Vd] -> (lse [c] fp32, S = sum_v exp(t_v - lse) [c] fp32): the teacher's side of the row
-    pass, once per teacher row for all the TTT steps that share it."""
-    t = teacher_logits.float()
-    lse = torch.logsumexp(t, dim=-1)
-    return lse, torch.exp(t - lse[:, None]).sum(-1)
-
-
-# ----------------------------------------------------------------------------------------------
-# Row passes on the Triton backend: their common pieces, the launcher, the teacher's side
+# The Triton row kernels: their common pieces and their launcher
 # ----------------------------------------------------------------------------------------------
 
 
@@ -252,41 +213,6 @@ if HAS_TRITON:
         z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
         t = tl.load(t_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
         return cols, mask, z, tl.exp(t - tlse)
-
-    @triton.jit
-    def _row_lse_kernel(t_ptr, out_ptr, psum_ptr, t_stride, vocab, BLOCK: tl.constexpr, WITH_PSUM: tl.constexpr):
-        """One program per row: out = logsumexp(t_row) in fp32, online over Vd blocks; WITH_PSUM
-        also psum = sum exp(t - lse) (a second pass over the row)."""
-        row = tl.program_id(0).to(tl.int64)
-        t_row = t_ptr + row * t_stride
-        offs = tl.arange(0, BLOCK)
-        m = float("-inf")
-        l = 0.0
-        for start in range(0, vocab, BLOCK):
-            cols = start + offs
-            t = tl.load(t_row + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-            m_new = tl.maximum(m, tl.max(t, axis=0))
-            l = l * tl.exp(m - m_new) + tl.sum(tl.exp(t - m_new), axis=0)
-            m = m_new
-        lse = m + tl.log(l)
-        tl.store(out_ptr + row, lse)
-        if WITH_PSUM:
-            p_sum = 0.0
-            for start in range(0, vocab, BLOCK):
-                cols = start + offs
-                t = tl.load(t_row + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-                p_sum += tl.sum(tl.exp(t - lse), axis=0)
-            tl.store(psum_ptr + row, p_sum)
-
-    @triton.jit
-    def _scale_kernel(g_ptr, up_ptr, n, BLOCK: tl.constexpr):
-        """g *= up in place, in fp32 (up: one fp32 value on the device, read by the kernel)."""
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        up = tl.load(up_ptr)
-        g = tl.load(g_ptr + offs, mask=mask)
-        # round to nearest even as torch does (the interpreter would truncate by default)
-        tl.store(g_ptr + offs, (g.to(tl.float32) * up).to(g_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
 
 def interpreting() -> bool:
@@ -354,6 +280,52 @@ def launch_rows(kernel, logits: torch.Tensor, teacher_logits: torch.Tensor, teac
     return loss_rows, argmax
 
 
+# ----------------------------------------------------------------------------------------------
+# The teacher's side of a row pass: lse and S, once per teacher row
+# ----------------------------------------------------------------------------------------------
+
+
+def _lse_torch(teacher_logits: torch.Tensor) -> torch.Tensor:
+    """[c, Vd] -> [c] fp32."""
+    return torch.logsumexp(teacher_logits.float(), dim=-1)
+
+
+def _lse_psum_torch(teacher_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[c, Vd] -> (lse [c] fp32, S = sum_v exp(t_v - lse) [c] fp32): the teacher's side of the row
+    pass, once per teacher row for all the TTT steps that share it."""
+    t = teacher_logits.float()
+    lse = torch.logsumexp(t, dim=-1)
+    return lse, torch.exp(t - lse[:, None]).sum(-1)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _row_lse_kernel(t_ptr, out_ptr, psum_ptr, t_stride, vocab, BLOCK: tl.constexpr, WITH_PSUM: tl.constexpr):
+        """One program per row: out = logsumexp(t_row) in fp32, online over Vd blocks; WITH_PSUM
+        also psum = sum exp(t - lse) (a second pass over the row)."""
+        row = tl.program_id(0).to(tl.int64)
+        t_row = t_ptr + row * t_stride
+        offs = tl.arange(0, BLOCK)
+        m = float("-inf")
+        l = 0.0
+        for start in range(0, vocab, BLOCK):
+            cols = start + offs
+            t = tl.load(t_row + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(t, axis=0))
+            l = l * tl.exp(m - m_new) + tl.sum(tl.exp(t - m_new), axis=0)
+            m = m_new
+        lse = m + tl.log(l)
+        tl.store(out_ptr + row, lse)
+        if WITH_PSUM:
+            p_sum = 0.0
+            for start in range(0, vocab, BLOCK):
+                cols = start + offs
+                t = tl.load(t_row + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+                p_sum += tl.sum(tl.exp(t - lse), axis=0)
+            tl.store(psum_ptr + row, p_sum)
+
+
 def _lse_triton(teacher_logits: torch.Tensor, with_psum: bool = False):
     """[c, Vd] -> lse [c] fp32, or (lse, psum) with `with_psum` (see `_lse_psum_torch`)."""
     _need_triton()
@@ -384,7 +356,7 @@ def teacher_lse_fns(backend: str):
 
 def one_chunk(h, draft_head, teacher_logits, teacher_lse, weight, zbuf, rows_fn, grad_h_out, grad_head, first,
               teacher_psum=None):
-    """Draft logits, row pass, both gradient matmuls for one chunk of rows h [c, H].
+    """Draft logits, row pass `rows_fn`, both gradient matmuls for one chunk of rows h [c, H].
     -> (loss_rows [c], argmax [c]); grad_head accumulated in place (beta 0 on the first chunk)."""
     zb = zbuf[: h.shape[0]]
     torch.mm(h, draft_head.T, out=zb)  # [c, Vd] draft logits
@@ -398,11 +370,10 @@ def one_chunk(h, draft_head, teacher_logits, teacher_lse, weight, zbuf, rows_fn,
 
 @torch.no_grad()
 def row_loss_forward(draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight,
-                     need_grad_h, need_grad_head, chunk, backend, *, row_pass):
-    """One step over chunks of rows, the row pass `row_pass(backend)` -> (loss fp32 scalar,
-    argmax [N], grad_hidden [N, H] | None, grad_head [Vd, H] | None). weight may carry trailing
-    dims ([N, 2] for the LK row pass), sliced by row here."""
-    rows_fn = row_pass(backend)
+                     need_grad_h, need_grad_head, chunk, rows_fn: RowsFn):
+    """One step over chunks of rows, the row pass `rows_fn` -> (loss fp32 scalar, argmax [N],
+    grad_hidden [N, H] | None, grad_head [Vd, H] | None). weight may carry trailing dims ([N, 2]
+    for the LK row pass), sliced by row here."""
     n_rows, vocab = draft_hidden.shape[0], draft_head.shape[0]
     dev = draft_hidden.device
     loss_rows = torch.empty(n_rows, dtype=torch.float32, device=dev)
@@ -430,8 +401,8 @@ def row_loss_forward(draft_hidden, draft_head, teacher_hidden, teacher_head, tea
 def _ttt_outputs(draft_hiddens, draft_head, n_rows: int, need_grad_h, need_grad_head):
     """(loss_rows [K, N] fp32 zeros, argmax [K, N], grads_h, grad_head) of the TTT forwards. The
     gradients are left EMPTY: every row with a teacher is written by its chunk, `_ttt_tails`
-    zeroes the rest, and the first grad-head addmm has beta 0 (zero-filling them cost ~0.9 ms a
-    call at T = 8192 on an H200)."""
+    zeroes the rest, and the first grad-head addmm has beta 0 (what zero-filling them cost:
+    BENCHMARKS.md, "Fused EAGLE-3 loss")."""
     k_steps, dev = len(draft_hiddens), draft_head.device
     loss_rows = torch.zeros(k_steps, n_rows, dtype=torch.float32, device=dev)
     argmax = torch.empty(k_steps, n_rows, dtype=torch.int64, device=dev)
@@ -459,14 +430,15 @@ def _ttt_tails(draft_hiddens, draft_head, shift: int, argmax, grads_h, grad_head
 
 
 def ttt_forward(draft_hiddens, draft_head, teacher_hidden, teacher_head, weight, shift, need_grad_h, need_grad_head,
-                chunk, backend, *, packed: bool, row_pass):
-    """All K TTT steps over chunks of teacher positions, the row pass `row_pass(backend)`, per step
-    or `packed` -> (step_losses [K] fp32, argmax [K, N], grads_h list of [N, H] | None, grad_head |
-    None). Step j's row n has teacher row n + shift + j; rows without one get argmax only (and
-    must have weight 0). weight [K, N] may carry trailing dims ([K, N, 2] for the LK row pass)."""
+                chunk, backend, rows_fn: RowsFn, packed: bool):
+    """All K TTT steps over chunks of teacher positions, the row pass `rows_fn` (of `backend`, whose
+    teacher lse and S it uses), per step or `packed` -> (step_losses [K] fp32, argmax [K, N],
+    grads_h list of [N, H] | None, grad_head | None). Step j's row n has teacher row n + shift + j;
+    rows without one get argmax only (and must have weight 0). weight [K, N] may carry trailing
+    dims ([K, N, 2] for the LK row pass)."""
     forward = _ttt_forward_packed if packed else _ttt_forward_per_step
     return forward(draft_hiddens, draft_head, teacher_hidden, teacher_head, weight, shift, need_grad_h, need_grad_head,
-                   chunk, backend, row_pass(backend))
+                   chunk, backend, rows_fn)
 
 
 @torch.no_grad()
@@ -515,7 +487,7 @@ def _packed_index(spans, n_rows: int, shift: int, dev) -> tuple[torch.Tensor, to
 
 def _scatter_grads(grads_h, packed: torch.Tensor, spans, s0: int, shift: int) -> None:
     """Packed hidden-state gradients [P, H] to their steps, one contiguous copy per step (an index
-    copy of all rows at once was slower: 95 us against ~70 us for the seven copies on an H200)."""
+    copy of all rows at once was slower: BENCHMARKS.md, "Fused EAGLE-3 loss")."""
     off = 0
     for j, t0, t1 in spans:
         n = t1 - t0
@@ -592,12 +564,26 @@ def _ttt_forward_packed(draft_hiddens, draft_head, teacher_hidden, teacher_head,
 
 
 # ----------------------------------------------------------------------------------------------
-# Gradients computed in the forward: the autograd Functions and the ops' entry
+# The backward: the gradients computed in the forward, scaled by the upstream
 # ----------------------------------------------------------------------------------------------
+
 
 # fp32 temporaries of `scale_grads_` stay within this many elements (64 MiB).
 _SCALE_CHUNK_ELEMENTS = 2**24
 _SCALE_BLOCK = 4096  # elements per program of _scale_kernel (16 per thread at 8 warps)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _scale_kernel(g_ptr, up_ptr, n, BLOCK: tl.constexpr):
+        """g *= up in place, in fp32 (up: one fp32 value on the device, read by the kernel)."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        up = tl.load(up_ptr)
+        g = tl.load(g_ptr + offs, mask=mask)
+        # round to nearest even as torch does (the interpreter would truncate by default)
+        tl.store(g_ptr + offs, (g.to(tl.float32) * up).to(g_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
 
 def scale_grads_(grads, upstream: torch.Tensor, backend: str) -> None:
@@ -605,9 +591,9 @@ def scale_grads_(grads, upstream: torch.Tensor, backend: str) -> None:
     bf16). No host sync: testing for the usual upstream of 1 would read a device value back and
     stall the launch queue at the start of every backward, so the pass is always made: on the
     Triton backend one kernel per gradient reading the upstream on the device (one read and one
-    write: ~0.6 ms for the 7 TTT steps' gradients at T = 8192; the chunked fp32 torch version,
-    three kernels per 2^24 elements, took 5.2 ms on an H200); on the torch backend in chunks
-    of bounded fp32 temporaries.
+    write, where the chunked fp32 torch version makes three kernels per 2^24 elements; both
+    measured: BENCHMARKS.md, "Fused EAGLE-3 loss"); on the torch backend in chunks of bounded
+    fp32 temporaries.
     In place: a second backward through the same graph (retain_graph) is refused by autograd's
     own version check on the saved tensors ("modified by an inplace operation"), not scaled twice."""
     upstream = upstream.detach().reshape(1)
@@ -626,82 +612,3 @@ def scale_grads_(grads, upstream: torch.Tensor, backend: str) -> None:
             continue
         for part in flat.split(_SCALE_CHUNK_ELEMENTS):
             part.copy_(part.float().mul_(up32))
-
-
-class FusedRowLoss(torch.autograd.Function):
-    """A single-step op whose gradients its forward computes: `forward_fn(draft_hidden, draft_head,
-    teacher_hidden, teacher_head, teacher_lse, weight, need_grad_hidden, need_grad_head, chunk,
-    backend) -> (loss, argmax, grad_hidden, grad_head)`; the backward scales the saved gradients
-    by the upstream one."""
-
-    @staticmethod
-    def forward(ctx, forward_fn, draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight, chunk,
-                backend):
-        loss, argmax, grad_h, grad_head = forward_fn(
-            draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight,
-            ctx.needs_input_grad[1], ctx.needs_input_grad[2], chunk, backend,
-        )
-        ctx.save_for_backward(grad_h, grad_head)
-        ctx.mark_non_differentiable(argmax)
-        ctx.backend = backend
-        return loss, argmax
-
-    @staticmethod
-    @once_differentiable  # the saved gradients are constants: a create_graph backward must fail, not drop terms
-    def backward(ctx, grad_loss, grad_argmax):
-        grad_h, grad_head = ctx.saved_tensors
-        scale_grads_((grad_h, grad_head), grad_loss, ctx.backend)
-        return None, grad_h, grad_head, None, None, None, None, None, None
-
-
-class FusedTTTLoss(torch.autograd.Function):
-    """All TTT steps of an op whose gradients its forward computes: `forward_fn(draft_hiddens,
-    draft_head, teacher_hidden, teacher_head, weight, shift, need_grad_hiddens, need_grad_head,
-    chunk, backend) -> (step_losses [K], argmax [K, N], grads_hidden, grad_head)`; returns
-    (loss = sum of the steps, step_losses, argmax)."""
-
-    @staticmethod
-    def forward(ctx, forward_fn, draft_head, teacher_hidden, teacher_head, weight, shift, chunk, backend, *draft_hiddens):
-        step_losses, argmax, grads_h, grad_head = forward_fn(
-            draft_hiddens, draft_head, teacher_hidden, teacher_head, weight, shift,
-            ctx.needs_input_grad[8:], ctx.needs_input_grad[1], chunk, backend,
-        )
-        ctx.save_for_backward(grad_head, *grads_h)
-        ctx.mark_non_differentiable(step_losses, argmax)
-        ctx.backend = backend
-        return step_losses.sum(), step_losses, argmax
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_loss, grad_steps, grad_argmax):
-        grad_head, *grads_h = ctx.saved_tensors
-        scale_grads_((grad_head, *grads_h), grad_loss, ctx.backend)
-        return (None, grad_head, None, None, None, None, None, None, *grads_h)
-
-
-def row_loss(forward_fn, draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight,
-             chunk_tokens: int | None, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """A single-step op (FusedRowLoss's `forward_fn`, e.g. `row_loss_forward` with a row pass) on
-    checked inputs: through FusedRowLoss when a gradient is wanted, else alone (no gradient
-    work). -> (loss, argmax)."""
-    args, chunk, backend = prepare_row_loss(draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight,
-                                            chunk_tokens, backend)
-    if torch.is_grad_enabled() and (draft_hidden.requires_grad or draft_head.requires_grad):
-        return FusedRowLoss.apply(forward_fn, *args, chunk, backend)
-    loss, argmax, _, _ = forward_fn(*args, False, False, chunk, backend)
-    return loss, argmax
-
-
-def ttt_loss(forward_fn, draft_hiddens, draft_head, teacher_hidden, teacher_head, weight, teacher_shift: int,
-             chunk_tokens: int | None, backend: str, check_weight: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """An all-steps op (FusedTTTLoss's `forward_fn`, e.g. `ttt_forward` with a row pass) on checked
-    inputs: through FusedTTTLoss when a gradient is wanted, else alone. -> (loss, step_losses,
-    argmax)."""
-    k_steps = len(draft_hiddens)
-    backend, chunk = check_ttt_inputs(draft_hiddens, draft_head, teacher_hidden, teacher_head, weight, teacher_shift,
-                                      chunk_tokens, backend, check_weight)
-    args = (draft_head, teacher_hidden.detach(), teacher_head.detach(), weight.detach(), teacher_shift, chunk, backend)
-    if torch.is_grad_enabled() and (draft_head.requires_grad or any(h.requires_grad for h in draft_hiddens)):
-        return FusedTTTLoss.apply(forward_fn, *args, *draft_hiddens)
-    step_losses, argmax, _, _ = forward_fn(draft_hiddens, *args[:5], [False] * k_steps, False, chunk, backend)
-    return step_losses.sum(), step_losses, argmax

@@ -15,29 +15,22 @@ gradient is exactly that of the formula) and q_n = softmax(z_n):
     G_n = dloss/dz_n = weight_n * (q_n * S_n - p_n)                                  [N, Vd]
     dloss/ddraft_hidden = G @ W        dloss/dW = G.T @ draft_hidden
 
-Two implementations, same numbers (the plain-torch formula that materializes [N, Vd] in fp32 is
-`eagleforge.train.loss.soft_cross_entropy`, the reference of the tests and benchmarks):
-- torch path (CPU default): chunks over tokens; per chunk the logits come from matmuls in the
-  input dtype and the softmax / gradient factor is plain torch in fp32.
-- Triton path (CUDA default), a HYBRID: the four matmuls per chunk are cuBLAS (torch.mm into
-  preallocated [C, Vd] buffers, no copies), and one Triton kernel per chunk does the
-  online-softmax pass over Vd blocks (lse, argmax, CE) and writes G in place over the logits.
-  Per chunk only two [C, Vd] buffers in the input dtype exist, never [N, Vd] in fp32.
+As in Liger-Kernel's fused linear losses, the gradients are computed during the forward and the
+backward only scales them by the upstream gradient. Per chunk of rows (kernels/rows.py's chunk
+loop) the four matmuls are cuBLAS / torch.mm in the input dtype into preallocated [C, Vd]
+buffers, and the row pass below computes lse, argmax, CE and writes G over the logits: the
+Triton kernel (CUDA default) in one program per row over Vd blocks, or the same math in plain
+torch in fp32 (CPU default). Never [N, Vd] in fp32. The all-steps TTT form is soft_ce_ttt.py, on
+the same row pass.
 
-Like Liger-Kernel's fused linear losses, the gradients are computed during the forward and the
-backward only scales them by the upstream gradient.
-
-This file holds the soft CE's row pass (torch and Triton) and the single-step op; the chunk
-loops, the checks and the autograd Function it runs through are kernels/rows.py's, shared with
-the LK loss. The multi-step form (all K TTT steps in one call, the teacher shared) is in
-soft_ce_ttt.py, on the same row pass.
+This file, top to bottom: the row pass (Triton kernel, launcher, CPU path), teacher_logsumexp,
+the autograd Function and the op `fused_soft_cross_entropy`.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
+from torch.autograd.function import once_differentiable
 
 from eagleforge.kernels import rows
 from eagleforge.kernels.optional_triton import HAS_TRITON, tl, triton
@@ -47,34 +40,26 @@ if HAS_TRITON:
 
 
 # ----------------------------------------------------------------------------------------------
-# Row pass: given one chunk of logits, lse / argmax / CE and the gradient factor G in place
+# Row pass: one chunk of logits -> weight * CE per row, argmax, and G in place of the logits
 # ----------------------------------------------------------------------------------------------
-
-
-def _rows_torch(logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_lse: torch.Tensor, weight: torch.Tensor,
-                teacher_index: torch.Tensor | None = None, teacher_psum: torch.Tensor | None = None):
-    """Torch row pass (rows.RowsFn): logits [c, Vd] (overwritten with G in its dtype), weight [c]
-    fp32 -> (weight * CE [c] fp32, argmax [c] int64)."""
-    z, p, lse, argmax, p_sum = rows.torch_row_operands(logits, teacher_logits, teacher_lse, teacher_index, teacher_psum)
-    p_sum = p.sum(-1) if p_sum is None else p_sum  # [c]
-    ce = -(p * (z - lse[:, None])).sum(-1)  # [c]
-    grad = (torch.exp(z - lse[:, None]) * p_sum[:, None] - p) * weight[:, None]  # [c, Vd]
-    return rows.torch_row_outputs(logits, weight != 0, weight * ce, grad, argmax)
 
 
 if HAS_TRITON:
 
+    # One program per row r, z = its draft logits, p = exp(t - teacher_lse) its teacher's
+    # probabilities (t: the teacher logits of row r, or of teacher row tidx[r] with HAS_TIDX, as
+    # the packed TTT form shares one teacher row among steps):
+    #     pass 1 (rows.row_pass1): lse = logsumexp(z), the first argmax, S = sum_v p_v (read per
+    #            teacher row with HAS_PSUM, when no teacher logit is read in this pass)
+    #     pass 2: CE = sum_v p_v (lse - z_v),  loss_r = w CE,
+    #             G = dloss_r/dz = w (exp(z - lse) S - p), stored over z in z's dtype
+    # A row of weight 0 stores loss 0 and G = 0 whatever its inputs.
     @triton.jit
     def _soft_ce_rows_kernel(
         z_ptr, t_ptr, tidx_ptr, tlse_ptr, psum_ptr, w_ptr, loss_ptr, argmax_ptr,
         z_stride, t_stride, vocab,
         BLOCK: tl.constexpr, HAS_TIDX: tl.constexpr, HAS_PSUM: tl.constexpr,
     ):
-        """One program per row. Pass 1 over Vd blocks (rows.row_pass1): online max / sum-exp of z
-        (draft lse), the first argmax, and (unless HAS_PSUM gives it per row) the sum of p, S.
-        Pass 2: CE = -sum p (z - lse) and G = w (exp(z - lse) S - p), written over z in z's dtype.
-        HAS_TIDX: row r's teacher (logits, lse, S) is teacher row tidx[r] (the packed TTT form
-        shares one teacher row among steps). With HAS_PSUM pass 1 reads no teacher logits at all."""
         row = tl.program_id(0).to(tl.int64)
         z_row, trow, t_row, tlse = row_operands(row, z_ptr, t_ptr, tidx_ptr, tlse_ptr, z_stride, t_stride, HAS_TIDX)
         w = tl.load(w_ptr + row)
@@ -95,8 +80,29 @@ if HAS_TRITON:
 
 def _rows_triton(logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_lse: torch.Tensor, weight: torch.Tensor,
                  teacher_index: torch.Tensor | None = None, teacher_psum: torch.Tensor | None = None):
-    """Triton row pass, same contract as `_rows_torch`."""
+    """Triton row pass (rows.RowsFn): logits [c, Vd] (overwritten with G in its dtype), weight [c]
+    fp32 -> (weight * CE [c] fp32, argmax [c] int64). rows.launch_rows checks the operands
+    (devices, shapes, dtypes, strides; the message names them) before the launch."""
     return rows.launch_rows(_soft_ce_rows_kernel, logits, teacher_logits, teacher_lse, weight, teacher_index, teacher_psum)
+
+
+def _rows_torch(logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_lse: torch.Tensor, weight: torch.Tensor,
+                teacher_index: torch.Tensor | None = None, teacher_psum: torch.Tensor | None = None):
+    """CPU path: the kernel's math in plain torch, fp32, same contract as `_rows_triton`."""
+    if teacher_index is not None:  # row r's teacher is teacher row teacher_index[r]
+        index = teacher_index.long()
+        teacher_logits, teacher_lse = teacher_logits[index], teacher_lse[index]  # [c, Vd], [c]
+        teacher_psum = teacher_psum[index] if teacher_psum is not None else None
+    z = logits.float()  # a view when the logits are fp32: everything is read before G is written
+    p = torch.exp(teacher_logits.float() - teacher_lse[:, None])  # [c, Vd]
+    lse, argmax = torch.logsumexp(z, dim=-1), z.argmax(-1)  # [c], [c]
+    p_sum = p.sum(-1) if teacher_psum is None else teacher_psum  # S [c]
+    ce = -(p * (z - lse[:, None])).sum(-1)  # [c]
+    grad = (torch.exp(z - lse[:, None]) * p_sum[:, None] - p) * weight[:, None]  # [c, Vd]
+    keep = weight != 0  # rows of weight 0: loss 0 and G = 0 (no 0 * inf = nan)
+    logits.copy_(torch.where(keep[:, None], grad, torch.zeros_like(grad)))
+    loss = weight * ce
+    return torch.where(keep, loss, torch.zeros_like(loss)), argmax
 
 
 def row_pass(backend: str) -> rows.RowsFn:
@@ -133,8 +139,38 @@ def teacher_logsumexp(teacher_hidden: torch.Tensor, teacher_head: torch.Tensor, 
 
 
 # ----------------------------------------------------------------------------------------------
-# Single step: fused_soft_cross_entropy
+# The op: gradients computed in the forward, the backward scales them
 # ----------------------------------------------------------------------------------------------
+
+
+def _forward(draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight, need_grad_hidden,
+             need_grad_head, chunk, backend):
+    """-> (loss fp32 scalar, argmax [N], grad_hidden | None, grad_head | None): rows.py's chunk
+    loop (draft and teacher logits, the row pass, the gradient matmuls) with this file's row pass."""
+    return rows.row_loss_forward(draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight,
+                                 need_grad_hidden, need_grad_head, chunk, row_pass(backend))
+
+
+class SoftCrossEntropyFunction(torch.autograd.Function):
+    """fused_soft_cross_entropy with a gradient: the forward computes d loss / d draft_hidden and
+    d loss / d draft_head and saves them; the backward scales them by the upstream gradient."""
+
+    @staticmethod
+    def forward(ctx, draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight, chunk, backend):
+        loss, argmax, grad_hidden, grad_head = _forward(draft_hidden, draft_head, teacher_hidden, teacher_head,
+                                                        teacher_lse, weight, ctx.needs_input_grad[0],
+                                                        ctx.needs_input_grad[1], chunk, backend)
+        ctx.save_for_backward(grad_hidden, grad_head)
+        ctx.mark_non_differentiable(argmax)
+        ctx.backend = backend
+        return loss, argmax
+
+    @staticmethod
+    @once_differentiable  # the saved gradients are constants: a create_graph backward must fail, not drop terms
+    def backward(ctx, grad_loss, grad_argmax):
+        grad_hidden, grad_head = ctx.saved_tensors
+        rows.scale_grads_((grad_hidden, grad_head), grad_loss, ctx.backend)
+        return grad_hidden, grad_head, None, None, None, None, None, None
 
 
 def fused_soft_cross_entropy(draft_hidden: torch.Tensor, draft_head: torch.Tensor, teacher_hidden: torch.Tensor,
@@ -145,6 +181,11 @@ def fused_soft_cross_entropy(draft_hidden: torch.Tensor, draft_head: torch.Tenso
     draft_hidden [N, H] and draft_head [Vd, H] get gradients; teacher_hidden [N, H],
     teacher_head [Vd, H], teacher_lse [N] fp32 (from `teacher_logsumexp`) and weight [N] fp32
     are constants. Never holds more than `chunk_tokens` x Vd logits. Rows with weight 0 give 0
-    loss and 0 gradient even if their teacher is not finite. backend: auto | torch | triton."""
-    return rows.row_loss(functools.partial(rows.row_loss_forward, row_pass=row_pass), draft_hidden, draft_head,
-                         teacher_hidden, teacher_head, teacher_lse, weight, chunk_tokens, backend)
+    loss and 0 gradient even if their teacher is not finite. backend: auto | torch | triton.
+    Without a gradient to compute, the forward runs alone (no gradient matmuls)."""
+    args, chunk, backend = rows.prepare_row_loss(draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse,
+                                                 weight, chunk_tokens, backend)
+    if rows.wants_grad(draft_hidden, draft_head):
+        return SoftCrossEntropyFunction.apply(*args, chunk, backend)
+    loss, argmax, _, _ = _forward(*args, False, False, chunk, backend)
+    return loss, argmax

@@ -2,19 +2,46 @@
 (docs/training.md): step j's row t has the teacher of position t + shift + j, so the teacher
 logits of a chunk of positions are computed ONCE and reused by every step; a TTT step costs three
 matmuls, not four, and the teacher lse needs no separate pass. The packed form skips the rows
-without a teacher. The row pass is soft_ce.py's; the chunk loops (per step and packed), the checks
-and the autograd Function are kernels/rows.py's, shared with the LK loss.
+without a teacher.
+
+The math, its gradient and the row pass (Triton kernel and CPU path) are soft_ce.py's; the chunk
+loops over teacher positions (per step or packed) are kernels/rows.py's `ttt_forward`, shared
+with the LK loss. This file holds the autograd Function and the op.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Sequence
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from eagleforge.kernels import rows
 from eagleforge.kernels.soft_ce import row_pass
+
+
+class SoftCrossEntropyTTTFunction(torch.autograd.Function):
+    """fused_soft_cross_entropy_ttt with a gradient: the forward computes the gradients of the
+    head and of each step's hidden states and saves them; the backward scales them by the
+    upstream gradient. -> (loss = sum of the steps, step_losses [K], argmax [K, N])."""
+
+    @staticmethod
+    def forward(ctx, draft_head, teacher_hidden, teacher_head, weight, shift, chunk, backend, packed, *draft_hiddens):
+        step_losses, argmax, grads_hidden, grad_head = rows.ttt_forward(
+            draft_hiddens, draft_head, teacher_hidden, teacher_head, weight, shift, ctx.needs_input_grad[8:],
+            ctx.needs_input_grad[0], chunk, backend, row_pass(backend), packed,
+        )
+        ctx.save_for_backward(grad_head, *grads_hidden)
+        ctx.mark_non_differentiable(step_losses, argmax)
+        ctx.backend = backend
+        return step_losses.sum(), step_losses, argmax
+
+    @staticmethod
+    @once_differentiable  # the saved gradients are constants: a create_graph backward must fail, not drop terms
+    def backward(ctx, grad_loss, grad_steps, grad_argmax):
+        grad_head, *grads_hidden = ctx.saved_tensors
+        rows.scale_grads_((grad_head, *grads_hidden), grad_loss, ctx.backend)
+        return (grad_head, None, None, None, None, None, None, None, *grads_hidden)
 
 
 def fused_soft_cross_entropy_ttt(draft_hiddens: Sequence[torch.Tensor], draft_head: torch.Tensor, teacher_hidden: torch.Tensor,
@@ -39,9 +66,14 @@ def fused_soft_cross_entropy_ttt(draft_hiddens: Sequence[torch.Tensor], draft_he
     value back (a host sync, which empties the launch queue); callers whose weights are zero
     there by construction (the trainer's, bench-train's) may pass False. Such rows are never
     scored either way: no teacher row past the end is read."""
-    forward = functools.partial(rows.ttt_forward, packed=bool(packed), row_pass=row_pass)
-    return rows.ttt_loss(forward, draft_hiddens, draft_head, teacher_hidden, teacher_head, weight, teacher_shift,
-                         chunk_tokens, backend, check_weight)
+    args, chunk, backend = rows.prepare_ttt_loss(draft_hiddens, draft_head, teacher_hidden, teacher_head, weight,
+                                                 teacher_shift, chunk_tokens, backend, check_weight)
+    packed = bool(packed)
+    if rows.wants_grad(draft_head, *draft_hiddens):
+        return SoftCrossEntropyTTTFunction.apply(*args, teacher_shift, chunk, backend, packed, *draft_hiddens)
+    step_losses, argmax, _, _ = rows.ttt_forward(draft_hiddens, *args, teacher_shift, [False] * len(draft_hiddens),
+                                                 False, chunk, backend, row_pass(backend), packed)
+    return step_losses.sum(), step_losses, argmax
 
 
 def matmul_flops_per_step(n_rows: int, hidden: int, vocab: int, shared_teacher_steps: int = 1) -> float:
