@@ -18,7 +18,6 @@ import dataclasses
 import itertools
 import math
 import os
-import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,55 +26,9 @@ from typing import Any
 import yaml
 
 from eagleforge import modes
-from eagleforge.atomic import sweep_leftovers, write_text_atomic
+from eagleforge.atomic import write_text_atomic
+from eagleforge.errors import ConfigError, UserInputError, bounded_repr, bounded_text
 
-
-class ConfigError(ValueError):
-    """A user's configuration mistake: one line that names the file, key and value."""
-
-
-# What an error message shows of a value a user gave: a long string, list or mapping is cut to
-# its start and says how much more there was, so no input can make an error line grow with it
-# (a 20,000-item list, a YAML alias bomb, a 10 MB string).
-SHOWN_CHARS = 120
-SHOWN_ITEMS = 6
-
-
-def bounded_repr(value: Any, depth: int = 2) -> str:
-    """repr(value), at most a few hundred characters whatever the value: strings past SHOWN_CHARS
-    and containers past SHOWN_ITEMS items end in "... (N more)", nesting past `depth` levels is
-    shown by its type and size, and each item is itself bounded (so a shared nested value is
-    never walked whole)."""
-    if isinstance(value, str):
-        return repr(value) if len(value) <= SHOWN_CHARS else f"{value[:SHOWN_CHARS]!r}... ({len(value) - SHOWN_CHARS} more characters)"
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 256:
-        return f"an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits"
-    if isinstance(value, (list, tuple, set, frozenset, dict)):
-        return _bounded_container(value, depth)
-    return bounded_text(repr(value))
-
-
-def bounded_text(text: str, limit: int = SHOWN_CHARS) -> str:
-    """`text` cut after `limit` characters, saying how many more there were."""
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
-
-
-def _bounded_container(value, depth: int) -> str:
-    if depth <= 0:
-        return f"<{type(value).__name__} of {len(value)} items>"
-    if isinstance(value, dict):
-        parts = [f"{bounded_repr(k, depth - 1)}: {bounded_repr(v, depth - 1)}" for k, v in itertools.islice(value.items(), SHOWN_ITEMS)]
-        opening, closing = "{", "}"
-    else:
-        parts = [bounded_repr(v, depth - 1) for v in itertools.islice(value, SHOWN_ITEMS)]
-        opening, closing = ("[", "]") if isinstance(value, list) else ("(", ")") if isinstance(value, tuple) else ("{", "}")
-    if len(value) > len(parts):
-        parts.append(f"... ({len(value) - len(parts)} more)")
-    return opening + ", ".join(parts) + closing
-
-
-# A config is a few dozen values: a YAML text holding more than this many (each alias counted
-# where it is used) is refused before anything walks it (an alias bomb expands to billions).
 MAX_YAML_VALUES = 100_000
 
 
@@ -746,67 +699,3 @@ def config_keys_help(sections: typing.Sequence[str] | None = None) -> str:
             choices = _CHOICES.get(f"{f.name}.{leaf.name}")
             lines.append(f"  {f.name}.{leaf.name} = {value!r}" + (f"   (one of {', '.join(map(str, choices))})" if choices else ""))
     return "\n".join(lines)
-
-
-def parse_cli(argv: list[str] | None = None, description: str = "",
-              sections: typing.Sequence[str] | None = None) -> Config:
-    """`--config FILE` plus `section.key=value` overrides; --help lists the keys of `sections`."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description=description, epilog=config_keys_help(sections),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=os.environ.get("CONFIG") or None, help="YAML file of overrides")
-    parser.add_argument("overrides", nargs="*", help="section.key=value")
-    args = parser.parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
-    return cfg
-
-
-def run_main(main: typing.Callable[[Config], Any], description: str, argv: list[str] | None = None,
-             sections: typing.Sequence[str] | None = None, launch: str | None = None,
-             launch_module: str | None = None) -> None:
-    """Entry-point wrapper: a user's mistake is one line on stderr and exit 2, no traceback; under
-    torchrun that line is printed once over all ranks (eagleforge/failures.py).
-    sections: the config sections the stage reads (its --help lists their keys).
-    launch: the stage's name ("extract", "train") when it runs under torchrun: started outside
-    it with a config that needs several processes, it runs `launch_module` (default
-    eagleforge.<launch>) with the same argv under torch.distributed.run and exits with its code
-    (eagleforge/launch.py)."""
-    import logging
-
-    from eagleforge import failures
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    try:
-        cfg = parse_cli(argv, description, sections)
-        if launch is not None:
-            from eagleforge.launch import relaunch, stop_with_launcher
-
-            code = relaunch(cfg, launch, sys.argv[1:] if argv is None else argv, launch_module)
-            if code is not None:
-                raise SystemExit(code)
-            stop_with_launcher()  # a rank: ends with its launcher, even one killed with SIGKILL
-        failures.watch_other_ranks()  # and within seconds of another rank's failure
-        _sweep_killed_writes(cfg)
-        main(cfg)
-        failures.stop_watching()
-    except (ConfigError, FileNotFoundError, UserInputError) as err:
-        failures.exit_with_user_error(err)
-    except Exception as err:
-        failures.exit_if_another_rank_failed(err)  # a rank blocked by another rank's user error: silent
-        raise
-
-
-def _sweep_killed_writes(cfg: Config) -> None:
-    """Remove what killed writes of earlier runs on this host left in RUN and in the cache (one
-    process per host; a live writer's temporary files, and other hosts', are left alone)."""
-    if os.environ.get("LOCAL_RANK", "0") != "0":
-        return
-    from eagleforge.target import cache_root
-
-    sweep_leftovers(cfg.run)
-    sweep_leftovers(cache_root(), depth=1)
-
-
-class UserInputError(ValueError):
-    """Bad input data or a mismatched file: the message names the file and the value."""

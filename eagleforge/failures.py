@@ -44,6 +44,8 @@ import time
 from datetime import timedelta
 from typing import NoReturn
 
+from eagleforge.errors import UserInputError
+
 # How long a failed rank waits for the other ranks' errors before printing. A rank that fails
 # later does not print the same line again (it finds it claimed); only the "rank R:" label differs.
 AGREE_SECONDS = 3.0
@@ -65,7 +67,6 @@ def one_line(err: BaseException) -> str:
 def out_of_memory(stage: str, key: str, value: int, planned_bytes: float | None, device=None) -> Exception:
     """The one line for a GPU out of memory in `stage`: the batch-size key to lower, its value, and
     what the stage's memory plan counted (None: no plan for this path)."""
-    from eagleforge.config import UserInputError
 
     where = f" on {device}" if device is not None else ""
     plan = (f"the memory plan counted {planned_bytes / 2**30:.1f} GiB per GPU at this size" if planned_bytes

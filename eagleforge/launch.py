@@ -37,7 +37,8 @@ import shlex
 import sys
 from dataclasses import dataclass
 
-from eagleforge.config import Config, UserInputError
+from eagleforge.config import Config
+from eagleforge.errors import UserInputError
 
 STAGES = ("extract", "train")  # the stages that run under torchrun
 USER_ERROR_EXIT = 2  # run_main's exit code for a user's mistake, its `error:` line already printed

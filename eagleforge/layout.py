@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eagleforge.config import UserInputError
+from eagleforge.errors import UserInputError
 
 log = logging.getLogger(__name__)
 
@@ -190,11 +190,16 @@ class Layout:
                 dist.destroy_process_group()
 
 
+def resolve_device(name: str) -> torch.device:
+    """A device key ("auto", "cpu", "cuda", "cuda:N"): auto = the GPU when there is one."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
 def resolve_rank_device(name: str, world_size: int) -> torch.device:
     """The device key ("auto", "cpu", "cuda", "cuda:N") as this rank's device: under torchrun
     (or for a bare "cuda") a GPU is cuda:LOCAL_RANK, made the current device."""
-    from eagleforge.target import resolve_device
-
     device = resolve_device(name)
     if device.type == "cuda":
         if world_size > 1 or device.index is None:

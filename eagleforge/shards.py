@@ -76,7 +76,8 @@ from typing import Any, Iterable
 import torch
 
 from eagleforge.atomic import atomic_path, write_json_atomic
-from eagleforge.config import UserInputError, check_model_sizes
+from eagleforge.config import check_model_sizes
+from eagleforge.errors import UserInputError
 
 log = logging.getLogger(__name__)
 

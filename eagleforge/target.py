@@ -16,7 +16,9 @@ from pathlib import Path
 import torch
 
 from eagleforge.atomic import atomic_dir
-from eagleforge.config import TargetConfig, UserInputError, bounded_repr
+from eagleforge.config import TargetConfig
+from eagleforge.errors import UserInputError, bounded_repr
+from eagleforge.layout import resolve_device, world_size_from_env
 
 log = logging.getLogger(__name__)
 
@@ -27,12 +29,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def cache_root() -> Path:
@@ -170,7 +166,6 @@ def device_map_kwargs(cfg: TargetConfig) -> dict:
     if cfg.device_map == "none":
         return {}
     from eagleforge.config import parse_max_memory
-    from eagleforge.layout import world_size_from_env
 
     world = world_size_from_env()
     if world > 1:

@@ -30,7 +30,9 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from eagleforge.atomic import atomic_path
-from eagleforge.config import Config, UserInputError, run_main, save_config
+from eagleforge.cli import run_main
+from eagleforge.config import Config, save_config
+from eagleforge.errors import UserInputError
 
 log = logging.getLogger(__name__)
 

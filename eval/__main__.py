@@ -6,7 +6,7 @@
 What is measured and written (RUN/eval/results.json, PNG plots beside it): eagleforge.eval.evaluate.
 """
 
-from eagleforge.config import run_main
+from eagleforge.cli import run_main
 from eagleforge.eval.evaluate import main
 
 if __name__ == "__main__":

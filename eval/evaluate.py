@@ -31,7 +31,8 @@ import torch
 from tqdm import tqdm
 
 from eagleforge.atomic import write_json_atomic
-from eagleforge.config import Config, UserInputError, save_config
+from eagleforge.config import Config, save_config
+from eagleforge.errors import UserInputError
 from eagleforge.eval import plots
 from eagleforge.eval.specdec import (
     Eagle3Drafter,

@@ -20,7 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from eagleforge.config import Config, UserInputError
+from eagleforge.config import Config
+from eagleforge.errors import UserInputError
 
 log = logging.getLogger(__name__)
 

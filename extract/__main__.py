@@ -15,7 +15,8 @@ One loop for both backends (extract/driver.py): target.backend=hf runs any trans
 
 from __future__ import annotations
 
-from eagleforge.config import Config, run_main
+from eagleforge.cli import run_main
+from eagleforge.config import Config
 
 
 def main(cfg: Config) -> None:

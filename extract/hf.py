@@ -15,7 +15,8 @@ import logging
 
 import torch
 
-from eagleforge.config import Config, UserInputError
+from eagleforge.config import Config
+from eagleforge.errors import UserInputError
 from eagleforge.extract.capture import HiddenStateCapture
 from eagleforge.extract.target import CapturingTarget, forward_packed, nonfinite_weights, select_rows
 from eagleforge.layout import Layout

@@ -14,7 +14,8 @@ import json
 import logging
 from pathlib import Path
 
-from eagleforge.config import Config, UserInputError
+from eagleforge.config import Config
+from eagleforge.errors import UserInputError
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from eagleforge.config import ConfigError, UserInputError
+from eagleforge.errors import ConfigError, UserInputError
 
 # The fp8 format lives with the shard format (eagleforge/shards.py); re-exported here for writers.
 from eagleforge.shards import FP8_DTYPE, FP8_MAX, dequantize_fp8, quantize_fp8, rows_sha256  # noqa: F401

@@ -16,7 +16,9 @@ import json
 import os
 import signal
 
-from eagleforge.config import Config, UserInputError, run_main
+from eagleforge.cli import run_main
+from eagleforge.config import Config
+from eagleforge.errors import UserInputError
 
 STAGE = os.environ.get("LAUNCH_PROBE_STAGE", "train")
 

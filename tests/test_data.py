@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagleforge.config import TargetConfig, UserInputError, load_config
+from eagleforge.config import TargetConfig, load_config
 from eagleforge.data.chat import render_chat, special_ids, tokenize_conversation, tokenize_messages
 from eagleforge.data.regenerate import read_conversations
 from eagleforge.data.stage import load_samples, main
+from eagleforge.errors import UserInputError
 from eagleforge.target import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]

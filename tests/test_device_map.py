@@ -11,7 +11,8 @@ import json
 import pytest
 import torch
 
-from eagleforge.config import ConfigError, TargetConfig, UserInputError, load_config, parse_max_memory
+from eagleforge.config import TargetConfig, load_config, parse_max_memory
+from eagleforge.errors import ConfigError, UserInputError
 from eagleforge.extract.capture import HiddenStateCapture
 from eagleforge.target import decoder_layers, final_norm, load_target
 

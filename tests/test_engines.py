@@ -152,7 +152,8 @@ def test_export_refuses_layer_0_for_the_deepseek_family_and_the_train_stage_befo
     """SGLang's DeepSeek-V2-family targets add one to eagle_config's ids only when the first is 1
     and take other lists as layer inputs: no list makes them capture the output of layer 0. The
     export refuses such a draft, naming the ids and why; the train stage refuses it before training."""
-    from eagleforge.config import Config, UserInputError
+    from eagleforge.config import Config
+    from eagleforge.errors import UserInputError
     from eagleforge.train.build import build_draft
 
     arch = target["architectures"][0]

@@ -167,7 +167,7 @@ def test_humaneval_prompts_through_chat_template(smollm2):
 
 
 def test_prompt_jsonl_rows_and_errors(smollm2, tmp_path):
-    from eagleforge.config import UserInputError
+    from eagleforge.errors import UserInputError
     from eagleforge.eval.evaluate import chat_prompt_ids, load_prompts
 
     _, tokenizer = smollm2

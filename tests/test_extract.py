@@ -109,7 +109,7 @@ def test_capture_tuple_outputs_and_errors():
     ({"id": 0, "input_ids": [5], "loss_mask": [1]}, "sample id 0 appears twice"),
 ])
 def test_bad_sample_rows_are_named_before_any_forward(row, named):
-    from eagleforge.config import UserInputError
+    from eagleforge.errors import UserInputError
     from eagleforge.extract.samples import check_samples
 
     good = {"id": 0, "input_ids": [4, 5], "loss_mask": [0, 1]}
@@ -367,7 +367,7 @@ _KILL_AT_THIRD_SHARD = textwrap.dedent("""
         return real_replace(src, dst)
 
     os.replace = replace
-    from eagleforge.config import run_main
+    from eagleforge.cli import run_main
     from eagleforge.extract.__main__ import main
     run_main(main, "extract (killed)", sys.argv[1:])
 """)
@@ -398,7 +398,7 @@ def test_sigkill_and_resume_reproduce_an_uninterrupted_run(tiny_run):
 
 _EXTRACT_UNDER_FSIZE_LIMIT = textwrap.dedent("""
     import resource, signal, sys
-    from eagleforge.config import run_main
+    from eagleforge.cli import run_main
     from eagleforge.extract.__main__ import main
 
     # A real full disk for this process: any write past the limit fails with EFBIG (SIGXFSZ
@@ -484,7 +484,7 @@ def test_changed_data_under_the_same_ids_is_refused_not_reused(tiny_run):
     date, so training used shards of the old data. Now both key on the samples' content."""
     import shutil
 
-    from eagleforge.config import UserInputError
+    from eagleforge.errors import UserInputError
     from eagleforge.vocab import check_shards_match_samples
 
     run_dir = tiny_run["root"] / "changed_data"

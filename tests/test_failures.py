@@ -31,7 +31,8 @@ STAGE = """
 import datetime
 import os
 import torch.distributed as dist
-from eagleforge.config import UserInputError, run_main
+from eagleforge.cli import run_main
+from eagleforge.errors import UserInputError
 
 def main(cfg):
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))  # a hang fails, in bounded time
@@ -164,7 +165,7 @@ def test_one_line_joins_a_message_of_several_lines():
 
 RANK_WITH_FAULTS = """
 import errno, os, sys, time
-from eagleforge.config import run_main
+from eagleforge.cli import run_main
 from eagleforge.extract.__main__ import main
 rank = int(os.environ["RANK"])
 if rank == 0:  # the disk is full for this rank's shards

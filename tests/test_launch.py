@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from eagleforge.config import UserInputError, load_config
+from eagleforge.config import load_config
+from eagleforge.errors import UserInputError
 from eagleforge.launch import processes_needed, relaunch
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,7 +13,8 @@ from test_loss import check_masked_rows_change_nothing, random_ttt_batch, run_tt
 from test_vocab import build_tiny_run
 from tiny_runs import train_variants
 
-from eagleforge.config import ConfigError, load_config
+from eagleforge.config import load_config
+from eagleforge.errors import ConfigError
 from eagleforge.kernels.lk import ALPHA_FLOOR
 from eagleforge.kernels.soft_ce import teacher_logsumexp
 from eagleforge.train.loss import get_loss_fn, lk_loss, soft_cross_entropy

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eagleforge.config import UserInputError
+from eagleforge.errors import UserInputError
 from eagleforge.extract.native import loader
 from eagleforge.extract.native.loader import build_model, check_reads, load_weights, plan_reads, read_checkpoint_info, read_safetensors_header
 from eagleforge.extract.native.parallel import TensorParallel, split_range

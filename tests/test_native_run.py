@@ -18,7 +18,8 @@ import pytest
 import torch
 from procs import spawn_ranks
 
-from eagleforge.config import UserInputError, load_config
+from eagleforge.config import load_config
+from eagleforge.errors import UserInputError
 from eagleforge.extract.driver import extract as extract_native
 from eagleforge.extract.native.loader import read_checkpoint_info
 from eagleforge.extract.native.model import ModelArgs

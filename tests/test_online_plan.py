@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from eagleforge.config import UserInputError, load_config
+from eagleforge.config import load_config
+from eagleforge.errors import UserInputError
 from eagleforge.train.online_plan import GIB, check_online_fits, plan_online
 
 

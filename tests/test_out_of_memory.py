@@ -13,7 +13,8 @@ import torch
 from test_vocab import build_tiny_run
 from tiny_runs import configure, write_tiny_llama
 
-from eagleforge.config import load_config, run_main
+from eagleforge.cli import run_main
+from eagleforge.config import load_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -18,7 +18,8 @@ import pytest
 import torch
 from procs import PROCESS_GROUP_TIMEOUT, spawn_ranks
 
-from eagleforge.config import UserInputError, load_config
+from eagleforge.config import load_config
+from eagleforge.errors import UserInputError
 from eagleforge.extract.driver import extract
 from eagleforge.extract.native.model import ModelArgs
 from eagleforge.extract.native.plan import (

@@ -23,8 +23,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from eagleforge.atomic import write_jsonl_atomic
-from eagleforge.config import Config, ConfigError, UserInputError, load_config
+from eagleforge.config import Config, load_config
 from eagleforge.data.sources import Stats, _read_local, _RowChecker, load_records
+from eagleforge.errors import ConfigError, UserInputError
 
 REPO = Path(__file__).resolve().parents[1]
 FUZZ = settings(max_examples=250, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))

@@ -23,11 +23,13 @@ import pytest
 from procs import listen_with_retry, port_in_use, port_nobody_listens_on
 from test_vllm_eval import _vllm_python_or_skip  # the one place that says how the vLLM tests run
 
-from eagleforge.config import ConfigError, TargetConfig, UserInputError, load_config, run_main
+from eagleforge.cli import run_main
+from eagleforge.config import TargetConfig, load_config
 from eagleforge.data import chat_client
 from eagleforge.data.chat import special_ids, tokenize_messages
 from eagleforge.data.regenerate import read_conversations
 from eagleforge.data.stage import load_samples, main
+from eagleforge.errors import ConfigError, UserInputError
 from eagleforge.target import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]

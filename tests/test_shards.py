@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from eagleforge.config import UserInputError
+from eagleforge.errors import UserInputError
 from eagleforge.shards import MANIFEST, ShardReader, ShardWriter, load_manifest, merge_manifests
 
 H, K = 13, 3  # odd hidden size, three aux layers
@@ -178,7 +178,7 @@ def test_failed_write_leaves_no_partial_shard(tmp_path, monkeypatch):
 _WRITE_UNDER_FSIZE_LIMIT = """
 import errno, json, resource, signal, sys
 import torch
-from eagleforge.config import UserInputError
+from eagleforge.errors import UserInputError
 from eagleforge.shards import ShardWriter
 
 hidden_dir, header, limit = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])

@@ -9,8 +9,9 @@ import logging
 import pytest
 import torch
 
-from eagleforge.config import ConfigError, TrainConfig, load_config
+from eagleforge.config import TrainConfig, load_config
 from eagleforge.draft import Eagle3Config, Eagle3Draft
+from eagleforge.errors import ConfigError
 from eagleforge.train.step_plan import GIB, RESERVE, draft_activation_bytes_per_token, plan_step
 
 H, HEADS, HD, INTER, VD, VOCAB = 7168, 64, 128, 18432, 32000, 163840

@@ -381,7 +381,7 @@ def test_embed_device_resolution():
     online source (batches built on the device) is a one-line error naming the key."""
     from types import SimpleNamespace
 
-    from eagleforge.config import UserInputError
+    from eagleforge.errors import UserInputError
     from eagleforge.train.step_plan import resolve_embed_device
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
@@ -398,7 +398,8 @@ def test_embed_device_resolution():
 def test_adam_beta2_reaches_the_optimizer_and_one_is_refused(tmp_path, tiny_llama_config):
     """train.adam_beta2 is the AdamW's beta2 (beta1 stays 0.9); 1.0 (no bias correction) is a
     config error naming the key."""
-    from eagleforge.config import ConfigError, load_config
+    from eagleforge.config import load_config
+    from eagleforge.errors import ConfigError
     from eagleforge.train.loop import Trainer
     from eagleforge.vocab import main as vocab_main
 
@@ -471,7 +472,7 @@ def test_warm_start_begins_at_the_loaded_drafts_heldout_figures(tmp_path, tiny_l
     vocabulary map is refused, naming the first draft id that maps elsewhere."""
     from safetensors.torch import load_file, save_file
 
-    from eagleforge.config import UserInputError
+    from eagleforge.errors import UserInputError
     from eagleforge.vocab import load_target_head
     from eagleforge.vocab import main as vocab_main
 

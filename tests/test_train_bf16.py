@@ -116,7 +116,7 @@ def test_bf16_resume_is_exact(runs):
 
 
 def test_bf16_parameters_refused_with_ddp_and_without_bf16(runs):
-    from eagleforge.config import UserInputError
+    from eagleforge.errors import UserInputError
     from eagleforge.train.step_plan import resolve_param_dtype
 
     tc = runs["single"].train
@@ -145,7 +145,7 @@ def test_resume_of_a_checkpoint_with_bf16_moments_is_refused(runs, tmp_path, mon
     import copy
     import shutil
 
-    from eagleforge.config import UserInputError
+    from eagleforge.errors import UserInputError
     from eagleforge.train import loop
 
     cfg = copy.deepcopy(runs["single"])

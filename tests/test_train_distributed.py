@@ -244,7 +244,8 @@ def _disk_full_on_one_rank(rank: int, world: int, run_dir: str, out_dir: str) ->
 
     import torch.distributed as dist
 
-    from eagleforge.config import Config, UserInputError
+    from eagleforge.config import Config
+    from eagleforge.errors import UserInputError
     from eagleforge.layout import Layout
     from eagleforge.train import checkpoint
 

@@ -19,7 +19,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from eagleforge.config import ConfigError, load_config
+from eagleforge.config import load_config
+from eagleforge.errors import ConfigError
 from eagleforge.eval import vllm_engine
 from eagleforge.eval.vllm_worker import spec_decode_counters
 

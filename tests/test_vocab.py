@@ -7,7 +7,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eagleforge.config import Config, UserInputError
+from eagleforge.config import Config
+from eagleforge.errors import UserInputError
 from eagleforge.vocab import (
     count_tokens,
     coverage,

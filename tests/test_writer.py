@@ -136,7 +136,7 @@ def test_fp8_error_on_real_hidden_states():
 def test_project_errors_arrive_as_themselves():
     """A full disk is a UserInputError from ShardWriter: the entry point must see that class (one
     line, exit 2), not a RuntimeError wrapping it."""
-    from eagleforge.config import UserInputError
+    from eagleforge.errors import UserInputError
 
     def full(meta, t):
         raise UserInputError("shard-00003.safetensors: cannot write, no space left on device")

@@ -38,7 +38,8 @@ number of ranks: the checkpoint is torch.distributed.checkpoint, and the data po
 train.resume=false starts afresh, and is refused where an earlier run's checkpoints are.
 """
 
-from eagleforge.config import Config, run_main, save_config
+from eagleforge.cli import run_main
+from eagleforge.config import Config, save_config
 from eagleforge.layout import env_rank
 from eagleforge.train.loop import train
 from eagleforge.train.onednn import bound_caches

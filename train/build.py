@@ -7,7 +7,8 @@ from dataclasses import asdict, fields
 
 import torch
 
-from eagleforge.config import Config, UserInputError, check_model_sizes
+from eagleforge.config import Config, check_model_sizes
+from eagleforge.errors import UserInputError
 from eagleforge.target import target_path
 
 

@@ -46,7 +46,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagleforge.atomic import clear_leftovers, remove_path, replace_dir
-from eagleforge.config import Config, UserInputError, save_config
+from eagleforge.config import Config, save_config
+from eagleforge.errors import UserInputError
 from eagleforge.layout import Layout
 from eagleforge.shards import disk_full_errno, disk_full_error
 from eagleforge.train.checkpoint_integrity import dcp_errors, describe_files, safe_reader, verify_checksums, write_checksums

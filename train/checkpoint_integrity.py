@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from eagleforge.atomic import write_json_atomic
-from eagleforge.config import UserInputError
+from eagleforge.errors import UserInputError
 from eagleforge.shards import file_sha256
 
 CHECKSUMS_FILE = "checksums.json"

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from eagleforge.config import UserInputError
+from eagleforge.errors import UserInputError
 from eagleforge.layout import Layout
 from eagleforge.modes import PARALLEL_MODES
 

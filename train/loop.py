@@ -26,7 +26,8 @@ from typing import Callable
 import torch
 
 from eagleforge.atomic import write_json_atomic
-from eagleforge.config import Config, UserInputError
+from eagleforge.config import Config
+from eagleforge.errors import UserInputError
 from eagleforge.failures import out_of_memory
 from eagleforge.layout import Layout, init_layout
 from eagleforge.modes import PLAIN_LOSS_MODES

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from eagleforge.config import Config, UserInputError
+from eagleforge.config import Config
+from eagleforge.errors import UserInputError
 from eagleforge.train.step_plan import AUTO_MODES, GIB, draft_activation_bytes_per_token, fixed_bytes, resolve_param_dtype, trainable_parameter_count
 
 

@@ -27,7 +27,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from eagleforge.config import ConfigError, UserInputError
+from eagleforge.errors import ConfigError, UserInputError
 
 THREAD_NAME = "batch-prefetch"
 

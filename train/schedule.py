@@ -28,7 +28,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from eagleforge.config import UserInputError
+from eagleforge.errors import UserInputError
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,8 @@ from typing import Protocol
 
 import torch
 
-from eagleforge.config import Config, UserInputError
+from eagleforge.config import Config
+from eagleforge.errors import UserInputError
 from eagleforge.layout import Layout
 from eagleforge.train.batching import Batch, pad_batch
 from eagleforge.train.schedule import Slot

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from eagleforge.config import UserInputError
+from eagleforge.errors import UserInputError
 from eagleforge.layout import Layout
 
 log = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from eagleforge.config import UserInputError
+from eagleforge.errors import UserInputError
 
 log = logging.getLogger(__name__)
 

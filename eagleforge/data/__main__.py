@@ -1,4 +1,4 @@
-from eagleforge.config import run_main
+from eagleforge.cli import run_main
 from eagleforge.data.stage import main
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import functools
 import logging
 import re
 
-from eagleforge.config import UserInputError
+from eagleforge.errors import UserInputError
 
 log = logging.getLogger(__name__)
 

@@ -37,8 +37,8 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 
-from eagleforge.config import UserInputError
 from eagleforge.data.chat import THINK_CLOSE, THINK_OPEN
+from eagleforge.errors import UserInputError
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,10 @@ import os
 import time
 from pathlib import Path
 
-from eagleforge.config import Config, UserInputError
+from eagleforge.config import Config
 from eagleforge.data.chat import THINK_OPEN, TemplateMismatch, prompt_ids, render_chat, screen_special_text, special_ids
 from eagleforge.data.sources import Record, Stats, prompt_part
+from eagleforge.errors import UserInputError
 
 log = logging.getLogger(__name__)
 

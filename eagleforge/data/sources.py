@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Callable
 
 from eagleforge.atomic import write_jsonl_atomic
-from eagleforge.config import Config, UserInputError
+from eagleforge.config import Config
+from eagleforge.errors import UserInputError
 
 log = logging.getLogger(__name__)
 

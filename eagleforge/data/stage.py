@@ -43,10 +43,11 @@ import logging
 from pathlib import Path
 
 from eagleforge.atomic import write_json_atomic, write_jsonl_atomic
-from eagleforge.config import Config, UserInputError, save_config
+from eagleforge.config import Config, save_config
 from eagleforge.data.chat import TemplateMismatch, fit_length, screen_special_text, tokenize_messages
 from eagleforge.data.regenerate import regenerate
 from eagleforge.data.sources import Record, Stats, load_records, with_system_prompt
+from eagleforge.errors import UserInputError
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from eagleforge.config import UserInputError
+from eagleforge.errors import UserInputError
 from eagleforge.extract.native import int4
 from eagleforge.extract.native.model import DeepseekV3ForExtraction, ModelArgs, RoutedExperts
 from eagleforge.extract.native.parallel import TensorParallel

@@ -31,8 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
-from eagleforge.config import UserInputError, check_model_sizes
+from eagleforge.config import check_model_sizes
 from eagleforge.draft.config import rope_theta_conflict
+from eagleforge.errors import UserInputError
 from eagleforge.extract.native import int4
 from eagleforge.extract.native.parallel import (
     AllReduce,

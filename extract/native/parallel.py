@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from eagleforge.config import UserInputError
+from eagleforge.errors import UserInputError
 from eagleforge.layout import Layout
 
 log = logging.getLogger(__name__)

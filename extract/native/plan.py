@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from eagleforge.config import Config, UserInputError, run_main
+from eagleforge.cli import run_main
+from eagleforge.config import Config
+from eagleforge.errors import UserInputError
 from eagleforge.extract.native import int4
 from eagleforge.extract.native.model import ATTENTION_CHUNK_TOKENS, ModelArgs
 from eagleforge.extract.native.parallel import ARGMAX_CHUNK_TOKENS, split_range

@@ -31,7 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-from eagleforge.config import Config, UserInputError, run_main
+from eagleforge.cli import run_main
+from eagleforge.config import Config
+from eagleforge.errors import UserInputError
 
 log = logging.getLogger(__name__)
 
@@ -422,8 +424,7 @@ def recommend_layout(cfg: Config, a, gpus: int, rates: Rates, device: torch.devi
 def main(cfg: Config) -> None:
     import torch.distributed as dist
 
-    from eagleforge.layout import join_process_group, world_size_from_env
-    from eagleforge.target import resolve_device
+    from eagleforge.layout import join_process_group, resolve_device, world_size_from_env
 
     device = resolve_device(cfg.target.device)
     if device.type == "cuda":
