@@ -33,9 +33,9 @@ class Batch:
     def num_tokens(self) -> int:
         return self.host_tokens if self.host_tokens is not None else int(self.lengths.sum())
 
-    def to(self, device: torch.device | str, dtype: torch.dtype = torch.float32) -> "Batch":
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = torch.float32) -> "Batch":
         """This batch on `device` (non-blocking copies: from pinned memory they do not wait for
-        the GPU), the hidden states converted to `dtype` there."""
+        the GPU), the hidden states converted to `dtype` there (None: kept in their own dtype)."""
         def move(x: torch.Tensor | None, as_dtype: torch.dtype | None = None) -> torch.Tensor | None:
             if x is None:
                 return None

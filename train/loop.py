@@ -42,7 +42,7 @@ from eagleforge.train.checkpoint import (
     save_checkpoint,
     tidy_checkpoints,
 )
-from eagleforge.train.distributed import DraftWithLoss, clip_grad_norm, gradient_sync, parallelize, resolve_parallel
+from eagleforge.train.distributed import DraftWithLoss, clip_grad_norm, gradient_sync, parallelize, reduce_dtype_of, resolve_parallel
 from eagleforge.train.loss import lk_options
 from eagleforge.train.metrics import MetricLogger, TTTStats, reduce_stats
 from eagleforge.train.optimizer import build_optimizer
@@ -117,7 +117,8 @@ class Trainer:
         self.step_plan = plan_step(tc, self.draft, self.param_dtype, self.device,
                                    world=self.layout.world_size if self.parallel == "fsdp" else 1, embedding=self.embedding_place)
         loss = ttt_loss_of(cfg, self.teacher_head, self.device, self.step_plan.activation_checkpoint, self.step_plan.compile)
-        self.model = parallelize(DraftWithLoss(self.draft, loss), self.layout, self.parallel, tc.bf16)
+        self.model = parallelize(DraftWithLoss(self.draft, loss), self.layout, self.parallel, tc.bf16,
+                                 reduce_dtype_of(self.param_dtype))
         self.params = [p for p in self.model.parameters() if p.requires_grad]  # sharded under FSDP
         self.optimizer, self.scheduler = self._optimizer()
         self.step, self.position, self.train_tokens = 0, Position(), 0
@@ -242,9 +243,12 @@ class Trainer:
 
     def _rank_batches(self, slots: list[Slot], feed: Prefetcher):
         """This rank's (ids or None, Batch on the device) of `slots`, in order; None: past the
-        epoch's tail, the step's first batch stands in (weight 0). The states in the draft's input
-        dtype (bf16 with bf16 parameters: half the bytes of fp32 on the GPU; fp32 otherwise, as
-        autocast expects)."""
+        epoch's tail, the step's first batch stands in (weight 0). The states stay in the dtype
+        the source made them (the target's, or the shards' storage dtype: bf16 for Kimi-K2.5), half
+        the bytes of fp32 on the GPU: every reader casts them where it computes (the draft's fc to
+        its weights' dtype, the losses to their matmul dtype, the teacher's logsumexp to fp32), and
+        a cast of bf16 (or fp16) up to fp32 is exact, so fp32 parameters train on the same numbers
+        as when the batch was converted here."""
         rank, world = self.layout.rank, self.layout.world_size
         for expected in slots:
             try:
@@ -254,11 +258,11 @@ class Trainer:
                                     self.source.planned_bytes, self.device) from None
             if slot != expected:  # the feed follows the trainer's schedule; a mismatch is a bug
                 raise RuntimeError(f"batch feed out of order: got slot {slot}, the trainer expects {expected}")
-            yield slot.batch_of(rank, world), batch.to(self.device, self.param_dtype)
+            yield slot.batch_of(rank, world), batch.to(self.device, None)
 
     def load_batch(self, ids: list[int]) -> Batch:
         """The batch of samples `ids` on the device, as the trainer would train it (tests, benchmarks)."""
-        return self.read(step_slots([ids], 1)[0]).to(self.device, self.param_dtype)
+        return self.read(step_slots([ids], 1)[0]).to(self.device, None)
 
     # -- one batch
 
