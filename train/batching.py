@@ -47,6 +47,14 @@ class Batch:
                      move(self.input_embeds, dtype))
 
 
+class PendingBatch:
+    """A batch still being made (online training: rows on their way from the pipeline's last
+    stage): wait() -> Batch."""
+
+    def __init__(self, finish):
+        self.wait = finish
+
+
 def collate(samples: list[dict], device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Batch:
     """Pad a list of shard samples (ARCHITECTURE.md `eagleforge.shards` dicts) into a Batch on
     `device`, the hidden states as `dtype` (pad_batch, then Batch.to)."""

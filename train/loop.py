@@ -31,7 +31,7 @@ from eagleforge.failures import out_of_memory
 from eagleforge.layout import Layout, init_layout
 from eagleforge.modes import PLAIN_LOSS_MODES
 from eagleforge.target import target_path
-from eagleforge.train.batching import Batch, gather_embeddings
+from eagleforge.train.batching import Batch, PendingBatch, gather_embeddings
 from eagleforge.train.build import build_draft, embedding_to_host
 from eagleforge.train.checkpoint import (
     check_resume_config,
@@ -149,9 +149,9 @@ class Trainer:
         host when the step plan keeps it there, else None: inside the draft)."""
         tc = self.cfg.train
         draft = build_draft(self.cfg, self.source.manifest, self.vocab, head)
-        host_embedding = (embedding_to_host(draft, self.param_dtype)
-                          if resolve_embed_device(tc, self.device, online=self.source.on_device) else None)
         shared = self.source.shared_embedding(self.param_dtype)
+        host_embedding = (embedding_to_host(draft, self.param_dtype)
+                          if resolve_embed_device(tc, self.device, shared=shared is not None) else None)
         if shared is not None and host_embedding is None:  # online: the target's own tensor, no second copy
             if tuple(shared.shape) != tuple(draft.embed_tokens.weight.shape):
                 raise UserInputError(f"the target's input embedding is {tuple(shared.shape)}, the draft's "
@@ -221,13 +221,24 @@ class Trainer:
 
     # -- batches
 
-    def _read(self, slot: Slot) -> Batch:
+    def _read(self, slot: Slot) -> "Batch | PendingBatch":
         """This rank's batch of `slot` from the source, with its embedding rows when the frozen
-        embedding is kept on the host: the feed worker's job (off the training thread)."""
+        embedding is kept on the host: the feed worker's job (off the training thread). An online
+        batch still on its way (pipeline stages) gets them once it has come."""
         batch = self.source.load(slot)
-        if self.host_embedding is not None:
-            batch.input_embeds = gather_embeddings(self.host_embedding, batch.input_ids, self.cfg.train.ttt_steps,
-                                                   pin=self.device.type == "cuda")
+        if self.host_embedding is None:
+            return batch
+        if isinstance(batch, PendingBatch):
+            pending = batch
+            return PendingBatch(lambda: self._with_embeddings(pending.wait(), slot))
+        return self._with_embeddings(batch, slot)
+
+    def _with_embeddings(self, batch: Batch, slot: Slot) -> Batch:
+        """`batch` with the frozen embedding's rows [B, T + K, H] gathered on the host (pinned on
+        CUDA: copied with the batch), from the host's own input ids (an online batch's are on
+        the device already; the source gives them from its samples, no copy back)."""
+        ids = batch.input_ids if batch.input_ids.device.type == "cpu" else self.source.host_input_ids(slot)
+        batch.input_embeds = gather_embeddings(self.host_embedding, ids, self.cfg.train.ttt_steps, pin=self.device.type == "cuda")
         return batch
 
     def _feed(self, slots) -> Prefetcher:

@@ -60,15 +60,15 @@ def resolve_param_dtype(tc, device, parallel: str):
     return getattr(torch, name)
 
 
-def resolve_embed_device(tc, device, online: bool) -> bool:
+def resolve_embed_device(tc, device, shared: bool = False) -> bool:
     """train.embed_device: True = the frozen embedding stays on the host (its rows gathered per
-    batch by the read-ahead worker). auto: on CUDA when training from shards; online batches
-    come from the target on the device, so the draft looks its embeddings up there."""
-    if tc.embed_device == "host" and online:
-        raise UserInputError("train.embed_device=host needs train.source=shards: online batches are built on the "
-                             "device by the target; set train.embed_device=device or auto")
+    batch by the read-ahead worker, from shards or online). auto: on CUDA, unless the draft takes
+    the target's own tensor (`shared`: online training on a rank that holds the target's whole
+    input embedding, native tp 1 and pp 1 or an hf target), which costs no second copy; with
+    tensor-parallel or pipeline stages a rank holds a part of the target's embedding or none,
+    and the [V, H] copy (2.2 GiB for Kimi-K2.5) stays off the GPU."""
     if tc.embed_device == "auto":
-        return device.type == "cuda" and not online
+        return device.type == "cuda" and not shared
     return tc.embed_device == "host"
 
 
