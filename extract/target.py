@@ -163,18 +163,20 @@ def pack_rows(padded: dict[str, torch.Tensor], lengths: list[int],
 
 
 def open_target(cfg: Config, layout: Layout, *, write_target_argmax: bool | None = None,
-                check_memory: Callable | None = None, check_inputs: Callable[[int], None] | None = None) -> Target:
+                check_memory: Callable | None = None, check_inputs: Callable[[int], None] | None = None,
+                stage_ranges: Callable[[], list[range] | None] | None = None) -> Target:
     """The configured backend's target on this rank, hooks attached. write_target_argmax: default
     extract.write_target_argmax. check_memory(info) -> planned bytes or None: the native backend's
     refusal of a layout that does not fit (default: the extraction plan's). check_inputs(vocab_size): the caller's
     check of its samples against the target's vocabulary, run as soon as the vocabulary is
     known: before any weight is read with the native backend (a Kimi-K2.5 load takes minutes),
-    once the model is loaded with the hf backend (whose errors about the target come first)."""
+    once the model is loaded with the hf backend (whose errors about the target come first).
+    stage_ranges(): the native backend's pipeline stages as the memory check cut them (after it)."""
     argmax = cfg.extract.write_target_argmax if write_target_argmax is None else write_target_argmax
     if cfg.target.backend == "native":
         from eagleforge.extract.native.target import load_native_target  # imported lazily: heavy, and only for that backend
 
-        return load_native_target(cfg, layout, argmax, check_memory, check_inputs)
+        return load_native_target(cfg, layout, argmax, check_memory, check_inputs, stage_ranges)
     from eagleforge.extract.hf import HFTarget
 
     target = HFTarget(cfg, layout, argmax)

@@ -426,8 +426,8 @@ def test_native_target_runs_with_the_configured_kernels_and_thresholds(native):
 
 def test_the_draft_holds_the_targets_own_embedding_where_it_is_the_same_tensor(native):
     """Online at tp 1: the draft's frozen embedding is the target's tensor (no second copy of
-    [V, H]), which the plans say; at tp 2 a rank holds 1/2 of the target's rows, so the online
-    plan counts the draft's own copy."""
+    [V, H]), which the plans say; at tp 2 a rank holds 1/2 of the target's rows, so the draft's
+    copy stays on the host (train.embed_device=auto on CUDA), none on the GPU in the online plan."""
     from eagleforge.train.loop import Trainer
     from eagleforge.train.online_plan import plan_online
 
@@ -442,7 +442,10 @@ def test_the_draft_holds_the_targets_own_embedding_where_it_is_the_same_tensor(n
             {"frozen embedding [V, H] (the target's own, shared)": 0}
     finally:
         trainer.close()
-    embedding = lambda plan: {n: v for n, v in plan.fixed.items() if "embedding" in n}  # noqa: E731
-    assert list(embedding(plan_online(cfg, world=1))) == ["frozen embedding [V, H] (the target's own, shared)"]
+    embedding = lambda plan: {line.name: line.at(0) for line in plan.stages[0].held if "embedding" in line.name}  # noqa: E731
+    assert embedding(plan_online(cfg, world=1)) == {"frozen embedding [V, H] (the target's own, shared)": 0}
     tp2 = load_config(None, _native_overrides(run, native["ckpt"], "target.tp=2", "train.source=online"))
-    assert list(embedding(plan_online(tp2, world=2)).values())[0] > 0
+    assert embedding(plan_online(tp2, world=2)) == {"frozen embedding [V, H] (on the host)": 0}
+    device = load_config(None, _native_overrides(run, native["ckpt"], "target.tp=2", "train.source=online",
+                                                 "train.embed_device=device"))
+    assert list(embedding(plan_online(device, world=2)).values())[0] > 0

@@ -115,7 +115,8 @@ class Trainer:
         self.lengths = self.schedule.lengths
         # train.activation_checkpoint / compile on auto: from the batch size and the GPU's memory
         self.step_plan = plan_step(tc, self.draft, self.param_dtype, self.device,
-                                   world=self.layout.world_size if self.parallel == "fsdp" else 1, embedding=self.embedding_place)
+                                   world=self.layout.world_size if self.parallel == "fsdp" else 1, embedding=self.embedding_place,
+                                   planned_mode=getattr(self.source, "planned_checkpoint", None))
         loss = ttt_loss_of(cfg, self.teacher_head, self.device, self.step_plan.activation_checkpoint, self.step_plan.compile)
         self.model = parallelize(DraftWithLoss(self.draft, loss), self.layout, self.parallel, tc.bf16,
                                  reduce_dtype_of(self.param_dtype))

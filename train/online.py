@@ -89,12 +89,22 @@ class OnlineSource:
 
         # Building the target draws from the global RNG (module inits before the weights load);
         # the trainer seeded it for the draft's init, so the target is built on a forked RNG.
+        # On CUDA the online plan (target + draft, train/online_plan.py) is checked before any weight
+        # is read; it also cuts the stages (by memory) and picks the draft's checkpoint mode (auto).
+        self.plan = None
+
+        def check_memory(info) -> float | None:
+            self.plan = _check_online_memory(cfg, layout)
+            return None if self.plan is None else self.plan.total_bytes()
+
         with torch.random.fork_rng(devices=[layout.device] if layout.device.type == "cuda" else []):
-            self.target = open_target(cfg, layout, write_target_argmax=True,
-                                      check_memory=lambda info: _check_online_memory(cfg, layout),
-                                      check_inputs=lambda vocab_size: read.extend(read_samples(cfg, vocab_size)))
+            self.target = open_target(cfg, layout, write_target_argmax=True, check_memory=check_memory,
+                                      check_inputs=lambda vocab_size: read.extend(read_samples(cfg, vocab_size)),
+                                      stage_ranges=lambda: None if self.plan is None else self.plan.ranges)
         self.samples, source = read
         self.planned_bytes = self.target.planned_bytes  # the online plan (target + draft) on CUDA
+        # train.activation_checkpoint=auto: the mode the online plan fitted beside the target (None: the step plan's own)
+        self.planned_checkpoint = None if self.plan is None else self.plan.checkpoint
         # the manifest as the trainer reads it: the target's header and its config (build_draft sizes the draft from it)
         self.manifest = {**self.target.header, "target": {**self.target.header["target"], "config": self.target.hf_config}}
         self.skipped_samples, self.skipped_ids = 0, set()  # samples whose states held NaN/Inf
@@ -206,6 +216,8 @@ class OnlineSource:
             self._run(self._queue.popleft(), post_rows=True)
         while self._queue and self._ran < end + self.ahead:
             self._run(self._queue.popleft(), post_rows=False)
+        if hasattr(self.target, "pause"):  # the draft's step comes next: one pipeline send held through it
+            self.target.pause()
         states: dict[int, dict] = {}
         for forward in forwards:
             rows = forward.rows.wait() if hasattr(forward.rows, "wait") else forward.rows
@@ -316,14 +328,15 @@ class _Forward:
     rows: object = None
 
 
-def _check_online_memory(cfg: Config, layout: Layout) -> float | None:
-    """On CUDA, refuse before loading: target + draft must fit (train/online_plan.py); the bytes
-    it plans per GPU (None on the CPU)."""
+def _check_online_memory(cfg: Config, layout: Layout):
+    """On CUDA, refuse before loading: target + draft must fit (train/online_plan.py); the plan
+    (its stages' layers, the checkpoint mode, the bytes per GPU), None on the CPU."""
     if layout.device.type != "cuda":
         return None
-    from eagleforge.train.online_plan import check_online_fits
+    from eagleforge.train.online_plan import check_online_fits, format_online_plan
 
     gpu_bytes = int(cfg.target.gpu_memory_gib * 2**30) or torch.cuda.get_device_properties(layout.device).total_memory
     plan = check_online_fits(cfg, gpu_bytes, layout.world_size)
-    log.info("online memory plan: %.1f GiB of %.1f GiB per GPU", plan.total_bytes() / 2**30, gpu_bytes / 2**30)
-    return plan.total_bytes()
+    if layout.is_main:
+        log.info("online memory plan (train/online_plan.py):\n%s", format_online_plan(plan, gpu_bytes))
+    return plan

@@ -184,6 +184,13 @@ class NativeTarget(CapturingTarget):
             pending.post()
         return pending
 
+    def pause(self) -> None:
+        """The caller runs no forward for a while (online training's draft step): the sends the
+        next stage has taken are let go, the newest stays in flight (it carries the forward run
+        ahead, which the next stage receives during the pause): one send, not two, held then."""
+        if self.link is not None:
+            self.link.drain(keep=1)
+
     def close(self) -> None:
         if self.link is not None:
             self.link.drain()
@@ -195,10 +202,13 @@ class NativeTarget(CapturingTarget):
 
 
 def load_native_target(cfg: Config, layout: Layout, write_target_argmax: bool, check_memory: Callable | None = None,
-                       check_inputs: Callable[[int], None] | None = None) -> NativeTarget:
+                       check_inputs: Callable[[int], None] | None = None,
+                       stage_ranges: Callable[[], list[range] | None] | None = None) -> NativeTarget:
     """The target of target.path on this rank: checkpoint info, the memory check (check_memory(info),
     default: the extraction plan's) and the caller's check_inputs(vocab_size) before any weight is
-    read, then this rank's slices (its stage's layers, its tp share) loaded."""
+    read, then this rank's slices (its stage's layers, its tp share) loaded. stage_ranges(): the
+    stages' layers the memory check chose (online training cuts them by memory too), called after
+    it; None or no callable: config_stage_layers, the cut by compute."""
     info = read_checkpoint_info(target_path(cfg.target))
     planned_bytes = (check_memory or (lambda i: check_extract_memory(cfg, i, layout)))(info)
     if check_inputs is not None:
@@ -209,7 +219,7 @@ def load_native_target(cfg: Config, layout: Layout, write_target_argmax: bool, c
     # the raw config.json (text_config inside for Kimi): the draft is sized from it
     hf_config = json.loads((info.path / "config.json").read_text(encoding="utf-8"))
     tp = tensor_parallel(layout, cfg.target.split_rows_min_tokens, cfg.target.overlap_min_rows)
-    stages = config_stage_layers(cfg, info.args)
+    stages = (stage_ranges() if stage_ranges is not None else None) or config_stage_layers(cfg, info.args)
     layers = stages[layout.stage]
     if layout.pp > 1 and layout.is_main:
         log.info("pipeline: %d stages of layers %s", layout.pp, ", ".join(f"{r.start}-{r.stop - 1}" for r in stages))
