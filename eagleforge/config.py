@@ -60,6 +60,12 @@ class TargetConfig:
     # instead of two all-reduces per layer (docs/kimi-k25.md, "Layouts"; `make preflight` says
     # which layout to use).
     pp: int = 1
+    # native backend: fixed = target.tp and target.pp as set; auto = a group of as many GPUs
+    # (target.tp x target.pp), split into the tp x pp layout the plans project fastest among those
+    # that fit (extract: the extraction plan; online training: the online plan, the draft beside
+    # the target), said in one line at the stage's start (extract/native/preflight.py
+    # choose_extract_layout, train/online_plan.py choose_online_layout).
+    layout: str = "fixed"
     # native backend: GPU memory the planner assumes; 0 = the device's real size.
     gpu_memory_gib: float = 0.0
     # native backend, how the forward runs (same results to rounding; BENCHMARKS.md measures them):
@@ -357,6 +363,7 @@ _CHOICES = {
     "target.device_map": modes.DEVICE_MAPS,
     "target.dtype": modes.TARGET_DTYPES,
     "target.expert_layout": modes.EXPERT_LAYOUTS,
+    "target.layout": modes.TARGET_LAYOUTS,
     "target.prefill_attention": modes.PREFILL_ATTENTION_MODES,
     "target.moe_backend": modes.MOE_BACKENDS,
     "data.overlong": modes.OVERLONG_MODES,
@@ -520,6 +527,9 @@ def _validate_device_map(target: TargetConfig) -> None:
     if target.device_map != "none" and target.backend != "hf":
         raise ConfigError(f"config key 'target.device_map' = {target.device_map!r} is for the hf backend; "
                           f"the {target.backend} backend splits the target over GPUs with target.tp and target.pp")
+    if target.layout == "auto" and target.backend != "native":
+        raise ConfigError("config key 'target.layout' = auto is for the native backend (target.backend=native), "
+                          "whose groups split over target.tp x target.pp GPUs")
     if target.pp > 1 and target.backend != "native":
         raise ConfigError(f"config key 'target.pp' = {target.pp} is for the native backend (target.backend=native); "
                           f"the hf backend spreads a target over GPUs with target.device_map")

@@ -224,3 +224,37 @@ def test_bench_online_runs_on_tiny_shapes():
     spec.loader.exec_module(bench)
     result = bench.main(["--tiny", "--steps", "2", "--warmup", "1"])
     assert result["online_tokens_per_s"] > 0 and result["ratio_to_serial"] > 0 and result["plan_gib"] > 0
+
+
+def test_online_projection_by_hand():
+    """A group's online tokens/s: the target's forwards of the group's batches, then each GPU's draft
+    step on its own, in turn: per token 1 / target + (1 + recompute) / (gpus x draft rate), the
+    draft's rate bench-train's 11822 tokens/s on an H200 (751 TFLOP/s) scaled by the matmul rate."""
+    from eagleforge.train.online_plan import project_online
+
+    draft = 11822 * 500 / 751 / (1 + 5 / 21)  # step*5+selective_all*2 reruns 5 of 7 steps' forwards
+    assert project_online(35974.0, 8, 500.0, 5 / 21) == pytest.approx(1 / (1 / 35974 + 1 / (8 * draft)))
+
+
+def test_auto_layout_is_the_fastest_split_that_fits():
+    """target.layout=auto online: of the 4 splits of 8 GPUs, pp 8 on the 96 GB card (fastest by the
+    stated rates, and it fits); on an 88 GiB card pp 8 does not fit even rerunning every step, and
+    tp 2 x pp 4 is chosen, the line saying which fit; extraction alone picks pp 8."""
+    from eagleforge.extract.native.preflight import choose_extract_layout
+    from eagleforge.train.online_plan import choose_online_layout
+
+    cfg = _cfg("kimi_k25_pilot")
+    assert cfg.target.layout == "auto"
+    tp, pp, line = choose_online_layout(cfg, GPU, 8)
+    assert (tp, pp) == (1, 8)
+    assert line.startswith("layout: target.tp=1 target.pp=8 (target.layout=auto: the fastest of the 4 splits of 8 GPUs")
+    assert "step*5+selective_all*2" in line and "tp 8 x pp 1" in line and "does not fit" not in line
+    tp, pp, line = choose_online_layout(cfg, 88 * GIB, 8)
+    assert (tp, pp) == (2, 4) and "tp 1 x pp 8" in line and "(does not fit)" in line
+    assert plan_online(_cfg("kimi_k25_pilot", "train.activation_checkpoint=step"), world=8,
+                       gpu_bytes=88 * GIB).total_bytes() > 88 * GIB
+    assert choose_extract_layout(cfg, GPU)[:2] == (1, 8)
+    from eagleforge.config import ConfigError
+
+    with pytest.raises(ConfigError, match="target.layout"):
+        load_config(None, ["target.layout=auto"])  # the hf backend has no tp x pp to choose

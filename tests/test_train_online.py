@@ -364,6 +364,18 @@ def test_online_equals_offline_native_four_ranks(native, layouts):
         assert json.loads((run / "train_summary.json").read_text())["world_size"] == 4
 
 
+def test_online_layout_auto_splits_the_group_into_the_fastest_layout(native):
+    """target.layout=auto with a group of 2 ranks (target.tp=2 as set): the online plan and the
+    stated rates make it two pipeline stages of tp 1 (choose_online_layout; the CPU has no size
+    to fit), and the run equals offline training as every online layout does."""
+    run = _new_run(native["root"], "online_auto", native["rows"])
+    _spawn(2, [_native_overrides(run, native["ckpt"], "target.tp=2", "target.layout=auto", "train.source=online")])
+    summary = json.loads((run / "train_summary.json").read_text())
+    assert (summary["target_tp"], summary["target_pp"]) == (1, 2)
+    _assert_same_losses(run, native["offline"])
+    _assert_no_hidden(run)
+
+
 def test_online_pipeline_resumes_after_sigkill_at_the_same_data_position(native):
     """`python -m eagleforge.train` at target.pp=2 (2 gloo ranks started by the stage's own
     launcher), the last stage killed with SIGKILL right after the first checkpoint: the command

@@ -561,7 +561,14 @@ def export_finite(checkpoint: Path, out_dir: Path, vocab: dict | None = None) ->
 def train(cfg: Config, stop_after_step: int | None = None) -> dict | None:
     """Train (resuming when RUN holds a checkpoint), evaluate held-out, export; the summary dict.
     Under torchrun every rank calls it; the process group is created and ended here unless the
-    caller made it."""
+    caller made it. Online with target.layout=auto, the target's split of its group's GPUs is the
+    one the online plan fits and projects fastest (online_plan.choose_online_layout)."""
+    if check_source(cfg.train.source, cfg.train.cache_gb) == "online":
+        from eagleforge.extract.driver import with_chosen_layout
+        from eagleforge.layout import world_size_from_env
+        from eagleforge.train.online_plan import choose_online_layout
+
+        cfg = with_chosen_layout(cfg, cfg.train.device, lambda c, gpu: choose_online_layout(c, gpu, world_size_from_env()))
     layout = training_layout(cfg)
     trainer = None
     try:

@@ -306,7 +306,8 @@ class OnlineSource:
     def summary(self) -> dict:
         """What train_summary.json records of the online source: this process's tokens forwarded
         by the target and read from the cache during training (the held-out forwards follow)."""
-        out = {"source": "online", "target_tokens": self.target_tokens, "target_seconds": self.target_seconds}
+        out = {"source": "online", "target_tokens": self.target_tokens, "target_seconds": self.target_seconds,
+               "target_tp": self.layout.tp, "target_pp": self.layout.pp}
         if self.cache is not None:
             out.update(cache_planned_bytes=self.cache.planned_bytes, cache_read_tokens=self.cache.read_tokens)
         return out

@@ -376,3 +376,48 @@ def print_online_plan(cfg: Config, gpu_bytes: float | None) -> None:
             f"no train.batch_tokens fits (at 1024: short by {(plan.total_bytes(1024) - size) / GIB:.1f} GiB)"
         print(f"  on {name}: {verdict} (activation checkpoint {plan.checkpoint}, stages "
               f"{', '.join(str(len(r)) for r in plan.ranges)} layers); {largest}")
+
+
+# bench-train (BENCHMARKS.md, "The trainer"): the trainer's step at 8192 tokens from shards with
+# selective_all, 11822 tokens/s on one H200, whose bf16 matmul measured 751 TFLOP/s (bench-pipeline):
+# the draft's rate a layout's projection scales by the stated matmul rate.
+DRAFT_TOKENS_PER_S_REF, DRAFT_REF_TFLOPS = 11822.0, 751.0
+
+
+def project_online(target_tokens_per_s: float, gpus: int, matmul_tflops: float, recompute: float) -> float:
+    """Training tokens/s of one group of `gpus` GPUs online, COMPUTED: a slot forwards the group's
+    gpus batches of t tokens through the target (t x gpus / target_tokens_per_s: the stages never
+    drain between slots, train/online.py) and each GPU then steps the draft on its t tokens
+    (t / draft rate, the rate scaled from the measured one by the matmul rate and slowed by the
+    checkpoint mode's recomputed share); the two take turns on the GPUs (train.prefetch 0), so
+    per token of the group 1 / target + 1 / (gpus x draft)."""
+    draft = DRAFT_TOKENS_PER_S_REF * matmul_tflops / DRAFT_REF_TFLOPS / (1.0 + recompute)
+    return 1.0 / (1.0 / target_tokens_per_s + 1.0 / (gpus * draft))
+
+
+def choose_online_layout(cfg: Config, gpu_bytes: float | None, world: int | None = None, rates=None) -> tuple[int, int, str]:
+    """target.layout=auto for online training: (tp, pp, the line saying so) of the split of
+    target.tp x target.pp GPUs whose online plan fits `gpu_bytes` (None: any) and whose projected
+    training tokens/s (project_online, the target's stages from preflight.project_ranges at the
+    stated rates) is the highest; the configured split when none fits (the check then refuses it
+    with its shortfall)."""
+    from eagleforge.extract.native import plan as target_plan
+    from eagleforge.extract.native.preflight import STATED_RATES, _pick, layout_splits, project_ranges
+
+    rates = rates or STATED_RATES
+    a, quantized, _ = target_plan.target_args(cfg)
+    gpus = cfg.target.tp * cfg.target.pp
+    seq = min(cfg.data.max_length, cfg.extract.batch_tokens)
+    rows, modes = [], {}
+    for tp, pp in layout_splits(a, gpus):
+        trial = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, tp=tp, pp=pp))
+        plan = plan_online(trial, world or gpus, a, quantized, gpu_bytes=gpu_bytes)
+        target = project_ranges(a, tp, plan.ranges, rates, target_plan._dtype_bytes(cfg), seq, target_plan._aux_ids(cfg, a),
+                                cfg.extract.write_target_argmax, target_plan._splits_rows(trial))
+        draft_config = _Planner(trial, world or gpus, a, quantized).draft_config
+        recompute = dict(checkpoint_candidates(draft_config, cfg.train.ttt_steps)).get(plan.checkpoint, 0.0)
+        online = project_online(target["per_group"], gpus, rates.matmul_tflops, recompute)
+        rows.append((tp, pp, gpu_bytes is None or plan.total_bytes() <= gpu_bytes, online))
+        modes[(tp, pp)] = plan.checkpoint
+    return _pick(cfg, rows, gpus, gpu_bytes, "the online plan", "training tokens/s a group",
+                 detail=lambda tp, pp: f", the draft's {cfg.train.batch_tokens} tokens per rank with {modes[(tp, pp)]}")
