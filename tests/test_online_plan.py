@@ -214,7 +214,8 @@ def test_prefetcher_keeps_order_and_hands_errors_to_the_consumer():
 
 
 def test_bench_online_runs_on_tiny_shapes():
-    """benchmarks/bench_online.py --tiny (CPU) runs all three modes and reports the ratio and the plan."""
+    """benchmarks/bench_online.py --tiny (CPU) runs all three modes and reports the ratio and the plan;
+    --stage runs the pipeline-online path of one stage."""
     import importlib.util
     from pathlib import Path
 
@@ -224,6 +225,9 @@ def test_bench_online_runs_on_tiny_shapes():
     spec.loader.exec_module(bench)
     result = bench.main(["--tiny", "--steps", "2", "--warmup", "1"])
     assert result["online_tokens_per_s"] > 0 and result["ratio_to_serial"] > 0 and result["plan_gib"] > 0
+    # --stage: one middle pipeline stage online (its link in process, rows arriving, host embedding rows)
+    stage = bench.main(["--tiny", "--stage", "2", "--steps", "2", "--warmup", "1"])
+    assert stage["stage_tokens_per_s"] > 0 and stage["draft_tokens_per_s"] > 0 and stage["plan_gib"] > 0
 
 
 def test_online_projection_by_hand():
