@@ -27,7 +27,8 @@ the trainer runs it with bf16 parameters (the optimizer's 14 bytes per parameter
 this one rank: no FSDP here) in the checkpoint mode the online plan picks for the pilot (or
 --checkpoint). Per slot the stage forwards 8 ranks' batches (8 x --tokens, in forwards of
 --forward-tokens) and the draft steps on one. Prints the stage's forward rate, the draft's step
-rate, their peak memory against the online plan's line for that stage at a world of 1, and the
+rate, their peak memory against the online plan's line for that stage at a world of 1 (less the
+FSDP2 gather one rank does not make), and the
 pilot's projected training tokens/s a group from these rates (COMPUTED: 1 / (1/stage rate + 1/(8
 x draft rate)), scaled by the stated / measured matmul rate; the 5-layer last stage with the
 head, and PCIe, are not in it).
@@ -393,8 +394,10 @@ def stage_main(opt) -> dict:
     measured_tflops = matmul_tflops(device)
     scale = STATED_RATES.matmul_tflops / measured_tflops  # this GPU's rates to the pilot's stated one
     pilot = 1.0 / (1.0 / (stage_rate * scale) + 1.0 / (PILOT_GROUP * draft_rate * scale))
-    plan_stage = _Planner(cfg, 1).stage(range(32, 32 + n), 4, mode)  # the online plan's line for this stage, world 1
-    plan_total = plan_stage.total_bytes(opt.tokens)
+    planner = _Planner(cfg, 1)
+    plan_stage = planner.stage(range(32, 32 + n), 4, mode)  # the online plan's line for this stage, world 1
+    # one rank without FSDP2 steps its own weights: no gathered bf16 copy of them (2 bytes a parameter) at the step
+    plan_total = plan_stage.total_bytes(opt.tokens) - 2 * planner.trainable
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "stage_moe_layers": n,
               "tokens_per_batch": tokens, "forward_tokens": opt.forward_tokens, "checkpoint": mode, "steps": opt.steps,
               "stage_tokens_per_s": stage_rate, "draft_tokens_per_s": draft_rate, "slot_s": online_s,
@@ -411,7 +414,7 @@ def stage_main(opt) -> dict:
           f"{measured_tflops:.0f} TFLOP/s: {pilot:,.0f}")
     if peak is not None:
         print(f"  peak allocated {peak / GIB:.2f} GiB, reserved {reserved / GIB:.2f}, in use {in_use / GIB:.2f}; the online "
-              f"plan's stage at a world of 1 (the draft's states unsharded): {plan_total / GIB:.2f} GiB")
+              f"plan's stage at a world of 1 (the draft's states unsharded, no FSDP2 gather): {plan_total / GIB:.2f} GiB")
     else:
         print(f"  the online plan's stage at a world of 1: {plan_total / GIB:.2f} GiB (CPU run: no device peak to compare)")
     if opt.json:

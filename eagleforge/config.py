@@ -177,7 +177,8 @@ class TrainConfig:
     param_dtype: str = "auto"
     # The frozen input embedding [V, H] (2.2 GiB in bf16 for Kimi-K2.5): host = kept in host memory,
     # its rows gathered for each batch by the read-ahead worker and copied with the batch; device
-    # = on the GPU beside the draft; auto = host when training from shards on CUDA, else device.
+    # = on the GPU beside the draft; auto = host on CUDA unless online training's rank holds the
+    # target's whole embedding (native tp 1 and pp 1, hf), which the draft then shares; device on the CPU.
     embed_device: str = "auto"
     loss_chunk_tokens: int = 0  # rows per chunk in the fused loss; 0 = automatic
     loss_packed: bool = False  # the fused loss runs all TTT steps' rows of a teacher chunk in one matmul
@@ -189,9 +190,10 @@ class TrainConfig:
     lk_kl_decay: float = 3.0
     # Activation checkpointing per TTT step: auto | none | step (recompute the whole step) |
     # selective (keep the large matmul outputs and flash attention's, recompute elementwise work) |
-    # selective_all (keep every matmul output). auto: none on the CPU; on CUDA the first of
-    # selective_all, selective that fits train.batch_tokens in the GPU's memory, else step
-    # (train/step_plan.py).
+    # selective_all (keep every matmul output), or one per step ("step*5+selective_all*2"). auto:
+    # none on the CPU; on CUDA the mode recomputing the least (selective_all, then step*m +
+    # selective_all for more m, selective between) that fits train.batch_tokens in the GPU's
+    # memory, online beside the target by the online plan, else step (train/step_plan.py).
     activation_checkpoint: str = "auto"
     # torch.compile the elementwise work between the matmuls (dynamic shapes: one graph for every
     # batch length): auto (on CUDA, off on the CPU) | true | false

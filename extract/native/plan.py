@@ -501,6 +501,16 @@ def main(cfg: Config) -> None:
           "(`make preflight` projects tokens/s from the GPUs' measured rates)")
     print("\nall layouts (total incl. activations and reserve; +spare / -short in GiB):")
     print(format_grid(a, quantized, _dtype_bytes(cfg), cfg.extract.batch_tokens, cfg.data.max_length, _aux_ids(cfg, a)))
+    if cfg.target.layout == "auto":  # what the stage will choose at its start, for this GPU or the smallest common one
+        from eagleforge.extract.native.preflight import choose_extract_layout
+
+        size = gpu_bytes or min(GPU_SIZES_GB.values())
+        print(f"\ntarget.layout=auto on {size / GIB:.1f} GiB GPUs, extraction: {choose_extract_layout(cfg, size)[2]}")
+        if cfg.train.source == "online":
+            from eagleforge.layout import world_size_from_env
+            from eagleforge.train.online_plan import choose_online_layout
+
+            print(f"online training: {choose_online_layout(cfg, size, max(world_size_from_env(), cfg.target.tp * cfg.target.pp))[2]}")
     if cfg.train.source == "online":  # the draft trains beside the resident target: its memory too
         from eagleforge.train.online_plan import print_online_plan
 
