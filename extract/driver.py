@@ -47,7 +47,7 @@ def target_layout(cfg: Config, device: str) -> Layout:
 
 
 def plan_gpu_bytes(cfg: Config, device: str) -> float | None:
-    """The GPU size the memory plans fit a layout to: target.gpu_memory_gib, else the first CUDA
+    """The GPU size the memory plans fit a layout to: target.gpu_memory_gib, else this rank's CUDA
     device's (every rank's GPU alike; the native backend's allocator set up before CUDA starts),
     else None (the CPU)."""
     if cfg.target.gpu_memory_gib:
@@ -57,9 +57,11 @@ def plan_gpu_bytes(cfg: Config, device: str) -> float | None:
     if resolve_device(device).type != "cuda":
         return None
     from eagleforge.extract.native.parallel import use_expandable_segments
+    from eagleforge.layout import resolve_rank_device, world_size_from_env
 
     use_expandable_segments()
-    return torch.cuda.get_device_properties(0).total_memory
+    # this rank's own GPU, made current as init_layout makes it (no CUDA context on another rank's GPU)
+    return torch.cuda.get_device_properties(resolve_rank_device(device, world_size_from_env())).total_memory
 
 
 def with_chosen_layout(cfg: Config, device: str, choose) -> Config:
