@@ -17,6 +17,25 @@ the peak memory against train/online_plan.py's plan for this shape.
     python3 benchmarks/bench_online.py --tokens 16384 --json $OUT/online.json
     python3 benchmarks/bench_online.py --tiny                 # toy shapes on the CPU (a check that it runs)
 
+--stage N: one rank of the pipeline-online path as it runs at pp 8 (train/online.py), on one GPU:
+a middle stage of N MoE layers (8: the pilot's fullest; the hidden state and 2 aux states arrive
+with its input, as at layers 32-39 of Kimi-K2.5's 61), its messages through an in-process link
+(the previous stage's activations made ahead, the newest send kept in flight, one receive posted
+ahead), this rank's rows of each slot arriving into the buffer the last stage would fill, the
+batch made from them, the frozen embedding's rows gathered on the host, and the draft's step as
+the trainer runs it with bf16 parameters (the optimizer's 14 bytes per parameter, all of them on
+this one rank: no FSDP here) in the checkpoint mode the online plan picks for the pilot (or
+--checkpoint). Per slot the stage forwards 8 ranks' batches (8 x --tokens, in forwards of
+--forward-tokens) and the draft steps on one. Prints the stage's forward rate, the draft's step
+rate, their peak memory against the online plan's line for that stage at a world of 1 (less the
+FSDP2 gather one rank does not make), and the
+pilot's projected training tokens/s a group from these rates (COMPUTED: 1 / (1/stage rate + 1/(8
+x draft rate)), scaled by the stated / measured matmul rate; the 5-layer last stage with the
+head, and PCIe, are not in it).
+
+    python3 benchmarks/bench_online.py --stage 8 --tokens 8192 --json $OUT/online_stage.json   # one H200
+    python3 benchmarks/bench_online.py --stage 2 --tiny                                        # the CPU check
+
 The --tiny numbers only show that the script runs: on a shared 2-core CPU they swing several-fold
 between runs, and the producer thread and the training share the same cores.
 """
@@ -32,7 +51,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench_common import import_eagleforge  # noqa: E402
+from _bench_common import import_eagleforge, matmul_tflops  # noqa: E402
 
 import_eagleforge()
 from kimi_shaped import KIMI_K25_TEXT, build_bench_model, kimi_args, tiny_args  # noqa: E402
@@ -76,8 +95,13 @@ def main(argv=None) -> dict:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--prefetch", type=int, default=Config().train.prefetch, help="train.prefetch: forwards queued ahead (default: the trainer's)")
     p.add_argument("--tiny", "--cpu", dest="tiny", action="store_true", help="toy shapes on the CPU")
+    p.add_argument("--stage", type=int, default=0, help="N > 0: one middle pipeline stage of N MoE layers online (see above)")
+    p.add_argument("--forward-tokens", type=int, default=8192, help="--stage: tokens per target forward (extract.batch_tokens)")
+    p.add_argument("--checkpoint", default="plan", help="--stage: the draft's checkpoint mode; plan = the online plan's for the pilot")
     p.add_argument("--json", default=None)
     opt = p.parse_args(argv)
+    if opt.stage:
+        return stage_main(opt)
 
     device = torch.device("cpu" if opt.tiny or not torch.cuda.is_available() else "cuda")
     if opt.tiny:
@@ -212,6 +236,187 @@ def main(argv=None) -> dict:
               f"(target {plan.target.total_bytes / GIB:.2f}, draft {plan.draft_bytes() / GIB:.2f}; the plan includes the runtime reserve)")
     else:
         print(f"plan {plan.total_bytes() / GIB:.2f} GiB (CPU run: no device peak to compare)")
+    if opt.json:
+        with open(opt.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+PILOT_GROUP = 8  # the pilot's GPUs a group: a slot forwards this many ranks' batches
+
+
+def stage_main(opt) -> dict:
+    """--stage N: see the module docstring."""
+    import collections
+
+    from kimi_shaped import randomize_
+
+    from eagleforge.config import load_config
+    from eagleforge.extract.native.model import DeepseekV3ForExtraction
+    from eagleforge.extract.native.parallel import TensorParallel
+    from eagleforge.extract.native.preflight import STATED_RATES
+    from eagleforge.extract.native.target import NativeTarget
+    from eagleforge.extract.target import rows_from_bytes
+    from eagleforge.layout import Layout
+    from eagleforge.train.batching import gather_embeddings
+    from eagleforge.train.online_plan import _Planner, checkpoint_candidates, plan_online
+    from eagleforge.train.optimizer import build_optimizer
+
+    device = torch.device("cpu" if opt.tiny or not torch.cuda.is_available() else "cuda")
+    if opt.tiny:
+        opt.tokens, opt.seq, opt.forward_tokens = min(opt.tokens, 256), min(opt.seq, 64), min(opt.forward_tokens, 128)
+    n = opt.stage
+    # layers 2 .. n+1 held; aux layers 0 and 1 come with the input (as Kimi's 1 and 29 at layers 32-39), the third after
+    args = (tiny_args if opt.tiny else kimi_args)(n + 4)
+    aux = [0, 1, n + 3]
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    with torch.device(device):
+        model = DeepseekV3ForExtraction(args, TensorParallel(), "ep", dtype, True, range(2, 2 + n), first=False, last=False)
+    randomize_(model.eval().requires_grad_(False), 0)
+    hidden = args.hidden_size
+    gen = torch.Generator().manual_seed(1)
+
+    class Link:  # the previous stage's messages made ahead; this stage's newest send kept (in flight)
+        def __init__(self):
+            self.sent = collections.deque(maxlen=1)
+            self.posted = collections.deque()
+
+        def post_recv(self, shape, dtype, device):
+            self.posted.append(torch.randn(shape, generator=gen).to(device, dtype))
+
+        def recv(self, shape, dtype, device):
+            if not self.posted:
+                self.post_recv(shape, dtype, device)
+            return self.posted.popleft()
+
+        def send(self, tensor):
+            self.sent.append(tensor.contiguous())
+
+        def drain(self, keep=0):
+            while len(self.sent) > keep:
+                self.sent.popleft()
+
+    target = NativeTarget(model, Layout(world_size=8, rank=4, pp=8, device=device), aux, write_target_argmax=True, link=Link())
+
+    cfg = load_config(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "kimi_k25_pilot.yaml"),
+                      ["train.source=online", "target.path=/nonexistent", f"train.batch_tokens={opt.tokens}"])
+    tc = cfg.train
+    mode = opt.checkpoint
+    if mode == "plan":  # what the trainer runs with on the pilot's 96 GB cards at pp 8
+        mode = plan_online(cfg, world=8, gpu_bytes=96e9).checkpoint
+    if opt.tiny:
+        tc.ttt_steps, tc.bf16, tc.attention, tc.compile, mode = 3, False, "auto", False, "step"
+    param_dtype = torch.bfloat16 if tc.bf16 else torch.float32
+    text = {**KIMI_K25_TEXT, **{key: getattr(args, key) for key in ("vocab_size", "hidden_size", "intermediate_size",
+                                                                    "num_attention_heads", "kv_lora_rank", "v_head_dim",
+                                                                    "qk_nope_head_dim")}}
+    vd = 256 if opt.tiny else cfg.vocab.draft_vocab_size
+    torch.manual_seed(0)
+    draft = Eagle3Draft(Eagle3Config.from_target_config(text, vd, aux))
+    draft.set_vocab_map(torch.zeros(vd, dtype=torch.int64), torch.arange(args.vocab_size) < vd)
+    embedding = draft.embed_tokens.weight.detach().to(param_dtype)  # the frozen [V, H] on the host
+    draft.embed_tokens.weight = torch.nn.Parameter(embedding.new_empty(0, hidden), requires_grad=False)
+    draft = draft.to(device, param_dtype)
+    fuse_weight_grads(draft, param_dtype == torch.bfloat16)
+    teacher_head = (torch.randn(vd, hidden, generator=gen) * 0.02).to(device, param_dtype)
+    model_loss = DraftWithLoss(draft, ttt_loss_of(cfg, teacher_head, device, mode, tc.compile))
+    params = [q for q in model_loss.parameters() if q.requires_grad]
+    optimizer = build_optimizer(params, param_dtype, 1e-4, (0.9, 0.999), 0.0)
+
+    n_seq = max(1, opt.tokens // opt.seq)
+    shapes = target._row_shapes()
+    row_bytes = sum(int(torch.Size(shape).numel()) * dt.itemsize for shape, dt in shapes.values())
+
+    def slot_forwards() -> None:
+        """The stage's forwards of one slot: 8 ranks' batches, in forwards of --forward-tokens."""
+        per_forward = max(1, opt.forward_tokens // opt.seq)
+        ids = [[0] * opt.seq] * (PILOT_GROUP * n_seq)
+        chunks = [ids[i:i + per_forward] for i in range(0, len(ids), per_forward)]
+        for c, chunk in enumerate(chunks):
+            target.forward(chunk, then=chunks[c + 1] if c + 1 < len(chunks) else chunks[0])
+        target.pause()
+
+    def batch_of_slot():
+        """This rank's rows arriving (the buffer the last stage's message fills), the batch made."""
+        buffer = torch.randint(0, 256, (n_seq * opt.seq, row_bytes), generator=gen, dtype=torch.uint8).to(device)
+        rows = rows_from_bytes(buffer, shapes)
+        del buffer
+        rows["aux_hidden_states"].normal_()
+        rows["last_hidden_state"].normal_()
+        rows["target_argmax"].random_(0, vd)
+        samples, row = [], 0
+        for _ in range(n_seq):
+            samples.append({"input_ids": torch.randint(0, args.vocab_size, (opt.seq,), generator=gen).to(device),
+                            "loss_mask": torch.ones(opt.seq, dtype=torch.bool, device=device),
+                            **{key: value[row:row + opt.seq] for key, value in rows.items()}})
+            row += opt.seq
+        batch = pad_batch(samples)
+        batch.input_embeds = gather_embeddings(embedding, batch.input_ids.cpu(), tc.ttt_steps, pin=device.type == "cuda")
+        return batch.to(device, None)
+
+    def step(batch) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        loss, _ = model_loss(batch.aux_hidden_states, batch.input_ids, batch.last_hidden_state, batch.loss_mask,
+                             batch.target_argmax, batch.input_embeds)
+        loss.backward()
+        clip_grad_norm(params, 0.5)
+        optimizer.step()
+
+    def timed(fn, count: int) -> float:
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(count):
+            fn()
+        sync(device)
+        return (time.perf_counter() - start) / count
+
+    batches = collections.deque(maxlen=1)
+    for _ in range(opt.warmup):
+        slot_forwards()
+        step(batch_of_slot())
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    forward_s = timed(slot_forwards, opt.steps)
+    batches.append(batch_of_slot())
+    step_s = timed(lambda: step(batches[0]), opt.steps)
+    online_s = timed(lambda: (slot_forwards(), step(batch_of_slot())), opt.steps)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
+    in_use = None
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        in_use = total - free - torch.cuda.memory_reserved(device) + reserved
+
+    tokens = n_seq * opt.seq
+    stage_rate = PILOT_GROUP * tokens / forward_s  # tokens/s through this stage
+    draft_rate = tokens / step_s
+    recompute = dict(checkpoint_candidates(draft.config, tc.ttt_steps)).get(mode, 0.0)
+    measured_tflops = matmul_tflops(device)
+    scale = STATED_RATES.matmul_tflops / measured_tflops  # this GPU's rates to the pilot's stated one
+    pilot = 1.0 / (1.0 / (stage_rate * scale) + 1.0 / (PILOT_GROUP * draft_rate * scale))
+    planner = _Planner(cfg, 1)
+    plan_stage = planner.stage(range(32, 32 + n), 4, mode)  # the online plan's line for this stage, world 1
+    # one rank without FSDP2 steps its own weights: no gathered bf16 copy of them (2 bytes a parameter) at the step
+    plan_total = plan_stage.total_bytes(opt.tokens) - 2 * planner.trainable
+    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "stage_moe_layers": n,
+              "tokens_per_batch": tokens, "forward_tokens": opt.forward_tokens, "checkpoint": mode, "steps": opt.steps,
+              "stage_tokens_per_s": stage_rate, "draft_tokens_per_s": draft_rate, "slot_s": online_s,
+              "serial_slot_s": forward_s + step_s, "matmul_tflops": measured_tflops, "recompute_share": recompute,
+              "pilot_projected_tokens_per_s": pilot,
+              "peak_allocated_gib": peak / GIB if peak is not None else None,
+              "peak_reserved_gib": reserved / GIB if reserved is not None else None,
+              "peak_in_use_gib": in_use / GIB if in_use is not None else None, "plan_gib": plan_total / GIB}
+    print(f"\npipeline-online stage, {result['device']}: {n} MoE layers, {PILOT_GROUP} x {tokens} tokens a slot in forwards of "
+          f"{opt.forward_tokens}, the draft's step on {tokens} tokens with {mode}")
+    print(f"  stage forwards {stage_rate:,.0f} tokens/s, draft step {draft_rate:,.0f} tokens/s, a slot {online_s * 1e3:.0f} ms "
+          f"(forwards + step timed apart: {(forward_s + step_s) * 1e3:.0f} ms)")
+    print(f"  the pilot's training tokens/s a group, COMPUTED from these rates x {STATED_RATES.matmul_tflops:.0f} / "
+          f"{measured_tflops:.0f} TFLOP/s: {pilot:,.0f}")
+    if peak is not None:
+        print(f"  peak allocated {peak / GIB:.2f} GiB, reserved {reserved / GIB:.2f}, in use {in_use / GIB:.2f}; the online "
+              f"plan's stage at a world of 1 (the draft's states unsharded, no FSDP2 gather): {plan_total / GIB:.2f} GiB")
+    else:
+        print(f"  the online plan's stage at a world of 1: {plan_total / GIB:.2f} GiB (CPU run: no device peak to compare)")
     if opt.json:
         with open(opt.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1)

@@ -72,7 +72,7 @@ class QueueLink:
     def post_recv(self, shape, dtype, device) -> None:
         pass
 
-    def drain(self) -> None:
+    def drain(self, keep: int = 0) -> None:
         pass
 
 

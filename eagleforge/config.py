@@ -126,6 +126,12 @@ class TargetConfig:
     # instead of two all-reduces per layer (docs/kimi-k25.md, "Layouts"; `make preflight` says
     # which layout to use).
     pp: int = 1
+    # native backend: fixed = target.tp and target.pp as set; auto = a group of as many GPUs
+    # (target.tp x target.pp), split into the tp x pp layout the plans project fastest among those
+    # that fit (extract: the extraction plan; online training: the online plan, the draft beside
+    # the target), said in one line at the stage's start (extract/native/preflight.py
+    # choose_extract_layout, train/online_plan.py choose_online_layout).
+    layout: str = "fixed"
     # native backend: GPU memory the planner assumes; 0 = the device's real size.
     gpu_memory_gib: float = 0.0
     # native backend, how the forward runs (same results to rounding; BENCHMARKS.md measures them):
@@ -240,7 +246,8 @@ class TrainConfig:
     param_dtype: str = "auto"
     # The frozen input embedding [V, H] (2.2 GiB in bf16 for Kimi-K2.5): host = kept in host memory,
     # its rows gathered for each batch by the read-ahead worker and copied with the batch; device
-    # = on the GPU beside the draft; auto = host when training from shards on CUDA, else device.
+    # = on the GPU beside the draft; auto = host on CUDA unless online training's rank holds the
+    # target's whole embedding (native tp 1 and pp 1, hf), which the draft then shares; device on the CPU.
     embed_device: str = "auto"
     loss_chunk_tokens: int = 0  # rows per chunk in the fused loss; 0 = automatic
     loss_packed: bool = False  # the fused loss runs all TTT steps' rows of a teacher chunk in one matmul
@@ -252,9 +259,10 @@ class TrainConfig:
     lk_kl_decay: float = 3.0
     # Activation checkpointing per TTT step: auto | none | step (recompute the whole step) |
     # selective (keep the large matmul outputs and flash attention's, recompute elementwise work) |
-    # selective_all (keep every matmul output). auto: none on the CPU; on CUDA the first of
-    # selective_all, selective that fits train.batch_tokens in the GPU's memory, else step
-    # (train/step_plan.py).
+    # selective_all (keep every matmul output), or one per step ("step*5+selective_all*2"). auto:
+    # none on the CPU; on CUDA the mode recomputing the least (selective_all, then step*m +
+    # selective_all for more m, selective between) that fits train.batch_tokens in the GPU's
+    # memory, online beside the target by the online plan, else step (train/step_plan.py).
     activation_checkpoint: str = "auto"
     # torch.compile the elementwise work between the matmuls (dynamic shapes: one graph for every
     # batch length): auto (on CUDA, off on the CPU) | true | false
@@ -424,6 +432,7 @@ _CHOICES = {
     "target.device_map": modes.DEVICE_MAPS,
     "target.dtype": modes.TARGET_DTYPES,
     "target.expert_layout": modes.EXPERT_LAYOUTS,
+    "target.layout": modes.TARGET_LAYOUTS,
     "target.prefill_attention": modes.PREFILL_ATTENTION_MODES,
     "target.moe_backend": modes.MOE_BACKENDS,
     "data.overlong": modes.OVERLONG_MODES,
@@ -657,6 +666,9 @@ def _validate_device_map(target: TargetConfig) -> None:
     if target.device_map != "none" and target.backend != "hf":
         raise ConfigError(f"config key 'target.device_map' = {bounded_repr(target.device_map)} is for the hf backend; "
                           f"the {target.backend} backend splits the target over GPUs with target.tp and target.pp")
+    if target.layout == "auto" and target.backend != "native":
+        raise ConfigError("config key 'target.layout' = auto is for the native backend (target.backend=native), "
+                          "whose groups split over target.tp x target.pp GPUs")
     if target.pp > 1 and target.backend != "native":
         raise ConfigError(f"config key 'target.pp' = {target.pp} is for the native backend (target.backend=native); "
                           f"the hf backend spreads a target over GPUs with target.device_map")

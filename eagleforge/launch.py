@@ -72,6 +72,8 @@ def processes_needed(cfg: Config, stage: str, gpus: int) -> Plan:
         raise ValueError(f"launch: unknown stage {stage!r}, expected one of {list(STAGES)}")
     if cfg.launch.mode == "none":
         return Plan(1, "launch.mode=none")
+    if stage == "extract" and cfg.train.source == "online":  # the extract stage only says there is nothing to do
+        return Plan(1, "train.source=online")
     runs_target = stage == "extract" or cfg.train.source == "online"
     if runs_target and cfg.target.device_map != "none":  # one process spreads the target over the GPUs
         if cfg.launch.nproc > 1:

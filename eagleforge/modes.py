@@ -41,6 +41,8 @@ TARGET_BACKENDS = ("hf", "native")  # target.backend
 # target.device_map (hf backend): none, or transformers' device_map strategies (accelerate)
 DEVICE_MAPS = ("none", "auto", "balanced", "balanced_low_0", "sequential")
 EXPERT_LAYOUTS = ("ep", "tp")  # target.expert_layout: whole experts per rank, or each expert split
+# target.layout (native): target.tp x target.pp as set, or the fastest split of those GPUs that fits
+TARGET_LAYOUTS = ("fixed", "auto")
 PREFILL_ATTENTION_MODES = ("auto", "cudnn", "flash", "flash_attn")  # target.prefill_attention (native)
 MOE_BACKENDS = ("auto", "triton", "grouped_mm", "loop")  # target.moe_backend (native)
 TARGET_DTYPES = ("float32", "bfloat16", "float16")

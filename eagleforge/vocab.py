@@ -431,6 +431,10 @@ def _training_tokens(reader, n_train: int):
 
 
 def main(cfg: Config) -> None:
+    if cfg.train.source == "online":  # `make train ... train.source=online`: the train stage counts them from the samples
+        print("vocab: train.source=online: the train stage counts the draft vocabulary from the samples "
+              "(vocab.build_vocab_from_samples)")
+        return
     save_config(cfg, cfg.run / "config.yaml")
     summary = build_vocab(cfg)
     print(f"draft vocabulary: {summary['draft_vocab_size']} tokens, coverage {summary['coverage']:.4f} of loss-masked tokens")

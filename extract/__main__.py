@@ -8,7 +8,8 @@ Started outside torchrun, the stage runs itself under torch.distributed.run when
 needs several processes here: target.tp x the whole groups the visible GPUs hold, one group on
 the CPU (eagleforge/launch.py; launch.nproc=N, launch.mode=none).
 
-One loop for both backends (extract/driver.py): target.backend=hf runs any transformers causal LM
+With train.source=online there is nothing to extract: the stage says so and stops (the train
+stage runs the target itself). One loop for both backends (extract/driver.py): target.backend=hf runs any transformers causal LM
 (extract/hf.py); target.backend=native runs the DeepSeek-V3 / Kimi-K2.5 tensor-parallel backend
 (extract/native/).
 """
@@ -20,6 +21,10 @@ from eagleforge.config import Config
 
 
 def main(cfg: Config) -> None:
+    if cfg.train.source == "online":  # `make extract train ... train.source=online`: the train stage runs the target
+        print("extract: train.source=online: nothing to extract; the train stage runs the target and keeps no hidden "
+              "states (train/online.py)")
+        return
     from eagleforge.extract.driver import extract
 
     extract(cfg)

@@ -46,9 +46,48 @@ def target_layout(cfg: Config, device: str) -> Layout:
     return init_layout(device, tp=cfg.target.tp, pp=cfg.target.pp)
 
 
+def plan_gpu_bytes(cfg: Config, device: str) -> float | None:
+    """The GPU size the memory plans fit a layout to: target.gpu_memory_gib, else this rank's CUDA
+    device's (every rank's GPU alike; the native backend's allocator set up before CUDA starts),
+    else None (the CPU)."""
+    if cfg.target.gpu_memory_gib:
+        return cfg.target.gpu_memory_gib * 2**30
+    from eagleforge.layout import resolve_device
+
+    if resolve_device(device).type != "cuda":
+        return None
+    from eagleforge.extract.native.parallel import use_expandable_segments
+    from eagleforge.layout import resolve_rank_device, world_size_from_env
+
+    use_expandable_segments()
+    # this rank's own GPU, made current as init_layout makes it (no CUDA context on another rank's GPU)
+    return torch.cuda.get_device_properties(resolve_rank_device(device, world_size_from_env())).total_memory
+
+
+def with_chosen_layout(cfg: Config, device: str, choose) -> Config:
+    """cfg with target.tp and target.pp as `choose(cfg, gpu bytes) -> (tp, pp, line)` splits the
+    group under target.layout=auto (native backend), the line logged once; cfg as it is otherwise.
+    Every rank chooses alike (the same config, GPU size and stated rates)."""
+    import dataclasses
+
+    from eagleforge.layout import env_rank
+
+    if cfg.target.backend != "native" or cfg.target.layout != "auto":
+        return cfg
+    tp, pp, line = choose(cfg, plan_gpu_bytes(cfg, device))
+    if env_rank() == 0:
+        log.info("%s", line)
+    return dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, tp=tp, pp=pp))
+
+
 def extract(cfg: Config) -> dict | None:
-    """Extract every sample into RUN/hidden/; rank 0 returns the manifest."""
+    """Extract every sample into RUN/hidden/; rank 0 returns the manifest. target.layout=auto:
+    the split of the group's GPUs the extraction plan fits and projects fastest
+    (preflight.choose_extract_layout)."""
     start_s = time.perf_counter()
+    from eagleforge.extract.native.preflight import choose_extract_layout
+
+    cfg = with_chosen_layout(cfg, cfg.target.device, choose_extract_layout)
     layout = target_layout(cfg, cfg.target.device)
     if not layout.is_main:
         logging.getLogger("eagleforge").setLevel(logging.WARNING)  # logs from rank 0 only

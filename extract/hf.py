@@ -54,8 +54,9 @@ class HFTarget(CapturingTarget):
         return None if embed is None or getattr(self.model, "hf_device_map", None) else embed.weight
 
     def forward(self, input_ids: list[list[int]], then: list[list[int]] | None = None,
-                rows_for: dict[int, list[int]] | None = None) -> dict[str, torch.Tensor] | None:
-        """The packed rows of the samples (forward_batch); every rank is its own group's leader."""
+                rows_for: dict[int, list[int]] | None = None, post_rows: bool = True) -> dict[str, torch.Tensor] | None:
+        """The packed rows of the samples (forward_batch); every rank is its own group's leader
+        (its rows are never in flight: post_rows changes nothing)."""
         packed = forward_batch(self.model, self.capture, input_ids, self.pad, self.device, self.write_target_argmax)
         if rows_for is None:
             return packed

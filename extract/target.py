@@ -7,7 +7,8 @@
     #                         to end, on the rank's device (no host sync); None on the other ranks
     rows = target.forward(input_ids, then=next_ids, rows_for={rank: [sample positions], ...})
     # each rank named in rows_for gets the rows of its positions, in that order: a dict, or a
-    # PendingRows (wait() -> the dict) where they are still on their way from the leader
+    # PendingRows (wait() -> the dict) where they are still on their way from the leader;
+    # post_rows=False: its receive is posted only at post() or wait() (no buffer until then)
     target.header                            # the manifest's header (docs/shards.md)
     target.close()
 
@@ -43,7 +44,7 @@ class Target(Protocol):
     nonfinite_weights: list[str]  # the group's weights holding NaN/Inf, found at load (nonfinite_weights())
 
     def forward(self, input_ids: list[list[int]], then: list[list[int]] | None = None,
-                rows_for: dict[int, list[int]] | None = None) -> "Rows | PendingRows | None": ...
+                rows_for: dict[int, list[int]] | None = None, post_rows: bool = True) -> "Rows | PendingRows | None": ...
 
     def input_embedding(self) -> torch.Tensor | None:
         """The whole input embedding [V, H] when this rank holds it, else None."""
@@ -122,13 +123,26 @@ def rows_from_bytes(buffer: torch.Tensor, like: dict[str, tuple[tuple, torch.dty
 
 
 class PendingRows:
-    """Rows on their way from the group's leader to this rank: a receive posted into `buffer`
-    ([N, bytes per row] uint8); wait() -> the rows."""
+    """Rows on their way from the group's leader to this rank: `receive()` allocates the buffer
+    ([N, bytes per row] uint8) and posts its receive, returning (buffer, work); post() calls it
+    (once), wait() posts if it was not yet and -> the rows. Posting late keeps the buffer out of
+    memory until then; the leader's send of the same rows waits for it (messages between two
+    ranks pair up in the order they were posted, so the receives are posted in forward order)."""
 
-    def __init__(self, buffer: torch.Tensor, work, like: dict[str, tuple[tuple, torch.dtype]]):
-        self.buffer, self.work, self.like = buffer, work, like
+    def __init__(self, receive: Callable[[], tuple], like: dict[str, tuple[tuple, torch.dtype]]):
+        self.receive, self.like = receive, like
+        self.buffer = self.work = None
+
+    @property
+    def posted(self) -> bool:
+        return self.work is not None
+
+    def post(self) -> None:
+        if self.work is None:
+            self.buffer, self.work = self.receive()
 
     def wait(self) -> Rows:
+        self.post()
         self.work.wait()
         return rows_from_bytes(self.buffer, self.like)
 
@@ -181,18 +195,20 @@ def pack_rows(padded: dict[str, torch.Tensor], lengths: list[int],
 
 
 def open_target(cfg: Config, layout: Layout, *, write_target_argmax: bool | None = None,
-                check_memory: Callable | None = None, check_inputs: Callable[[int], None] | None = None) -> Target:
+                check_memory: Callable | None = None, check_inputs: Callable[[int], None] | None = None,
+                stage_ranges: Callable[[], list[range] | None] | None = None) -> Target:
     """The configured backend's target on this rank, hooks attached. write_target_argmax: default
     extract.write_target_argmax. check_memory(info) -> planned bytes or None: the native backend's
     refusal of a layout that does not fit (default: the extraction plan's). check_inputs(vocab_size): the caller's
     check of its samples against the target's vocabulary, run as soon as the vocabulary is
     known: before any weight is read with the native backend (a Kimi-K2.5 load takes minutes),
-    once the model is loaded with the hf backend (whose errors about the target come first)."""
+    once the model is loaded with the hf backend (whose errors about the target come first).
+    stage_ranges(): the native backend's pipeline stages as the memory check cut them (after it)."""
     argmax = cfg.extract.write_target_argmax if write_target_argmax is None else write_target_argmax
     if cfg.target.backend == "native":
         from eagleforge.extract.native.target import load_native_target  # imported lazily: heavy, and only for that backend
 
-        return load_native_target(cfg, layout, argmax, check_memory, check_inputs)
+        return load_native_target(cfg, layout, argmax, check_memory, check_inputs, stage_ranges)
     from eagleforge.extract.hf import HFTarget
 
     target = HFTarget(cfg, layout, argmax)

@@ -46,6 +46,21 @@ def test_kimi_configs_on_gpus(config):
     assert _needed(config, "train", 8, "launch.nproc=2") == 2
 
 
+def test_online_training_leaves_the_extract_and_vocab_stages_nothing_to_do(tmp_path):
+    """`make extract train CONFIG=configs/kimi_k25_pilot.yaml OVERRIDES=train.source=online`: the
+    extract stage needs one process (no launch for 8 stages) and, like the vocab stage, says in one
+    line that the train stage does its work, exits 0 and writes nothing."""
+    assert _needed(PILOT, "extract", 8, "train.source=online") == 1
+    for module, line in (("eagleforge.extract", "extract: train.source=online: nothing to extract"),
+                         ("eagleforge.vocab", "vocab: train.source=online: the train stage counts the draft vocabulary")):
+        run = tmp_path / module
+        result = subprocess.run([sys.executable, "-m", module, "--config", PILOT, f"run_dir={run}", "train.source=online"],
+                                env=_env(CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True, timeout=TIMEOUT_S)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.stdout.startswith(line), result.stdout
+        assert not run.exists()
+
+
 def test_hf_backend_and_the_cpu():
     """The hf backend's group is one rank; on the CPU one group (native: target.tp processes)."""
     assert _needed(None, "extract", 0) == 1 and _needed(None, "train", 0) == 1  # the embedded default

@@ -174,7 +174,11 @@ def test_stages_give_the_tensor_parallel_shards_bit_for_bit_and_the_reference(ti
     for tp, pp, layout in ((1, 2, "ep"), (1, 4, "ep"), (2, 2, "ep"), (2, 2, "tp"), (2, 1, "ep"), (2, 1, "tp")):
         runs[(tp, pp, layout)] = run = tmp_path / f"tp{tp}-pp{pp}-{layout}"
         jobs.append(_overrides(tiny_ckpt, run, source, tp, pp, layout))
+    # target.layout=auto on a group of tp 4: the stated rates make 4 stages of tp 1 the fastest split
+    auto = tmp_path / "auto"
+    jobs.append([*_overrides(tiny_ckpt, auto, source, 4, 1, "ep"), "target.layout=auto"])
     spawn_ranks(_ranks_run, (jobs,), world=4)
+    _assert_same_bits(_rows(auto), _rows(single), "target.layout=auto (tp 1 x pp 4)")
 
     reference = _rows(single)
     assert sorted(reference) == list(range(9))

@@ -377,22 +377,21 @@ def test_embedding_on_the_host_on_cuda_gives_the_device_losses(tmp_path, tiny_ll
 
 
 def test_embed_device_resolution():
-    """auto keeps the embedding on the host only for CUDA training from shards; host with the
-    online source (batches built on the device) is a one-line error naming the key."""
+    """auto keeps the embedding on the host on CUDA unless the draft takes the target's own tensor
+    (online at native tp 1 and pp 1, or an hf target); online with stages or tp groups it is on
+    the host too; explicit settings are kept."""
     from types import SimpleNamespace
 
-    from eagleforge.errors import UserInputError
     from eagleforge.train.step_plan import resolve_embed_device
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     auto, host, device = (SimpleNamespace(embed_device=m) for m in ("auto", "host", "device"))
-    assert resolve_embed_device(auto, cuda, online=False) is True
-    assert resolve_embed_device(auto, cpu, online=False) is False
-    assert resolve_embed_device(auto, cuda, online=True) is False
-    assert resolve_embed_device(host, cpu, online=False) is True
-    assert resolve_embed_device(device, cuda, online=False) is False
-    with pytest.raises(UserInputError, match="train.embed_device=host"):
-        resolve_embed_device(host, cuda, online=True)
+    assert resolve_embed_device(auto, cuda) is True  # shards, or online without a shared tensor
+    assert resolve_embed_device(auto, cpu) is False
+    assert resolve_embed_device(auto, cuda, shared=True) is False  # the target's own tensor
+    assert resolve_embed_device(host, cpu) is True
+    assert resolve_embed_device(host, cuda, shared=True) is True
+    assert resolve_embed_device(device, cuda) is False
 
 
 def test_adam_beta2_reaches_the_optimizer_and_one_is_refused(tmp_path, tiny_llama_config):

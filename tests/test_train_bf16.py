@@ -158,3 +158,83 @@ def test_resume_of_a_checkpoint_with_bf16_moments_is_refused(runs, tmp_path, mon
         loop.train(cfg, 2)
     with pytest.raises(UserInputError, match="no master remainders.*train.param_dtype bfloat16"):
         loop.train(cfg)
+
+
+def _worker_reduce(rank: int, world: int, jobs: list) -> None:
+    """A rank (spawn_ranks: torchrun's environment) whose FSDP2 reduce-scatters gradients in the
+    dtype each job names (fp32 or bf16), whatever its parameters' dtype."""
+    import os
+
+    import torch.distributed as dist
+    from test_train_distributed import PROCESS_GROUP_TIMEOUT
+
+    from eagleforge.train import loop
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
+    try:
+        for cfg, reduce_dtype in jobs:
+            loop.reduce_dtype_of = lambda param_dtype, chosen=reduce_dtype: chosen
+            loop.train(cfg)
+        dist.barrier()  # leave together (a rank tearing its group down under another aborts it)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_bf16_gradient_reduce_equals_the_fp32_reduce_on_four_ranks(runs):
+    """bf16 parameters reduce-scatter their (bf16) gradients in bf16 under FSDP2 (train/
+    distributed.py reduce_dtype_of: no fp32 copy of every gradient at the end of the backward).
+    On 4 gloo ranks, where a bf16 sum rounds at each of 3 additions, the run's per-step losses,
+    held-out loss and export equal those of the same run reducing in fp32 within the online
+    equality tests' tolerance (test_train_online.LOSS_REL)."""
+    from procs import spawn_ranks
+    from test_train_online import LOSS_REL
+
+    from eagleforge.train.distributed import reduce_dtype_of
+
+    assert reduce_dtype_of(torch.bfloat16) == torch.bfloat16 and reduce_dtype_of(torch.float32) == torch.float32
+    cfgs = {dtype: _clone_run(runs["single"], f"fsdp4_reduce_{str(dtype)[6:]}", grad_accum=1, param_dtype="bfloat16",
+                              parallel="fsdp", batch_tokens=60)
+            for dtype in (torch.bfloat16, torch.float32)}
+    spawn_ranks(_worker_reduce, ([(cfg, dtype) for dtype, cfg in cfgs.items()],), world=4)
+    bf16, fp32 = _losses(cfgs[torch.bfloat16]), _losses(cfgs[torch.float32])
+    assert [s for s, _, _ in bf16] == [s for s, _, _ in fp32] and len(fp32) > 3
+    for (step, a, _), (_, b, _) in zip(bf16, fp32):
+        assert a == pytest.approx(b, rel=LOSS_REL), (step, a, b)
+    sa, sb = (json.loads((cfg.run / "train_summary.json").read_text()) for cfg in (cfgs[torch.bfloat16], cfgs[torch.float32]))
+    assert sa["world_size"] == 4 and sa["heldout"]["loss"] == pytest.approx(sb["heldout"]["loss"], rel=LOSS_REL)
+    ea, eb = _export(cfgs[torch.bfloat16]), _export(cfgs[torch.float32])
+    for name in ea:
+        diff = (ea[name].float() - eb[name].float()).norm() / max(eb[name].float().norm(), 1e-12)
+        assert diff < 1e-2, f"{name}: relative difference {diff:.3g} between the bf16 and the fp32 reduce"
+
+
+def test_states_kept_in_their_own_dtype_give_the_fp32_converted_losses(runs):
+    """The trainer keeps a batch's states in the dtype the source made them (bf16 here, the
+    shards' storage dtype) instead of converting them to fp32 for fp32 parameters: every reader
+    casts them up where it computes, exactly, so the loss, the stats and every gradient equal
+    those of the batch converted to fp32 first (bit for bit, fp32 parameters under bf16 autocast
+    and in plain fp32)."""
+    import copy
+
+    from eagleforge.train.loop import Trainer
+
+    for bf16 in (True, False):
+        cfg = copy.deepcopy(runs["fp32"])
+        cfg.train.bf16 = bf16
+        trainer = Trainer(cfg)
+        try:
+            batch = trainer.load_batch(trainer.schedule.epoch_batches(0)[0])
+            assert batch.aux_hidden_states.dtype == torch.bfloat16  # the shards' storage dtype, kept
+            results = []
+            for states in (batch, batch.to(trainer.device, torch.float32)):
+                trainer.model.zero_grad(set_to_none=True)
+                loss, stats = trainer.batch_loss(states, training=True)
+                loss.backward()
+                results.append((loss.detach(), stats.ce_sum, [p.grad.clone() for p in trainer.params]))
+            (la, ca, ga), (lb, cb, gb) = results
+            assert torch.equal(la, lb) and ca == cb, (bf16, la, lb)
+            assert all(torch.equal(a, b) for a, b in zip(ga, gb)), bf16
+        finally:
+            trainer.close()

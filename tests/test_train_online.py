@@ -299,10 +299,12 @@ def _native_overrides(run: Path, ckpt: Path, *extra: str) -> list[str]:
 @pytest.fixture(scope="module")
 def native(tmp_path_factory):
     """A tiny Kimi-K2.5-layout checkpoint (INT4 routed experts), 18 samples, the offline
-    reference (native extract at tp 1 -> vocab -> train, one process, grad_accum 2)."""
+    references (native extract at tp 1 -> vocab -> train, one process, grad_accum 2; and grad_accum 4
+    on the same shards: the global batches of 4 ranks)."""
     from test_native_fixtures import write_tiny_kimi
 
     from eagleforge.extract.driver import extract as extract_native
+    from eagleforge.train.loop import train
 
     root = tmp_path_factory.mktemp("online_native")
     ckpt = root / "kimi"
@@ -310,7 +312,12 @@ def native(tmp_path_factory):
     rows = _samples(18, seed=2, vocab=250)
     offline = _new_run(root, "offline", rows)
     _offline(_native_overrides(offline, ckpt, "target.tp=1", "train.grad_accum=2"), extract_native)
-    return {"root": root, "ckpt": ckpt, "rows": rows, "offline": offline}
+    # the global batches of 4 ranks: one process, grad_accum 4, on the same shards and vocab
+    offline4 = _new_run(root, "offline_ga4", rows)
+    for part in ("hidden", "vocab"):
+        shutil.copytree(offline / part, offline4 / part)
+    train(load_config(None, _native_overrides(offline4, ckpt, "target.tp=1", "train.grad_accum=4", *FOUR_RANKS)))
+    return {"root": root, "ckpt": ckpt, "rows": rows, "offline": offline, "offline4": offline4}
 
 
 def test_online_equals_offline_native_one_process(native):
@@ -343,6 +350,92 @@ def test_online_equals_offline_native_two_ranks(native, layout, prefetch):
     _assert_cache(cached, n_train=14)
 
 
+# Smaller batches and more epochs for 4 ranks: several steps, and slots of 2-3 forwards, so that the
+# stages' forwards run ahead reach into the next slot.
+FOUR_RANKS = ("train.batch_tokens=64", "train.epochs=3")
+
+
+def _assert_same_draft(got_run: Path, want_run: Path, rel: float = 1e-3) -> None:
+    """The exported drafts hold the same tensors up to the fp32 rounding the losses allow."""
+    from safetensors.torch import load_file
+
+    got, want = (load_file(str(run / "draft" / "model.safetensors")) for run in (got_run, want_run))
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        diff = (got[name].float() - tensor.float()).norm() / max(tensor.float().norm(), 1e-12)
+        assert diff < rel, f"{name}: relative difference {diff:.3g} from the offline draft"
+
+
+@pytest.mark.parametrize("layouts", [[("target.pp=4", "train.prefetch=0", "train.embed_device=host"),
+                                      ("target.tp=2", "target.pp=2", "train.prefetch=1", "train.embed_device=device")]])
+def test_online_equals_offline_native_four_ranks(native, layouts):
+    """4 gloo ranks as ONE target group: four pipeline stages (one layer each), and two stages of
+    a tensor-parallel pair (experts split 5 + 4 within each stage); FSDP2 over the 4 ranks. Each
+    stage runs its forwards ahead of the last by its distance to it (train/online.py, "Pipeline
+    schedule"), the rows of a forward run ahead are received only when their slot is waited
+    for; the frozen embedding's rows gathered on the host (pp 4) or looked up on the device.
+    The per-step losses and the exported draft equal offline extract -> vocab -> train of the
+    same global batches (one process, grad_accum 4), and no shard is written."""
+    runs = {layout: _new_run(native["root"], "online_" + "_".join(k.split("=")[-1] for k in layout[:2]), native["rows"])
+            for layout in layouts}
+    _spawn(4, [_native_overrides(run, native["ckpt"], *layout, *FOUR_RANKS, "train.source=online") for layout, run in runs.items()])
+    for run in runs.values():
+        _assert_same_losses(run, native["offline4"])
+        _assert_same_draft(run, native["offline4"])
+        _assert_no_hidden(run)
+        assert json.loads((run / "train_summary.json").read_text())["world_size"] == 4
+
+
+def test_online_layout_auto_splits_the_group_into_the_fastest_layout(native):
+    """target.layout=auto with a group of 2 ranks (target.tp=2 as set): the online plan and the
+    stated rates make it two pipeline stages of tp 1 (choose_online_layout; the CPU has no size
+    to fit), and the run equals offline training as every online layout does."""
+    run = _new_run(native["root"], "online_auto", native["rows"])
+    _spawn(2, [_native_overrides(run, native["ckpt"], "target.tp=2", "target.layout=auto", "train.source=online")])
+    summary = json.loads((run / "train_summary.json").read_text())
+    assert (summary["target_tp"], summary["target_pp"]) == (1, 2)
+    _assert_same_losses(run, native["offline"])
+    _assert_no_hidden(run)
+
+
+def test_online_pipeline_resumes_after_sigkill_at_the_same_data_position(native):
+    """`python -m eagleforge.train` at target.pp=2 (2 gloo ranks started by the stage's own
+    launcher), the last stage killed with SIGKILL right after the first checkpoint: the command
+    stops naming it; run again, it resumes from that checkpoint and ends with every step's loss,
+    the held-out metrics and the exported draft of an uninterrupted run at the same layout."""
+    common = ("target.pp=2", "train.source=online", "train.epochs=4", "train.keep_last=3", "launch.nproc=2")
+    whole = _new_run(native["root"], "pp2_uninterrupted", native["rows"])
+    _spawn(2, [_native_overrides(whole, native["ckpt"], *common[:-1])])
+    run = _new_run(native["root"], "pp2_killed", native["rows"])
+    command = [sys.executable, "-m", "eagleforge.train", *_native_overrides(run, native["ckpt"], *common, "train.save_every=2")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent)}
+    launcher = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    try:
+        while not (run / "checkpoints" / "step-000002" / "state.json").is_file():
+            assert launcher.poll() is None, launcher.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint written"
+            time.sleep(0.005)
+        from test_pipeline import _rank_pids
+
+        pids = _rank_pids(launcher.pid)
+        assert sorted(pids) == [0, 1], pids
+        os.kill(pids[1], signal.SIGKILL)  # the last stage: the group's leader, which sends the rows
+        _, stderr = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 128 + signal.SIGKILL, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == "launch: rank 1 was killed by SIGKILL; the other ranks were stopped"
+    assert len(_losses(run)) < len(_losses(whole)), "the run finished before the kill: nothing was tested"
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=SPAWN_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in done.stderr, done.stderr[-3000:]
+    _assert_same_losses(run, whole, rel=1e-5)
+    _assert_same_draft(run, whole, rel=1e-5)
+    _assert_no_hidden(run)
+
+
 def test_native_target_runs_with_the_configured_kernels_and_thresholds(native):
     """The native backend's runtime keys reach the online target as they reach extraction:
     target.prefill_attention / moe_backend on the model, split_rows_min_tokens / overlap_min_rows
@@ -367,8 +460,8 @@ def test_native_target_runs_with_the_configured_kernels_and_thresholds(native):
 
 def test_the_draft_holds_the_targets_own_embedding_where_it_is_the_same_tensor(native):
     """Online at tp 1: the draft's frozen embedding is the target's tensor (no second copy of
-    [V, H]), which the plans say; at tp 2 a rank holds 1/2 of the target's rows, so the online
-    plan counts the draft's own copy."""
+    [V, H]), which the plans say; at tp 2 a rank holds 1/2 of the target's rows, so the draft's
+    copy stays on the host (train.embed_device=auto on CUDA), none on the GPU in the online plan."""
     from eagleforge.train.loop import Trainer
     from eagleforge.train.online_plan import plan_online
 
@@ -383,7 +476,10 @@ def test_the_draft_holds_the_targets_own_embedding_where_it_is_the_same_tensor(n
             {"frozen embedding [V, H] (the target's own, shared)": 0}
     finally:
         trainer.close()
-    embedding = lambda plan: {n: v for n, v in plan.fixed.items() if "embedding" in n}  # noqa: E731
-    assert list(embedding(plan_online(cfg, world=1))) == ["frozen embedding [V, H] (the target's own, shared)"]
+    embedding = lambda plan: {line.name: line.at(0) for line in plan.stages[0].held if "embedding" in line.name}  # noqa: E731
+    assert embedding(plan_online(cfg, world=1)) == {"frozen embedding [V, H] (the target's own, shared)": 0}
     tp2 = load_config(None, _native_overrides(run, native["ckpt"], "target.tp=2", "train.source=online"))
-    assert list(embedding(plan_online(tp2, world=2)).values())[0] > 0
+    assert embedding(plan_online(tp2, world=2)) == {"frozen embedding [V, H] (on the host)": 0}
+    device = load_config(None, _native_overrides(run, native["ckpt"], "target.tp=2", "train.source=online",
+                                                 "train.embed_device=device"))
+    assert list(embedding(plan_online(device, world=2)).values())[0] > 0

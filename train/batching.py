@@ -33,9 +33,9 @@ class Batch:
     def num_tokens(self) -> int:
         return self.host_tokens if self.host_tokens is not None else int(self.lengths.sum())
 
-    def to(self, device: torch.device | str, dtype: torch.dtype = torch.float32) -> "Batch":
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = torch.float32) -> "Batch":
         """This batch on `device` (non-blocking copies: from pinned memory they do not wait for
-        the GPU), the hidden states converted to `dtype` there."""
+        the GPU), the hidden states converted to `dtype` there (None: kept in their own dtype)."""
         def move(x: torch.Tensor | None, as_dtype: torch.dtype | None = None) -> torch.Tensor | None:
             if x is None:
                 return None
@@ -45,6 +45,14 @@ class Batch:
         return Batch(move(self.input_ids), move(self.loss_mask), move(self.aux_hidden_states, dtype),
                      move(self.last_hidden_state, dtype), move(self.target_argmax), move(self.lengths), self.host_tokens,
                      move(self.input_embeds, dtype))
+
+
+class PendingBatch:
+    """A batch still being made (online training: rows on their way from the pipeline's last
+    stage): wait() -> Batch."""
+
+    def __init__(self, finish):
+        self.wait = finish
 
 
 def collate(samples: list[dict], device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Batch:

@@ -6,9 +6,11 @@ torch.distributed at all.
 Parallel layouts (`train.parallel`):
     none   one process, the module as it is
     fsdp   FSDP2: fully_shard of the root DraftWithLoss (see _fully_shard for why one unit),
-           mixed precision bf16 parameters / fp32 gradient reduction when train.bf16 (fp32
-           master weights stay sharded and the optimizer steps them); the frozen embed_tokens
-           is left out of sharding (ignored_params: replicated, never gathered or reduced)
+           bf16 parameters gathered when train.bf16 (fp32 ones cast for the gather; the
+           optimizer steps the sharded weights); gradients reduced in fp32 for fp32 parameters
+           and in bf16 for bf16 ones (their gradients are bf16 already: see _fully_shard); the
+           frozen embed_tokens is left out of sharding (ignored_params: replicated, never
+           gathered or reduced)
     ddp    DistributedDataParallel over fp32 parameters (bf16 autocast as in one process)
     auto   fsdp when the world has more than one rank, else none
 
@@ -66,8 +68,18 @@ def resolve_parallel(mode: str, layout: Layout) -> str:
     return mode
 
 
-def parallelize(module: DraftWithLoss, layout: Layout, mode: str, bf16: bool) -> nn.Module:
-    """Wrap `module` (already on layout.device) for `mode` (resolve_parallel's answer)."""
+def reduce_dtype_of(param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype FSDP2 reduce-scatters gradients in: bf16 for bf16 parameters, whose gradients
+    the GEMMs already accumulate and keep in bf16 (an fp32 reduce would round the same bf16 sum
+    once at the end instead of at each hop, for an fp32 copy of every gradient: 4 bytes per
+    trainable parameter at the end of the backward instead of 2); fp32 otherwise."""
+    return torch.bfloat16 if param_dtype == torch.bfloat16 else torch.float32
+
+
+def parallelize(module: DraftWithLoss, layout: Layout, mode: str, bf16: bool,
+                reduce_dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Wrap `module` (already on layout.device) for `mode` (resolve_parallel's answer); FSDP2
+    reduce-scatters the gradients in `reduce_dtype` (reduce_dtype_of the parameters')."""
     if mode == "none":
         return module
     if mode == "ddp":
@@ -77,11 +89,11 @@ def parallelize(module: DraftWithLoss, layout: Layout, mode: str, bf16: bool) ->
         # broadcast_buffers: d2t/t2d never change; the frozen embedding is not a gradient bucket.
         return DistributedDataParallel(module, device_ids=ids, broadcast_buffers=False)
     if mode == "fsdp":
-        return _fully_shard(module, layout, bf16)
+        return _fully_shard(module, layout, bf16, reduce_dtype)
     raise ValueError(f"parallelize: unknown mode {mode!r}")
 
 
-def _fully_shard(module: DraftWithLoss, layout: Layout, bf16: bool) -> nn.Module:
+def _fully_shard(module: DraftWithLoss, layout: Layout, bf16: bool, reduce_dtype: torch.dtype = torch.float32) -> nn.Module:
     """FSDP2 over the whole draft as one unit (the root).
 
     Why not one unit per block: the draft has one block (midlayer) and the TTT forward runs it
@@ -89,15 +101,20 @@ def _fully_shard(module: DraftWithLoss, layout: Layout, bf16: bool) -> nn.Module
     weights directly), which no forward hook of a sub-unit sees. A per-block unit would have to
     stay gathered from its first use to the end of the backward anyway, so one root unit
     gathers the same bytes once per forward (all-gather of the bf16 weights, reduce-scatter of
-    the fp32 gradients: at Kimi's draft ~2 GB and ~4 GB per step, a few ms on NVLink against
-    a step of ~1 s at 8192 tokens per GPU)."""
+    the gradients: at Kimi's draft ~2 GB each per step in bf16, a few ms on NVLink against a
+    step of ~1 s at 8192 tokens per GPU).
+
+    Memory at the end of the backward (torch's foreach_reduce): the gathered weights are freed
+    first, then the unsharded gradients [P] are copied into one reduce-scatter input [P] of
+    `reduce_dtype` and freed: 2 + 2 bytes per trainable parameter at that moment with bf16
+    parameters, 2 + 4 with an fp32 reduce (train/online_plan.py counts it)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(layout.device.type, (layout.world_size,))
     # Inputs are left as they come (cast_forward_inputs=False): the loss reads the teacher's
     # states in fp32 and autocast picks the matmul dtype, as in one process.
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32,
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=reduce_dtype,
                                   cast_forward_inputs=False)
     # embed_tokens is frozen and only indexed: replicated on every rank, never gathered or reduced.
     fully_shard(module, mesh=mesh, mp_policy=policy, ignored_params={module.draft.embed_tokens.weight})

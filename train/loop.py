@@ -32,7 +32,7 @@ from eagleforge.failures import out_of_memory
 from eagleforge.layout import Layout, init_layout
 from eagleforge.modes import PLAIN_LOSS_MODES
 from eagleforge.target import target_path
-from eagleforge.train.batching import Batch, gather_embeddings
+from eagleforge.train.batching import Batch, PendingBatch, gather_embeddings
 from eagleforge.train.build import build_draft, embedding_to_host
 from eagleforge.train.checkpoint import (
     INPUTS_KEY,
@@ -49,7 +49,7 @@ from eagleforge.train.checkpoint import (
     save_checkpoint,
     tidy_checkpoints,
 )
-from eagleforge.train.distributed import DraftWithLoss, clip_grad_norm, gradient_sync, parallelize, resolve_parallel
+from eagleforge.train.distributed import DraftWithLoss, clip_grad_norm, gradient_sync, parallelize, reduce_dtype_of, resolve_parallel
 from eagleforge.train.loss import lk_options
 from eagleforge.train.metrics import MetricLogger, TTTStats, reduce_stats
 from eagleforge.train.optimizer import build_optimizer
@@ -130,9 +130,11 @@ class Trainer:
         self.lengths = self.schedule.lengths
         # train.activation_checkpoint / compile on auto: from the batch size and the GPU's memory
         self.step_plan = plan_step(tc, self.draft, self.param_dtype, self.device,
-                                   world=self.layout.world_size if self.parallel == "fsdp" else 1, embedding=self.embedding_place)
+                                   world=self.layout.world_size if self.parallel == "fsdp" else 1, embedding=self.embedding_place,
+                                   planned_mode=getattr(self.source, "planned_checkpoint", None))
         loss = ttt_loss_of(cfg, self.teacher_head, self.device, self.step_plan.activation_checkpoint, self.step_plan.compile)
-        self.model = parallelize(DraftWithLoss(self.draft, loss), self.layout, self.parallel, tc.bf16)
+        self.model = parallelize(DraftWithLoss(self.draft, loss), self.layout, self.parallel, tc.bf16,
+                                 reduce_dtype_of(self.param_dtype))
         self.params = [p for p in self.model.parameters() if p.requires_grad]  # sharded under FSDP
         self.optimizer, self.scheduler = self._optimizer()
         self.step, self.position, self.train_tokens = 0, Position(), 0
@@ -165,9 +167,9 @@ class Trainer:
         host when the step plan keeps it there, else None: inside the draft)."""
         tc = self.cfg.train
         draft = build_draft(self.cfg, self.source.manifest, self.vocab, head)
-        host_embedding = (embedding_to_host(draft, self.param_dtype)
-                          if resolve_embed_device(tc, self.device, online=self.source.on_device) else None)
         shared = self.source.shared_embedding(self.param_dtype)
+        host_embedding = (embedding_to_host(draft, self.param_dtype)
+                          if resolve_embed_device(tc, self.device, shared=shared is not None) else None)
         if shared is not None and host_embedding is None:  # online: the target's own tensor, no second copy
             if tuple(shared.shape) != tuple(draft.embed_tokens.weight.shape):
                 raise UserInputError(f"the target's input embedding is {tuple(shared.shape)}, the draft's "
@@ -237,13 +239,24 @@ class Trainer:
 
     # -- batches
 
-    def _read(self, slot: Slot) -> Batch:
+    def _read(self, slot: Slot) -> "Batch | PendingBatch":
         """This rank's batch of `slot` from the source, with its embedding rows when the frozen
-        embedding is kept on the host: the feed worker's job (off the training thread)."""
+        embedding is kept on the host: the feed worker's job (off the training thread). An online
+        batch still on its way (pipeline stages) gets them once it has come."""
         batch = self.source.load(slot)
-        if self.host_embedding is not None:
-            batch.input_embeds = gather_embeddings(self.host_embedding, batch.input_ids, self.cfg.train.ttt_steps,
-                                                   pin=self.device.type == "cuda")
+        if self.host_embedding is None:
+            return batch
+        if isinstance(batch, PendingBatch):
+            pending = batch
+            return PendingBatch(lambda: self._with_embeddings(pending.wait(), slot))
+        return self._with_embeddings(batch, slot)
+
+    def _with_embeddings(self, batch: Batch, slot: Slot) -> Batch:
+        """`batch` with the frozen embedding's rows [B, T + K, H] gathered on the host (pinned on
+        CUDA: copied with the batch), from the host's own input ids (an online batch's are on
+        the device already; the source gives them from its samples, no copy back)."""
+        ids = batch.input_ids if batch.input_ids.device.type == "cpu" else self.source.host_input_ids(slot)
+        batch.input_embeds = gather_embeddings(self.host_embedding, ids, self.cfg.train.ttt_steps, pin=self.device.type == "cuda")
         return batch
 
     def _feed(self, slots) -> Prefetcher:
@@ -259,9 +272,12 @@ class Trainer:
 
     def _rank_batches(self, slots: list[Slot], feed: Prefetcher):
         """This rank's (ids or None, Batch on the device) of `slots`, in order; None: past the
-        epoch's tail, the step's first batch stands in (weight 0). The states in the draft's input
-        dtype (bf16 with bf16 parameters: half the bytes of fp32 on the GPU; fp32 otherwise, as
-        autocast expects)."""
+        epoch's tail, the step's first batch stands in (weight 0). The states stay in the dtype
+        the source made them (the target's, or the shards' storage dtype: bf16 for Kimi-K2.5), half
+        the bytes of fp32 on the GPU: every reader casts them where it computes (the draft's fc to
+        its weights' dtype, the losses to their matmul dtype, the teacher's logsumexp to fp32), and
+        a cast of bf16 (or fp16) up to fp32 is exact, so fp32 parameters train on the same numbers
+        as when the batch was converted here."""
         rank, world = self.layout.rank, self.layout.world_size
         for expected in slots:
             try:
@@ -271,11 +287,11 @@ class Trainer:
                                     self.source.planned_bytes, self.device) from None
             if slot != expected:  # the feed follows the trainer's schedule; a mismatch is a bug
                 raise RuntimeError(f"batch feed out of order: got slot {slot}, the trainer expects {expected}")
-            yield slot.batch_of(rank, world), batch.to(self.device, self.param_dtype)
+            yield slot.batch_of(rank, world), batch.to(self.device, None)
 
     def load_batch(self, ids: list[int]) -> Batch:
         """The batch of samples `ids` on the device, as the trainer would train it (tests, benchmarks)."""
-        return self.read(step_slots([ids], 1)[0]).to(self.device, self.param_dtype)
+        return self.read(step_slots([ids], 1)[0]).to(self.device, None)
 
     # -- one batch
 
@@ -580,7 +596,14 @@ def export_finite(checkpoint: Path, out_dir: Path, vocab: dict | None = None) ->
 def train(cfg: Config, stop_after_step: int | None = None) -> dict | None:
     """Train (resuming when RUN holds a checkpoint), evaluate held-out, export; the summary dict.
     Under torchrun every rank calls it; the process group is created and ended here unless the
-    caller made it."""
+    caller made it. Online with target.layout=auto, the target's split of its group's GPUs is the
+    one the online plan fits and projects fastest (online_plan.choose_online_layout)."""
+    if check_source(cfg.train.source, cfg.train.cache_gb) == "online":
+        from eagleforge.extract.driver import with_chosen_layout
+        from eagleforge.layout import world_size_from_env
+        from eagleforge.train.online_plan import choose_online_layout
+
+        cfg = with_chosen_layout(cfg, cfg.train.device, lambda c, gpu: choose_online_layout(c, gpu, world_size_from_env()))
     layout = training_layout(cfg)
     trainer = None
     try:

@@ -23,10 +23,29 @@ whole world. For a slot of an optimizer step, a group runs ONE target forward (c
 extract.batch_tokens) over the union of its ranks' batches; every rank of the group then holds
 the same states (after the tensor-parallel all-reduces) and keeps the rows of its own batch.
 
+Pipeline schedule (target.pp = P > 1): a slot's forwards go through the P stages one after the
+other, so a schedule that ran each slot's forwards and then trained on them would leave stage s
+idle while the forwards reach it (s forwards' time) and again after its last one (P - 1 - s),
+every slot. Instead the forwards of all slots form one stream (load() queues a slot's, the feed
+loads pp - 1 slots ahead of the one it waits for, train/prefetch.py), and when stage s waits for
+slot n it runs the stream up to slot n's last forward and then `ahead` = P - 1 - s forwards more
+(as many as are queued). At each draft step stage s is then P - 1 - s forwards ahead of the last
+stage (the forwards of slot n + 1 have started in every stage but the last while the draft
+trains on slot n), and its next forward's input is already sent by stage s - 1, one further
+ahead: after the step every stage computes at once. The stages' fill and drain happen once per
+feed (the run, the held-out evaluation), not once per slot; with train.prefetch > 0 the stages'
+forwards also run during the step, on the feed's thread. A rank's rows of a forward it ran ahead
+are received only when it waits for that forward's slot (their receive posted then, before the
+last stage sends them): during a draft step a rank holds the batch it trains and no rows of
+later slots. Every rank of a stage runs the same forwards in the same order, so the stages'
+sends and receives pair up; a feed stopped early leaves forwards queued, which close() runs
+(`flush`) before the target closes.
+
 Overlap (`train.prefetch` = N > 0): the trainer's feed thread (train/prefetch.py) runs the target
 forwards of the next N slots ahead of the training thread, on CUDA on a side stream; 0 runs them
 in line. The target's tensor-parallel collectives then run on the group's own process group from
-that thread while FSDP's run on the world group from the trainer's.
+that thread while FSDP's run on the world group from the trainer's; the target's activations
+and the draft's step are then in memory at once (the online plan adds them).
 
 Cache (`train.cache_gb`, train/state_cache.py): part of the first epoch's states kept as shards in
 RUN/hidden, read back by later epochs instead of forwarded.
@@ -38,8 +57,10 @@ nor skips a sample. Forwards the feed ran past the kill are simply redone.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -47,7 +68,7 @@ from eagleforge.config import Config
 from eagleforge.extract.samples import batch_by_tokens, read_samples
 from eagleforge.extract.target import nonfinite_cause, open_target
 from eagleforge.layout import Layout
-from eagleforge.train.batching import Batch, pad_batch
+from eagleforge.train.batching import Batch, PendingBatch, pad_batch
 from eagleforge.train.schedule import Slot, make_batches
 
 log = logging.getLogger(__name__)
@@ -68,13 +89,23 @@ class OnlineSource:
 
         # Building the target draws from the global RNG (module inits before the weights load);
         # the trainer seeded it for the draft's init, so the target is built on a forked RNG.
+        # On CUDA the online plan (target + draft, train/online_plan.py) is checked before any weight
+        # is read; it also cuts the stages (by memory) and picks the draft's checkpoint mode (auto).
+        self.plan = None
+
+        def check_memory(info) -> float | None:
+            self.plan = _check_online_memory(cfg, layout)
+            return None if self.plan is None else self.plan.total_bytes()
+
         with torch.random.fork_rng(devices=[layout.device] if layout.device.type == "cuda" else []):
-            self.target = open_target(cfg, layout, write_target_argmax=True,
-                                      check_memory=lambda info: _check_online_memory(cfg, layout),
-                                      check_inputs=lambda vocab_size: read.extend(read_samples(cfg, vocab_size)))
+            self.target = open_target(cfg, layout, write_target_argmax=True, check_memory=check_memory,
+                                      check_inputs=lambda vocab_size: read.extend(read_samples(cfg, vocab_size)),
+                                      stage_ranges=lambda: None if self.plan is None else self.plan.ranges)
         self.samples, source = read
         self.samples_file, self._samples_sha256 = source, None
         self.planned_bytes = self.target.planned_bytes  # the online plan (target + draft) on CUDA
+        # train.activation_checkpoint=auto: the mode the online plan fitted beside the target (None: the step plan's own)
+        self.planned_checkpoint = None if self.plan is None else self.plan.checkpoint
         # the manifest as the trainer reads it: the target's header and its config (build_draft sizes the draft from it)
         self.manifest = {**self.target.header, "target": {**self.target.header["target"], "config": self.target.hf_config}}
         self.skipped_samples, self.skipped_ids = 0, set()  # samples whose states held NaN/Inf
@@ -98,6 +129,12 @@ class OnlineSource:
             self.cache = StateCache(cfg.run / "hidden", cfg.train.cache_gb, cfg.extract.storage_dtype, layout,
                                     self.target.header, self.samples, epoch0, cfg.train.verify_checksums)
         self.target_seconds, self.target_tokens = 0.0, 0  # this process's target forwards (overlap report)
+        # Pipeline schedule: the target forwards queued by load() and not run yet, how many were
+        # queued and run since the start, and the forwards run ahead whose rows' receives wait
+        self._queue: collections.deque[_Forward] = collections.deque()
+        self._queued = self._ran = 0
+        self._deferred: list[_Forward] = []
+        self.ahead = layout.pp - 1 - layout.stage  # forwards this stage runs past the slot it finishes
         if layout.is_main:
             log.info("online: %d samples from %s, %d target group(s) of %d rank(s), %s backend, prefetch %d", len(self.samples),
                      source, layout.num_groups, layout.group_size, cfg.target.backend, cfg.train.prefetch)
@@ -109,12 +146,16 @@ class OnlineSource:
         return [len(s["input_ids"]) for s in self.samples]
 
     def load(self, slot: Slot) -> "Batch | PendingBatch":
-        """This rank's Batch of `slot` on the device: one target forward of the union of the group's
-        batches of that slot (chunked by extract.batch_tokens), this rank's rows kept. Training
-        slots (slot.epoch set): from the second epoch on, samples the cache holds are read instead
-        of forwarded; in the first, this rank's batch is written to the cache when it is one the
-        cache keeps. With pipeline stages a rank's rows come from the last stage later: then a
-        PendingBatch, whose wait() makes the Batch (the feed waits while later forwards run)."""
+        """This rank's Batch of `slot` on the device: the target's forwards of the union of the
+        group's batches of that slot (chunked by extract.batch_tokens), this rank's rows kept.
+        Training slots (slot.epoch set): from the second epoch on, samples the cache holds are
+        read instead of forwarded; in the first, this rank's batch is written to the cache when it
+        is one the cache keeps.
+
+        Pipeline stages: the slot's forwards are queued, not run, and a PendingBatch comes back;
+        its wait() runs the queue up to this slot's last forward and then `ahead` forwards more
+        (module docstring, "Pipeline schedule"), then waits for this rank's rows from the last
+        stage and makes the Batch."""
         layout = self.layout
         mine = slot.batch_of(layout.rank, layout.world_size)
         reads = {r: slot.read_of(r, layout.world_size) for r in layout.group_ranks}  # what each rank of the group trains
@@ -122,49 +163,107 @@ class OnlineSource:
         for r in layout.group_ranks:
             union += [i for i in reads[r] if i not in union]
         ids = reads[layout.rank]
-        start = time.perf_counter()
-        states: dict[int, dict] = {}
+        cached: list[int] = []
         if self.cache is not None and slot.epoch is not None and slot.epoch > 0:
             # Which samples skip the target is a function of the schedule, the same on every rank
-            # of the group (their collectives stay paired); each rank reads only its own rows.
-            states = {i: self.cache.read(i, self.device) for i in ids if i in self.cache.cached}
+            # of the group (their collectives stay paired); each rank reads only its own rows,
+            # when the batch is made (not while its forwards wait in the queue).
+            cached = [i for i in ids if i in self.cache.cached]
             union = [i for i in union if i not in self.cache.cached]
         lengths = [len(self.samples[i]["input_ids"]) for i in union]
-        chunks = [[union[p] for p in positions] for positions in batch_by_tokens(lengths, self.batch_tokens)]
-        arriving = []  # (this rank's samples of a chunk, in order; their rows or PendingRows)
-        for n, chunk in enumerate(chunks):
+        forwards = []
+        for positions in batch_by_tokens(lengths, self.batch_tokens):
+            chunk = [union[p] for p in positions]
             rows_for = {r: [chunk.index(i) for i in reads[r] if i in chunk] for r in layout.group_ranks}
             rows_for = {r: positions for r, positions in rows_for.items() if positions}
-            then = [self.samples[i]["input_ids"] for i in chunks[n + 1]] if n + 1 < len(chunks) else None
-            rows = self.target.forward([self.samples[i]["input_ids"] for i in chunk], then=then, rows_for=rows_for)
-            arriving.append(([chunk[p] for p in rows_for.get(layout.rank, [])], rows))
+            forwards.append(_Forward(chunk, rows_for, [chunk[p] for p in rows_for.get(layout.rank, [])]))
         self.target_tokens += sum(lengths)  # forwarded by the target (cached rows not counted)
+        self._queue.extend(forwards)
+        self._queued += len(forwards)
+        end = self._queued  # the slot's last forward is the end-th queued since the start
 
         def finish() -> Batch:
-            for samples, rows in arriving:
-                rows = rows.wait() if hasattr(rows, "wait") else rows
-                row = 0
-                for i in samples:
-                    n = len(self.samples[i]["input_ids"])
-                    states[i] = {key: value[row : row + n] for key, value in rows.items()}
-                    row += n
-            bad = self._nonfinite(ids, states)
-            batch_rows = [{"input_ids": self._ids[i].to(self.device), "loss_mask": self._masks[i].to(self.device), **states[i]}
-                          for i in ids]
-            if self.cache is not None and slot.epoch == 0 and mine is not None:
-                self.cache.write(mine, batch_rows, bad)
-            batch = pad_batch(batch_rows)
-            for b, i in enumerate(ids):
-                if i in bad:  # no loss row, no token counted (the states are zeros)
-                    batch.lengths[b] = 0
-                    batch.loss_mask[b] = False
-                    batch.host_tokens -= len(self.samples[i]["input_ids"])
-            self.target_seconds += time.perf_counter() - start
-            return batch
+            return self._finish(slot, ids, mine, cached, forwards, end)
 
-        if any(hasattr(rows, "wait") for _, rows in arriving):
-            return PendingBatch(finish)
-        return finish()
+        if layout.pp == 1:  # every rank of the group ends with every row: nothing to wait for
+            return finish()
+        return PendingBatch(finish)
+
+    def _run(self, forward: "_Forward", post_rows: bool) -> None:
+        """The target's forward of the next queued `forward` (the one after it given as `then`,
+        so a pipeline stage posts that forward's receive ahead)."""
+        then = [self.samples[i]["input_ids"] for i in self._queue[0].samples] if self._queue else None
+        inputs = [self.samples[i]["input_ids"] for i in forward.samples]
+        if self.layout.pp > 1:
+            forward.rows = self.target.forward(inputs, then=then, rows_for=forward.rows_for, post_rows=post_rows)
+        else:
+            forward.rows = self.target.forward(inputs, then=then, rows_for=forward.rows_for)
+        self._ran += 1
+        if hasattr(forward.rows, "post") and not forward.rows.posted:
+            self._deferred.append(forward)
+
+    def _finish(self, slot: Slot, ids: list[int], mine, cached: list[int], forwards: list["_Forward"], end: int) -> Batch:
+        """The Batch of a slot load() queued (`end`: the count of forwards queued up to its last):
+        its forwards run (with pipeline stages, and `ahead` more), its rows taken, padded."""
+        start = time.perf_counter()
+        # rows of this slot's forwards that ran ahead in an earlier wait: their receives now, in
+        # forward order (before any later forward's), while the last stage runs the forwards
+        for forward in forwards:
+            if forward in self._deferred:
+                forward.rows.post()
+                self._deferred.remove(forward)
+        # this slot's forwards, then `ahead` more: their rows' receives are left for their own wait
+        while self._queue and self._ran < end:
+            self._run(self._queue.popleft(), post_rows=True)
+        while self._queue and self._ran < end + self.ahead:
+            self._run(self._queue.popleft(), post_rows=False)
+        if hasattr(self.target, "pause"):  # the draft's step comes next: one pipeline send held through it
+            self.target.pause()
+        states: dict[int, dict] = {}
+        for forward in forwards:
+            rows = forward.rows.wait() if hasattr(forward.rows, "wait") else forward.rows
+            forward.rows = None
+            row = 0
+            for i in forward.mine:
+                n = len(self.samples[i]["input_ids"])
+                states[i] = {key: value[row : row + n] for key, value in rows.items()}
+                row += n
+        for i in cached:
+            states[i] = self.cache.read(i, self.device)
+        bad = self._nonfinite(ids, states)
+        batch_rows = [{"input_ids": self._ids[i].to(self.device), "loss_mask": self._masks[i].to(self.device), **states[i]}
+                      for i in ids]
+        if self.cache is not None and slot.epoch == 0 and mine is not None:
+            self.cache.write(mine, batch_rows, bad)
+        batch = pad_batch(batch_rows)
+        for b, i in enumerate(ids):
+            if i in bad:  # no loss row, no token counted (the states are zeros)
+                batch.lengths[b] = 0
+                batch.loss_mask[b] = False
+                batch.host_tokens -= len(self.samples[i]["input_ids"])
+        self.target_seconds += time.perf_counter() - start
+        return batch
+
+    def flush(self) -> None:
+        """Run what is still queued and take the rows still on their way (pipeline stages: every
+        rank then ran the same forwards, so no send is left unmatched when the target closes).
+        Nothing is queued after a feed that ran to its end; a feed stopped early leaves some."""
+        while self._queue:
+            self._run(self._queue.popleft(), post_rows=True)
+        for forward in self._deferred:
+            forward.rows.post()
+        for forward in self._deferred:
+            forward.rows.wait()
+        self._deferred = []
+
+    def host_input_ids(self, slot: Slot) -> torch.Tensor:
+        """This rank's input ids of `slot` on the host, [B, T] int64 padded with 0 as the Batch's
+        are: the frozen embedding's rows are gathered from them there (train.embed_device=host)."""
+        rows = [self._ids[i] for i in slot.read_of(self.layout.rank, self.layout.world_size)]
+        out = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.int64)
+        for b, r in enumerate(rows):
+            out[b, : len(r)] = r
+        return out
 
     def _nonfinite(self, ids: list[int], states: dict[int, dict | None]) -> set[int]:
         """The samples of `ids` whose states hold NaN/Inf (one device read for the batch) or that
@@ -220,30 +319,38 @@ class OnlineSource:
     def summary(self) -> dict:
         """What train_summary.json records of the online source: this process's tokens forwarded
         by the target and read from the cache during training (the held-out forwards follow)."""
-        out = {"source": "online", "target_tokens": self.target_tokens, "target_seconds": self.target_seconds}
+        out = {"source": "online", "target_tokens": self.target_tokens, "target_seconds": self.target_seconds,
+               "target_tp": self.layout.tp, "target_pp": self.layout.pp}
         if self.cache is not None:
             out.update(cache_planned_bytes=self.cache.planned_bytes, cache_read_tokens=self.cache.read_tokens)
         return out
 
     def close(self) -> None:
+        self.flush()
         self.target.close()
 
 
-class PendingBatch:
-    """A batch whose rows are still on their way from the pipeline's last stage: wait() -> Batch."""
+@dataclass(eq=False)
+class _Forward:
+    """One target forward of a slot's union: its samples in order, the positions (in `samples`)
+    of each rank's rows, this rank's samples in it; after it ran, this rank's rows (a dict, a
+    PendingRows from the last stage, or None)."""
 
-    def __init__(self, finish):
-        self.wait = finish
+    samples: list[int]
+    rows_for: dict[int, list[int]]
+    mine: list[int]
+    rows: object = None
 
 
-def _check_online_memory(cfg: Config, layout: Layout) -> float | None:
-    """On CUDA, refuse before loading: target + draft must fit (train/online_plan.py); the bytes
-    it plans per GPU (None on the CPU)."""
+def _check_online_memory(cfg: Config, layout: Layout):
+    """On CUDA, refuse before loading: target + draft must fit (train/online_plan.py); the plan
+    (its stages' layers, the checkpoint mode, the bytes per GPU), None on the CPU."""
     if layout.device.type != "cuda":
         return None
-    from eagleforge.train.online_plan import check_online_fits
+    from eagleforge.train.online_plan import check_online_fits, format_online_plan
 
     gpu_bytes = int(cfg.target.gpu_memory_gib * 2**30) or torch.cuda.get_device_properties(layout.device).total_memory
     plan = check_online_fits(cfg, gpu_bytes, layout.world_size)
-    log.info("online memory plan: %.1f GiB of %.1f GiB per GPU", plan.total_bytes() / 2**30, gpu_bytes / 2**30)
-    return plan.total_bytes()
+    if layout.is_main:
+        log.info("online memory plan (train/online_plan.py):\n%s", format_online_plan(plan, gpu_bytes))
+    return plan

@@ -122,11 +122,13 @@ class Prefetcher:
 
 
 def _tensors(result) -> list[torch.Tensor]:
-    """The tensors of a result: a tensor, a dataclass of them (Batch), or a tuple/list of either."""
+    """The CUDA tensors of a result: a tensor, a dataclass of them (Batch), or a tuple/list of
+    either (host tensors, such as embedding rows gathered into pinned memory, are copied to the
+    device by the consumer later: no stream to record them on)."""
     if isinstance(result, torch.Tensor):
-        return [result]
+        return [result] if result.is_cuda else []
     if hasattr(result, "__dataclass_fields__"):
-        return [t for t in (getattr(result, name) for name in result.__dataclass_fields__) if isinstance(t, torch.Tensor)]
+        return [t for t in (getattr(result, name) for name in result.__dataclass_fields__) if isinstance(t, torch.Tensor) and t.is_cuda]
     if isinstance(result, (tuple, list)):
         return [t for part in result for t in _tensors(part)]
     return []

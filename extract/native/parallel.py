@@ -307,9 +307,11 @@ class StageLink:
         while len(self._sends) > self.max_sends:
             self._sends.pop(0)[1].wait()
 
-    def drain(self) -> None:
-        """Wait for every send in flight (before the buffers or the process group go away)."""
-        while self._sends:
+    def drain(self, keep: int = 0) -> None:
+        """Wait for the sends in flight but the newest `keep` and let their buffers go (keep 0:
+        before the process group goes away). With NCCL the wait is the current stream's, not the
+        host's; a send whose receive the next stage posted ahead is done or nearly."""
+        while len(self._sends) > keep:
             self._sends.pop(0)[1].wait()
 
 

@@ -26,7 +26,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from eagleforge.cli import run_main
 from eagleforge.config import Config
@@ -112,11 +112,18 @@ def head_flops_per_token(a: ModelArgs, tp: int) -> float:
     return 2.0 * a.hidden_size * a.vocab_size / tp
 
 
-def cut_stages(costs: Sequence[float], pp: int, last_extra: float = 0.0) -> list[range]:
+def cut_stages(costs: Sequence[float], pp: int, last_extra: float = 0.0,
+               fits: Callable[[int, int, int], bool] | None = None) -> list[range] | None:
     """`pp` contiguous ranges of the layers 0..len(costs)-1, each non-empty, that make the largest
     stage cost (the sum of its layers' costs, plus `last_extra` on the last stage: the final norm
     and the greedy head) as small as it can be (exact, by dynamic programming over cut points;
-    ties go to the earliest cuts, so the layout is deterministic)."""
+    ties go to the earliest cuts, so the layout is deterministic).
+
+    fits(start, stop, stage): whether stage `stage` holding layers start..stop-1 fits its GPU
+    (its weights, buffers and whatever else that stage holds: the embedding on the first, the
+    head on the last, online training's rows and draft): only cuts whose every stage fits are
+    considered, so a stage with more to hold beside its layers gets fewer of them when the
+    balance by cost would not fit. None when no cut fits (then only with `fits`)."""
     n = len(costs)
     if not 1 <= pp <= n:
         raise UserInputError(f"target.pp = {pp} must be between 1 and the {n} decoder layers (a stage holds at least one)")
@@ -132,9 +139,13 @@ def cut_stages(costs: Sequence[float], pp: int, last_extra: float = 0.0) -> list
         extra = last_extra if stages == pp else 0.0
         for i in range(stages, n + 1):
             for j in range(stages - 1, i):
+                if best[stages - 1][j] == inf or (fits is not None and not fits(j, i, stages - 1)):
+                    continue
                 value = max(best[stages - 1][j], prefix[i] - prefix[j] + (extra if i == n else 0.0))
                 if value < best[stages][i] - 1e-9 * max(1.0, abs(value)):
                     best[stages][i], cut[stages][i] = value, j
+    if best[pp][n] == inf:
+        return None
     ranges, end = [], n
     for stages in range(pp, 0, -1):
         start = cut[stages][end]
@@ -144,12 +155,27 @@ def cut_stages(costs: Sequence[float], pp: int, last_extra: float = 0.0) -> list
 
 
 def stage_layers(a: ModelArgs, pp: int, tp: int = 1, seq_len: int = 2048, split_replicated: bool = False,
-                 greedy_head: bool = True) -> list[range]:
+                 greedy_head: bool = True, fits: Callable[[range, int], bool] | None = None) -> list[range]:
     """The layers of each pipeline stage, balanced by compute (layer_flops_per_token; the greedy
     head on the last stage when target_argmax is written). The embedding sits on the first
-    stage, the final norm and the head on the last."""
+    stage, the final norm and the head on the last. fits(layers, stage): cut_stages' memory
+    condition; when no cut meets it, the balance by compute alone (whose fullest stage the
+    plans then report short)."""
     costs = layer_flops_per_token(a, tp, seq_len, split_replicated)
-    return cut_stages(costs, pp, head_flops_per_token(a, tp) if greedy_head else 0.0)
+    head = head_flops_per_token(a, tp) if greedy_head else 0.0
+    if fits is not None:
+        memo: dict = {}
+
+        def fits_at(start: int, stop: int, stage: int) -> bool:
+            key = (start, stop, stage)
+            if key not in memo:
+                memo[key] = fits(range(start, stop), stage)
+            return memo[key]
+
+        ranges = cut_stages(costs, pp, head, fits_at)
+        if ranges is not None:
+            return ranges
+    return cut_stages(costs, pp, head)
 
 
 def collective_bytes_per_token(a: ModelArgs, tp: int, dtype_bytes: int, split_replicated: bool) -> dict[str, int]:
@@ -273,11 +299,19 @@ def _pipeline_bytes(a: ModelArgs, b: int, T: int, aux_layers: int | Sequence[int
     """A stage's P2P buffers of one forward of T tokens: the next batch's receive posted ahead
     (hidden plus the aux rows captured before the stage) and up to two sends in flight (hidden
     plus the aux rows captured up to the stage's end), each [T, (1 + carried) H]."""
+    receive, send = pipeline_message_bytes(a, b, T, aux_layers, layers, first, last)
+    return receive + 2 * send
+
+
+def pipeline_message_bytes(a: ModelArgs, b: int, T: int, aux_layers: int | Sequence[int], layers: range, first: bool,
+                           last: bool) -> tuple[int, int]:
+    """(one received message, one sent message) of a stage holding `layers`, for a forward of T
+    tokens: [T, (1 + carried) H] each, 0 on the first stage (receives nothing) and the last."""
     ids = range(a.num_hidden_layers) if isinstance(aux_layers, int) else sorted(aux_layers)
     k_in = (aux_layers if isinstance(aux_layers, int) else sum(i < layers.start for i in ids))
     k_out = (aux_layers if isinstance(aux_layers, int) else sum(i < layers.stop for i in ids))
     row = T * a.hidden_size * b
-    return (0 if first else (1 + k_in) * row) + (0 if last else 2 * (1 + k_out) * row)
+    return (0 if first else (1 + k_in) * row), (0 if last else (1 + k_out) * row)
 
 
 def runtime_reserve(tp: int, activations: int) -> int:
@@ -412,11 +446,18 @@ def config_stage_layers(cfg: Config, a: ModelArgs) -> list[range]:
                         _splits_rows(cfg), cfg.extract.write_target_argmax)
 
 
-def config_stages(cfg: Config, a: ModelArgs, quantized: bool) -> list[MemoryPlan]:
-    """The configured layout's plan, one MemoryPlan per pipeline stage (one when target.pp = 1)."""
-    return [plan_memory(a, cfg.target.tp, cfg.target.expert_layout, quantized, _dtype_bytes(cfg), cfg.extract.batch_tokens,
-                        cfg.data.max_length, _aux_ids(cfg, a), layers, stage, cfg.target.pp)
-            for stage, layers in enumerate(config_stage_layers(cfg, a))]
+def config_stages(cfg: Config, a: ModelArgs, quantized: bool, ranges: list[range] | None = None) -> list[MemoryPlan]:
+    """The configured layout's plan, one MemoryPlan per pipeline stage (one when target.pp = 1);
+    ranges: the stages' layers when cut otherwise than by config_stage_layers (online training
+    cuts them by memory too: train/online_plan.py)."""
+    return [config_stage_plan(cfg, a, quantized, layers, stage)
+            for stage, layers in enumerate(ranges or config_stage_layers(cfg, a))]
+
+
+def config_stage_plan(cfg: Config, a: ModelArgs, quantized: bool, layers: range, stage: int) -> MemoryPlan:
+    """The plan of one stage of the configured layout holding `layers`."""
+    return plan_memory(a, cfg.target.tp, cfg.target.expert_layout, quantized, _dtype_bytes(cfg), cfg.extract.batch_tokens,
+                       cfg.data.max_length, _aux_ids(cfg, a), layers, stage, cfg.target.pp)
 
 
 def check_fits(cfg: Config, a: ModelArgs, quantized: bool, gpu_bytes: int) -> list[MemoryPlan]:
@@ -462,6 +503,16 @@ def main(cfg: Config) -> None:
           "(`make preflight` projects tokens/s from the GPUs' measured rates)")
     print("\nall layouts (total incl. activations and reserve; +spare / -short in GiB):")
     print(format_grid(a, quantized, _dtype_bytes(cfg), cfg.extract.batch_tokens, cfg.data.max_length, _aux_ids(cfg, a)))
+    if cfg.target.layout == "auto":  # what the stage will choose at its start, for this GPU or the smallest common one
+        from eagleforge.extract.native.preflight import choose_extract_layout
+
+        size = gpu_bytes or min(GPU_SIZES_GB.values())
+        print(f"\ntarget.layout=auto on {size / GIB:.1f} GiB GPUs, extraction: {choose_extract_layout(cfg, size)[2]}")
+        if cfg.train.source == "online":
+            from eagleforge.layout import world_size_from_env
+            from eagleforge.train.online_plan import choose_online_layout
+
+            print(f"online training: {choose_online_layout(cfg, size, max(world_size_from_env(), cfg.target.tp * cfg.target.pp))[2]}")
     if cfg.train.source == "online":  # the draft trains beside the resident target: its memory too
         from eagleforge.train.online_plan import print_online_plan
 

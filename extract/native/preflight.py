@@ -191,6 +191,72 @@ class Rates:
     mfu: float = FORWARD_MFU
 
 
+# The pilot's stated rates (docs/kimi-k25.md, "Layouts": 8 x RTX PRO 6000, 500 TFLOP/s bf16, PCIe
+# links untuned): what target.layout=auto ranks the layouts with at a stage's start, where nothing
+# is measured; `make preflight` measures a machine's own and prints the table for them. Under this
+# model pipeline stages (one hop per stage, overlapped) outrun tensor parallelism (two
+# all-reduces per layer) on any link, so the ranking mostly says: the most stages that fit.
+STATED_RATES = Rates(matmul_tflops=500.0, busbw_gbs=22.0, p2p_gbs=25.0)
+
+
+def layout_splits(a, gpus: int) -> list[tuple[int, int]]:
+    """(tp, pp) of every split of `gpus` GPUs a group: tp dividing the attention heads, pp at
+    most the layers; tp descending."""
+    return [(tp, gpus // tp) for tp in range(gpus, 0, -1)
+            if gpus % tp == 0 and a.num_attention_heads % tp == 0 and gpus // tp <= a.num_hidden_layers]
+
+
+def project_ranges(a, tp: int, ranges: list[range], rates: Rates, dtype_bytes: int, seq_len: int,
+                   aux_layers: list[int], greedy_head: bool = True, split: bool = False) -> dict:
+    """project_stages of a group whose stages hold `ranges` (a cut by memory, or by compute)."""
+    from eagleforge.extract.native.plan import stage_work_per_token
+
+    pp = len(ranges)
+    work = [stage_work_per_token(a, tp, r, s == 0, s == pp - 1, dtype_bytes, seq_len, split, greedy_head, aux_layers)
+            for s, r in enumerate(ranges)]
+    return project_stages(work, tp, 1, rates)
+
+
+def choose_extract_layout(cfg: Config, gpu_bytes: float | None, rates: Rates = STATED_RATES) -> tuple[int, int, str]:
+    """target.layout=auto for extraction: (tp, pp, the line saying so) of the split of target.tp x
+    target.pp GPUs that fits `gpu_bytes` by the extraction plan and projects fastest; the
+    configured split when none fits (the stage then refuses it with the plan's shortfall)."""
+    import dataclasses as dc
+
+    from eagleforge.extract.native.plan import _aux_ids, _dtype_bytes, _splits_rows, config_stage_layers, config_stages, target_args
+
+    a, quantized, _ = target_args(cfg)
+    gpus = cfg.target.tp * cfg.target.pp
+    seq = min(cfg.data.max_length, cfg.extract.batch_tokens)
+    rows = []
+    for tp, pp in layout_splits(a, gpus):
+        trial = dc.replace(cfg, target=dc.replace(cfg.target, tp=tp, pp=pp))
+        total = max(p.total_bytes for p in config_stages(trial, a, quantized))
+        projection = project_ranges(a, tp, config_stage_layers(trial, a), rates, _dtype_bytes(cfg), seq, _aux_ids(cfg, a),
+                                    cfg.extract.write_target_argmax, _splits_rows(trial))
+        rows.append((tp, pp, gpu_bytes is None or total <= gpu_bytes, projection["per_group"]))
+    return _pick(cfg, rows, gpus, gpu_bytes, "the extraction plan", "extraction tokens/s a group")
+
+
+def _pick(cfg: Config, rows: list[tuple], gpus: int, gpu_bytes: float | None, plan: str, what: str,
+          detail=lambda tp, pp: "") -> tuple[int, int, str]:
+    """The fastest fitting row (tp, pp, fits, tokens/s) and its one line."""
+    from eagleforge.extract.native.plan import GIB
+
+    fitting = sorted((r for r in rows if r[2]), key=lambda r: -r[3])
+    size = f"{gpu_bytes / GIB:.1f} GiB" if gpu_bytes else "any size (no GPU size known)"
+    if not fitting:
+        return cfg.target.tp, cfg.target.pp, (
+            f"layout: target.tp={cfg.target.tp} target.pp={cfg.target.pp} as set (target.layout=auto: none of the "
+            f"{len(rows)} splits of {gpus} GPUs fits {size} by {plan})")
+    tp, pp, _, rate = fitting[0]
+    others = ", ".join(f"tp {r[0]} x pp {r[1]} {r[3]:,.0f}" + ("" if r[2] else " (does not fit)")
+                       for r in sorted(rows, key=lambda r: -r[3]) if (r[0], r[1]) != (tp, pp))
+    return tp, pp, (f"layout: target.tp={tp} target.pp={pp} (target.layout=auto: the fastest of the {len(rows)} splits of "
+                    f"{gpus} GPUs that fit {size} by {plan}{detail(tp, pp)}: {rate:,.0f} {what}, computed from the stated "
+                    f"rates of extract/native/preflight.py STATED_RATES; {others})")
+
+
 def project_stages(stages: list[dict], tp: int, groups: int, rates: Rates) -> dict:
     """Extraction tokens/s of `groups` groups of len(stages) pipeline stages of tp ranks, from each
     stage's work per token (plan.stage_work_per_token). A stage's time per token is its compute

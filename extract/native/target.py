@@ -42,6 +42,9 @@ from eagleforge.target import resolve_aux_layers, target_path, torch_dtype
 
 log = logging.getLogger(__name__)
 
+# The leader's row messages to earlier stages: the sends of this many forwards stay in flight.
+ROW_FORWARDS_IN_FLIGHT = 2
+
 
 class NativeTarget(CapturingTarget):
     """This rank's slices of the target (a built model: its stage's layers on its tensor-parallel
@@ -55,7 +58,11 @@ class NativeTarget(CapturingTarget):
     packs the rows and runs the greedy head. Every rank loops over the same forwards (the
     extraction driver, online training's batches), so the stages work on consecutive forwards at
     once: the run's forwards are the pipeline's micro-batches, filled and drained once per run.
-    Online training's rows go from the leader to each rank that trains on them (rows_for)."""
+    Online training's rows go from the leader to each rank that trains on them (rows_for), over
+    a process group of their own (`rows_group`): with NCCL the messages of one communicator run
+    in order on one stream per pair of ranks, so rows on the activations' communicator would put
+    a receive of rows between two sends of activations on the pair of the last two stages, each
+    side waiting for the other (the leader posts the next activation's receive ahead)."""
 
     def __init__(self, model: DeepseekV3ForExtraction, layout: Layout, aux_layers: list[int], write_target_argmax: bool,
                  header: dict | None = None, hf_config: dict | None = None, link=None):
@@ -74,7 +81,14 @@ class NativeTarget(CapturingTarget):
         self.capture = HiddenStateCapture(model.model.layers, here, None).__enter__() if here else None
         self.carried_in = sum(i < held[0] for i in aux_layers)  # aux states arriving with the activation
         self.link = link or StageLink(layout)  # a benchmark may run two stages in one process through a queue
-        self._row_sends: list = []  # the leader's rows in flight to other ranks (buffer, work)
+        # the leader's rows in flight to other ranks, one list of (buffer, work) per forward
+        self._row_sends: list[list] = []
+        self.rows_group = None
+        if layout.distributed and link is None:
+            import torch.distributed as dist
+
+            # every rank builds its target in the same order, so every rank makes this group together
+            self.rows_group = dist.new_group(list(range(layout.world_size)))
 
     def input_embedding(self) -> torch.Tensor | None:
         """The whole input embedding [V, H] when this rank holds it (tp 1, the first stage), else None."""
@@ -84,8 +98,9 @@ class NativeTarget(CapturingTarget):
         return embed.weight
 
     def forward(self, input_ids: list[list[int]], then: list[list[int]] | None = None,
-                rows_for: dict[int, list[int]] | None = None) -> Rows | PendingRows | None:
-        """Every rank of the group calls it with the same ids (collectives)."""
+                rows_for: dict[int, list[int]] | None = None, post_rows: bool = True) -> Rows | PendingRows | None:
+        """Every rank of the group calls it with the same ids (collectives). post_rows=False:
+        an earlier stage's rows come back as a PendingRows whose receive is not posted yet."""
         lengths = [len(ids) for ids in input_ids]
         if self.link is None:  # one stage: every rank of the group ends with every row
             keep = self.layout.is_group_leader if rows_for is None else self.layout.rank in rows_for
@@ -93,10 +108,10 @@ class NativeTarget(CapturingTarget):
             if packed is None or rows_for is None:
                 return packed
             return select_rows(packed, lengths, rows_for[self.layout.rank])
-        return self._stage_forward(input_ids, lengths, then, rows_for)
+        return self._stage_forward(input_ids, lengths, then, rows_for, post_rows)
 
     @torch.inference_mode()
-    def _stage_forward(self, input_ids, lengths, then, rows_for):
+    def _stage_forward(self, input_ids, lengths, then, rows_for, post_rows=True):
         model, H = self.model, self.model.args.hidden_size
         dtype = next(model.parameters()).dtype
         tokens, _ = pad_right(input_ids, 0)  # [B, T]
@@ -117,7 +132,7 @@ class NativeTarget(CapturingTarget):
             self.capture.clear()
         if not model.last:
             self.link.send(torch.cat([x, carried], dim=-1))  # [B, T, (1 + c') H]
-            return self._rows_from_leader(lengths, rows_for)
+            return self._rows_from_leader(lengths, rows_for, post_rows)
         normed = model.model.norm(x)  # [B, T, H]
         del x
         greedy = model.greedy_tokens if self.write_target_argmax else None  # a tp collective of the last stage
@@ -140,20 +155,28 @@ class NativeTarget(CapturingTarget):
 
     def _send_rows(self, packed: Rows, lengths: list[int], rows_for: dict[int, list[int]]) -> None:
         """The leader: each rank of an earlier stage named in rows_for gets its rows (one message,
-        sent without waiting; at most two per rank of the group stay in flight)."""
+        sent without waiting). The sends of at most ROW_FORWARDS_IN_FLIGHT forwards stay in flight:
+        before this forward's, those of the oldest beyond are waited for, so the leader holds at
+        most that many forwards' rows, [extract.batch_tokens, row bytes] each (the plan's line)."""
         import torch.distributed as dist
 
+        while len(self._row_sends) >= ROW_FORWARDS_IN_FLIGHT:
+            for _, work in self._row_sends.pop(0):
+                work.wait()
         last_stage = self.layout.rank_of(self.layout.group_index, self.layout.pp - 1, 0)
+        sends = []
         for rank, positions in sorted(rows_for.items()):
             if last_stage <= rank < last_stage + self.layout.tp:  # the last stage holds every row already
                 continue
             buffer = rows_to_bytes(select_rows(packed, lengths, positions))
-            self._row_sends.append((buffer, dist.isend(buffer, dst=rank)))
-        while len(self._row_sends) > 2 * self.layout.group_size:
-            self._row_sends.pop(0)[1].wait()
+            sends.append((buffer, dist.isend(buffer, dst=rank, group=self.rows_group)))
+        if sends:
+            self._row_sends.append(sends)
 
-    def _rows_from_leader(self, lengths: list[int], rows_for: dict[int, list[int]] | None) -> PendingRows | None:
-        """An earlier stage's rank: post the receive of its rows from the leader (rows_for), or nothing."""
+    def _rows_from_leader(self, lengths: list[int], rows_for: dict[int, list[int]] | None,
+                          post: bool = True) -> PendingRows | None:
+        """An earlier stage's rank: its rows from the leader (rows_for) as a PendingRows, its
+        receive posted now unless `post` is False; None when this rank has none in the forward."""
         import torch.distributed as dist
 
         if rows_for is None or self.layout.rank not in rows_for:
@@ -161,23 +184,41 @@ class NativeTarget(CapturingTarget):
         shapes = self._row_shapes()
         row_bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in shapes.values())
         n = sum(lengths[p] for p in rows_for[self.layout.rank])
-        buffer = torch.empty(n, row_bytes, dtype=torch.uint8, device=self.device)
-        return PendingRows(buffer, dist.irecv(buffer, src=self.layout.leader), shapes)
+
+        def receive():
+            buffer = torch.empty(n, row_bytes, dtype=torch.uint8, device=self.device)
+            return buffer, dist.irecv(buffer, src=self.layout.leader, group=self.rows_group)
+
+        pending = PendingRows(receive, shapes)
+        if post:
+            pending.post()
+        return pending
+
+    def pause(self) -> None:
+        """The caller runs no forward for a while (online training's draft step): the sends the
+        next stage has taken are let go, the newest stays in flight (it carries the forward run
+        ahead, which the next stage receives during the pause): one send, not two, held then."""
+        if self.link is not None:
+            self.link.drain(keep=1)
 
     def close(self) -> None:
         if self.link is not None:
             self.link.drain()
             while self._row_sends:
-                self._row_sends.pop(0)[1].wait()
+                for _, work in self._row_sends.pop(0):
+                    work.wait()
         if self.capture is not None:
             self.capture.__exit__(None, None, None)
 
 
 def load_native_target(cfg: Config, layout: Layout, write_target_argmax: bool, check_memory: Callable | None = None,
-                       check_inputs: Callable[[int], None] | None = None) -> NativeTarget:
+                       check_inputs: Callable[[int], None] | None = None,
+                       stage_ranges: Callable[[], list[range] | None] | None = None) -> NativeTarget:
     """The target of target.path on this rank: checkpoint info, the memory check (check_memory(info),
     default: the extraction plan's) and the caller's check_inputs(vocab_size) before any weight is
-    read, then this rank's slices (its stage's layers, its tp share) loaded."""
+    read, then this rank's slices (its stage's layers, its tp share) loaded. stage_ranges(): the
+    stages' layers the memory check chose (online training cuts them by memory too), called after
+    it; None or no callable: config_stage_layers, the cut by compute."""
     info = read_checkpoint_info(target_path(cfg.target))
     planned_bytes = (check_memory or (lambda i: check_extract_memory(cfg, i, layout)))(info)
     if check_inputs is not None:
@@ -188,7 +229,7 @@ def load_native_target(cfg: Config, layout: Layout, write_target_argmax: bool, c
     # the raw config.json (text_config inside for Kimi): the draft is sized from it
     hf_config = json.loads((info.path / "config.json").read_text(encoding="utf-8"))
     tp = tensor_parallel(layout, cfg.target.split_rows_min_tokens, cfg.target.overlap_min_rows)
-    stages = config_stage_layers(cfg, info.args)
+    stages = (stage_ranges() if stage_ranges is not None else None) or config_stage_layers(cfg, info.args)
     layers = stages[layout.stage]
     if layout.pp > 1 and layout.is_main:
         log.info("pipeline: %d stages of layers %s", layout.pp, ", ".join(f"{r.start}-{r.stop - 1}" for r in stages))
