@@ -18,7 +18,8 @@ from eagleforge.extract.native.plan import KIMI_K25_TEXT_CONFIG, cut_stages, pla
 from eagleforge.train.online_plan import GIB, check_online_fits, plan_online
 
 H, HEADS, HD, INTER, VD, VOCAB, K = 7168, 64, 128, 18432, 32000, 163840, 3
-TRAINABLE = 3 * H * H + 3 * HEADS * HD * 2 * H + HEADS * HD * H + 3 * H * INTER + VD * H + 4 * H
+# the default draft is EAGLE-3.1: 4 norms of H and a norm of Ht = H per aux state before fc (fc_norm)
+TRAINABLE = 3 * H * H + 3 * HEADS * HD * 2 * H + HEADS * HD * H + 3 * H * INTER + VD * H + 4 * H + 3 * H
 ROW = (K + 1) * H * 2 + 4  # one token's rows as the last stage sends them: aux + last in bf16, an int32 greedy token
 PADDED = (K + 1) * H * 2 + 8 + 8 + 1  # one token of a Batch: the states, input id and greedy token int64, mask bool
 # the draft's activations per token (tests/test_step_plan.py writes the same numbers out)
