@@ -44,10 +44,10 @@ from _bench_common import median_ms as _median_ms  # noqa: E402
 import_eagleforge()
 from kimi_shaped import bench_layout, build_bench_model, kimi_args, tiny_args  # noqa: E402
 
-from eagleforge.extract.capture import HiddenStateCapture  # noqa: E402
 from eagleforge.extract.native import model as native_model  # noqa: E402
 from eagleforge.extract.native.plan import plan_memory  # noqa: E402
 from eagleforge.extract.writer import OverlappedWriter, fp8_error  # noqa: E402
+from eagleforge.target.capture import HiddenStateCapture  # noqa: E402
 
 log = logging.getLogger("bench_extract")
 

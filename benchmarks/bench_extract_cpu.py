@@ -99,9 +99,9 @@ def run_mode(mode: str, args) -> dict:
     import torch
 
     from eagleforge.config import TargetConfig
-    from eagleforge.extract.capture import HiddenStateCapture
-    from eagleforge.extract.hf import forward_batch
-    from eagleforge.target import decoder_layers, default_aux_layers, final_norm, load_target
+    from eagleforge.target.capture import HiddenStateCapture
+    from eagleforge.target.hf import forward_batch
+    from eagleforge.target.loading import decoder_layers, default_aux_layers, final_norm, load_target
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_target(TargetConfig(device="cpu"))

@@ -58,8 +58,8 @@ from kimi_shaped import KIMI_K25_TEXT, build_bench_model, kimi_args, tiny_args  
 
 from eagleforge.config import Config  # noqa: E402
 from eagleforge.draft import Eagle3Config, Eagle3Draft  # noqa: E402
-from eagleforge.extract.capture import HiddenStateCapture  # noqa: E402
 from eagleforge.extract.native.target import forward_batch  # noqa: E402
+from eagleforge.target.capture import HiddenStateCapture  # noqa: E402
 from eagleforge.train.batching import pad_batch  # noqa: E402
 from eagleforge.train.distributed import DraftWithLoss, clip_grad_norm  # noqa: E402
 from eagleforge.train.loop import ttt_loss_of  # noqa: E402
@@ -256,8 +256,8 @@ def stage_main(opt) -> dict:
     from eagleforge.extract.native.parallel import TensorParallel
     from eagleforge.extract.native.preflight import STATED_RATES
     from eagleforge.extract.native.target import NativeTarget
-    from eagleforge.extract.target import rows_from_bytes
     from eagleforge.layout import Layout
+    from eagleforge.target.protocol import rows_from_bytes
     from eagleforge.train.batching import gather_embeddings
     from eagleforge.train.online_plan import _Planner, checkpoint_candidates, plan_online
     from eagleforge.train.optimizer import build_optimizer

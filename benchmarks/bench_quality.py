@@ -278,7 +278,7 @@ def train_specforge(cfg: Config, attention_backend: str, mask_mode: str) -> dict
     from specforge.algorithms.eagle3.model import OnlineEagle3Model
     from specforge.optimizer import BF16Optimizer
 
-    from eagleforge.target import target_path
+    from eagleforge.target.loading import target_path
     from eagleforge.train.build import build_draft
     from eagleforge.train.loop import lr_lambda
     from eagleforge.vocab import load_target_head, load_vocab_map, read_target_head, training_sample_count

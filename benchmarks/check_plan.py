@@ -38,12 +38,12 @@ from bench_extract import NullSink  # noqa: E402  (the writer's sink that drops 
 import_eagleforge()
 from kimi_shaped import bench_layout, build_bench_model, kimi_args, tiny_args  # noqa: E402
 
-from eagleforge.extract.capture import HiddenStateCapture  # noqa: E402
 from eagleforge.extract.driver import forward_batches  # noqa: E402
 from eagleforge.extract.native.plan import GIB, plan_memory  # noqa: E402
 from eagleforge.extract.native.target import NativeTarget, forward_batch  # noqa: E402
 from eagleforge.extract.samples import batch_by_tokens  # noqa: E402
 from eagleforge.extract.writer import make_writer  # noqa: E402
+from eagleforge.target.capture import HiddenStateCapture  # noqa: E402
 
 log = logging.getLogger("check_plan")
 

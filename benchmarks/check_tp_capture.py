@@ -25,7 +25,7 @@ from _bench_common import import_eagleforge  # noqa: E402
 import_eagleforge()
 from kimi_shaped import bench_layout, build_bench_model, kimi_args, tiny_args  # noqa: E402
 
-from eagleforge.extract.capture import HiddenStateCapture  # noqa: E402
+from eagleforge.target.capture import HiddenStateCapture  # noqa: E402
 
 
 def main(argv=None) -> dict:

@@ -259,9 +259,9 @@ def zygote_main() -> None:
 
     import eagleforge.data.stage  # noqa: F401
     import eagleforge.eval.evaluate  # noqa: F401
-    import eagleforge.extract.hf  # noqa: F401
     import eagleforge.launch  # noqa: F401
     import eagleforge.shards  # noqa: F401
+    import eagleforge.target.hf  # noqa: F401
     import eagleforge.train.loop  # noqa: F401
     import eagleforge.train.online  # noqa: F401
 
@@ -1196,7 +1196,7 @@ def make_target(path: Path) -> None:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from eagleforge.target import embedded_target_dir
+    from eagleforge.target.loading import embedded_target_dir
 
     if (path / "config.json").is_file():
         return

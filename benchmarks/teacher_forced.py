@@ -31,7 +31,7 @@ import_eagleforge()
 from eagleforge.config import load_config  # noqa: E402
 from eagleforge.eval.evaluate import draft_dir, load_eval_draft, load_prompts, on_own_outputs, run_greedy  # noqa: E402
 from eagleforge.eval.specdec import eos_token_ids, teacher_forced_acceptance, teacher_forced_hits  # noqa: E402
-from eagleforge.target import load_target, use_cpu_attention  # noqa: E402
+from eagleforge.target.loading import load_target, use_cpu_attention  # noqa: E402
 
 
 def heldout_rows(run: Path, holdout: int) -> list[dict]:

@@ -68,7 +68,7 @@ VLLM_CACHE_ONLY_ROPE_TYPES = frozenset({"default", "linear", "llama3", "ntk", "p
 
 def default_capture(num_layers: int) -> list[int]:
     """The layer inputs both engines capture when a draft names none: (2, L//2, L-3), i.e. the
-    project's default aux layers [1, L//2 - 1, L - 4] (eagleforge/target.py default_aux_layers)."""
+    project's default aux layers [1, L//2 - 1, L - 4] (eagleforge/target/loading.py default_aux_layers)."""
     return [2, num_layers // 2, num_layers - 3]
 
 

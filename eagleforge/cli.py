@@ -68,7 +68,7 @@ def _sweep_killed_writes(cfg: Config) -> None:
     process per host; a live writer's temporary files, and other hosts', are left alone)."""
     if os.environ.get("LOCAL_RANK", "0") != "0":
         return
-    from eagleforge.target import cache_root
+    from eagleforge.target.loading import cache_root
 
     sweep_leftovers(cfg.run)
     sweep_leftovers(cache_root(), depth=1)

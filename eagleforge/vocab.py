@@ -149,7 +149,7 @@ def read_target_head(target_dir: str | os.PathLike, target_cfg=None) -> tuple[to
 
 def _head_from_model(target_cfg) -> tuple[torch.Tensor, torch.Tensor]:
     """Fallback for a target without safetensors files (e.g. a GGUF): load it on the CPU."""
-    from eagleforge.target import load_target
+    from eagleforge.target.loading import load_target
 
     log.info("target.path %s holds no safetensors files: loading the target on the CPU to read its head", target_cfg.path)
     model, _ = load_target(target_cfg, torch.device("cpu"))
@@ -352,7 +352,7 @@ def write_vocab_files(cfg: Config, counts: torch.Tensor, identity: str) -> tuple
     """RUN/vocab from token counts [V] (the vocab stage's from the shards, online training's from
     the samples): the draft vocabulary, the target head's rows of it and the target's embedding,
     both files stamped with `identity`. -> (d2t, t2d, coverage)."""
-    from eagleforge.target import target_path
+    from eagleforge.target.loading import target_path
 
     vocab_size = counts.shape[0]
     d2t, t2d = select_draft_vocab(counts, cfg.vocab.draft_vocab_size)

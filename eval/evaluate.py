@@ -46,7 +46,7 @@ from eagleforge.eval.specdec import (
     teacher_forced_acceptance,
     teacher_forced_hits,
 )
-from eagleforge.target import use_cpu_attention
+from eagleforge.target.loading import use_cpu_attention
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ def target_config(cfg: Config) -> tuple[dict, Path]:
     """(the target's config.json as a dict, its path): plain JSON where there is one (no remote
     code), else transformers' reading (a GGUF file)."""
     from eagleforge.export import read_target_config
-    from eagleforge.target import target_path
+    from eagleforge.target.loading import target_path
 
     path = target_path(cfg.target)
     if not cfg.target.gguf_file and (path / "config.json").is_file():
@@ -217,7 +217,7 @@ def load_eval_draft(path: Path, target):
     embedding, on its device and in its dtype (the export is bf16; CPU evaluation runs the target
     in fp32)."""
     from eagleforge.draft import load_draft
-    from eagleforge.target import text_config
+    from eagleforge.target.loading import text_config
 
     param = next(target.parameters())
     layers = int(getattr(text_config(target.config), "num_hidden_layers", 0) or 0)  # a config naming no aux layers
@@ -323,7 +323,7 @@ def _mismatches(outputs: list[list[int]], reference: list[list[int]], prompts: l
 
 def evaluate(cfg: Config) -> dict:
     """Run the eval stage for `cfg`; returns the results dict also written to results.json."""
-    from eagleforge.target import load_target, target_path
+    from eagleforge.target.loading import load_target, target_path
 
     run_dir = cfg.run
     save_config(cfg, run_dir / "config.yaml")
@@ -341,7 +341,7 @@ def evaluate(cfg: Config) -> dict:
         # vLLM first, in its own process, while nothing of the target is loaded here (on a GPU it
         # takes most of the memory); the same prompts and stop ids as the project's engine below.
         from eagleforge.eval import vllm_engine
-        from eagleforge.target import load_tokenizer
+        from eagleforge.target.loading import load_tokenizer
 
         prompts = load_prompts(cfg.eval.prompts, cfg.eval.n_prompts, load_tokenizer(cfg.target))
         stop_ids = vllm_engine.stop_ids_of(target_path(cfg.target), load_tokenizer(cfg.target))
@@ -389,7 +389,7 @@ def evaluate(cfg: Config) -> dict:
 
 
 def ngram_cache_dir() -> Path:
-    from eagleforge.target import cache_root
+    from eagleforge.target.loading import cache_root
 
     return cache_root() / "ngram"
 
@@ -427,9 +427,9 @@ def _ngram_key(cfg: Config, target, prompts: list[dict], eos_ids) -> str:
 
     import transformers
 
-    from eagleforge import target as target_module
     from eagleforge.eval import specdec
-    from eagleforge.target import target_path
+    from eagleforge.target import loading as target_module
+    from eagleforge.target.loading import target_path
 
     root = Path(target_path(cfg.target))
     files = sorted(root.iterdir()) if root.is_dir() else [root]

@@ -24,7 +24,7 @@ acceptance_length = 1 + sum(per_position_acceptance).
 
 Drafters implement the small `Drafter` protocol. `NgramDrafter` is prompt-lookup decoding;
 `Eagle3Drafter` runs an EAGLE-3 draft (eagleforge.draft) fed with the target's aux-layer
-hidden states captured by hooks (eagleforge.extract.capture) during the verify forwards.
+hidden states captured by hooks (eagleforge.target.capture) during the verify forwards.
 """
 
 from __future__ import annotations
@@ -361,8 +361,8 @@ def aux_capture(draft, target):
     """HiddenStateCapture hooks on the target's decoder layers the draft reads (its config's
     aux_layer_ids, checked against the target's depth): what the draft is fed, in serving and
     teacher-forced alike."""
-    from eagleforge.extract.capture import HiddenStateCapture
-    from eagleforge.target import decoder_layers, final_norm
+    from eagleforge.target.capture import HiddenStateCapture
+    from eagleforge.target.loading import decoder_layers, final_norm
 
     ids = list(draft.config.aux_layer_ids)
     num_layers = len(decoder_layers(target))

@@ -10,7 +10,7 @@ the CPU (eagleforge/launch.py; launch.nproc=N, launch.mode=none).
 
 With train.source=online there is nothing to extract: the stage says so and stops (the train
 stage runs the target itself). One loop for both backends (extract/driver.py): target.backend=hf runs any transformers causal LM
-(extract/hf.py); target.backend=native runs the DeepSeek-V3 / Kimi-K2.5 tensor-parallel backend
+(eagleforge/target/hf.py); target.backend=native runs the DeepSeek-V3 / Kimi-K2.5 tensor-parallel backend
 (extract/native/).
 """
 

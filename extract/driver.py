@@ -7,7 +7,7 @@ Samples (extract/samples.py, id order) are cut into fixed chunks of `extract.sam
 chunk c is shard c and belongs to group c % groups (eagleforge/layout.py: a group is one copy of
 the target over target.tp ranks; with the hf backend every rank is a group). Within a chunk,
 samples are batched up to `extract.batch_tokens` padded tokens, longest first; every rank of a
-group forwards the same batches (extract/target.py) and the group's leader hands each batch's rows
+group forwards the same batches (eagleforge/target/protocol.py) and the group's leader hands each batch's rows
 to the writer (extract/writer.py), whose thread copies and writes chunk c while the forwards of
 chunk c+1 run. Because a chunk's batches depend only on the chunk, a killed and resumed run (or a
 run on another number of processes) writes the same shards; resume skips the chunks the manifests
@@ -26,58 +26,14 @@ from tqdm import tqdm
 
 from eagleforge.config import Config, save_config
 from eagleforge.extract.samples import batch_by_tokens, read_samples
-from eagleforge.extract.target import Target, nonfinite_cause, open_target
 from eagleforge.extract.writer import BatchRows, ShardSink, make_writer, writer_summary
 from eagleforge.failures import out_of_memory
-from eagleforge.layout import Layout, init_layout
+from eagleforge.layout import Layout
 from eagleforge.shards import ShardWriter, load_manifest, merge_manifests
+from eagleforge.target.groups import target_layout, with_chosen_layout
+from eagleforge.target.protocol import Target, nonfinite_cause, open_target
 
 log = logging.getLogger(__name__)
-
-
-def target_layout(cfg: Config, device: str) -> Layout:
-    """The job's Layout for a stage that runs the target: groups of target.tp ranks (native
-    backend; the hf backend is tp 1). On CUDA the native backend's allocator is set up first."""
-    if cfg.target.backend != "native":
-        return init_layout(device)
-    from eagleforge.extract.native.parallel import use_expandable_segments
-
-    use_expandable_segments()  # before CUDA starts (its plan's reserve assumes it)
-    return init_layout(device, tp=cfg.target.tp, pp=cfg.target.pp)
-
-
-def plan_gpu_bytes(cfg: Config, device: str) -> float | None:
-    """The GPU size the memory plans fit a layout to: target.gpu_memory_gib, else this rank's CUDA
-    device's (every rank's GPU alike; the native backend's allocator set up before CUDA starts),
-    else None (the CPU)."""
-    if cfg.target.gpu_memory_gib:
-        return cfg.target.gpu_memory_gib * 2**30
-    from eagleforge.layout import resolve_device
-
-    if resolve_device(device).type != "cuda":
-        return None
-    from eagleforge.extract.native.parallel import use_expandable_segments
-    from eagleforge.layout import resolve_rank_device, world_size_from_env
-
-    use_expandable_segments()
-    # this rank's own GPU, made current as init_layout makes it (no CUDA context on another rank's GPU)
-    return torch.cuda.get_device_properties(resolve_rank_device(device, world_size_from_env())).total_memory
-
-
-def with_chosen_layout(cfg: Config, device: str, choose) -> Config:
-    """cfg with target.tp and target.pp as `choose(cfg, gpu bytes) -> (tp, pp, line)` splits the
-    group under target.layout=auto (native backend), the line logged once; cfg as it is otherwise.
-    Every rank chooses alike (the same config, GPU size and stated rates)."""
-    import dataclasses
-
-    from eagleforge.layout import env_rank
-
-    if cfg.target.backend != "native" or cfg.target.layout != "auto":
-        return cfg
-    tp, pp, line = choose(cfg, plan_gpu_bytes(cfg, device))
-    if env_rank() == 0:
-        log.info("%s", line)
-    return dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, tp=tp, pp=pp))
 
 
 def extract(cfg: Config) -> dict | None:

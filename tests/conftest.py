@@ -23,7 +23,7 @@ def pytest_collection_modifyitems(config, items):
 def smollm2():
     """(model, tokenizer) of the embedded SmolLM2-135M-Instruct, float32, CPU."""
     from eagleforge.config import TargetConfig
-    from eagleforge.target import load_target
+    from eagleforge.target.loading import load_target
 
     return load_target(TargetConfig(device="cpu", dtype="float32"))
 

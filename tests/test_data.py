@@ -19,7 +19,7 @@ from eagleforge.data.chat import render_chat, special_ids, tokenize_conversation
 from eagleforge.data.regenerate import read_conversations
 from eagleforge.data.stage import load_samples, main
 from eagleforge.errors import UserInputError
-from eagleforge.target import load_tokenizer
+from eagleforge.target.loading import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -635,7 +635,7 @@ def test_batched_generation_equals_unbatched_transformers_generate(smollm2):
     from transformers import GenerationConfig
 
     from eagleforge.data.regenerate import _generate_batch, _stop_ids
-    from eagleforge.target import padding_id
+    from eagleforge.target.loading import padding_id
 
     model, tokenizer = smollm2
     before = model.config._attn_implementation

@@ -13,8 +13,8 @@ import torch
 
 from eagleforge.config import TargetConfig, load_config, parse_max_memory
 from eagleforge.errors import ConfigError, UserInputError
-from eagleforge.extract.capture import HiddenStateCapture
-from eagleforge.target import decoder_layers, final_norm, load_target
+from eagleforge.target.capture import HiddenStateCapture
+from eagleforge.target.loading import decoder_layers, final_norm, load_target
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -39,7 +39,7 @@ def _random_samples(count: int = 5) -> list[list[int]]:
 
 
 def _capture(model, samples, device) -> dict[str, torch.Tensor]:
-    from eagleforge.extract.hf import forward_batch
+    from eagleforge.target.hf import forward_batch
 
     with HiddenStateCapture(decoder_layers(model), AUX, final_norm(model)) as capture:
         return forward_batch(model, capture, samples, 0, device, True)
@@ -91,9 +91,9 @@ def test_extract_stage_with_device_map_writes_the_plain_runs_states(tiny_target,
 
 
 def test_online_target_with_device_map_matches_the_plain_one(tiny_target, tmp_path):
-    """Online training's target (extract/hf.py HFTarget, the same as extraction's) loads through the same map."""
-    from eagleforge.extract.hf import HFTarget
+    """Online training's target (eagleforge/target/hf.py HFTarget, the same as extraction's) loads through the same map."""
     from eagleforge.layout import Layout
+    from eagleforge.target.hf import HFTarget
 
     rows = [{"id": 0, "input_ids": [5, 6, 7], "loss_mask": [1, 1, 1]}]
     (tmp_path / "data").mkdir()

@@ -215,7 +215,7 @@ def test_eval_checks_the_draft_against_the_engines_first(tmp_path):
     from transformers import AutoConfig
 
     from eagleforge.draft import Eagle3Config, Eagle3Draft, save_draft
-    from eagleforge.target import embedded_target_dir
+    from eagleforge.target.loading import embedded_target_dir
 
     config = Eagle3Config.from_target_config(AutoConfig.from_pretrained(embedded_target_dir()), 64, [1, 14, 26])
     draft = tmp_path / "run" / "draft"

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from eagleforge.config import load_config
-from eagleforge.extract.capture import HiddenStateCapture
 from eagleforge.shards import MANIFEST, ShardReader, load_manifest
-from eagleforge.target import decoder_layers, default_aux_layers, final_norm, padding_id
+from eagleforge.target.capture import HiddenStateCapture
+from eagleforge.target.loading import decoder_layers, default_aux_layers, final_norm, padding_id
 
 TINY_AUX = [4, 0, 2]  # unsorted on purpose; stored ascending
 SUBPROCESS_TIMEOUT_S = 180
@@ -43,8 +43,8 @@ def _smollm2_samples(tokenizer):
 
 
 def test_capture_matches_transformers_hidden_states(smollm2):
-    from eagleforge.extract.hf import forward_batch
     from eagleforge.extract.writer import split_rows
+    from eagleforge.target.hf import forward_batch
 
     model, tokenizer = smollm2
     num_layers = model.config.num_hidden_layers
@@ -238,7 +238,7 @@ def test_reference_run_matches_the_model(tiny_run):
 
 
 def test_nan_samples_are_skipped_and_counted(tiny_run, monkeypatch, capsys):
-    import eagleforge.extract.hf as hf
+    import eagleforge.target.hf as hf
 
     poisoned = tiny_run["rows"][5]
     real = hf.forward_batch

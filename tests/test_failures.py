@@ -174,7 +174,7 @@ if rank == 0:  # the disk is full for this rank's shards
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     safetensors.torch.save_file = full
 else:  # a group with a long way to go: 0.3 s a forward
-    from eagleforge.extract.hf import HFTarget
+    from eagleforge.target.hf import HFTarget
     forward = HFTarget.forward
     HFTarget.forward = lambda self, *a, **k: (time.sleep(0.3), forward(self, *a, **k))[1]
 run_main(main, "extract with faults", argv=sys.argv[1:])

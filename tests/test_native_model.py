@@ -21,10 +21,10 @@ from procs import PROCESS_GROUP_TIMEOUT, spawn_ranks
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from eagleforge.extract.capture import HiddenStateCapture
 from eagleforge.extract.native.loader import build_model, load_weights, read_checkpoint_info
 from eagleforge.extract.native.parallel import TensorParallel, split_range, tensor_parallel
 from eagleforge.layout import layout_of_world
+from eagleforge.target.capture import HiddenStateCapture
 
 AUX_LAYERS = [1, 2]
 REFERENCES = {}  # case -> transformers reference model (float64), filled by the fixture

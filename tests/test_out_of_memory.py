@@ -35,7 +35,7 @@ def stage_error_line(capsys, main) -> str:
 
 def test_extract_hf(tmp_path, monkeypatch, capsys):
     from eagleforge.extract.driver import extract
-    from eagleforge.extract.hf import HFTarget
+    from eagleforge.target.hf import HFTarget
 
     target = write_tiny_llama(tmp_path / "tiny-llama")
     (tmp_path / "run" / "data").mkdir(parents=True)

@@ -482,7 +482,7 @@ def test_remote_code_is_not_run_unless_configured(tmp_path):
     """A target directory whose config asks for custom code: with the default
     target.trust_remote_code=false nothing of it runs and the load is a one-line error."""
     from eagleforge.config import TargetConfig
-    from eagleforge.target import load_target
+    from eagleforge.target.loading import load_target
 
     target, marker = tmp_path / "remote_target", tmp_path / "code_ran"
     target.mkdir()

@@ -30,7 +30,7 @@ from eagleforge.data.chat import special_ids, tokenize_messages
 from eagleforge.data.regenerate import read_conversations
 from eagleforge.data.stage import load_samples, main
 from eagleforge.errors import ConfigError, UserInputError
-from eagleforge.target import load_tokenizer
+from eagleforge.target.loading import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = ("alpha", "beta", "gamma", "delta", "naïve", "数据", "🙂", "x", "==", "(", ")", "42", "3.14", "'q'", "tab\tsep", "new\nline")
@@ -882,7 +882,7 @@ def test_transformers_serve_answers_like_the_in_process_target(tmp_path, rng):
     if missing:
         pytest.skip(f"transformers serve needs {', '.join(missing)} (transformers[serving] and accelerate), which eagleforge "
                     "does not declare: pip install 'transformers[serving]' accelerate to run this test")
-    from eagleforge.target import embedded_target_dir
+    from eagleforge.target.loading import embedded_target_dir
 
     command = lambda port: [sys.executable, "-m", "transformers.cli.transformers", "serve", str(embedded_target_dir()),  # noqa: E731
                             "--dtype", "float32", "--device", "cpu", "--port", str(port)]
@@ -937,7 +937,7 @@ def test_vllm_serve_regeneration_resumes_and_keeps_reasoning(tmp_path, capsys):
     two logits one engine's rounding may pick the other token, after which the answers part (with
     vLLM 0.32.0's CPU build on a 2-core machine all 16 answers were identical)."""
     from eagleforge.eval.vllm_engine import token_agreement
-    from eagleforge.target import embedded_target_dir
+    from eagleforge.target.loading import embedded_target_dir
 
     python = _vllm_python_or_skip()
     (tmp_path / "first_paragraph.py").write_text(FIRST_PARAGRAPH_PARSER)

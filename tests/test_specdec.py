@@ -26,7 +26,7 @@ from eagleforge.eval.specdec import (
     ngram_match,
     speculative_generate,
 )
-from eagleforge.target import padding_id
+from eagleforge.target.loading import padding_id
 
 MAX_NEW = 24
 PROMPTS = [
@@ -177,8 +177,8 @@ class RecordingDraft:
 
 @pytest.mark.parametrize("k", [5])
 def test_eagle_drafter_feeds_aligned_aux_states(smollm2, cases, k):
-    from eagleforge.extract.capture import HiddenStateCapture
-    from eagleforge.target import decoder_layers, final_norm
+    from eagleforge.target.capture import HiddenStateCapture
+    from eagleforge.target.loading import decoder_layers, final_norm
 
     model, _ = smollm2
     (ids, ref), eos = cases[0][k % len(PROMPTS)], cases[1]
@@ -234,8 +234,8 @@ def test_eagle_draft_cache_under_acceptances_matches_one_extend(smollm2, cases):
     """The real draft's extend, fed incrementally by Eagle3Drafter while an oracle plants
     acceptances of every length, ends with the same cache as one extend over the whole verified
     sequence (aux from one full target forward), and proposes the same tokens from it."""
-    from eagleforge.extract.capture import HiddenStateCapture
-    from eagleforge.target import decoder_layers, final_norm
+    from eagleforge.target.capture import HiddenStateCapture
+    from eagleforge.target.loading import decoder_layers, final_norm
 
     model, _ = smollm2
     (ids, _), eos = cases[0][2], cases[1]
@@ -349,7 +349,7 @@ def test_ngram_match_against_bruteforce(context, k, ngram_min, span):
 @pytest.mark.parametrize("q_len,k_len,kv_heads,groups", [(1, 37, 3, 3), (6, 41, 2, 5), (13, 13, 1, 4)])
 def test_gqa_attention_matches_sdpa(q_len, k_len, kv_heads, groups):
     """Against torch's sdpa on K/V repeated per query head, with left padding and causality."""
-    from eagleforge.target import gqa_attention
+    from eagleforge.target.loading import gqa_attention
 
     gen = torch.Generator().manual_seed(q_len * 100 + k_len)
     batch, head_dim = 3, 24
@@ -373,7 +373,7 @@ def test_gqa_attention_matches_sdpa(q_len, k_len, kv_heads, groups):
 @pytest.fixture
 def cpu_attention(smollm2):
     """The shared SmolLM2 model switched to the CPU attention for one test, then restored."""
-    from eagleforge.target import use_cpu_attention
+    from eagleforge.target.loading import use_cpu_attention
 
     model, _ = smollm2
     before = model.config._attn_implementation
@@ -425,8 +425,8 @@ def test_acceptance_by_kind_hand_made_rounds():
 def _memorizing_draft(model, sequences, k: int, steps: int = 150):
     """A random draft trained (TTT, k steps, cross-entropy on the true tokens) until it nearly
     memorizes `sequences`: a real draft that accepts often but not always."""
-    from eagleforge.extract.capture import HiddenStateCapture
-    from eagleforge.target import decoder_layers, final_norm
+    from eagleforge.target.capture import HiddenStateCapture
+    from eagleforge.target.loading import decoder_layers, final_norm
 
     draft = _random_draft(model, seed=11).requires_grad_(True)
     draft.embed_tokens.weight.requires_grad_(False)

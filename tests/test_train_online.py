@@ -122,7 +122,7 @@ def hf(tmp_path_factory):
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from eagleforge.extract.driver import extract as extract_hf
-    from eagleforge.target import embedded_target_dir
+    from eagleforge.target.loading import embedded_target_dir
     from eagleforge.train.loop import train
 
     root = tmp_path_factory.mktemp("online_hf")
@@ -440,7 +440,7 @@ def test_native_target_runs_with_the_configured_kernels_and_thresholds(native):
     """The native backend's runtime keys reach the online target as they reach extraction:
     target.prefill_attention / moe_backend on the model, split_rows_min_tokens / overlap_min_rows
     on its tensor-parallel view."""
-    from eagleforge.extract.target import open_target
+    from eagleforge.target.protocol import open_target
     from eagleforge.train.loop import training_layout
 
     cfg = load_config(None, _native_overrides(native["offline"], native["ckpt"], "target.tp=1", "train.source=online",

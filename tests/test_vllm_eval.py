@@ -125,7 +125,7 @@ def test_eval_stage_with_engine_vllm_exchanges_the_request_and_answer(tmp_path):
     directories, from an empty working directory, and results.json gets vLLM's figures beside the
     project's (whose fields stay as they were) and how the outputs agree."""
     from eagleforge.eval.evaluate import load_prompts, main
-    from eagleforge.target import embedded_target_dir, load_tokenizer
+    from eagleforge.target.loading import embedded_target_dir, load_tokenizer
 
     target = embedded_target_dir()
     run = tmp_path / "run"
@@ -258,7 +258,7 @@ def test_vllm_runs_an_eagle31_fc_norm_draft_as_the_project_does(tmp_path, capsys
     positions, which a draft run without its fc_norm weights would not give. 10 HumanEval
     prompts, float32, k = 3."""
     from eagleforge.eval.evaluate import load_prompts, main
-    from eagleforge.target import embedded_target_dir, load_tokenizer
+    from eagleforge.target.loading import embedded_target_dir, load_tokenizer
 
     python = _vllm_python_or_skip()
     cfg = load_config(None, [f"run_dir={tmp_path / 'run'}", f"eval.draft_path={tmp_path / 'draft'}", "target.device=cpu",

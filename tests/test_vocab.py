@@ -30,9 +30,9 @@ def build_tiny_run(tmp_path, llama_config, n_samples=24, seed=0, with_argmax=Tru
     real hidden states (HiddenStateCapture). Returns a Config pointing at both."""
     from transformers import LlamaForCausalLM
 
-    from eagleforge.extract.capture import HiddenStateCapture
     from eagleforge.shards import ShardWriter
-    from eagleforge.target import decoder_layers, default_aux_layers, final_norm
+    from eagleforge.target.capture import HiddenStateCapture
+    from eagleforge.target.loading import decoder_layers, default_aux_layers, final_norm
 
     torch.manual_seed(seed)
     model = LlamaForCausalLM(llama_config).eval()

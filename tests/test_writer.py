@@ -119,7 +119,7 @@ def test_fp8_rejects_bad_block():
 def test_fp8_error_on_real_hidden_states():
     """fp8 vs bf16 storage of SmolLM2's aux states (layers 1, 14, 26) on a real prompt."""
     from eagleforge.config import TargetConfig
-    from eagleforge.target import load_target
+    from eagleforge.target.loading import load_target
 
     model, tokenizer = load_target(TargetConfig(device="cpu"))
     ids = tokenizer("Explain what json.dumps does and show a short example of its use.", return_tensors="pt").input_ids

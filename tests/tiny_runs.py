@@ -13,7 +13,7 @@ def write_tiny_llama(path):
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from eagleforge.target import embedded_target_dir
+    from eagleforge.target.loading import embedded_target_dir
 
     torch.manual_seed(0)
     config = LlamaConfig(

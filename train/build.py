@@ -9,7 +9,7 @@ import torch
 
 from eagleforge.config import Config, check_model_sizes
 from eagleforge.errors import UserInputError
-from eagleforge.target import target_path
+from eagleforge.target.loading import target_path
 
 
 def target_hf_config(cfg: Config, manifest: dict):

@@ -31,7 +31,7 @@ from eagleforge.errors import UserInputError
 from eagleforge.failures import out_of_memory
 from eagleforge.layout import Layout, init_layout
 from eagleforge.modes import PLAIN_LOSS_MODES
-from eagleforge.target import target_path
+from eagleforge.target.loading import target_path
 from eagleforge.train.batching import Batch, PendingBatch, gather_embeddings
 from eagleforge.train.build import build_draft, embedding_to_host
 from eagleforge.train.checkpoint import (
@@ -90,9 +90,9 @@ def lr_lambda(total_steps: int, warmup_ratio: float, min_lr_ratio: float) -> Cal
 
 def training_layout(cfg: Config) -> Layout:
     """The job's Layout for training: the draft over the whole world; online, the target's groups
-    of target.tp ranks inside it (extract/driver.py target_layout)."""
+    of target.tp ranks inside it (eagleforge/target/groups.py target_layout)."""
     if check_source(cfg.train.source, cfg.train.cache_gb) == "online":
-        from eagleforge.extract.driver import target_layout
+        from eagleforge.target.groups import target_layout
 
         return target_layout(cfg, cfg.train.device)
     return init_layout(cfg.train.device)
@@ -599,8 +599,8 @@ def train(cfg: Config, stop_after_step: int | None = None) -> dict | None:
     caller made it. Online with target.layout=auto, the target's split of its group's GPUs is the
     one the online plan fits and projects fastest (online_plan.choose_online_layout)."""
     if check_source(cfg.train.source, cfg.train.cache_gb) == "online":
-        from eagleforge.extract.driver import with_chosen_layout
         from eagleforge.layout import world_size_from_env
+        from eagleforge.target.groups import with_chosen_layout
         from eagleforge.train.online_plan import choose_online_layout
 
         cfg = with_chosen_layout(cfg, cfg.train.device, lambda c, gpu: choose_online_layout(c, gpu, world_size_from_env()))

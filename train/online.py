@@ -10,7 +10,7 @@ does: extract/samples.py), their order (sample index = position in id order, the
 train.holdout_samples held out), the schedule (train/schedule.py), the loss, FSDP2/DDP,
 checkpoints and the held-out metrics. Only where a batch's states come from changes: `OnlineSource`
 is the trainer's BatchSource (train/sources.py) that runs the target on the batch's samples through
-extract's own Target (extract/target.py: the same forward and capture hooks), so an online run
+extract's own Target (eagleforge/target/protocol.py: the same forward and capture hooks), so an online run
 trains on the same numbers as extract -> vocab -> train on the same samples.
 
 Vocabulary: the token counts are taken from the samples' loss-masked input ids (the training
@@ -66,8 +66,8 @@ import torch
 
 from eagleforge.config import Config
 from eagleforge.extract.samples import batch_by_tokens, read_samples
-from eagleforge.extract.target import nonfinite_cause, open_target
 from eagleforge.layout import Layout
+from eagleforge.target.protocol import nonfinite_cause, open_target
 from eagleforge.train.batching import Batch, PendingBatch, pad_batch
 from eagleforge.train.schedule import Slot, make_batches
 
@@ -112,7 +112,7 @@ class OnlineSource:
         header = self.target.header
         self.hidden_size = int(header["target"]["hidden_size"])
         self.aux_width = len(header["aux_layer_ids"]) * self.hidden_size
-        from eagleforge.target import torch_dtype
+        from eagleforge.target.loading import torch_dtype
 
         self.state_dtype = torch_dtype(cfg.target.dtype)
         if layout.is_main:

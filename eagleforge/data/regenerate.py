@@ -99,7 +99,7 @@ def _generate_batch(model, prompt_ids: list[list[int]], max_new_tokens: int, sto
     """
     import torch
 
-    from eagleforge.target import use_cpu_attention
+    from eagleforge.target.loading import use_cpu_attention
 
     use_cpu_attention(model)
     if max_new_tokens < 1:
@@ -229,14 +229,14 @@ def regenerate(cfg: Config, records: list[Record], data_dir: Path, stats: Stats,
     loaded here: `tokenizer`, else the target's). Ids already in conversations.jsonl are skipped,
     so a killed run resumes where it stopped.
     """
-    from eagleforge.target import load_tokenizer
+    from eagleforge.target.loading import load_tokenizer
 
     path = data_dir / CONVERSATIONS_FILE
     done = read_conversations(path)
     data = cfg.data
     model = None
     if not data.server_url:
-        from eagleforge.target import load_target
+        from eagleforge.target.loading import load_target
 
         model, tokenizer = load_target(cfg.target)
     elif tokenizer is None:
@@ -260,7 +260,7 @@ def _answer_in_process(cfg: Config, model, tokenizer, prompts: dict, done: dict,
     run forms the same batches and skips those already in conversations.jsonl."""
     from tqdm import tqdm
 
-    from eagleforge.target import padding_id
+    from eagleforge.target.loading import padding_id
 
     data = cfg.data
     order = sorted(prompts, key=lambda i: (len(prompts[i][1]), i))

@@ -122,7 +122,7 @@ def main(cfg: Config) -> None:
     data_dir = run / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
     stats = Stats()
-    from eagleforge.target import load_tokenizer, target_vocab_size
+    from eagleforge.target.loading import load_tokenizer, target_vocab_size
 
     # Pre-tokenized ids are checked against the target's vocabulary from its config alone: that
     # path never loads a tokenizer (a Kimi-K2.5 node may have none it can run).

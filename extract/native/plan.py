@@ -34,7 +34,7 @@ from eagleforge.errors import UserInputError
 from eagleforge.extract.native import int4
 from eagleforge.extract.native.model import ATTENTION_CHUNK_TOKENS, ModelArgs
 from eagleforge.extract.native.parallel import ARGMAX_CHUNK_TOKENS, split_range
-from eagleforge.target import default_aux_layers
+from eagleforge.target.loading import default_aux_layers
 
 log = logging.getLogger(__name__)
 

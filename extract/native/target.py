@@ -1,4 +1,4 @@
-"""The native backend as a Target (extract/target.py): Kimi-K2.5 / DeepSeek-V3, tensor parallel per group.
+"""The native backend as a Target (eagleforge/target/protocol.py): Kimi-K2.5 / DeepSeek-V3, tensor parallel per group.
 
     torchrun --nproc-per-node 8 -m eagleforge.extract --config configs/kimi_k25_pilot.yaml
     torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
@@ -7,7 +7,7 @@
 The job's Layout (eagleforge/layout.py) cuts the world into groups of `target.tp` ranks. Every rank
 loads only its slices (loader.py) and the group runs each forward together; after each block's
 all-reduce all ranks of a group hold the same states, so the group's leader keeps the captured
-rows (extract/capture.py) and the others only take part. The memory plan (plan.py) is checked
+rows (eagleforge/target/capture.py) and the others only take part. The memory plan (plan.py) is checked
 before any weight is read.
 """
 
@@ -21,12 +21,14 @@ from typing import Callable
 import torch
 
 from eagleforge.config import Config
-from eagleforge.extract.capture import HiddenStateCapture
 from eagleforge.extract.native.loader import build_model, load_weights, read_checkpoint_info
 from eagleforge.extract.native.model import DeepseekV3ForExtraction
 from eagleforge.extract.native.parallel import StageLink, tensor_parallel
 from eagleforge.extract.native.plan import GIB, check_fits, config_stage_layers, format_plan
-from eagleforge.extract.target import (
+from eagleforge.layout import Layout
+from eagleforge.target.capture import HiddenStateCapture
+from eagleforge.target.loading import resolve_aux_layers, target_path, torch_dtype
+from eagleforge.target.protocol import (
     CapturingTarget,
     PendingRows,
     Rows,
@@ -37,8 +39,6 @@ from eagleforge.extract.target import (
     rows_to_bytes,
     select_rows,
 )
-from eagleforge.layout import Layout
-from eagleforge.target import resolve_aux_layers, target_path, torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ ROW_FORWARDS_IN_FLIGHT = 2
 
 class NativeTarget(CapturingTarget):
     """This rank's slices of the target (a built model: its stage's layers on its tensor-parallel
-    group), hooks attached. `forward` (extract/target.py) returns the rows on the group's leader,
+    group), hooks attached. `forward` (eagleforge/target/protocol.py) returns the rows on the group's leader,
     None on its other ranks, or, with rows_for, each named rank's own rows.
 
     Pipeline stages (target.pp > 1): stage s receives [B, T, (1 + c) H] from stage s - 1 (the

@@ -15,9 +15,9 @@
 Every rank of a target group calls `forward` with the same ids, in the same order: the group's
 collectives (tensor-parallel all-reduces, the vocabulary-parallel argmax, the pipeline's sends
 and receives) must pair up. `then` is the next call's input ids when known: a pipeline stage
-posts that forward's receive ahead. The hf backend (extract/hf.py) is one rank per group; the
+posts that forward's receive ahead. The hf backend (eagleforge/target/hf.py) is one rank per group; the
 native backend (extract/native/target.py) spreads a group over target.tp x target.pp ranks. Both
-capture through extract/capture.py's hooks and pack rows with `pack_rows`, so the shards, the
+capture through eagleforge/target/capture.py's hooks and pack rows with `pack_rows`, so the shards, the
 manifest and online training see the same rows whichever backend made them.
 """
 
@@ -30,8 +30,8 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from eagleforge.config import Config
-from eagleforge.extract.capture import HiddenStateCapture
 from eagleforge.layout import Layout
+from eagleforge.target.capture import HiddenStateCapture
 
 Rows = dict  # {"aux_hidden_states": [N, k*H], "last_hidden_state": [N, H], "target_argmax": [N] int32}
 
@@ -209,7 +209,7 @@ def open_target(cfg: Config, layout: Layout, *, write_target_argmax: bool | None
         from eagleforge.extract.native.target import load_native_target  # imported lazily: heavy, and only for that backend
 
         return load_native_target(cfg, layout, argmax, check_memory, check_inputs, stage_ranges)
-    from eagleforge.extract.hf import HFTarget
+    from eagleforge.target.hf import HFTarget
 
     target = HFTarget(cfg, layout, argmax)
     if check_inputs is not None:

@@ -1,4 +1,4 @@
-"""The hf backend: any transformers causal LM as a Target (extract/target.py), one rank per group.
+"""The hf backend: any transformers causal LM as a Target (eagleforge/target/protocol.py), one rank per group.
 
     python -m eagleforge.extract run_dir=runs/x                       # one process
     torchrun --nproc-per-node 8 -m eagleforge.extract run_dir=runs/x  # 8 data-parallel groups
@@ -17,10 +17,10 @@ import torch
 
 from eagleforge.config import Config
 from eagleforge.errors import UserInputError
-from eagleforge.extract.capture import HiddenStateCapture
-from eagleforge.extract.target import CapturingTarget, forward_packed, nonfinite_weights, select_rows
 from eagleforge.layout import Layout
-from eagleforge.target import decoder_layers, final_norm, load_target, padding_id, resolve_aux_layers, target_path, text_config
+from eagleforge.target.capture import HiddenStateCapture
+from eagleforge.target.loading import decoder_layers, final_norm, load_target, padding_id, resolve_aux_layers, target_path, text_config
+from eagleforge.target.protocol import CapturingTarget, forward_packed, nonfinite_weights, select_rows
 
 log = logging.getLogger(__name__)
 
