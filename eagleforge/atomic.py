@@ -70,6 +70,15 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     fsync_dir(path.parent)
 
 
+def probe_write(folder: str | os.PathLike) -> None:
+    """Create and remove an empty file in `folder`, under a temporary name `sweep_leftovers`
+    knows: an OSError (read-only file system, no permission, not a directory) says the folder
+    cannot be written before any work is done for it."""
+    probe = Path(folder) / f".tmp-write-check-{_owner_tag()}"
+    os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+    os.unlink(probe)
+
+
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
     with atomic_path(path) as tmp:
         tmp.write_bytes(data)

@@ -468,4 +468,4 @@ def main(cfg: Config) -> None:
 
 if __name__ == "__main__":
     run_main(main, "Memory per GPU of the native extraction backend for a config and parallel layout.",
-             sections=("target", "data", "extract", "train"))
+             sections=("target", "data", "extract", "train"), writes_run_dir=False)

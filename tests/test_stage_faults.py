@@ -1,0 +1,269 @@
+"""Faults a user can cause, made for real against the stages run as `python -m eagleforge.<stage>`
+(RELIABILITY.md): a file or a read-only file system as run_dir, a full disk, crafted or cut
+safetensors files, a draft that does not fit its target, JSON of another kind where an object is
+expected. Each ends in exactly one `error:` line on stderr naming the file, no traceback, exit
+code 2; where the fault allows it, the rerun once it is fixed ends with the outputs of an
+uninterrupted run (compared as the soak compares them, benchmarks/soak.py).
+
+The file systems are real: a tmpfs filled to a chosen point with a filler file, a read-only bind
+mount, a read-only tmpfs (root ignores chmod). Where mounting is refused (no CAP_SYS_ADMIN), a
+full disk is a file-size limit on the stage's process instead (RLIMIT_FSIZE: EFBIG, the errno
+the same path handles), a read-only directory chmod 555 (skipped as root, which ignores it).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+import soak  # noqa: E402
+
+STAGES = ("data", "extract", "vocab", "train", "eval")
+PAGE = os.sysconf("SC_PAGE_SIZE")  # tmpfs counts whole pages
+
+
+# ----------------------------------------------------------------------------- running a stage
+
+
+def run_stage(world, stage: str, run: Path, *extra: str, target: Path | None = None, fsize: int | None = None):
+    """`python -m eagleforge.<stage>` on `run` with the tiny run's keys (soak.COMMON); fsize: a
+    file-size limit on its process (SIGXFSZ ignored, so a write past it fails with EFBIG)."""
+    args = [f"run_dir={run}", f"target.path={target or world['target']}", *soak.COMMON, *extra]
+    env = {**soak.base_env(), "EAGLEFORGE_CACHE": str(world["cache"])}
+
+    def limit():
+        if fsize is not None:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+
+    return subprocess.run([sys.executable, "-m", f"eagleforge.{stage}", *args], capture_output=True, text=True,
+                          env=env, cwd=REPO, timeout=600, preexec_fn=limit)
+
+
+def ok(result) -> None:
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def one_error_line(result) -> str:
+    """The stage's one `error:` line: exit code 2, no traceback, exactly one line of stderr that
+    starts with `error:` (the log lines beside it are timestamped), and it is the last."""
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error:")]
+    assert result.returncode == 2 and "Traceback" not in result.stderr and len(errors) == 1 and lines[-1] == errors[0], \
+        f"exit {result.returncode}, stderr:\n{result.stderr[-3000:]}"
+    assert len(errors[0]) < 1000, errors[0]
+    return errors[0]
+
+
+def assert_outputs_equal(got: Path, want: Path, outputs: tuple[str, ...]) -> None:
+    """Every path of `got` is one of `want`'s (nothing left behind: no temporary names, no
+    half-written file), and under each path of `outputs` (what the stage writes) the same paths
+    as the reference, each file equal to it by the soak's contract (JSON but for timings and the
+    run directory, vocab files by tensors and metadata, the rest by sha256)."""
+    have, ref = soak.names(got), soak.names(want)
+    assert not have - ref, f"left behind: {sorted(have - ref)}"
+    for prefix in outputs:
+        mine = {rel for rel in have if rel == prefix or rel.startswith(prefix + os.sep)}
+        theirs = {rel for rel in ref if rel == prefix or rel.startswith(prefix + os.sep)}
+        assert mine == theirs, f"{prefix}: missing {sorted(theirs - mine)}"
+        problems = [soak.compare_file(rel, got, want, got, want) for rel in sorted(mine) if not (got / rel).is_dir()]
+        assert not [p for p in problems if p], [p for p in problems if p]
+
+
+def copy_run(src: Path, dst: Path, without: tuple[str, ...] = ()) -> Path:
+    """A copy of the run directory `src` at `dst`, less the paths `without` (relative to it)."""
+    def ignore(folder, entries):
+        return [e for e in entries if os.path.relpath(os.path.join(folder, e), src) in without]
+
+    shutil.copytree(src, dst, symlinks=True, ignore=ignore, dirs_exist_ok=True)
+    return dst
+
+
+# ----------------------------------------------------------------------------- file systems
+
+
+def _try_mount() -> bool:
+    import tempfile
+
+    point = Path(tempfile.mkdtemp(prefix="eagleforge-mount-check-"))
+    try:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(point)], capture_output=True)
+        if done.returncode != 0:
+            return False
+        subprocess.run(["umount", str(point)], check=True)
+        return True
+    except (OSError, subprocess.CalledProcessError):
+        return False
+    finally:
+        point.rmdir()
+
+
+CAN_MOUNT = _try_mount()
+
+
+class Mounts:
+    """Mounts made for a test, unmounted (last first) at its teardown."""
+
+    def __init__(self):
+        self.points: list[Path] = []
+
+    def _mount(self, *args: str) -> None:
+        subprocess.run(["mount", *args], check=True, capture_output=True)
+
+    def tmpfs(self, point: Path, size: int, ro: bool = False) -> Path:
+        point.mkdir(parents=True, exist_ok=True)
+        self._mount("-t", "tmpfs", "-o", f"size={size}" + (",ro" if ro else ""), "tmpfs", str(point))
+        self.points.append(point)
+        return point
+
+    def bind_read_only(self, source: Path, point: Path) -> Path:
+        point.mkdir(parents=True, exist_ok=True)
+        self._mount("--bind", str(source), str(point))
+        self.points.append(point)
+        self._mount("-o", "remount,bind,ro", str(point))
+        return point
+
+    def remount(self, point: Path, options: str) -> None:
+        self._mount("-o", f"remount,{options}", str(point))
+
+    def close(self) -> None:
+        for point in reversed(self.points):
+            if subprocess.run(["umount", str(point)], capture_output=True).returncode != 0:
+                subprocess.run(["umount", "-l", str(point)], capture_output=True)
+        self.points.clear()
+
+
+@pytest.fixture
+def mounts():
+    m = Mounts()
+    yield m
+    m.close()
+
+
+def pages(n: int) -> int:
+    return -(-n // PAGE)
+
+
+class FullDisk:
+    """A file system that fills at a chosen point. With mounts: a tmpfs of `size` bytes at
+    `root`, then a filler file (outside the run directory) leaving `free` bytes; `fix` removes
+    the filler, or grows the tmpfs to `grow` bytes. Without: `fsize` is the limit the stage runs
+    under (`limit`), which `fix` lifts."""
+
+    def __init__(self, mounts: Mounts | None, root: Path, size: int, fsize: int):
+        self.mounts, self.root, self.fsize, self.fixed = mounts, root, fsize, False
+        if mounts is not None:
+            mounts.tmpfs(root, size)
+        else:
+            root.mkdir(parents=True)
+
+    def fill(self, free: int) -> None:
+        if self.mounts is None:
+            return
+        stat = os.statvfs(self.root)
+        room = stat.f_bavail * stat.f_frsize - free
+        assert room >= 0, f"the tmpfs holds {stat.f_bavail * stat.f_frsize} bytes free, fewer than {free}"
+        fd = os.open(self.root / "filler", os.O_WRONLY | os.O_CREAT)
+        try:
+            if room:
+                os.posix_fallocate(fd, 0, room)
+        finally:
+            os.close(fd)
+
+    @property
+    def limit(self) -> int | None:
+        return None if self.mounts is not None or self.fixed else self.fsize
+
+    def fix(self, grow: int | None = None) -> None:
+        self.fixed = True
+        if self.mounts is None:
+            return
+        (self.root / "filler").unlink(missing_ok=True)
+        if grow is not None:
+            self.mounts.remount(self.root, f"size={grow}")
+
+
+@pytest.fixture
+def full_disk(tmp_path, mounts):
+    """FullDisk(root, size, fsize) on a real tmpfs, or a file-size limit where mounting is refused."""
+    return lambda name, size, fsize: FullDisk(mounts if CAN_MOUNT else None, tmp_path / name, size, fsize)
+
+
+# ----------------------------------------------------------------------------- the runs
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A tiny target (soak.make_target) and an uninterrupted run: refs[stage] is the run
+    directory once `stage` has run after the ones before it (each a copy of the one before)."""
+    root = tmp_path_factory.mktemp("faults")
+    soak.make_target(root / "target")
+    w = {"root": root, "target": root / "target", "cache": root / "cache", "refs": {}}
+    before = None
+    for stage in STAGES:
+        run = root / "ref" / stage
+        if before is not None:
+            copy_run(before, run)
+        ok(run_stage(w, stage, run))
+        w["refs"][stage] = before = run
+    return w
+
+
+# ----------------------------------------------------------------------------- 1. run_dir
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_run_dir_that_is_a_file_is_one_line(world, tmp_path, stage):
+    file = tmp_path / "run"
+    file.write_text("not a directory\n")
+    line = one_error_line(run_stage(world, stage, file))
+    assert line == f"error: run_dir={file}: is a file, not a directory; give a directory (it is made if missing)"
+    line = one_error_line(run_stage(world, stage, file / "sub" / "run"))
+    assert line.startswith(f"error: run_dir={file / 'sub' / 'run'}: is under {file}, which is a file"), line
+    assert file.read_text() == "not a directory\n"
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_read_only_run_dir_is_one_line_and_left_as_it_was(world, tmp_path, mounts, stage):
+    """The run of the stage before (or the stage's own outputs) on a read-only bind mount: one
+    line naming run_dir and the read-only file system, before any work, every file as it was."""
+    source = copy_run(world["refs"][stage], tmp_path / "source")
+    before = {rel: soak.sha256(source / rel) for rel in soak.names(source) if (source / rel).is_file()}
+    if CAN_MOUNT:
+        run = mounts.bind_read_only(source, tmp_path / "mounted")
+        why = "read-only file system (errno EROFS)"
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("mounting is refused and root ignores chmod: no read-only directory to test with")
+        run = source
+        os.chmod(run, 0o555)
+        why = "permission denied (errno EACCES)"
+    try:
+        line = one_error_line(run_stage(world, stage, run))
+    finally:
+        os.chmod(source, 0o755)
+    assert line == f"error: run_dir={run}: cannot write there: {why}"
+    assert {rel: soak.sha256(source / rel) for rel in soak.names(source) if (source / rel).is_file()} == before
+
+
+def test_a_run_dir_on_a_read_only_file_system_is_one_line_and_the_rerun_once_writable_completes(world, tmp_path, mounts):
+    if not CAN_MOUNT:
+        pytest.skip("mounting is refused: test_a_read_only_run_dir_is_one_line_and_left_as_it_was covers chmod 555")
+    point = mounts.tmpfs(tmp_path / "fs", 64 << 20, ro=True)
+    run = point / "runs" / "x"
+    line = one_error_line(run_stage(world, "vocab", run))
+    assert line == f"error: run_dir={run}: cannot write there: read-only file system ({point}) (errno EROFS)"
+    assert not (point / "runs").exists()
+    mounts.remount(point, "rw")  # fixed: the run of the extract stage is copied there and the stage reruns
+    copy_run(world["refs"]["extract"], run)
+    ok(run_stage(world, "vocab", run))
+    assert_outputs_equal(run, world["refs"]["vocab"], ("vocab",))
