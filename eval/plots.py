@@ -1,16 +1,19 @@
 """PNG plots of the evaluation: acceptance per draft position, and the training curves.
 
-matplotlib with the Agg backend (no display); each function writes one PNG and returns its
-path, or None when there is nothing to draw (no train log yet).
+matplotlib with the Agg backend (no display); each function writes one PNG (whole or not at all:
+eagleforge.atomic) and returns its path, or None when there is nothing to draw (no train log yet).
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import logging
 import math
 import re
 from pathlib import Path
+
+from eagleforge.atomic import atomic_path, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +25,18 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def _save(fig, path: Path) -> None:
+    """Write `fig` as the PNG `path` whole or not at all (a full disk is one line naming it), and
+    close it."""
+    plt = _pyplot()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=110)
+    finally:
+        plt.close(fig)
 
 
 def plot_per_position(results: dict, path: str | Path) -> Path:
@@ -54,9 +69,7 @@ def plot_per_position(results: dict, path: str | Path) -> Path:
     ax.legend()
     ax.set_title(f"k={results.get('k')}, {results.get('n_prompts')} prompts, {results.get('max_new_tokens')} new tokens")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
     return path
 
 
@@ -121,9 +134,7 @@ def plot_training_curves(train_log: str | Path, path: str | Path) -> Path | None
             ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
     return path
 
 
@@ -181,10 +192,11 @@ def write_acceptance_curve(run_dir: str | Path, k: int) -> Path | None:
         return None
     out = run_dir / "eval" / "acceptance_curve.csv"
     out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=list(curve[0]))
-        writer.writeheader()
-        writer.writerows(curve)
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=list(curve[0]))
+    writer.writeheader()
+    writer.writerows(curve)
+    write_text_atomic(out, text.getvalue())
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     xs = [row["training_tokens"] if row["training_tokens"] is not None else row["step"] for row in curve]
@@ -195,8 +207,7 @@ def write_acceptance_curve(run_dir: str | Path, k: int) -> Path | None:
     ax.set_ylabel(f"simulated acceptance length, k={k} (train batches)")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"), dpi=110)
-    plt.close(fig)
+    _save(fig, out.with_suffix(".png"))
     return out
 
 

@@ -13,6 +13,7 @@ the same path handles), a read-only directory chmod 555 (skipped as root, which 
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import shutil
@@ -267,3 +268,85 @@ def test_a_run_dir_on_a_read_only_file_system_is_one_line_and_the_rerun_once_wri
     copy_run(world["refs"]["extract"], run)
     ok(run_stage(world, "vocab", run))
     assert_outputs_equal(run, world["refs"]["vocab"], ("vocab",))
+
+
+# ----------------------------------------------------------------------------- 2. a full disk
+
+
+def _sizes(run: Path, *rels: str) -> int:
+    return sum(pages((run / rel).stat().st_size) for rel in rels) * PAGE
+
+
+def test_a_full_disk_in_the_data_stage_keeps_the_answers_before_and_the_rerun_completes(world, full_disk):
+    """The disk fills while regeneration appends a batch of answers to conversations.jsonl: one
+    line naming the file and the full disk; the file holds whole rows only (the batch's part that
+    landed is cut back), each one of the uninterrupted run's; once there is room, the rerun
+    answers the rest and its outputs equal the uninterrupted run's."""
+    ref = world["refs"]["data"]
+    conversations = ref / "data" / "conversations.jsonl"
+    assert pages(conversations.stat().st_size) >= 2
+    disk = full_disk("disk", 2 << 20, fsize=PAGE)
+    disk.fill(_sizes(ref, "config.yaml") + (pages(conversations.stat().st_size) - 1) * PAGE)
+    run = disk.root / "run"
+    line = one_error_line(run_stage(world, "data", run, fsize=disk.limit))
+    assert line.startswith(f"error: {run / 'data' / 'conversations.jsonl'}: cannot write, ") and "errno E" in line, line
+    assert ("no space left on device (errno ENOSPC" if CAN_MOUNT else "file too large (errno EFBIG") in line, line
+    assert "answers of this write were not kept" in line, line
+    written = (run / "data" / "conversations.jsonl").read_bytes()
+    assert written and written.endswith(b"\n"), written[-200:]  # whole rows, none torn
+    want = {json.loads(row)["id"]: row for row in conversations.read_text(encoding="utf-8").splitlines()}
+    assert all(want[json.loads(row)["id"]] == row for row in written.decode().splitlines())
+    disk.fix()
+    ok(run_stage(world, "data", run, fsize=disk.limit))
+    assert_outputs_equal(run, ref, ("data", "config.yaml"))
+
+
+def test_a_full_disk_in_the_vocab_stage_is_one_line_and_the_rerun_completes(world, full_disk):
+    """target_head.safetensors (9.4 MB) does not fit: one line naming it; vocab_map written whole,
+    no temporary file left; once the file system is larger, the rerun writes both."""
+    ref, extract = world["refs"]["vocab"], world["refs"]["extract"]
+    room = sum((extract / rel).stat().st_size for rel in soak.names(extract) if (extract / rel).is_file())
+    disk = full_disk("disk", room + (4 << 20), fsize=2 << 20)
+    run = copy_run(extract, disk.root / "run")
+    line = one_error_line(run_stage(world, "vocab", run, fsize=disk.limit))
+    assert line.startswith(f"error: {run / 'vocab' / 'target_head.safetensors'}: cannot write, "), line
+    assert "nothing partial was kept, free space and rerun to resume" in line, line
+    assert sorted(p.name for p in (run / "vocab").iterdir()) == ["vocab_map.safetensors"]
+    disk.fix(grow=room + (64 << 20))
+    ok(run_stage(world, "vocab", run, fsize=disk.limit))
+    assert_outputs_equal(run, ref, ("vocab", "config.yaml"))
+
+
+def test_a_full_disk_at_the_export_is_one_line_and_the_rerun_exports(world, full_disk):
+    """The trainer resumed at its last checkpoint has only the export left; the disk has room for
+    half of it: one line naming RUN/draft, no draft and no temporary directory left; once there
+    is room, the rerun exports the draft of the uninterrupted run, byte for byte."""
+    ref = world["refs"]["train"]
+    room = sum((ref / rel).stat().st_size for rel in soak.names(ref) if (ref / rel).is_file())
+    disk = full_disk("disk", room + (4 << 20), fsize=64 << 10)
+    run = copy_run(ref, disk.root / "run", without=("draft",))
+    disk.fill(pages((ref / "draft" / "model.safetensors").stat().st_size) // 2 * PAGE)
+    line = one_error_line(run_stage(world, "train", run, fsize=disk.limit))
+    assert line.startswith(f"error: {run / 'draft'}: cannot write, "), line
+    assert not (run / "draft").exists() and not [p for p in run.iterdir() if p.name.startswith(".")], sorted(os.listdir(run))
+    disk.fix()
+    ok(run_stage(world, "train", run, fsize=disk.limit))
+    assert_outputs_equal(run, ref, ("draft", "train_summary.json", "train_log.csv", "config.yaml"))
+
+
+def test_a_full_disk_in_the_eval_stage_is_one_line_and_the_rerun_completes(world, full_disk):
+    """The disk fills at the training-curve plot (105 KB): one line naming it, no partial PNG;
+    results.json is whole; once there is room, the rerun's outputs equal the uninterrupted run's."""
+    ref = world["refs"]["eval"]
+    inputs = ("draft", "train_log.csv", "train_summary.json")
+    disk = full_disk("disk", 2 << 20, fsize=64 << 10)
+    run = copy_run(ref, disk.root / "run", without=tuple(name for name in os.listdir(ref) if name not in inputs))
+    disk.fill(_sizes(ref, "config.yaml", "eval/results.json", "eval/acceptance_per_position.png")
+              + pages((ref / "eval" / "training_curves.png").stat().st_size) // 2 * PAGE)
+    line = one_error_line(run_stage(world, "eval", run, fsize=disk.limit))
+    assert line.startswith(f"error: {run / 'eval' / 'training_curves.png'}: cannot write, "), line
+    assert sorted(p.name for p in (run / "eval").iterdir()) == ["acceptance_per_position.png", "results.json"]
+    json.loads((run / "eval" / "results.json").read_text())
+    disk.fix()
+    ok(run_stage(world, "eval", run, fsize=disk.limit))
+    assert_outputs_equal(run, ref, ("eval", "config.yaml"))

@@ -45,10 +45,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagleforge.atomic import clear_leftovers, remove_path, replace_dir
+from eagleforge.atomic import clear_leftovers, disk_full_errno, disk_full_error, remove_path, replace_dir
 from eagleforge.config import Config, UserInputError, save_config
 from eagleforge.layout import Layout
-from eagleforge.shards import disk_full_errno, disk_full_error
 from eagleforge.train.checkpoint_integrity import dcp_errors, describe_files, safe_reader, verify_checksums, write_checksums
 
 log = logging.getLogger(__name__)
