@@ -75,6 +75,7 @@ import torch
 
 from eagleforge.atomic import atomic_path, disk_full_errno, disk_full_error, write_json_atomic
 from eagleforge.config import UserInputError, check_model_sizes
+from eagleforge.readers import open_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -519,19 +520,16 @@ class ShardReader:
             return self._open(shard)
 
     def _open(self, shard: int):
-        from safetensors import safe_open
-
         if os.getpid() != self._pid:  # forked worker: do not share the parent's mmaps
             self._handles, self._pid = {}, os.getpid()
         if shard not in self._handles:
             if len(self._handles) >= MAX_OPEN_SHARDS:  # bound open files and mappings: drop the oldest
                 self._handles.pop(next(iter(self._handles)))
             path = self.hidden_dir / self.shards[shard]["file"]
-            try:
-                self._handles[shard] = safe_open(str(path), framework="pt")
-            except Exception as err:  # SafetensorError: a damaged header that kept the file's size
-                raise UserInputError(f"{path}: not a readable safetensors file ({str(err)[:200]}); "
-                                     f"verify with train.verify_checksums=true") from None
+            try:  # a damaged header that kept the file's size: named, before safetensors reads it
+                self._handles[shard] = open_safetensors(path)
+            except UserInputError as err:
+                raise UserInputError(f"{err}; verify with train.verify_checksums=true") from None
         return self._handles[shard]
 
     def _shard_offsets(self, shard: int) -> list[int]:

@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -350,3 +352,97 @@ def test_a_full_disk_in_the_eval_stage_is_one_line_and_the_rerun_completes(world
     disk.fix()
     ok(run_stage(world, "eval", run, fsize=disk.limit))
     assert_outputs_equal(run, ref, ("eval", "config.yaml"))
+
+
+# ----------------------------------------------------------------------------- 3. crafted safetensors files
+
+
+def craft(path: Path, kind: str) -> None:
+    """Damage the safetensors file `path` as a user's copy, a crafted file or a cut download would."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header, data = json.loads(raw[8:8 + n]), raw[8 + n:]
+    first = next(name for name in header if name != "__metadata__")
+
+    def rewrite(edit) -> bytes:
+        edit(header)
+        text = json.dumps(header).encode()
+        return len(text).to_bytes(8, "little") + text + data
+
+    damaged = {
+        "cut": lambda: raw[:8 + n + len(data) // 2],  # a download cut in the tensor data
+        "cut_in_header": lambda: raw[:8 + n // 2],
+        "huge_length": lambda: (2**62).to_bytes(8, "little") + raw[8:],
+        "not_json": lambda: raw[:8] + b"{" * n + data,
+        "a_list": lambda: raw[:8] + b"[" + b" " * (n - 2) + b"]" + data,
+        "past_the_end": lambda: rewrite(lambda h: h[first]["data_offsets"].__setitem__(1, h[first]["data_offsets"][1] + 10**9)),
+        "overlap": lambda: rewrite(lambda h: [e["data_offsets"].__setitem__(0, 0) for k, e in h.items() if k != "__metadata__"]),
+        "metadata_not_strings": lambda: rewrite(lambda h: h.__setitem__("__metadata__", {"format": 1})),
+        "unknown_dtype": lambda: rewrite(lambda h: h[first].__setitem__("dtype", "Q7")),
+        # the same size as before (a shard's size is recorded in the manifest): I32 -> Q32
+        "unknown_dtype_same_size": lambda: raw[:8] + raw[8:8 + n].replace(b'"I32"', b'"Q32"', 1) + data,
+        "empty": lambda: b"",
+    }[kind]()
+    path.write_bytes(damaged)
+
+
+KINDS = ["cut", "cut_in_header", "huge_length", "not_json", "a_list", "past_the_end", "overlap", "metadata_not_strings",
+         "unknown_dtype", "empty"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_header_check_refuses_what_safetensors_refuses_naming_the_file(tmp_path, kind):
+    """Each damage is refused by safetensors itself (a SafetensorError naming no file) and by the
+    header check (eagleforge.readers), as one UserInputError naming the file; an intact file,
+    one of no tensors and one holding a zero-size tensor pass both."""
+    from safetensors import safe_open
+
+    from eagleforge.errors import UserInputError
+    from eagleforge.readers import open_safetensors, read_safetensors_header
+
+    tensors = {"a": torch.arange(6, dtype=torch.int32).reshape(2, 3), "b": torch.ones(5), "c": torch.zeros(0, 4)}
+    for name, content in (("intact", tensors), ("none", {}), ("one", {"c": tensors["c"]})):
+        save_file(content, str(tmp_path / name), metadata={"format": "pt"})
+        assert sorted(read_safetensors_header(tmp_path / name)) == sorted(safe_open(str(tmp_path / name), "pt").keys())
+    path = tmp_path / "damaged.safetensors"
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    craft(path, kind)
+    with pytest.raises(Exception) as refused:
+        safe_open(str(path), "pt")
+    assert type(refused.value).__name__ == "SafetensorError" and str(path) not in str(refused.value)
+    for read in (read_safetensors_header, open_safetensors):
+        with pytest.raises(UserInputError, match=rf"^{path}: "):
+            read(path)
+
+
+@pytest.mark.parametrize("rel,stage,kind", [
+    ("vocab/vocab_map.safetensors", "train", "metadata_not_strings"),
+    ("vocab/target_head.safetensors", "train", "overlap"),
+    ("hidden/shard-00001.safetensors", "train", "unknown_dtype_same_size"),
+    ("hidden/shard-00001.safetensors", "vocab", "unknown_dtype_same_size"),
+    ("draft/model.safetensors", "eval", "past_the_end"),
+    ("draft/model.safetensors", "eval", "cut_in_header"),
+])
+def test_a_damaged_safetensors_file_of_the_run_is_one_line_naming_it(world, tmp_path, rel, stage, kind):
+    """RUN/vocab's files read by the trainer, a shard (same size, so the manifest's byte count
+    holds) read by the vocab stage and the trainer, the export read by eval."""
+    before = "vocab" if stage == "train" else "extract" if stage == "vocab" else "eval"
+    run = copy_run(world["refs"][before], tmp_path / "run", without=("checkpoints", "train_log.csv", "eval"))
+    craft(run / rel, kind)
+    line = one_error_line(run_stage(world, stage, run))
+    assert line.startswith(f"error: {run / rel}: ") or line.startswith(f"error: {run / 'draft'}: {run / rel}: "), line
+
+
+@pytest.mark.parametrize("stage,kind", [("data", "cut"), ("extract", "huge_length"), ("vocab", "not_json"),
+                                        ("eval", "unknown_dtype")])
+def test_a_damaged_weight_file_of_an_hf_target_is_one_line_naming_it(world, tmp_path, stage, kind):
+    """The target's model.safetensors, read by transformers (data regeneration, extraction, eval)
+    or by the vocab stage (the target's head): one line naming the file, before it is loaded."""
+    target = shutil.copytree(world["target"], tmp_path / "target")
+    craft(target / "model.safetensors", kind)
+    before = {"data": None, "extract": "data", "vocab": "extract", "eval": "eval"}[stage]
+    run = tmp_path / "run"
+    if before is not None:
+        copy_run(world["refs"][before], run, without=("vocab", "eval"))
+    line = one_error_line(run_stage(world, stage, run, target=target))
+    assert line.startswith(f"error: {target / 'model.safetensors'}: "), line
