@@ -220,8 +220,11 @@ def load_eval_draft(path: Path, target):
 
     param = next(target.parameters())
     layers = int(getattr(text_config(target.config), "num_hidden_layers", 0) or 0)  # a config naming no aux layers
-    draft = load_draft(path, embed_tokens=target.get_input_embeddings(), dtype=param.dtype, device=param.device,
-                       target_num_layers=layers)
+    try:  # what check_engines's export check has not refused already: one line naming the file
+        draft = load_draft(path, embed_tokens=target.get_input_embeddings(), dtype=param.dtype, device=param.device,
+                           target_num_layers=layers)
+    except ValueError as err:
+        raise UserInputError(str(err)) from None
     # A NaN/Inf weight makes every proposal garbage (NaN logits argmax to id 0) and the measured
     # acceptance meaningless: refuse the draft instead of reporting it.
     bad = draft.nonfinite_tensors()

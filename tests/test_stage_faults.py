@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -446,3 +446,55 @@ def test_a_damaged_weight_file_of_an_hf_target_is_one_line_naming_it(world, tmp_
         copy_run(world["refs"][before], run, without=("vocab", "eval"))
     line = one_error_line(run_stage(world, stage, run, target=target))
     assert line.startswith(f"error: {target / 'model.safetensors'}: "), line
+
+
+# ----------------------------------------------------------------------------- 4. a draft that does not fit its target
+
+
+def _other_vocabulary(config, tensors):
+    config["vocab_size"] += 5
+    tensors["t2d"] = torch.cat([tensors["t2d"], torch.zeros(5, dtype=tensors["t2d"].dtype)])
+
+
+def _d2t_past_the_vocabulary(config, tensors):
+    tensors["d2t"][-1] += config["vocab_size"]
+
+
+def _d2t_past_the_vocabulary_no_t2d(config, tensors):
+    tensors["d2t"][-1] += config["vocab_size"]
+    del tensors["t2d"]
+
+
+def _aux_layers_past_the_depth(config, tensors):  # the project's ids [1, 3, 30] on a 7-layer target
+    config["eagle_aux_hidden_state_layer_ids"] = [2, 4, 31]
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 3, 30]
+
+
+def _no_fc(config, tensors):
+    del tensors["fc.weight"]
+
+
+@pytest.mark.parametrize("edit,says", [
+    (_other_vocabulary, "the draft's vocab_size 49157 is not the target's 49152"),
+    (_d2t_past_the_vocabulary, "model.safetensors: d2t maps draft id 63 to target id "),
+    (_d2t_past_the_vocabulary_no_t2d, "model.safetensors: d2t maps draft id 63 to target id "),
+    (_aux_layers_past_the_depth, "config.json: Eagle3Config.aux_layer_ids [1, 3, 30] exceed the target's 7 layers"),
+    (_no_fc, "model.safetensors: unknown tensors [], missing tensors ['fc.weight']"),
+])
+def test_a_draft_that_does_not_fit_the_target_is_one_line_in_eval(world, tmp_path, edit, says):
+    """eval.draft_path naming a draft of another vocabulary, one whose d2t points past the
+    target's vocabulary (with its t2d, or without: load_draft derived t2d from it, an IndexError),
+    one trained on aux layers the target does not have, one missing a tensor: one line naming the
+    draft's file and what differs, from the export check (eagleforge/export.py, which
+    `python -m eagleforge.export check` prints the same) before anything is loaded."""
+    from eagleforge.export import check_draft, read_target_config
+
+    draft = copy_run(world["refs"]["eval"] / "draft", tmp_path / "draft")
+    config, tensors = json.loads((draft / "config.json").read_text()), load_file(str(draft / "model.safetensors"))
+    edit(config, tensors)
+    (draft / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(tensors, str(draft / "model.safetensors"), metadata={"format": "pt"})
+    line = one_error_line(run_stage(world, "eval", tmp_path / "run", f"eval.draft_path={draft}"))
+    assert line.startswith(f"error: {draft}: ") and says in line and "not evaluated" in line, line
+    assert says in check_draft(draft, read_target_config(world["target"])).errors[0]
+    assert not (tmp_path / "run" / "eval").exists() or not any((tmp_path / "run" / "eval").iterdir())
