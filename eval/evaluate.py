@@ -245,14 +245,10 @@ def simulated_acceptance(run_dir: Path, k: int) -> tuple[float | None, list[floa
     None when there is no summary or no held-out evaluation (or k exceeds the TTT steps).
     """
     path = run_dir / "train_summary.json"
-    if not path.is_file():
+    summary = plots.read_train_summary(run_dir)  # {} without one, or with a warning for a damaged one
+    if not summary:
         return None, None
-    try:
-        summary = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        log.warning("%s: not valid JSON (%s); no simulated acceptance length", path, err.msg)
-        return None, None
-    heldout = summary.get("heldout") or {}
+    heldout = summary.get("heldout") if isinstance(summary.get("heldout"), dict) else {}
     accuracies = heldout.get("accuracy_per_step")
     if isinstance(accuracies, list) and len(accuracies) >= k:
         rates, running = [], 1.0
@@ -261,7 +257,7 @@ def simulated_acceptance(run_dir: Path, k: int) -> tuple[float | None, list[floa
             rates.append(running)
         return 1.0 + sum(rates), rates
     by_k = heldout.get("simulated_acceptance_length_by_k") or {}
-    if str(k) in by_k:
+    if isinstance(by_k, dict) and str(k) in by_k:
         return float(by_k[str(k)]), None
     value = summary.get("simulated_acceptance_length")
     if isinstance(value, (int, float)) and summary.get("simulated_acceptance_length_k", k) == k:

@@ -180,13 +180,27 @@ def acceptance_curve(train_log: str | Path, train_tokens: float | None, steps: i
     return curve
 
 
+def read_train_summary(run_dir: str | Path) -> dict:
+    """RUN/train_summary.json as a dict; {} when there is none, or with a warning naming it when
+    it is not a JSON object (damaged, or another file): the eval goes on without what it adds
+    (the simulated acceptance length, the curve's token axis)."""
+    from eagleforge.errors import UserInputError
+    from eagleforge.readers import read_json_object
+
+    path = Path(run_dir) / "train_summary.json"
+    if not path.is_file():
+        return {}
+    try:
+        return read_json_object(path, "the trainer's summary")
+    except UserInputError as err:
+        log.warning("%s; evaluating without it (no simulated acceptance length)", err)
+        return {}
+
+
 def write_acceptance_curve(run_dir: str | Path, k: int) -> Path | None:
     """RUN/eval/acceptance_curve.csv and .png from acceptance_curve(); None without a train log."""
-    import json
-
     run_dir = Path(run_dir)
-    summary_path = run_dir / "train_summary.json"
-    summary = json.loads(summary_path.read_text(encoding="utf-8")) if summary_path.is_file() else {}
+    summary = read_train_summary(run_dir)
     curve = acceptance_curve(run_dir / "train_log.csv", summary.get("train_tokens"), summary.get("steps"), k)
     if not curve:
         return None

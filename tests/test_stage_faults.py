@@ -498,3 +498,78 @@ def test_a_draft_that_does_not_fit_the_target_is_one_line_in_eval(world, tmp_pat
     assert line.startswith(f"error: {draft}: ") and says in line and "not evaluated" in line, line
     assert says in check_draft(draft, read_target_config(world["target"])).errors[0]
     assert not (tmp_path / "run" / "eval").exists() or not any((tmp_path / "run" / "eval").iterdir())
+
+
+# ----------------------------------------------------------------------------- 5. JSON of another kind
+
+
+def _rechecksum(checkpoint: Path) -> None:
+    """checksums.json rewritten to match the files (a user's edit that leaves the check silent)."""
+    listing = json.loads((checkpoint / "checksums.json").read_text())
+    for name in listing:
+        listing[name] = {"bytes": (checkpoint / name).stat().st_size, "sha256": soak.sha256(checkpoint / name)}
+    (checkpoint / "checksums.json").write_text(json.dumps(listing))
+
+
+@pytest.mark.parametrize("stage,name,value", [
+    ("data", "config.json", "[1, 2]"), ("extract", "config.json", '"llama"'), ("vocab", "config.json", "[]"),
+    ("train", "config.json", "[1, 2]"), ("eval", "config.json", "[1, 2]"),
+    ("data", "tokenizer_config.json", "[]"), ("eval", "generation_config.json", "[2]"),
+])
+def test_a_target_file_of_another_json_kind_is_one_line_naming_it(world, tmp_path, stage, name, value):
+    """The hf target's config.json (read by every stage: transformers, the vocab stage's tie
+    check, the trainer's draft sizes), tokenizer_config.json, generation_config.json holding a
+    list or a string: one line naming the file, before transformers reads it (TypeError, 'list'
+    object has no attribute 'get')."""
+    target = shutil.copytree(world["target"], tmp_path / "target")
+    (target / name).write_text(value)
+    before = {"data": None, "extract": "data", "vocab": "extract", "train": "vocab", "eval": "eval"}[stage]
+    run = tmp_path / "run"
+    if before is not None:
+        copy_run(world["refs"][before], run, without=("eval", "checkpoints", "train_log.csv", "draft") if stage != "eval" else ())
+    line = one_error_line(run_stage(world, stage, run, target=target))
+    assert line.startswith(f"error: {target / name}: expected a JSON object"), line
+
+
+@pytest.mark.parametrize("stage,rel,value", [
+    ("vocab", "hidden/manifest.json", "[]"),
+    ("train", "hidden/manifest.json", '"shards"'),
+    ("train", "checkpoints/step-000008/state.json", "[8]"),
+    ("train", "checkpoints/step-000008/draft_config.json", '"draft"'),
+    ("extract", "data/samples.jsonl", "[1, 2]"),
+    ("eval", "draft/config.json", "[1, 2]"),
+])
+def test_a_run_file_of_another_json_kind_is_one_line_naming_it(world, tmp_path, stage, rel, value):
+    """Files of the run holding a list or a string where an object is expected: the shard
+    manifest, a checkpoint's state.json and draft_config.json (checksums rewritten to match),
+    a samples.jsonl row, the export's config.json."""
+    before = {"vocab": "extract", "train": "train", "extract": "data", "eval": "eval"}[stage]
+    run = copy_run(world["refs"][before], tmp_path / "run", without=("vocab", "eval") if stage == "vocab" else ("eval",))
+    file = run / rel
+    if rel.endswith(".jsonl"):
+        rows = file.read_text().splitlines()
+        rows[1] = value
+        file.write_text("\n".join(rows) + "\n")
+    else:
+        file.write_text(value)
+    if rel.startswith("checkpoints/"):
+        _rechecksum(file.parent)
+        shutil.rmtree(run / "checkpoints" / "step-000006")  # the one to resume from
+        shutil.rmtree(run / "draft")
+    line = one_error_line(run_stage(world, stage, run))
+    where = f"{file} line 2" if rel.endswith(".jsonl") else str(file)
+    assert line.startswith(f"error: {where}: ") or line.startswith(f"error: {run / 'draft'}: {where}: "), line
+
+
+def test_a_training_summary_of_another_json_kind_is_named_and_the_eval_completes(world, tmp_path):
+    """RUN/train_summary.json holding a list: eval only reads it for the simulated acceptance
+    length and the curve's token axis, so it says so in a warning naming the file and writes its
+    results without them (before: AttributeError, 'list' object has no attribute 'get')."""
+    run = copy_run(world["refs"]["eval"], tmp_path / "run", without=("eval",))
+    (run / "train_summary.json").write_text("[1, 2]")
+    result = run_stage(world, "eval", run)
+    ok(result)
+    assert f"{run / 'train_summary.json'}: expected a JSON object (the trainer's summary), got a JSON list" in result.stderr
+    assert "Traceback" not in result.stderr
+    results = json.loads((run / "eval" / "results.json").read_text())
+    assert results["simulated_acceptance_length"] is None and results["acceptance_length"] >= 1
