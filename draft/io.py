@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from eagleforge.atomic import atomic_dir
 from eagleforge.draft.config import Eagle3Config
 from eagleforge.draft.model import Eagle3Draft
+from eagleforge.errors import bounded_repr, bounded_text
 from eagleforge.readers import open_safetensors, read_json_object
 
 log = logging.getLogger(__name__)
@@ -159,13 +160,13 @@ def check_draft_weights(f, config: Eagle3Config, weights: Path, config_path: Pat
     stored = {export_tensor_name(n): n for n in f.keys()}
     if len(stored) < len(f.keys()):
         twice = sorted(n for n in f.keys() if stored[export_tensor_name(n)] != n)
-        raise ValueError(f"{weights}: {twice} hold tensors that are also stored under the export's names")
+        raise ValueError(f"{weights}: {bounded_repr(twice)} hold tensors that are also stored under the export's names")
     specs = {**export_tensor_specs(config), EMBED_TENSOR: (lambda c: (c.vocab_size, c.hidden_size), None, False)}
     names = set(stored)
     _check_fc_norm(config, names, weights, config_path)
     unknown, missing = names - set(specs), {n for n, v in specs.items() if v[2]} - names
     if unknown or missing:
-        raise ValueError(f"{weights}: unknown tensors {sorted(unknown)}, missing tensors {sorted(missing)}")
+        raise ValueError(f"{weights}: unknown tensors {bounded_repr(sorted(unknown))}, missing tensors {sorted(missing)}")
     dtypes = {}
     for name in sorted(names):
         piece = f.get_slice(stored[name])
@@ -241,7 +242,7 @@ def _check_fc_norm(config: Eagle3Config, names: set[str], weights: Path, config_
     norms it was trained with), and with the key both engines need every one of them."""
     present = sorted(n for n in names if n.startswith("fc_norm."))
     if present and not config.fc_norm:
-        raise ValueError(f"{weights}: holds {present[0]} but {config_path} does not set \"fc_norm\": true "
+        raise ValueError(f"{weights}: holds {bounded_text(present[0])} but {config_path} does not set \"fc_norm\": true "
                          f"(an EAGLE-3.1 draft's config.json must; without it the norms are refused or ignored)")
     if config.fc_norm:
         lacking = [FC_NORM_TENSOR.format(i) for i in range(config.num_aux_layers) if FC_NORM_TENSOR.format(i) not in names]

@@ -23,6 +23,8 @@ from pathlib import Path
 from eagleforge.draft import engines
 from eagleforge.draft.config import Eagle3Config, flatten_speculators
 from eagleforge.draft.io import CONFIG_FILE, EMBED_TENSOR, FOREIGN_TENSOR_NAMES, check_draft_weights, read_draft_config
+from eagleforge.errors import bounded_text
+from eagleforge.failures import MAX_LINE_CHARS, one_line
 
 VLLM = "vLLM " + "/".join(engines.VLLM_VERSIONS)
 SGLANG = f"SGLang {engines.SGLANG_VERSION}"
@@ -37,8 +39,8 @@ class Report:
     def text(self) -> str:
         verdict = ("both engines read it as it was trained" if not self.errors
                    else f"{len(self.errors)} problem{'s' * (len(self.errors) > 1)}: an engine would not run it as it was trained")
-        return "\n".join([*self.lines, f"verdict: {verdict}", *(f"warning: {w}" for w in self.warnings),
-                          *(f"error: {e}" for e in self.errors)])
+        lines = [*self.lines, f"verdict: {verdict}", *(f"warning: {w}" for w in self.warnings), *(f"error: {e}" for e in self.errors)]
+        return "\n".join(bounded_text(line, MAX_LINE_CHARS) for line in lines)  # a crafted config's 20,000 ids: cut
 
 
 def read_target_config(path) -> dict:
@@ -276,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         target = read_target_config(args.target) if args.target else None
         report = check_draft(args.draft, target)
     except (OSError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {one_line(err)}", file=sys.stderr)
         return 2
     print(report.text())
     return 2 if report.errors else 0

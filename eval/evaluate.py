@@ -31,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 from eagleforge.atomic import write_json_atomic
-from eagleforge.config import Config, UserInputError, save_config
+from eagleforge.config import Config, UserInputError, bounded_text, save_config
 from eagleforge.eval import plots
 from eagleforge.eval.specdec import (
     Eagle3Drafter,
@@ -207,7 +207,7 @@ def check_engines(cfg: Config, draft_path: Path) -> None:
         log.warning("eval: %s", warning)
     if report.errors:
         more = f" (and {len(report.errors) - 1} more)" if len(report.errors) > 1 else ""
-        raise UserInputError(f"{draft_path}: {report.errors[0]}{more}; not evaluated "
+        raise UserInputError(f"{draft_path}: {bounded_text(report.errors[0], 1000)}{more}; not evaluated "
                              f"(python -m eagleforge.export check {draft_path} --target {where})")
 
 
