@@ -19,12 +19,13 @@ import logging
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagleforge.atomic import atomic_dir
 from eagleforge.draft.config import Eagle3Config
 from eagleforge.draft.model import Eagle3Draft
+from eagleforge.errors import bounded_repr, bounded_text
+from eagleforge.readers import open_safetensors, read_json_object
 
 log = logging.getLogger(__name__)
 
@@ -113,22 +114,89 @@ def save_draft(draft: Eagle3Draft, out_dir, dtype: torch.dtype = torch.bfloat16)
     return out_dir
 
 
-def _check_dtypes(tensors: dict[str, torch.Tensor], weights: Path) -> None:
-    """ValueError naming the file, the tensor and its dtype when the format does not allow it:
-    weights are floating point, d2t holds integer offsets, t2d booleans (or 0/1 integers). A cast
-    would turn an int8 fc.weight into a draft of other numbers without a word."""
-    for name, tensor in sorted(tensors.items()):
+# safetensors' dtype names as torch names them (what an error line shows)
+_TORCH_DTYPE_NAMES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
+                      "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16",
+                      "F32": "float32", "F64": "float64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+                      "F8_E8M0": "float8_e8m0fnu", "C64": "complex64"}
+
+
+def _check_dtypes(dtypes: dict[str, str], weights: Path) -> None:
+    """ValueError naming the file, the tensor and its dtype (`dtypes`: safetensors' names, from
+    the header) when the format does not allow it: weights are floating point, d2t holds integer
+    offsets, t2d booleans (or 0/1 integers). A cast would turn an int8 fc.weight into a draft of
+    other numbers without a word."""
+    for name, dtype in sorted(dtypes.items()):
+        floating, integer = dtype.startswith(("F", "BF")), dtype.startswith(("I", "U"))
         if name == "d2t":
-            allowed = not tensor.is_floating_point() and not tensor.is_complex() and tensor.dtype != torch.bool
-            wanted = "an integer dtype"
+            allowed, wanted = integer, "an integer dtype"
         elif name == "t2d":
-            allowed = not tensor.is_floating_point() and not tensor.is_complex()
-            wanted = "bool or an integer dtype"
+            allowed, wanted = integer or dtype == "BOOL", "bool or an integer dtype"
         else:
-            allowed = tensor.is_floating_point()
-            wanted = "a floating-point dtype"
+            allowed, wanted = floating, "a floating-point dtype"
         if not allowed:
-            raise ValueError(f"{weights}: {name} is {str(tensor.dtype).removeprefix('torch.')}, the format asks for {wanted}")
+            raise ValueError(f"{weights}: {name} is {_TORCH_DTYPE_NAMES.get(dtype, dtype.lower())}, the format asks for {wanted}")
+
+
+def read_draft_config(path) -> tuple[dict, Path, Path]:
+    """(config.json as a dict, its path, the weights' path) of the draft directory `path`:
+    FileNotFoundError for a missing file, a ValueError (UserInputError) naming config.json when it
+    is not a JSON object."""
+    path = Path(path)
+    config_path, weights = path / CONFIG_FILE, path / WEIGHTS_FILE
+    for file in (config_path, weights):
+        if not file.is_file():
+            raise FileNotFoundError(f"draft {path}: missing {file.name}")
+    return read_json_object(config_path, "a draft's config.json"), config_path, weights
+
+
+def check_draft_weights(f, config: Eagle3Config, weights: Path, config_path: Path) -> tuple[dict[str, str], torch.Tensor | None]:
+    """The draft's weights file, open as `f` (open_safetensors), against its `config`: the
+    tensors `config` asks for, each of the shape it implies and a dtype the format allows, no
+    other, and the vocabulary map (d2t, t2d: read, the only tensors read here). Returns
+    ({the export's name: the name stored}, the checked t2d, derived from d2t when the file has
+    none; None without d2t). A ValueError names the file and what differs. load_draft and the
+    export check (eagleforge/export.py, which eval runs first) both check a draft so."""
+    stored = {export_tensor_name(n): n for n in f.keys()}
+    if len(stored) < len(f.keys()):
+        twice = sorted(n for n in f.keys() if stored[export_tensor_name(n)] != n)
+        raise ValueError(f"{weights}: {bounded_repr(twice)} hold tensors that are also stored under the export's names")
+    specs = {**export_tensor_specs(config), EMBED_TENSOR: (lambda c: (c.vocab_size, c.hidden_size), None, False)}
+    names = set(stored)
+    _check_fc_norm(config, names, weights, config_path)
+    unknown, missing = names - set(specs), {n for n, v in specs.items() if v[2]} - names
+    if unknown or missing:
+        raise ValueError(f"{weights}: unknown tensors {bounded_repr(sorted(unknown))}, missing tensors {sorted(missing)}")
+    dtypes = {}
+    for name in sorted(names):
+        piece = f.get_slice(stored[name])
+        shape, implied = tuple(piece.get_shape()), tuple(specs[name][0](config))
+        if shape != implied:
+            raise ValueError(f"{weights}: {stored[name]} has shape {shape}, config.json implies {implied}")
+        dtypes[name] = piece.get_dtype()
+    _check_dtypes(dtypes, weights)
+    if "d2t" not in names:
+        if config.draft_vocab_size < config.vocab_size:
+            raise ValueError(f"{weights}: draft_vocab_size {config.draft_vocab_size} < vocab_size {config.vocab_size} but no d2t")
+        return stored, None
+    d2t = f.get_tensor(stored["d2t"]).long()
+    target_ids = torch.arange(config.draft_vocab_size) + d2t
+    outside = ((target_ids < 0) | (target_ids >= config.vocab_size)).nonzero().flatten()
+    if len(outside):
+        i = int(outside[0])
+        raise ValueError(f"{weights}: d2t maps draft id {i} to target id {int(target_ids[i])}, outside the vocabulary of "
+                         f"{config.vocab_size} (vocab_size of {config_path}){f' (and {len(outside) - 1} more)' if len(outside) > 1 else ''}")
+    if "t2d" in names:
+        t2d = f.get_tensor(stored["t2d"])
+        if (t2d.dtype != torch.bool and not ((t2d == 0) | (t2d == 1)).all()) or not t2d.bool()[target_ids].all() \
+                or int(t2d.bool().sum()) != config.draft_vocab_size:
+            raise ValueError(f"{weights}: d2t and t2d disagree (d2t must map onto exactly the ids where t2d is true)")
+        return stored, t2d.bool()
+    t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+    t2d[target_ids] = True
+    if int(t2d.sum()) != config.draft_vocab_size:
+        raise ValueError(f"{weights}: d2t maps two draft ids to one target id")
+    return stored, t2d
 
 
 def load_draft(path, embed_tokens: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
@@ -138,51 +206,22 @@ def load_draft(path, embed_tokens: torch.Tensor | None = None, dtype: torch.dtyp
     embed_tokens: the target's input embedding, a [V, H] tensor or an nn.Embedding; None leaves
     the draft's embed_tokens random (attach it later with draft.set_embed_tokens) unless the
     draft holds its own. target_num_layers: the target's depth, needed only for a config.json
-    that names no aux layers (the engines then capture the target's defaults).
+    that names no aux layers (the engines then capture the target's defaults). What does not fit
+    is a ValueError naming the file (check_draft_weights).
     """
     path = Path(path)
-    config_path, weights = path / CONFIG_FILE, path / WEIGHTS_FILE
-    for file in (config_path, weights):
-        if not file.is_file():
-            raise FileNotFoundError(f"draft export {path}: missing {file.name}")
-    try:
-        hf = json.loads(config_path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{config_path}: not valid JSON ({err})") from None
+    hf, config_path, weights = read_draft_config(path)
     config = Eagle3Config.from_hf_dict(hf, source=str(config_path), target_num_layers=target_num_layers)
-    specs = {**export_tensor_specs(config), EMBED_TENSOR: (lambda c: (c.vocab_size, c.hidden_size), None, False)}
-    with safe_open(str(weights), framework="pt") as f:
-        stored = {export_tensor_name(n): n for n in f.keys()}
-        if len(stored) < len(f.keys()):
-            twice = sorted(n for n in f.keys() if stored[export_tensor_name(n)] != n)
-            raise ValueError(f"{weights}: {twice} hold tensors that are also stored under the export's names")
-        names = set(stored)
-        _check_fc_norm(config, names, weights, config_path)
-        unknown, missing = names - set(specs), {n for n, v in specs.items() if v[2]} - names
-        if unknown or missing:
-            raise ValueError(f"{weights}: unknown tensors {sorted(unknown)}, missing tensors {sorted(missing)}")
-        tensors = {name: f.get_tensor(stored[name]) for name in names}
-    for name, tensor in tensors.items():
-        shape = tuple(specs[name][0](config))
-        if tuple(tensor.shape) != shape:
-            raise ValueError(f"{weights}: {stored[name]} has shape {tuple(tensor.shape)}, config.json implies {shape}")
-    _check_dtypes(tensors, weights)
+    with open_safetensors(weights) as f:  # a crafted or cut header: a ValueError naming the file
+        stored, t2d = check_draft_weights(f, config, weights, config_path)
+        tensors = {name: f.get_tensor(stored[name]) for name in stored if name not in ("d2t", "t2d")}
+        d2t = f.get_tensor(stored["d2t"]) if "d2t" in stored else None
     draft = Eagle3Draft(config)
     own_embed = tensors.pop(EMBED_TENSOR, None)
-    params = {n: t for n, t in tensors.items() if n not in ("d2t", "t2d")}
-    result = draft.load_state_dict(params, strict=False)
+    result = draft.load_state_dict(tensors, strict=False)
     assert set(result.missing_keys) <= {"embed_tokens.weight", "d2t", "t2d"}, f"not loaded: {result.missing_keys}"
-    if "d2t" in tensors:
-        t2d = tensors.get("t2d")
-        if t2d is None:
-            t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
-            t2d[torch.arange(config.draft_vocab_size) + tensors["d2t"].long()] = True
-        try:
-            draft.set_vocab_map(tensors["d2t"], t2d)
-        except ValueError as err:
-            raise ValueError(f"{weights}: {err}") from None
-    elif config.draft_vocab_size < config.vocab_size:
-        raise ValueError(f"{weights}: draft_vocab_size {config.draft_vocab_size} < vocab_size {config.vocab_size} but no d2t")
+    if d2t is not None:
+        draft.set_vocab_map(d2t, t2d)
     if embed_tokens is not None:
         weight = getattr(embed_tokens, "weight", embed_tokens)  # nn.Embedding or its weight
         weight = weight.detach().to("cpu", torch.float32)
@@ -203,7 +242,7 @@ def _check_fc_norm(config: Eagle3Config, names: set[str], weights: Path, config_
     norms it was trained with), and with the key both engines need every one of them."""
     present = sorted(n for n in names if n.startswith("fc_norm."))
     if present and not config.fc_norm:
-        raise ValueError(f"{weights}: holds {present[0]} but {config_path} does not set \"fc_norm\": true "
+        raise ValueError(f"{weights}: holds {bounded_text(present[0])} but {config_path} does not set \"fc_norm\": true "
                          f"(an EAGLE-3.1 draft's config.json must; without it the norms are refused or ignored)")
     if config.fc_norm:
         lacking = [FC_NORM_TENSOR.format(i) for i in range(config.num_aux_layers) if FC_NORM_TENSOR.format(i) not in names]

@@ -13,7 +13,12 @@ host and never touch a live writer's or another host's.
     with atomic_dir(run / "draft") as tmp:                 # a whole directory, swapped in at once
         save_file(weights, str(tmp / "model.safetensors"))
 
-Plain standard library, so the draft library uses it too.
+A write that fails for lack of room (ENOSPC, EDQUOT, EFBIG; safetensors' "os error 28") is
+one project error naming the path and that the disk is full (`disk_full_error`), the old file
+left as it was and nothing partial under its name: `atomic_path`, `atomic_dir` and
+`append_durably` turn it into that line themselves.
+
+Plain standard library (and eagleforge.errors), so the draft library uses it too.
 """
 
 from __future__ import annotations
@@ -28,6 +33,51 @@ import shutil
 import socket
 from pathlib import Path
 from typing import Iterable, Iterator
+
+from eagleforge.errors import UserInputError
+
+# A write that fails for lack of room: one line naming the file, not a traceback.
+DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)}
+_OS_ERROR_RE = re.compile(r"os error (\d+)")
+
+
+def disk_full_errno(err: BaseException) -> int | None:
+    """The errno of a write that failed for lack of room (ENOSPC, EFBIG, EDQUOT), else None:
+    an OSError's, safetensors' SafetensorError("... (os error 28)") (its Rust writer raises no
+    OSError), or the one a `disk_full_error` line records."""
+    code = getattr(err, "disk_full_errno", None)
+    if code is None and isinstance(err, OSError):
+        code = err.errno
+    if code is None and type(err).__name__ == "SafetensorError":
+        match = _OS_ERROR_RE.search(str(err))
+        code = int(match.group(1)) if match else None
+    return code if code in DISK_FULL_ERRNOS else None
+
+
+def _free_bytes(path: Path) -> int | None:
+    """Free bytes on the file system holding `path` (its nearest existing parent)."""
+    for folder in (path, *path.parents):
+        if folder.exists():
+            return shutil.disk_usage(folder).free
+    return None
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
+
+
+def disk_full_error(path: str | os.PathLike, code: int, kept: str = "nothing partial was kept") -> UserInputError:
+    """One line (a UserInputError) for a write to `path` that failed for lack of
+    room: the errno, the free space there, and `kept` (what the failed write left behind)."""
+    path = Path(path)
+    free = _free_bytes(path)
+    room = "" if free is None else f", {_size(free)} free there"
+    err = UserInputError(
+        f"{path}: cannot write, {os.strerror(code).lower()} (errno {errno.errorcode.get(code, code)}: "
+        f"no space left / file too large{room}); {kept}, free space and rerun to resume"
+    )
+    err.disk_full_errno = code
+    return err
 
 
 def fsync_dir(path: Path) -> None:
@@ -52,22 +102,62 @@ def remove_path(path: Path) -> None:
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yields `.tmp-<name>-<tag>/<name>` beside `path`, in a directory of its own; on a clean exit
     fsyncs it and renames it over `path`; on any error (disk full, Ctrl-C) removes it and
-    re-raises, leaving `path` as it was. The directory holds whatever the writer makes beside its
+    re-raises (a full disk as `disk_full_error` naming `path`), leaving `path` as it was. The directory holds whatever the writer makes beside its
     file too (safetensors' save_file writes a randomly named `.tmpXXXXXX` and renames it), so a
     kill leaves one name that `sweep_leftovers` knows."""
     path = Path(path)
     scratch = path.with_name(f".tmp-{path.name}-{_owner_tag()}")
     remove_path(scratch)  # this process's own, from a killed process whose pid it now has
-    scratch.mkdir()
-    tmp = scratch / path.name
     try:
-        yield tmp
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        scratch.mkdir()
+        tmp = scratch / path.name
+        try:
+            yield tmp
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)  # what a kill leaves before this is swept later
+        fsync_dir(path.parent)
+    except Exception as err:  # noqa: BLE001 - a full disk becomes one line, anything else passes as it is
+        code = disk_full_errno(err)
+        if code is None or getattr(err, "disk_full_errno", None) is not None:
+            raise
+        raise disk_full_error(path, code) from err
+
+
+def probe_write(folder: str | os.PathLike) -> None:
+    """Create and remove an empty file in `folder`, under a temporary name `sweep_leftovers`
+    knows: an OSError (read-only file system, no permission, not a directory) says the folder
+    cannot be written before any work is done for it."""
+    probe = Path(folder) / f".tmp-write-check-{_owner_tag()}"
+    os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+    os.unlink(probe)
+
+
+def append_durably(path: str | os.PathLike, data: bytes, kept: str = "the file is as it was before this write") -> None:
+    """Append `data` to `path` and fsync it. A write that fails (a full disk: part of `data` may
+    have landed) cuts the file back to its size before, so it never ends in a torn piece; a full
+    disk is re-raised as `disk_full_error` naming `path`, saying `kept`."""
+    path = Path(path)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:  # unbuffered: nothing is left to be flushed after a cut
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except BaseException as err:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)  # frees what landed, so it cannot fail for room
+                os.fsync(fd)
+            code = disk_full_errno(err) if isinstance(err, Exception) else None
+            if code is None:
+                raise
+            raise disk_full_error(path, code, kept) from err
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)  # what a kill leaves before this is swept later
-    fsync_dir(path.parent)
+        os.close(fd)
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
@@ -208,16 +298,23 @@ def sweep_leftovers(folder: str | os.PathLike, depth: int = 2) -> None:
 @contextlib.contextmanager
 def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     """Yields an empty `.tmp-<name>-<tag>` beside `path` (two processes never share one); on a
-    clean exit swaps it in (replace_dir); on any error removes it, leaving `path` as it was. What
+    clean exit swaps it in (replace_dir); on any error removes it, leaving `path` as it was (a
+    full disk is re-raised as `disk_full_error` naming `path`). What
     a killed earlier writer on this host left is cleared first (clear_leftovers)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     clear_leftovers(path)
     tmp = path.with_name(f".tmp-{path.name}-{_owner_tag()}")
-    tmp.mkdir()
     try:
-        yield tmp
-        replace_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        tmp.mkdir()
+        try:
+            yield tmp
+            replace_dir(tmp, path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    except Exception as err:  # noqa: BLE001 - a full disk becomes one line, anything else passes as it is
+        code = disk_full_errno(err)
+        if code is None or getattr(err, "disk_full_errno", None) is not None:
+            raise
+        raise disk_full_error(path, code) from err

@@ -16,14 +16,15 @@ the same check first (eval/evaluate.py).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagleforge.draft import engines
 from eagleforge.draft.config import Eagle3Config, flatten_speculators
-from eagleforge.draft.io import CONFIG_FILE, EMBED_TENSOR, FOREIGN_TENSOR_NAMES, WEIGHTS_FILE
+from eagleforge.draft.io import CONFIG_FILE, EMBED_TENSOR, FOREIGN_TENSOR_NAMES, check_draft_weights, read_draft_config
+from eagleforge.errors import bounded_text
+from eagleforge.failures import MAX_LINE_CHARS, one_line
 
 VLLM = "vLLM " + "/".join(engines.VLLM_VERSIONS)
 SGLANG = f"SGLang {engines.SGLANG_VERSION}"
@@ -38,23 +39,19 @@ class Report:
     def text(self) -> str:
         verdict = ("both engines read it as it was trained" if not self.errors
                    else f"{len(self.errors)} problem{'s' * (len(self.errors) > 1)}: an engine would not run it as it was trained")
-        return "\n".join([*self.lines, f"verdict: {verdict}", *(f"warning: {w}" for w in self.warnings),
-                          *(f"error: {e}" for e in self.errors)])
+        lines = [*self.lines, f"verdict: {verdict}", *(f"warning: {w}" for w in self.warnings), *(f"error: {e}" for e in self.errors)]
+        return "\n".join(bounded_text(line, MAX_LINE_CHARS) for line in lines)  # a crafted config's 20,000 ids: cut
 
 
 def read_target_config(path) -> dict:
     """A target's config.json (a directory holding one, or the file) as a dict."""
+    from eagleforge.readers import read_json_object
+
     path = Path(path)
     file = path / CONFIG_FILE if path.is_dir() else path
     if not file.is_file():
         raise FileNotFoundError(f"--target {path}: no {CONFIG_FILE} there")
-    try:
-        config = json.loads(file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{file}: not valid JSON ({err})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{file}: expected a JSON object")
-    return config
+    return read_json_object(file, "a model's config.json")
 
 
 def _rope(config: dict) -> tuple[str, float | None, dict]:
@@ -74,9 +71,9 @@ def _default_depth(aux: list[int]) -> int | None:
 
 
 def _tensors(weights: Path) -> dict[str, list[int]]:
-    from safetensors import safe_open
+    from eagleforge.readers import open_safetensors
 
-    with safe_open(str(weights), framework="pt") as f:
+    with open_safetensors(weights) as f:
         return {name: list(f.get_slice(name).get_shape()) for name in f.keys()}
 
 
@@ -85,16 +82,10 @@ def check_draft(draft_dir, target: dict | None = None) -> Report:
     target config.json `target` (None: unknown)."""
     draft_dir = Path(draft_dir)
     report = Report()
-    config_path, weights = draft_dir / CONFIG_FILE, draft_dir / WEIGHTS_FILE
-    for file in (config_path, weights):
-        if not file.is_file():
-            raise FileNotFoundError(f"draft {draft_dir}: missing {file.name}")
-    try:
-        raw = json.loads(config_path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{config_path}: not valid JSON ({err})") from None
+    raw, config_path, weights = read_draft_config(draft_dir)
     shapes = _tensors(weights)
     text = (target.get("text_config") or target) if target else {}
+    text = text if isinstance(text, dict) else {}  # a text_config that is not an object: sizes unknown
     arch = (target.get("architectures") or [""])[0] if target else ""
     depth = int(text.get("num_hidden_layers") or 0) or None
 
@@ -123,6 +114,7 @@ def check_draft(draft_dir, target: dict | None = None) -> Report:
     _check_aux_layers(report, hf, raw, config, arch if target else None, depth, speculators)
     if config is not None:
         _check_sizes(report, config, shapes, text, hf)
+        _check_weights(report, config, weights, config_path)
         _check_rope(report, hf, config, text)
         _check_norms(report, hf, raw, config, shapes, speculators)
     return report
@@ -205,6 +197,19 @@ def _check_aux_layers(report: Report, hf: dict, raw: dict, config, arch: str | N
         report.warnings.append(f"{SGLANG} reads eagle_config {ids} as other layers on {wrong}: give --target to check")
 
 
+def _check_weights(report: Report, config, weights: Path, config_path: Path) -> None:
+    """The weights against config.json as load_draft checks them (tensors, shapes, dtypes, the
+    vocabulary map: draft/io.py check_draft_weights): an engine would refuse the file or run
+    other numbers."""
+    from eagleforge.readers import open_safetensors
+
+    try:
+        with open_safetensors(weights) as f:
+            check_draft_weights(f, config, weights, config_path)
+    except ValueError as err:
+        report.errors.append(str(err))
+
+
 def _check_sizes(report: Report, config, shapes: dict, text: dict, hf: dict) -> None:
     c = config
     names = set(shapes)
@@ -273,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         target = read_target_config(args.target) if args.target else None
         report = check_draft(args.draft, target)
     except (OSError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {one_line(err)}", file=sys.stderr)
         return 2
     print(report.text())
     return 2 if report.errors else 0

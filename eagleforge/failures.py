@@ -58,10 +58,18 @@ WATCH_SECONDS = 0.5  # how often a rank looks for another rank's posted error
 STOP_GRACE_SECONDS = 5.0
 
 
+# The longest error line printed: a message built from a crafted file (a config.json naming 20,000
+# aux layers) is cut there, with the count of what was cut; it starts with the file it names.
+MAX_LINE_CHARS = 2000
+
+
 def one_line(err: BaseException) -> str:
-    """The error's message on one line (a message of several lines is joined with spaces)."""
+    """The error's message on one line (a message of several lines is joined with spaces), at most
+    MAX_LINE_CHARS characters and a count of the rest."""
+    from eagleforge.errors import bounded_text
+
     parts = [part.strip() for part in str(err).splitlines() if part.strip()]
-    return " ".join(parts) or type(err).__name__
+    return bounded_text(" ".join(parts), MAX_LINE_CHARS) or type(err).__name__
 
 
 def out_of_memory(stage: str, key: str, value: int, planned_bytes: float | None, device=None) -> Exception:

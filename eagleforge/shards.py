@@ -62,22 +62,21 @@ make a reader or writer touch a file outside its directory.
 from __future__ import annotations
 
 import bisect
-import errno
 import hashlib
 import json
 import logging
 import os
 import re
-import shutil
 import threading
 from pathlib import Path
 from typing import Any, Iterable
 
 import torch
 
-from eagleforge.atomic import atomic_path, write_json_atomic
+from eagleforge.atomic import atomic_path, disk_full_errno, disk_full_error, write_json_atomic
 from eagleforge.config import check_model_sizes
 from eagleforge.errors import UserInputError
+from eagleforge.readers import open_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -101,9 +100,6 @@ _SHARD_FILE_RE = re.compile(r"^shard-(?:g\d+-)?\d+\.safetensors$")
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 SCALE_SUFFIX = "_scale"  # fp8 storage: aux_hidden_states_scale, last_hidden_state_scale
-# A write that fails for lack of room: a clear error naming the file, not a traceback.
-_DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)}
-_OS_ERROR_RE = re.compile(r"os error (\d+)")
 MAX_OPEN_SHARDS = 64  # per reader and process
 
 
@@ -137,37 +133,6 @@ def _umask() -> int:
     return mask
 
 
-
-
-def disk_full_errno(err: BaseException) -> int | None:
-    """The errno of a write that failed for lack of room (ENOSPC, EFBIG, EDQUOT), else None.
-
-    safetensors' Rust writer raises SafetensorError("... (os error 28)") instead of OSError.
-    """
-    code = err.errno if isinstance(err, OSError) else None
-    if code is None and type(err).__name__ == "SafetensorError":
-        match = _OS_ERROR_RE.search(str(err))
-        code = int(match.group(1)) if match else None
-    return code if code in _DISK_FULL_ERRNOS else None
-
-
-def _free_bytes(path: Path) -> int | None:
-    """Free bytes on the file system holding `path` (its nearest existing parent)."""
-    for folder in (path, *path.parents):
-        if folder.exists():
-            return shutil.disk_usage(folder).free
-    return None
-
-
-def disk_full_error(path: Path, code: int, kept: str = "nothing partial was kept") -> UserInputError:
-    """One line for a write to `path` that failed for lack of room: the errno, the free space
-    there, and `kept` (what the failed write left behind)."""
-    free = _free_bytes(path)
-    room = "" if free is None else f", {free / 2**30:.2f} GiB free there"
-    return UserInputError(
-        f"{path}: cannot write, {os.strerror(code).lower()} (errno {errno.errorcode.get(code, code)}: "
-        f"no space left / file too large{room}); {kept}, free space and rerun to resume"
-    )
 
 
 def _write_json_atomic(path: Path, data: dict) -> None:
@@ -556,19 +521,16 @@ class ShardReader:
             return self._open(shard)
 
     def _open(self, shard: int):
-        from safetensors import safe_open
-
         if os.getpid() != self._pid:  # forked worker: do not share the parent's mmaps
             self._handles, self._pid = {}, os.getpid()
         if shard not in self._handles:
             if len(self._handles) >= MAX_OPEN_SHARDS:  # bound open files and mappings: drop the oldest
                 self._handles.pop(next(iter(self._handles)))
             path = self.hidden_dir / self.shards[shard]["file"]
-            try:
-                self._handles[shard] = safe_open(str(path), framework="pt")
-            except Exception as err:  # SafetensorError: a damaged header that kept the file's size
-                raise UserInputError(f"{path}: not a readable safetensors file ({str(err)[:200]}); "
-                                     f"verify with train.verify_checksums=true") from None
+            try:  # a damaged header that kept the file's size: named, before safetensors reads it
+                self._handles[shard] = open_safetensors(path)
+            except UserInputError as err:
+                raise UserInputError(f"{err}; verify with train.verify_checksums=true") from None
         return self._handles[shard]
 
     def _shard_offsets(self, shard: int) -> list[int]:

@@ -25,7 +25,6 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
@@ -33,6 +32,7 @@ from eagleforge.atomic import atomic_path
 from eagleforge.cli import run_main
 from eagleforge.config import Config, save_config
 from eagleforge.errors import UserInputError
+from eagleforge.readers import open_safetensors, read_json_object
 
 log = logging.getLogger(__name__)
 
@@ -101,11 +101,13 @@ def _tensor_index(target_dir: Path) -> dict[str, Path]:
     """Tensor name -> safetensors file of an HF checkpoint directory."""
     index = target_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+        weight_map = read_json_object(index, "a safetensors index").get("weight_map", {})
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise UserInputError(f"{index}: weight_map is not a mapping of tensor names to file names")
         return {name: target_dir / file for name, file in weight_map.items()}
     names: dict[str, Path] = {}
     for file in sorted(target_dir.glob("*.safetensors")):
-        with safe_open(file, framework="pt") as f:
+        with open_safetensors(file) as f:
             names.update({name: file for name in f.keys()})
     return names
 
@@ -114,13 +116,17 @@ def _tied(target_dir: Path) -> bool:
     config_file = target_dir / "config.json"
     if not config_file.is_file():
         return False
-    config = json.loads(config_file.read_text(encoding="utf-8"))
+    config = read_json_object(config_file, "a model's config.json")
     text = config.get("text_config") or {}
+    if not isinstance(text, dict):
+        raise UserInputError(f"{config_file}: text_config is not a JSON object")
     return bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
 
 
 def _read(index: dict[str, Path], name: str) -> torch.Tensor:
-    with safe_open(index[name], framework="pt") as f:
+    with open_safetensors(index[name]) as f:
+        if name not in f.keys():
+            raise UserInputError(f"{index[name]}: no tensor {name} (the index names this file for it)")
         return f.get_tensor(name)
 
 
@@ -164,7 +170,7 @@ def _head_from_model(target_cfg) -> tuple[torch.Tensor, torch.Tensor]:
 def _identity(manifest_file: Path, cfg: Config) -> str:
     """sha256 over what the outputs depend on: the shards (names, sizes, checksums), the
     holdout, Vd and the target."""
-    manifest = json.loads(manifest_file.read_text(encoding="utf-8"))
+    manifest = read_json_object(manifest_file, "a shard manifest")
     key = {
         "shards": manifest.get("shards"),
         "target": manifest.get("target"),
@@ -219,7 +225,11 @@ def _read_checked(path: Path, names: tuple[str, ...]) -> tuple[dict[str, torch.T
     """(tensors, metadata) of a vocabulary file, or a UserInputError naming it: not readable as
     safetensors, a tensor missing, or its tensors' sha256 not the one recorded at writing."""
     try:
-        with safe_open(str(path), framework="pt") as f:
+        handle = open_safetensors(path)
+    except UserInputError as err:
+        raise UserInputError(f"{err}; rerun the vocab stage") from None
+    try:
+        with handle as f:
             metadata = f.metadata() or {}
             missing = [n for n in names if n not in f.keys()]
             if missing:
@@ -301,7 +311,7 @@ def vocab_fingerprint(run_dir: str | os.PathLike) -> str:
     digest = hashlib.sha256()
     for name in (VOCAB_MAP, TARGET_HEAD):
         path = Path(run_dir) / "vocab" / name
-        with safe_open(str(path), framework="pt") as f:
+        with open_safetensors(path) as f:
             recorded = (f.metadata() or {}).get("sha256")
         digest.update(f"{name}:{recorded or tensors_sha256(_read_checked(path, _NAMES[name])[0])}\n".encode())
     return digest.hexdigest()
@@ -423,7 +433,7 @@ def _training_tokens(reader, n_train: int):
     for entry in tqdm(reader.shards, desc="counting tokens", unit="shard", mininterval=2):
         if first >= n_train:
             break
-        with safe_open(str(reader.hidden_dir / entry["file"]), framework="pt") as f:
+        with open_safetensors(reader.hidden_dir / entry["file"]) as f:
             offsets = f.get_tensor("sample_offsets")  # [S+1]
             end = int(offsets[min(entry["samples"], n_train - first)])
             yield f.get_slice("input_ids")[:end], f.get_slice("loss_mask")[:end]

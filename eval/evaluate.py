@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from eagleforge.atomic import write_json_atomic
 from eagleforge.config import Config, save_config
-from eagleforge.errors import UserInputError
+from eagleforge.errors import UserInputError, bounded_text
 from eagleforge.eval import plots
 from eagleforge.eval.specdec import (
     Eagle3Drafter,
@@ -208,7 +208,7 @@ def check_engines(cfg: Config, draft_path: Path) -> None:
         log.warning("eval: %s", warning)
     if report.errors:
         more = f" (and {len(report.errors) - 1} more)" if len(report.errors) > 1 else ""
-        raise UserInputError(f"{draft_path}: {report.errors[0]}{more}; not evaluated "
+        raise UserInputError(f"{draft_path}: {bounded_text(report.errors[0], 1000)}{more}; not evaluated "
                              f"(python -m eagleforge.export check {draft_path} --target {where})")
 
 
@@ -221,8 +221,11 @@ def load_eval_draft(path: Path, target):
 
     param = next(target.parameters())
     layers = int(getattr(text_config(target.config), "num_hidden_layers", 0) or 0)  # a config naming no aux layers
-    draft = load_draft(path, embed_tokens=target.get_input_embeddings(), dtype=param.dtype, device=param.device,
-                       target_num_layers=layers)
+    try:  # what check_engines's export check has not refused already: one line naming the file
+        draft = load_draft(path, embed_tokens=target.get_input_embeddings(), dtype=param.dtype, device=param.device,
+                           target_num_layers=layers)
+    except ValueError as err:
+        raise UserInputError(str(err)) from None
     # A NaN/Inf weight makes every proposal garbage (NaN logits argmax to id 0) and the measured
     # acceptance meaningless: refuse the draft instead of reporting it.
     bad = draft.nonfinite_tensors()
@@ -243,14 +246,10 @@ def simulated_acceptance(run_dir: Path, k: int) -> tuple[float | None, list[floa
     None when there is no summary or no held-out evaluation (or k exceeds the TTT steps).
     """
     path = run_dir / "train_summary.json"
-    if not path.is_file():
+    summary = plots.read_train_summary(run_dir)  # {} without one, or with a warning for a damaged one
+    if not summary:
         return None, None
-    try:
-        summary = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        log.warning("%s: not valid JSON (%s); no simulated acceptance length", path, err.msg)
-        return None, None
-    heldout = summary.get("heldout") or {}
+    heldout = summary.get("heldout") if isinstance(summary.get("heldout"), dict) else {}
     accuracies = heldout.get("accuracy_per_step")
     if isinstance(accuracies, list) and len(accuracies) >= k:
         rates, running = [], 1.0
@@ -259,7 +258,7 @@ def simulated_acceptance(run_dir: Path, k: int) -> tuple[float | None, list[floa
             rates.append(running)
         return 1.0 + sum(rates), rates
     by_k = heldout.get("simulated_acceptance_length_by_k") or {}
-    if str(k) in by_k:
+    if isinstance(by_k, dict) and str(k) in by_k:
         return float(by_k[str(k)]), None
     value = summary.get("simulated_acceptance_length")
     if isinstance(value, (int, float)) and summary.get("simulated_acceptance_length_k", k) == k:
@@ -428,7 +427,7 @@ def _ngram_key(cfg: Config, target, prompts: list[dict], eos_ids) -> str:
     import transformers
 
     from eagleforge.eval import specdec
-    from eagleforge.target import loading as target_module
+    from eagleforge.target.loading import loading as target_module
     from eagleforge.target.loading import target_path
 
     root = Path(target_path(cfg.target))

@@ -1,16 +1,19 @@
 """PNG plots of the evaluation: acceptance per draft position, and the training curves.
 
-matplotlib with the Agg backend (no display); each function writes one PNG and returns its
-path, or None when there is nothing to draw (no train log yet).
+matplotlib with the Agg backend (no display); each function writes one PNG (whole or not at all:
+eagleforge.atomic) and returns its path, or None when there is nothing to draw (no train log yet).
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import logging
 import math
 import re
 from pathlib import Path
+
+from eagleforge.atomic import atomic_path, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +25,18 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def _save(fig, path: Path) -> None:
+    """Write `fig` as the PNG `path` whole or not at all (a full disk is one line naming it), and
+    close it."""
+    plt = _pyplot()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=110)
+    finally:
+        plt.close(fig)
 
 
 def plot_per_position(results: dict, path: str | Path) -> Path:
@@ -54,9 +69,7 @@ def plot_per_position(results: dict, path: str | Path) -> Path:
     ax.legend()
     ax.set_title(f"k={results.get('k')}, {results.get('n_prompts')} prompts, {results.get('max_new_tokens')} new tokens")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
     return path
 
 
@@ -121,9 +134,7 @@ def plot_training_curves(train_log: str | Path, path: str | Path) -> Path | None
             ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
     return path
 
 
@@ -169,22 +180,37 @@ def acceptance_curve(train_log: str | Path, train_tokens: float | None, steps: i
     return curve
 
 
+def read_train_summary(run_dir: str | Path) -> dict:
+    """RUN/train_summary.json as a dict; {} when there is none, or with a warning naming it when
+    it is not a JSON object (damaged, or another file): the eval goes on without what it adds
+    (the simulated acceptance length, the curve's token axis)."""
+    from eagleforge.errors import UserInputError
+    from eagleforge.readers import read_json_object
+
+    path = Path(run_dir) / "train_summary.json"
+    if not path.is_file():
+        return {}
+    try:
+        return read_json_object(path, "the trainer's summary")
+    except UserInputError as err:
+        log.warning("%s; evaluating without it (no simulated acceptance length)", err)
+        return {}
+
+
 def write_acceptance_curve(run_dir: str | Path, k: int) -> Path | None:
     """RUN/eval/acceptance_curve.csv and .png from acceptance_curve(); None without a train log."""
-    import json
-
     run_dir = Path(run_dir)
-    summary_path = run_dir / "train_summary.json"
-    summary = json.loads(summary_path.read_text(encoding="utf-8")) if summary_path.is_file() else {}
+    summary = read_train_summary(run_dir)
     curve = acceptance_curve(run_dir / "train_log.csv", summary.get("train_tokens"), summary.get("steps"), k)
     if not curve:
         return None
     out = run_dir / "eval" / "acceptance_curve.csv"
     out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=list(curve[0]))
-        writer.writeheader()
-        writer.writerows(curve)
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=list(curve[0]))
+    writer.writeheader()
+    writer.writerows(curve)
+    write_text_atomic(out, text.getvalue())
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     xs = [row["training_tokens"] if row["training_tokens"] is not None else row["step"] for row in curve]
@@ -195,8 +221,7 @@ def write_acceptance_curve(run_dir: str | Path, k: int) -> Path | None:
     ax.set_ylabel(f"simulated acceptance length, k={k} (train batches)")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"), dpi=110)
-    plt.close(fig)
+    _save(fig, out.with_suffix(".png"))
     return out
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from eagleforge.config import Config
 from eagleforge.errors import UserInputError
+from eagleforge.readers import read_json_object
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ def stop_ids_of(target_dir: Path, tokenizer) -> list[int]:
     path = Path(target_dir) / "generation_config.json"
     ids = None
     if path.is_file():
-        ids = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+        ids = read_json_object(path, "a generation config").get("eos_token_id")
     if ids is None:
         ids = tokenizer.eos_token_id
     if ids is None:

@@ -161,6 +161,13 @@ def test_one_line_joins_a_message_of_several_lines():
     assert failures.one_line(ValueError("")) == "ValueError"
 
 
+def test_one_line_is_bounded_whatever_the_message():
+    message = "config.json: ids " + "1, " * 100_000  # joined without its trailing space
+    line = failures.one_line(ValueError(message))
+    assert len(line) < failures.MAX_LINE_CHARS + 40 and line.startswith("config.json: ids 1, 1, ")
+    assert line.endswith(f"... ({len(message.strip()) - failures.MAX_LINE_CHARS} more characters)")
+
+
 # ---------------------------------------------------------------------------- a leader's failure stops every group
 
 RANK_WITH_FAULTS = """

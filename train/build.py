@@ -9,7 +9,7 @@ import torch
 
 from eagleforge.config import Config, check_model_sizes
 from eagleforge.errors import UserInputError
-from eagleforge.target.loading import target_path
+from eagleforge.target.loading import check_target_files, target_path
 
 
 def target_hf_config(cfg: Config, manifest: dict):
@@ -22,6 +22,8 @@ def target_hf_config(cfg: Config, manifest: dict):
 
     path = target_path(cfg.target)
     kwargs = {"gguf_file": cfg.target.gguf_file} if cfg.target.gguf_file else {}
+    if not kwargs:
+        check_target_files(path, weights=False)  # config.json a JSON object: one line naming it
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=cfg.target.trust_remote_code, **kwargs)
     except (OSError, ValueError) as err:
@@ -39,9 +41,10 @@ def build_draft(cfg: Config, manifest: dict, vocab: dict, head: dict) -> torch.n
     from eagleforge.draft.config import RopeConflictError
 
     overrides = {f.name: getattr(cfg.draft, f.name) for f in fields(cfg.draft)}
+    target_config = target_hf_config(cfg, manifest)  # its own errors name the target's files
     try:
         draft_config = Eagle3Config.from_target_config(
-            target_hf_config(cfg, manifest), int(vocab["d2t"].shape[0]), manifest["aux_layer_ids"], **overrides
+            target_config, int(vocab["d2t"].shape[0]), manifest["aux_layer_ids"], **overrides
         )
     except RopeConflictError as err:  # the target's own config, not the draft.* keys
         raise UserInputError(f"target.path {cfg.target.path or 'embedded default'}: {err}") from None

@@ -45,11 +45,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagleforge.atomic import clear_leftovers, remove_path, replace_dir
+from eagleforge.atomic import clear_leftovers, disk_full_errno, disk_full_error, remove_path, replace_dir
 from eagleforge.config import Config, save_config
 from eagleforge.errors import UserInputError
 from eagleforge.layout import Layout
-from eagleforge.shards import disk_full_errno, disk_full_error
+from eagleforge.readers import read_json_object
 from eagleforge.train.checkpoint_integrity import dcp_errors, describe_files, safe_reader, verify_checksums, write_checksums
 
 log = logging.getLogger(__name__)
@@ -328,7 +328,10 @@ def read_state(path: str | os.PathLike, layout: Layout = SINGLE) -> dict:
     failure = layout.broadcast_object(failure)
     if failure is not None:
         raise UserInputError(failure)
-    return json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+    try:
+        return read_json_object(path / STATE_FILE, "a checkpoint's state")
+    except UserInputError as err:
+        raise UserInputError(f"{err}; delete {path} to start over") from None
 
 
 def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer, scheduler, layout: Layout = SINGLE) -> dict:
@@ -407,7 +410,14 @@ def load_draft_from_checkpoint(path: str | os.PathLike, embed_tokens: torch.Tens
     config_file = path / DRAFT_CONFIG_FILE
     if not config_file.is_file():
         raise UserInputError(f"{config_file}: missing from the checkpoint")
-    draft = Eagle3Draft(Eagle3Config(**json.loads(config_file.read_text(encoding="utf-8"))))
+    try:
+        sizes = read_json_object(config_file, "a draft's sizes")
+    except UserInputError as err:
+        raise UserInputError(f"{err}; delete {path} to start over") from None
+    try:
+        draft = Eagle3Draft(Eagle3Config(**sizes))
+    except (TypeError, ValueError) as err:  # keys Eagle3Config does not have, values it refuses
+        raise UserInputError(f"{config_file}: not a draft's sizes ({str(err).splitlines()[0][:200]}); delete {path} to start over") from None
     # state_dict() tensors share storage with the parameters and buffers: DCP loads in place.
     target = {MODEL_PREFIX + k: v for k, v in draft.state_dict().items() if k not in FROZEN_KEYS}
     reader = safe_reader(path)

@@ -5,11 +5,13 @@ the simulated acceptance length, and the log line / RUN/train_log.csv writer.
 from __future__ import annotations
 
 import csv
+import io
 import logging
 from pathlib import Path
 
 import torch
 
+from eagleforge.atomic import append_durably, write_text_atomic
 from eagleforge.layout import Layout
 
 log = logging.getLogger(__name__)
@@ -131,10 +133,7 @@ class MetricLogger:
         if resumed_step and self.path.is_file():
             with open(self.path, newline="", encoding="utf-8") as f:
                 rows = [r for r in csv.DictReader(f) if int(r["step"]) <= resumed_step]
-        with open(self.path, "w", newline="", encoding="utf-8") as f:
-            writer = csv.DictWriter(f, fieldnames=self.columns)
-            writer.writeheader()
-            writer.writerows(rows)
+        write_text_atomic(self.path, self._csv(rows, header=True))  # a full disk: one line, the old log kept
         self.tensorboard = None
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -154,12 +153,19 @@ class MetricLogger:
             "step %d | loss %.4f | acc %s | accept %.3f | lr %.2e | grad %.3f | %.0f tok/s",
             step, row["loss"], " ".join(f"{a:.3f}" for a in acc), row["simulated_acceptance_length"], lr, grad_norm, tokens_per_s,
         )
-        with open(self.path, "a", newline="", encoding="utf-8") as f:
-            csv.DictWriter(f, fieldnames=self.columns).writerow(row)
+        append_durably(self.path, self._csv([row]).encode("utf-8"), kept="the log holds the rows before this step")
         if self.tensorboard is not None:
             for key, value in row.items():
                 if key != "step":
                     self.tensorboard.add_scalar(f"train/{key}", value, step)
+
+    def _csv(self, rows: list[dict], header: bool = False) -> str:
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, fieldnames=self.columns)
+        if header:
+            writer.writeheader()
+        writer.writerows(rows)
+        return text.getvalue()
 
     def close(self) -> None:
         if self.tensorboard is not None:

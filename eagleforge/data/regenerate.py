@@ -16,6 +16,7 @@ import os
 import time
 from pathlib import Path
 
+from eagleforge.atomic import append_durably
 from eagleforge.config import Config
 from eagleforge.data.chat import THINK_OPEN, TemplateMismatch, prompt_ids, render_chat, screen_special_text, special_ids
 from eagleforge.data.sources import Record, Stats, prompt_part
@@ -78,11 +79,10 @@ def read_conversations(path: Path) -> dict[int, dict]:
 
 
 def _append_rows(path: Path, rows: list[dict]) -> None:
-    """Append whole rows and make them durable before the next batch starts."""
-    with open(path, "ab") as f:
-        f.write(b"".join((json.dumps(r, ensure_ascii=False) + "\n").encode("utf-8") for r in rows))
-        f.flush()
-        os.fsync(f.fileno())
+    """Append whole rows and make them durable before the next batch starts; a full disk is one
+    line, the file cut back to the rows before (append_durably)."""
+    append_durably(path, b"".join((json.dumps(r, ensure_ascii=False) + "\n").encode("utf-8") for r in rows),
+                   kept=f"the {len(rows)} answer{'s' * (len(rows) > 1)} of this write were not kept, those before were")
 
 
 def _generate_batch(model, prompt_ids: list[list[int]], max_new_tokens: int, stop_ids: list[int], pad_id: int):

@@ -71,8 +71,14 @@ def load_samples(run_dir) -> list[dict]:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
                 raise UserInputError(f"{path} line {line_no}: not JSON ({err.msg})") from None
-            if not isinstance(row, dict) or not {"id", "input_ids", "loss_mask"} <= row.keys() or len(row["input_ids"]) != len(row["loss_mask"]):
-                raise UserInputError(f"{path} line {line_no}: expected id, input_ids and loss_mask of equal length")
+            if not isinstance(row, dict) or not {"id", "input_ids", "loss_mask"} <= row.keys() \
+                    or not isinstance(row["input_ids"], list) or not isinstance(row["loss_mask"], list) \
+                    or len(row["input_ids"]) != len(row["loss_mask"]):
+                got = (f"a JSON {type(row).__name__}" if not isinstance(row, dict)
+                       else f"keys {sorted(map(str, row))[:6]}" if not {"id", "input_ids", "loss_mask"} <= row.keys()
+                       else "input_ids and loss_mask that are not lists of one length")
+                raise UserInputError(f"{path} line {line_no}: expected an object of id, input_ids and loss_mask "
+                                     f"(lists of one length), got {got}")
             samples.append(row)
     samples.sort(key=lambda row: row["id"])
     return samples

@@ -88,19 +88,16 @@ def target_vocab_size(cfg: TargetConfig) -> int:
     needs neither. config.json's vocab_size (text_config's for Kimi-K2.5, read as plain JSON:
     no remote code), else transformers' config (a GGUF file, the embedded default before its
     one-time conversion)."""
-    import json
-
     kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
     if not cfg.path and not (cache_root() / EMBEDDED_CACHE / "config.json").is_file():
         path, kwargs = embedded_gguf_dir(), {"gguf_file": EMBEDDED_GGUF}
     else:
         path = target_path(cfg)
         if not kwargs and (path / "config.json").is_file():
-            try:
-                config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as err:
-                raise UserInputError(f"{path / 'config.json'}: not valid JSON ({err})") from None
-            text = (config.get("text_config") or config) if isinstance(config, dict) else {}
+            from eagleforge.readers import read_json_object
+
+            config = read_json_object(path / "config.json", "a model's config.json")
+            text = config.get("text_config") or config
             vocab = text.get("vocab_size") if isinstance(text, dict) else None
             if type(vocab) is int and vocab > 0:
                 return vocab
@@ -121,6 +118,8 @@ def load_tokenizer(cfg: TargetConfig):
 
     path = target_path(cfg)
     kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
+    if not cfg.gguf_file:
+        check_target_files(path, weights=False)
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code, **kwargs)
     except (OSError, ValueError) as err:
@@ -142,6 +141,8 @@ def load_target(cfg: TargetConfig, device: torch.device | None = None):
     device = device or resolve_device(cfg.device)
     kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
     kwargs.update(device_map_kwargs(cfg))
+    if not cfg.gguf_file:
+        check_target_files(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch_dtype(cfg.dtype), trust_remote_code=cfg.trust_remote_code, **kwargs
@@ -155,6 +156,35 @@ def load_target(cfg: TargetConfig, device: torch.device | None = None):
     model.eval()
     model.requires_grad_(False)
     return model, load_tokenizer(cfg)
+
+
+def check_target_files(path: Path, weights: bool = True) -> None:
+    """The files of an hf target directory that transformers reads, checked first so that a
+    damaged one is one line naming it (transformers fails on it with a traceback, or a message
+    naming only the directory): config.json, tokenizer_config.json and generation_config.json
+    JSON objects, and with `weights` the safetensors header of each weight file
+    (model.safetensors, or those model.safetensors.index.json names)."""
+    from eagleforge.readers import check_safetensors_files, read_json_object
+
+    if not path.is_dir():
+        return
+    for name, what in (("config.json", "a model's config.json"), ("tokenizer_config.json", "a tokenizer's config"),
+                       ("generation_config.json", "a generation config")):
+        if (path / name).is_file():
+            read_json_object(path / name, what)
+    if not weights:
+        return
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json_object(index, "a safetensors index").get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise UserInputError(f"{index}: weight_map is not a mapping of tensor names to file names")
+        root = path.resolve()
+        files = sorted({path / f for f in weight_map.values()})
+        # transformers reads the files it names; here only those inside the directory are checked
+        check_safetensors_files(f for f in files if f.is_file() and root in f.resolve().parents)
+    elif (path / "model.safetensors").is_file():
+        check_safetensors_files([path / "model.safetensors"])
 
 
 def device_map_kwargs(cfg: TargetConfig) -> dict:

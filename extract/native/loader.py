@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +36,7 @@ from eagleforge.errors import UserInputError
 from eagleforge.extract.native import int4
 from eagleforge.extract.native.model import DeepseekV3ForExtraction, ModelArgs, RoutedExperts
 from eagleforge.extract.native.parallel import TensorParallel
+from eagleforge.readers import read_json_object, read_safetensors_header
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +45,6 @@ PREFIXES = ("language_model.", "")  # Kimi-K2.5 wrapper first, then DeepSeek-V3 
 INDEX_FILE = "model.safetensors.index.json"
 FLOAT_DTYPES = ("BF16", "F16", "F32")  # safetensors names of the weights' accepted dtypes
 INT_DTYPES = ("I32", "I64")
-SAFETENSORS_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
-                        "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
-MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on the JSON header
 
 
 @dataclass
@@ -76,13 +72,7 @@ class LoadStats:
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"target.path: {path} not found")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
-        raise UserInputError(f"{path}: not valid JSON ({err})") from None
-    if not isinstance(data, dict):
-        raise UserInputError(f"{path}: not a JSON object")
-    return data
+    return read_json_object(path)
 
 
 def text_config_of(config: dict, source: str) -> tuple[dict, str]:
@@ -299,45 +289,7 @@ def plan_reads(model: DeepseekV3ForExtraction, info: CheckpointInfo) -> list[tup
     return steps
 
 
-# ---------------------------------------------------------------------------- headers first
-
-
-def read_safetensors_header(path: Path) -> dict[str, dict]:
-    """{name: {"dtype", "shape", "data_offsets"}} of a safetensors file, from its first 8 + N
-    bytes alone (little-endian u64 N, then N bytes of JSON): no tensor data is read. A header
-    that is not such JSON, or whose offsets run past the end of the file (a cut file), is a
-    UserInputError naming the file."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            length = int.from_bytes(head, "little") if len(head) == 8 else -1
-            if not 0 < length <= min(size - 8, MAX_HEADER_BYTES):
-                raise UserInputError(f"{path}: not a safetensors file (header length {length}, file of {size} bytes)")
-            raw = f.read(length)
-    except OSError as err:
-        raise UserInputError(f"{path}: cannot read ({err.strerror or err})") from None
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
-        raise UserInputError(f"{path}: damaged safetensors header ({type(err).__name__})") from None
-    if not isinstance(header, dict):
-        raise UserInputError(f"{path}: damaged safetensors header (not a JSON object)")
-    header.pop("__metadata__", None)
-    data_bytes = size - 8 - length
-    for name, entry in header.items():
-        ok = (isinstance(entry, dict) and isinstance(entry.get("dtype"), str) and isinstance(entry.get("shape"), list)
-              and all(type(s) is int and s >= 0 for s in entry["shape"]) and isinstance(entry.get("data_offsets"), list)
-              and len(entry["data_offsets"]) == 2 and all(type(o) is int for o in entry["data_offsets"]))
-        if not ok:
-            raise UserInputError(f"{path}: damaged safetensors header (entry {name[:80]!r})")
-        begin, end = entry["data_offsets"]
-        if end > data_bytes:
-            raise UserInputError(f"{path}: tensor {name} ends at byte {8 + length + end} but the file has {size} bytes (cut short?)")
-        itemsize = SAFETENSORS_ITEMSIZE.get(entry["dtype"])
-        if itemsize is not None and (end - begin) != math.prod(entry["shape"]) * itemsize:
-            raise UserInputError(f"{path}: tensor {name} holds {end - begin} bytes, not the {entry['dtype']} {entry['shape']} it declares")
-    return header
+# ---------------------------------------------------------------------------- headers first (eagleforge.readers)
 
 
 def check_reads(info: CheckpointInfo, reads: list[TensorRead]) -> None:

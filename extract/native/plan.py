@@ -21,7 +21,6 @@ allocator's cache beyond the peak; `runtime_reserve`).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from eagleforge.errors import UserInputError
 from eagleforge.extract.native import int4
 from eagleforge.extract.native.model import ATTENTION_CHUNK_TOKENS, ModelArgs
 from eagleforge.extract.native.parallel import ARGMAX_CHUNK_TOKENS, split_range
+from eagleforge.readers import read_json_object
 from eagleforge.target.loading import default_aux_layers
 
 log = logging.getLogger(__name__)
@@ -419,7 +419,7 @@ def target_args(cfg: Config) -> tuple[ModelArgs, bool, str]:
     if path is None or not (path / "config.json").is_file():
         note = f"{path}/config.json not found here: planning the built-in Kimi-K2.5 config (docs/kimi-k25.md)"
         return ModelArgs.from_config(KIMI_K25_TEXT_CONFIG, "built-in Kimi-K2.5 config"), True, note
-    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    config = read_json_object(path / "config.json", "a model's config.json")
     text, _ = text_config_of(config, str(path / "config.json"))
     quantized = check_quantization(config, text, str(path / "config.json"))
     return ModelArgs.from_config(text, str(path / "config.json")), quantized, str(path / "config.json")
@@ -521,4 +521,4 @@ def main(cfg: Config) -> None:
 
 if __name__ == "__main__":
     run_main(main, "Memory per GPU of the native extraction backend for a config and parallel layout.",
-             sections=("target", "data", "extract", "train"))
+             sections=("target", "data", "extract", "train"), writes_run_dir=False)

@@ -513,4 +513,4 @@ def main(cfg: Config) -> None:
 
 if __name__ == "__main__":
     run_main(main, "Preflight of a multi-GPU machine: all-reduce bus bandwidth, bf16 matmul rate per GPU, projected extraction tokens/s.",
-             sections=("target", "data", "extract"))
+             sections=("target", "data", "extract"), writes_run_dir=False)

@@ -13,7 +13,6 @@ before any weight is read.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from typing import Callable
@@ -26,6 +25,7 @@ from eagleforge.extract.native.model import DeepseekV3ForExtraction
 from eagleforge.extract.native.parallel import StageLink, tensor_parallel
 from eagleforge.extract.native.plan import GIB, check_fits, config_stage_layers, format_plan
 from eagleforge.layout import Layout
+from eagleforge.readers import read_json_object
 from eagleforge.target.capture import HiddenStateCapture
 from eagleforge.target.loading import resolve_aux_layers, target_path, torch_dtype
 from eagleforge.target.protocol import (
@@ -227,7 +227,7 @@ def load_native_target(cfg: Config, layout: Layout, write_target_argmax: bool, c
     header = manifest_header(cfg, info, aux_layers)
     header["has_target_argmax"] = bool(write_target_argmax)
     # the raw config.json (text_config inside for Kimi): the draft is sized from it
-    hf_config = json.loads((info.path / "config.json").read_text(encoding="utf-8"))
+    hf_config = read_json_object(info.path / "config.json", "a model's config.json")
     tp = tensor_parallel(layout, cfg.target.split_rows_min_tokens, cfg.target.overlap_min_rows)
     stages = (stage_ranges() if stage_ranges is not None else None) or config_stage_layers(cfg, info.args)
     layers = stages[layout.stage]
@@ -269,7 +269,7 @@ def manifest_header(cfg: Config, info, aux_layers: list[int]) -> dict:
     tokenizer_config = info.path / "tokenizer_config.json"
     chat_template = None
     if tokenizer_config.is_file():
-        chat_template = json.loads(tokenizer_config.read_text(encoding="utf-8")).get("chat_template")
+        chat_template = read_json_object(tokenizer_config, "a tokenizer's config").get("chat_template")
     return {
         "target": {"path": str(info.path), "architecture": info.architecture, "num_layers": a.num_hidden_layers,
                    "hidden_size": a.hidden_size, "vocab_size": a.vocab_size},
