@@ -427,7 +427,7 @@ def _ngram_key(cfg: Config, target, prompts: list[dict], eos_ids) -> str:
     import transformers
 
     from eagleforge.eval import specdec
-    from eagleforge.target.loading import loading as target_module
+    from eagleforge.target import loading as target_module
     from eagleforge.target.loading import target_path
 
     root = Path(target_path(cfg.target))

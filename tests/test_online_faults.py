@@ -175,7 +175,7 @@ def test_a_target_forward_with_nan_for_one_sample_skips_it_and_counts_it(setup, 
     """The target's states of one training sample hold NaN (in every epoch): the sample is skipped
     (no loss row, its states never cached) and counted in train_summary.json, the run finishes with
     finite losses and no skipped step."""
-    from eagleforge.target.loading import hf
+    from eagleforge.target import hf
     from eagleforge.train.loop import train
     from eagleforge.train.schedule import make_batches
 
