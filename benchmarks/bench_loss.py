@@ -47,9 +47,7 @@ log = logging.getLogger("bench_loss")
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import import_eagleforge  # noqa: E402
-
-import_eagleforge()  # a bare checkout runs without `pip install -e .`
+from kimi_shaped import DraftShape  # noqa: E402  (imports eagleforge from a bare checkout)
 
 from eagleforge.kernels import rows as row_kernels  # noqa: E402
 from eagleforge.kernels import soft_ce, soft_ce_ttt  # noqa: E402
@@ -379,9 +377,10 @@ def floors(tokens, hidden, vocab, steps, tflops) -> dict:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
-    parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--steps", type=int, default=7, help="TTT steps sharing one teacher")
+    kimi = DraftShape.kimi()
+    parser.add_argument("--hidden", type=int, default=kimi.hidden)
+    parser.add_argument("--vocab", type=int, default=kimi.draft_vocab)
+    parser.add_argument("--steps", type=int, default=kimi.ttt, help="TTT steps sharing one teacher")
     parser.add_argument("--chunks", type=int, nargs="+", default=[2048, 4096], help="our chunk_tokens values to time")
     parser.add_argument("--rep-ms", type=int, default=300, help="do_bench measuring time per case")
     parser.add_argument("--no-liger", action="store_true")

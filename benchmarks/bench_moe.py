@@ -44,6 +44,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _bench_common import import_eagleforge, matmul_tflops, median_ms  # noqa: E402
 
 import_eagleforge()
+from kimi_shaped import KIMI_MOE, kimi_args  # noqa: E402
+
 from eagleforge.kernels import int4_moe  # noqa: E402
 
 log = logging.getLogger("bench_moe")
@@ -90,8 +92,6 @@ def native_moe(moe, packs, H, I, E, K, device):
     """The extraction model's own MoE layer (extract/native/model.py, tp 1) on the same weights:
     its router (one bf16 GEMM with fp32 output; transformers' computes the logits in fp32), the
     Triton INT4 experts, and the shared expert added in the experts' combine pass."""
-    from kimi_shaped import kimi_args
-
     from eagleforge.extract.native.model import MoE
     from eagleforge.extract.native.parallel import TensorParallel
 
@@ -196,7 +196,7 @@ def main(argv=None) -> dict:
     if a.cpu_check:
         device, (H, I, E, K), tokens = torch.device("cpu"), (256, 128, 16, 4), [37, 101]
     else:
-        device, (H, I, E, K), tokens = torch.device("cuda"), (7168, 2048, 384, 8), a.tokens
+        device, (H, I, E, K), tokens = torch.device("cuda"), KIMI_MOE, a.tokens
     res = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
            "triton": getattr(int4_moe.triton, "__version__", None), "shape": dict(H=H, I=I, E=E, K=K)}
     res["matmul_TFLOPs"] = round(matmul_tflops(device), 1)

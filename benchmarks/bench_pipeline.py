@@ -40,7 +40,7 @@ import_eagleforge()
 from kimi_shaped import KIMI_K25_TEXT, build_bench_model, kimi_args, tiny_args  # noqa: E402
 
 from eagleforge.extract.driver import forward_batches  # noqa: E402
-from eagleforge.extract.native.model import DeepseekV3ForExtraction, LayerStack, ModelArgs  # noqa: E402
+from eagleforge.extract.native.model import DeepseekV3ForExtraction, LayerStack  # noqa: E402
 from eagleforge.extract.native.plan import stage_layers, stage_work_per_token  # noqa: E402
 from eagleforge.extract.native.preflight import Rates, format_layouts, project_stages  # noqa: E402
 from eagleforge.extract.native.target import NativeTarget, forward_batch  # noqa: E402
@@ -175,7 +175,7 @@ def pilot_projection(ms: dict, tokens: int, measured_tflops: float, seq: int) ->
     """Part 3: the 61-layer Kimi-K2.5 per tp x pp layout of 8 GPUs, from the measured layer times
     scaled by measured / stated matmul rate (at tp > 1 a layer's time divided by tp: an even
     split, its all-reduces added from the stated bus bandwidth)."""
-    a = ModelArgs(**KIMI_K25_TEXT)
+    a = kimi_args(KIMI_K25_TEXT["num_hidden_layers"])
     scale = measured_tflops / PILOT_TFLOPS
     layer_s = [(ms["dense_layer"] if i < a.first_k_dense_replace else ms["moe_layer"]) / 1e3 / tokens * scale
                for i in range(a.num_hidden_layers)]

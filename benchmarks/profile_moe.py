@@ -28,9 +28,11 @@ from _bench_common import import_eagleforge  # noqa: E402
 from bench_moe import random_int4_experts  # noqa: E402
 
 import_eagleforge()
+from kimi_shaped import KIMI_MOE  # noqa: E402
+
 from eagleforge.kernels import int4_moe  # noqa: E402
 
-H, I, E, K = 7168, 2048, 384, 8
+H, I, E, K = KIMI_MOE
 
 
 def parse_config(text: str) -> tuple:
