@@ -1,8 +1,8 @@
 """Benchmark: data-parallel training throughput of the Kimi-K2.5-shaped draft at 1 and 2 GPUs:
 tokens/s, scaling, step time, peak memory, MFU.
 
-Shape: bench_train.Shape (hidden 7168, one layer, 64/64 heads of 128, intermediate 18432,
-vocab 163840, Vd 32000, TTT 7). What is timed is the trainer itself: Trainer.train_step() with
+Shape: kimi_shaped.DraftShape.kimi() (hidden 7168, one layer, 64/64 heads of 128, intermediate
+18432, vocab 163840, Vd 32000, TTT 7). What is timed is the trainer itself: Trainer.train_step() with
 the train settings of --config (default the B300 config's: bf16 parameters by train.param_dtype
 auto, selective_all checkpointing, merged_cudnn attention, compile), FSDP2 over the ranks, on a
 run directory of Kimi-shaped shards written by the project's writer (bench_train.
@@ -50,21 +50,20 @@ def build(args, env) -> tuple:
     the train settings of --config) over a run directory of Kimi-shaped shards that rank 0 writes
     with the project's writer (bench_train.write_kimi_shaped_run): world x (warmup + steps)
     samples of --tokens tokens, one batch per rank per step."""
-    from bench_train import Shape, use_compiled_block_masks, write_kimi_shaped_run
+    from bench_train import write_kimi_shaped_run
+    from kimi_shaped import DraftShape
 
     from eagleforge.config import load_config
     from eagleforge.train.loop import Trainer
 
-    shape = Shape.tiny() if args.tiny else Shape()
-    if env.device.type == "cuda":
-        use_compiled_block_masks()
+    shape = DraftShape.tiny() if args.tiny else DraftShape.kimi()
     run = Path(args.workdir) / f"dist-{env.world_size}"
     used_ids = torch.sort(torch.randperm(shape.vocab, generator=torch.Generator().manual_seed(0))[: shape.draft_vocab]).values
     if env.is_main:
         import shutil
 
         shutil.rmtree(run, ignore_errors=True)
-        write_kimi_shaped_run(run, shape, args.tokens, env.world_size * (args.warmup + args.steps), used_ids)
+        write_kimi_shaped_run(run, shape, [args.tokens] * (env.world_size * (args.warmup + args.steps)), used_ids)
     env.barrier()
     overrides = [f"run_dir={run}", f"train.batch_tokens={args.tokens}", "train.holdout_samples=0", "train.epochs=1",
                  f"train.device={env.device.type}", "train.save_every=0", f"train.parallel={args.parallel}",

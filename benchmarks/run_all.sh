@@ -53,10 +53,9 @@ for bench in ${*:-moe loss train attention prefill extract pipeline plan train-d
       run moe "${ONE[@]}" benchmarks/bench_moe.py --tokens 4096 16384 --json "$OUT/moe.json" ;;
     loss)  # the fused EAGLE-3 loss, 7 TTT steps
       run loss "${ONE[@]}" benchmarks/bench_loss.py --json "$OUT/loss.json" ;;
-    train)  # one Kimi-shaped draft training step as the Kimi configs set it, beside SpecForge's
+    train)  # the trainer's step on the Kimi-shaped draft as the B300 config sets it, beside SpecForge's
       run train "${ONE[@]}" benchmarks/bench_train.py --no-attention-bench --tokens 2048 8192 16384 32768 \
-        --specforge-tokens 2048 8192 16384 32768 --variants "ckpt=selective_all,attn=merged_cudnn,compile=1,packed=1" \
-        --json "$OUT/train.json" ;;
+        --specforge-tokens 2048 8192 16384 32768 --warmup 2 --iters 4 --json "$OUT/train.json" ;;
     attention)  # the draft's TTT attention alone, by mode
       run attention "${ONE[@]}" benchmarks/bench_train.py --attention-bench --attention-tokens 2048 8192 32768 \
         --attention-modes merged+compile merged_cudnn+compile flex --json "$OUT/attention.json" ;;

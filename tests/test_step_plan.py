@@ -54,7 +54,7 @@ def test_auto_on_a_gpu_picks_the_fastest_mode_that_fits(caplog):
     gpu = int(141e9)
     usable = gpu * (1 - RESERVE)
     # bench-train's peaks of this Kimi-shaped draft (hidden 7168, 7 TTT steps) with selective_all,
-    # measured 2026-11-30 (BENCHMARKS.md, step-only variants): 22.3 GiB at 8192 tokens, 62.7 at 32768,
+    # measured 2026-11-30 (BENCHMARKS.md's history): 22.3 GiB at 8192 tokens, 62.7 at 32768,
     # so 40.4 GiB per 24576 tokens; selective keeps 0.37 GiB less per 1024 tokens (docs/training.md)
     per_all = (62.7 - 22.3) * GIB / (32768 - 8192)  # ~1.77 MB per token
     per_sel = per_all - 0.37 * GIB / 1024
