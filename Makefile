@@ -183,11 +183,11 @@ bench-teacher-forced: $(STAMP)
 	$(PY) benchmarks/teacher_forced.py $(RUN)
 
 # Kill-and-resume soak: every stage of a tiny run SIGKILLed at seeded random moments (210 kills by
-# default) and rerun, its outputs compared with an uninterrupted run's (benchmarks/soak.py,
+# default) and rerun, its outputs compared with an uninterrupted run's (tests/soak/soak.py,
 # RELIABILITY.md; SOAK_ARGS="--kills 3 --seed 7 --stages train,eval"). The short version is in make test.
 .PHONY: soak
 soak: $(STAMP)
-	$(PY) benchmarks/soak.py --out runs/soak $(SOAK_ARGS)
+	$(PY) tests/soak/soak.py --out runs/soak $(SOAK_ARGS)
 
 clean:
 	rm -rf $(RUN)
