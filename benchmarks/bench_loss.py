@@ -34,11 +34,10 @@ skipped.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -47,31 +46,12 @@ log = logging.getLogger("bench_loss")
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_common import matmul_tflops, median_ms  # noqa: E402
 from kimi_shaped import DraftShape  # noqa: E402  (imports eagleforge from a bare checkout)
 
 from eagleforge.kernels import rows as row_kernels  # noqa: E402
 from eagleforge.kernels import soft_ce, soft_ce_ttt  # noqa: E402
 from eagleforge.train import loss as reference_loss  # noqa: E402
-
-
-class Timer:
-    """do_bench on CUDA; perf_counter median on the CPU (--cpu-check)."""
-
-    def __init__(self, device: torch.device, rep_ms: int):
-        self.device, self.rep_ms = device, rep_ms
-
-    def median_ms(self, fn) -> float:
-        if self.device.type == "cuda":
-            import triton.testing
-
-            return float(triton.testing.do_bench(fn, warmup=25, rep=self.rep_ms, return_mode="median"))
-        fn()
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
 
 
 def peak_above_inputs(fn, device: torch.device) -> float | None:
@@ -123,7 +103,7 @@ def run_cases(tokens, hidden, vocab, steps, chunks, device, dtype, timer, with_l
         out = step()
         if out is not None:
             losses[name] = float(out)
-        ms = timer.median_ms(step)
+        ms = timer(step)
         row = {"ms": round(ms, 3), "ms_per_step": round(ms / n_steps, 3)}
         if peak is not None:
             row["peak_GiB_over_inputs"] = round(peak, 3)
@@ -312,7 +292,7 @@ def profile_ttt(tokens, hidden, vocab, steps, chunk, device, dtype, timer) -> di
         end.record()
         torch.cuda.synchronize()
         out["back_to_back_ms_per_call"] = round(start.elapsed_time(end) / 5, 3)
-        out["do_bench_ms_per_call"] = round(timer.median_ms(call), 3)
+        out["do_bench_ms_per_call"] = round(timer(call), 3)
         print("kernels summed / back to back / do_bench, ms per call:", out)
     t_chunk = chunk // steps
     p = t_chunk * steps
@@ -330,42 +310,10 @@ def profile_ttt(tokens, hidden, vocab, steps, chunk, device, dtype, timer) -> di
         f"grad head^T += [H,{p}] x [{p},Vd] (beta 1)": (lambda: acc.T.addmm_(h.T, z, beta=1.0), p),
     }
     for name, (fn, rows) in gemms.items():
-        ms = timer.median_ms(fn)
+        ms = timer(fn)
         out[name] = {"ms": round(ms, 3), "TFLOPs": round(2 * rows * hidden * vocab / ms / 1e9, 1)}
         print(f"{name:<44} {ms:8.3f} ms {out[name]['TFLOPs']:7.1f} TFLOP/s")
-    if cuda:
-        out["row_pass"] = time_row_pass(z, tb, p, steps, device, timer)
     return out
-
-
-def time_row_pass(z, tb, rows: int, steps: int, device, timer) -> dict:
-    """The packed row pass alone on one chunk's [rows, Vd] logits, per launch config (BLOCK,
-    warps): the default (`row_kernels.launch_config`) against wider and narrower blocks. The logits are
-    overwritten by G at each call (values do not change the work)."""
-    z.normal_()
-    tb.normal_()
-    lse, psum = row_kernels.teacher_lse_fns("triton")[1](tb)
-    t_rows = tb.shape[0]
-    tidx = torch.arange(t_rows, device=device, dtype=torch.int32).repeat(steps)[:rows].contiguous()
-    weight = torch.ones(rows, device=device)
-    loss = torch.empty(rows, device=device)
-    argmax = torch.empty(rows, device=device, dtype=torch.int64)
-    out = {"default": list(row_kernels.launch_config(z.shape[1]))}
-    for block, warps in ((4096, 8), (8192, 8), (8192, 16), (2048, 4), (4096, 4), (2048, 8)):
-        def launch():
-            soft_ce._soft_ce_rows_kernel[(rows,)](z, tb, tidx, lse, psum, weight, loss, argmax, z.stride(0), tb.stride(0),
-                                                  z.shape[1], BLOCK=block, HAS_TIDX=True, HAS_PSUM=True, num_warps=warps)
-        ms = timer.median_ms(launch)
-        out[f"BLOCK {block}, {warps} warps"] = round(ms, 4)
-        print(f"row pass [{rows}, {z.shape[1]}] BLOCK {block:5d} warps {warps:2d}: {ms:.4f} ms")
-    return out
-
-
-def matmul_tflops(device, dtype, timer, size: int) -> float:
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    ms = timer.median_ms(lambda: a @ b)
-    return 2 * size**3 / ms / 1e9
 
 
 def floors(tokens, hidden, vocab, steps, tflops) -> dict:
@@ -401,7 +349,7 @@ def main(argv=None) -> dict:
         if not torch.cuda.is_available():
             raise SystemExit("bench_loss.py needs a CUDA GPU (an H200 for BENCHMARKS.md's table); --cpu-check runs tiny shapes on the CPU")
         device, dtype = torch.device("cuda"), torch.bfloat16
-    timer = Timer(device, args.rep_ms)
+    timer = functools.partial(median_ms, device=device, rep_ms=args.rep_ms, cpu_reps=5, warmup_ms=25)
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
            "triton_path": row_kernels.resolve_backend("auto", device)}
     try:
@@ -415,7 +363,7 @@ def main(argv=None) -> dict:
         if device.type == "cuda" and not args.no_liger:
             log.warning("liger_kernel not importable: its rows are skipped (pip install liger-kernel to include them)")
     result = {"env": env, "shape": {"hidden": args.hidden, "vocab": args.vocab, "steps": args.steps}}
-    tflops = matmul_tflops(device, dtype, timer, 8192 if device.type == "cuda" else 256)
+    tflops = matmul_tflops(device)
     result["matmul_tflops"] = round(tflops, 1)
     for tokens in args.tokens:
         table = run_cases(tokens, args.hidden, args.vocab, args.steps, args.chunks, device, dtype, timer, with_liger,
