@@ -64,7 +64,7 @@ for bench in ${*:-moe loss train attention prefill extract pipeline plan train-d
     extract)  # the native extraction on a Kimi-shaped 4-layer model: tp 1, then tp = all GPUs
       run extract_tp1 "${ONE[@]}" benchmarks/bench_extract.py --json "$OUT/extract_tp1.json"
       if [ "$GPUS" -ge 2 ]; then
-        run "extract_tp$GPUS" "${TORCHRUN[@]}" benchmarks/bench_extract.py --tokens 16384 32768 --no-write \
+        run "extract_tp$GPUS" "${TORCHRUN[@]}" benchmarks/bench_extract.py --tokens 16384 32768 \
           --baseline-json "$OUT/extract_tp1.json" --json "$OUT/extract_tp$GPUS.json"
       fi ;;
     pipeline)  # pipeline stages: the loop at pp 1, two stages in turn against pp 1, the pilot's projection
