@@ -10,7 +10,9 @@ The trainer's rows time Trainer.train_step() as `make train` runs it: the train 
 "train.activation_checkpoint=selective train.attention=flex"; "" = the config as it is), on
 Kimi-shaped shards written by the project's ShardWriter, read, padded and copied ahead by the
 trainer's feed ("shards"), then on the first batch kept on the device ("synthetic batch": nothing
-read). So a setting is measured as users run it: a config override.
+read). So a setting is measured as users run it: a config override. With --launch N..., the
+trainer's rows run under torchrun on N GPUs each (the config's train.parallel: FSDP2 on several
+GPUs), --tokens per GPU (weak scaling), with the scaling against one GPU.
 
 SpecForge's step is its own: LlamaForCausalLMEagle3 in OnlineEagle3Model, flex attention, its
 compact teacher from hidden states over the FULL target vocabulary every step, stepped by its
@@ -30,6 +32,7 @@ SpecForge (full vocabulary, as it does). MFU is against --peak-tflops (H200 dens
     python benchmarks/bench_train.py --varying 16 --tokens 8192 \
         --variants train.attention=merged_cudnn train.attention=flex        # lengths changing every step
     python benchmarks/bench_train.py --profile 8192           # one profiled step: kernels, host syncs, peak memory
+    python benchmarks/bench_train.py --launch 1 2 --tokens 8192 --iters 6 --no-attention-bench --no-specforge
     python benchmarks/bench_train.py --cpu-check              # tiny shapes on the CPU: checks the script
 
 The SpecForge rows need specforge installed (and the Liger kernels it uses); without it they are
@@ -43,8 +46,11 @@ import dataclasses
 import gc
 import json
 import logging
+import os
 import shutil
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -55,6 +61,7 @@ from _bench_common import gpu_busy_ms, host_syncs, memory_at_peak  # noqa: E402
 from kimi_shaped import DraftShape  # noqa: E402  (imports eagleforge from a bare checkout)
 
 from eagleforge.draft.attention import ttt_attention  # noqa: E402
+from eagleforge.layout import init_layout  # noqa: E402
 
 log = logging.getLogger("bench_train")
 
@@ -93,11 +100,14 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def time_steps(step_fn, device: torch.device, warmup: int, iters: int) -> tuple[float, float | None]:
-    """(mean seconds per step over `iters` after `warmup` steps, peak GiB allocated during them)."""
+def time_steps(step_fn, device: torch.device, warmup: int, iters: int, line_up=None) -> tuple[float, float | None]:
+    """(mean seconds per step over `iters` after `warmup` steps, peak GiB allocated during them);
+    `line_up` (the ranks' barrier) runs before the clock starts."""
     for _ in range(warmup):
         step_fn()
     sync(device)
+    if line_up is not None:
+        line_up()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -230,13 +240,15 @@ def make_trainer(b: "Bench", config_file: str, variant: str, lengths: list[int])
     from eagleforge.config import load_config
     from eagleforge.train.loop import Trainer
 
-    run = b.args.workdir / "trainer"
-    shutil.rmtree(run, ignore_errors=True)
-    write_kimi_shaped_run(run, b.shape, lengths, b.used_ids)
+    run, layout = b.args.workdir / "trainer", b.layout
+    if layout.is_main:  # under torchrun: a batch per rank and step, all read from rank 0's shards
+        shutil.rmtree(run, ignore_errors=True)
+        write_kimi_shaped_run(run, b.shape, lengths * layout.world_size, b.used_ids)
+    layout.barrier()
     cfg = load_config(config_file, [f"run_dir={run}", f"train.batch_tokens={max(lengths)}", "train.holdout_samples=0",
                                     "train.epochs=4", f"train.device={b.device.type}", "train.save_every=0",
                                     *b.args.trainer_overrides, *variant.split()])
-    return Trainer(cfg)
+    return Trainer(cfg, layout if layout.distributed else None)
 
 
 def settings(trainer) -> dict:
@@ -249,8 +261,9 @@ def settings(trainer) -> dict:
 def run_trainer(b: "Bench", name: str, config_file: str, variant: str) -> None:
     """Trainer.train_step() at each T: on the shards (read, padded and copied ahead by the
     trainer's feed), then on the same first batch kept on the device ("synthetic batch": the feed
-    stopped, nothing read, padded or copied). Two rows per T."""
-    s, device, out = b.shape, b.device, b.report["results"]
+    stopped, nothing read, padded or copied). Two rows per T. Under torchrun: T per rank, the
+    slowest rank's time and the largest peak."""
+    s, device, out, world = b.shape, b.device, b.report["results"], b.layout.world_size
     for tokens in b.args.tokens:
         warm, timed = b.repetitions(tokens)
         trainer = None
@@ -265,11 +278,14 @@ def run_trainer(b: "Bench", name: str, config_file: str, variant: str) -> None:
                         trainer.feed.close()
                         trainer.feed = None
                     trainer.read = lambda slot, first=first: first
-                seconds, peak = time_steps(trainer.train_step, device, warm, timed)
-                row = result_row(label, tokens, seconds, peak, tokens, tokens * flops_per_token(s, tokens, s.draft_vocab),
-                                 b.args.peak_tflops)
-                row["settings"] = settings(trainer)
+                seconds, peak = time_steps(trainer.train_step, device, warm, timed, b.layout.barrier)
+                seconds, peak = b.slowest(seconds), None if peak is None else b.slowest(peak)
+                row = result_row(label, tokens, seconds, peak, tokens * world,
+                                 world * tokens * flops_per_token(s, tokens, s.draft_vocab), b.args.peak_tflops * world)
+                row.update(gpus=world, settings=settings(trainer))
             except Exception as err:  # noqa: BLE001 - recorded (an OOM too); the next T still runs
+                if b.layout.distributed:
+                    raise  # the other ranks would wait for this one in a collective
                 row = {"method": label, "tokens": tokens, "error": repr(err)[:300]}
             log.info("%s", row)
             out.append(row)
@@ -505,6 +521,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--varying", type=int, default=0, metavar="N",
                     help="only time N trainer steps of lengths varying up to T (the largest --tokens), per trainer row: "
                          "each new shape's first-use costs included")
+    ap.add_argument("--launch", type=int, nargs="+", default=None, metavar="N",
+                    help="run the trainer's rows under torchrun on each number of GPUs (--tokens per GPU), then a scaling table")
     ap.add_argument("--workdir", type=Path, default=Path("runs/bench_train"), help="where the trainer rows' shards go")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--cpu-check", action="store_true", help="tiny shapes on the CPU (checks the script)")
@@ -513,22 +531,28 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 @dataclasses.dataclass
 class Bench:
-    """One run's shape, device, draft-vocabulary ids and report (saved as it grows)."""
+    """One run's shape, device (this rank's, under torchrun), draft-vocabulary ids and report (saved as it grows)."""
 
     args: argparse.Namespace
     shape: DraftShape
     device: torch.device
     used_ids: torch.Tensor
     report: dict
+    layout: object
 
     def save(self) -> None:
-        if self.args.json:
+        if self.args.json and self.layout.is_main:
             self.args.json.parent.mkdir(parents=True, exist_ok=True)
             self.args.json.write_text(json.dumps(self.report, indent=1))
 
     def repetitions(self, tokens: int) -> tuple[int, int]:
         """(warm-up, timed) steps at T: fewer from 32K on (a few seconds per step)."""
         return (1, min(self.args.iters, 2)) if tokens >= 32768 else (self.args.warmup, self.args.iters)
+
+    def slowest(self, value: float) -> float:
+        """The largest of the ranks' values (this rank's alone in one process)."""
+        layout = self.layout
+        return max(layout.all_reduce_sum([value if r == layout.rank else 0.0 for r in range(layout.world_size)]))
 
     def trainer_rows(self) -> list[tuple[str, str, str]]:
         """(name, config file, variant) of each trainer row."""
@@ -548,16 +572,56 @@ def set_up(args: argparse.Namespace) -> Bench:
         if not torch.cuda.is_available():
             raise SystemExit("bench_train: no CUDA device (use --cpu-check on a CPU machine)")
         s, device = DraftShape.kimi(), torch.device("cuda")
+    layout = init_layout(device.type)  # one process, or torchrun's world (--launch)
+    device = layout.device
     used_ids = torch.sort(torch.randperm(s.vocab, generator=torch.Generator().manual_seed(0))[: s.draft_vocab]).values
     report: dict = {"shape": {k: v for k, v in vars(s).items() if k != "text"},
                     "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
                     "args": {k: str(v) for k, v in vars(args).items()}, "results": [], "checks": {}}
-    return Bench(args, s, device, used_ids, report)
+    return Bench(args, s, device, used_ids, report, layout)
+
+
+def launch(args: argparse.Namespace, argv: list[str]) -> list[dict]:
+    """--launch N...: this command's trainer rows under torchrun on N GPUs each (no attention
+    bench, checks or SpecForge there), each row's scaling against its 1-GPU row, as a table."""
+    forwarded, skip = [], False
+    for item in argv:  # the command line less --launch N... and --json PATH
+        if item.startswith("--"):
+            skip = item in ("--launch", "--json")
+        if not skip:
+            forwarded.append(item)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in args.launch:
+            out = Path(tmp) / f"{n}.json"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), __file__,
+                   *forwarded, "--no-attention-bench", "--no-checks", "--no-specforge", "--json", str(out)]
+            log.info("%s", " ".join(cmd))
+            done = subprocess.run(cmd, check=False)
+            rows += json.loads(out.read_text())["results"] if done.returncode == 0 and out.is_file() else \
+                [{"method": f"{n} GPUs", "tokens": "", "gpus": n, "error": f"exit code {done.returncode}"}]
+    one = {(r["method"], r["tokens"]): r["tokens_per_s"] for r in rows if r["gpus"] == 1 and "error" not in r}
+    print("| GPUs | method | tokens per GPU | step ms | tokens/s | scaling vs 1 GPU | peak GiB | MFU |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if (r["method"], r["tokens"]) in one and "error" not in r:
+            r["scaling"] = round(r["tokens_per_s"] / one[(r["method"], r["tokens"])], 3)
+        cells = [r["error"]] if "error" in r else [r["step_ms"], r["tokens_per_s"], r.get("scaling", ""), r["peak_GiB"], r["MFU"]]
+        print(f"| {r['gpus']} | {r['method']} | {r['tokens']} | " + " | ".join(map(str, cells)) + " |")
+    return rows
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
+                        format="%(asctime)s %(name)s: %(message)s")
+    if args.launch:
+        report = {"args": {k: str(v) for k, v in vars(args).items()},
+                  "results": launch(args, sys.argv[1:] if argv is None else list(argv))}
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(report, indent=1))
+        return report
     b = set_up(args)
     results = b.report["results"]
     if args.profile:
@@ -585,9 +649,12 @@ def main(argv=None) -> dict:
             run_specforge(b)
         versus_specforge(results)
         b.save()
-    shutil.rmtree(args.workdir / "trainer", ignore_errors=True)
-    print_table(results)
-    print(json.dumps(b.report["checks"]))
+    b.layout.barrier()
+    if b.layout.is_main:
+        shutil.rmtree(args.workdir / "trainer", ignore_errors=True)
+        print_table(results)
+        print(json.dumps(b.report["checks"]))
+    b.layout.shutdown()
     return b.report
 
 

@@ -77,7 +77,8 @@ for bench in ${*:-moe loss train attention prefill extract pipeline plan train-d
       fi ;;
     train-dist)  # the trainer's own step on 1 GPU, then on all of them (FSDP2)
       if [ "$GPUS" -ge 2 ]; then
-        run train-dist "$PY" benchmarks/bench_train_dist.py --launch 1 "$GPUS" --tokens 8192 --steps 6 --json "$OUT/train_dist.json"
+        run train-dist "$PY" benchmarks/bench_train.py --launch 1 "$GPUS" --tokens 8192 --warmup 2 --iters 6 \
+          --no-attention-bench --no-checks --no-specforge --json "$OUT/train_dist.json"
       else
         echo "=== train-dist: skipped (needs 2 GPUs)"
       fi ;;
