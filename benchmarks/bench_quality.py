@@ -47,9 +47,6 @@ Both exports are then measured the same way:
         --seeds 0 1 2 --json runs/smollm2_gpu/bench_quality.json
     python benchmarks/bench_quality.py --summarize A.json B.json --baseline "specforge 0.2.0"
 
-Benchmark variants of ours (not product options): --noise S trains on aux states with Gaussian
-noise of S x each state's RMS; --per-epoch keeps a checkpoint per epoch and reports each one's
-held-out acceptance (would keeping the best checkpoint beat keeping the last?).
     python benchmarks/bench_quality.py --tiny      # the CPU check of the script (embedded SmolLM2,
                                                    # a 16-prompt run it prepares, a few steps, 2 prompts)
 
@@ -246,27 +243,12 @@ def run_config(config_file: str | None, run: Path, overrides: list[str]) -> Conf
     return load_config(config_file, [*overrides, f"run_dir={run}", "train.resume=false"])
 
 
-def train_ours(cfg: Config, noise: float = 0.0) -> dict:
-    """The trainer end to end (train(cfg)); loop seconds from its own count (train_summary.json).
-    noise > 0 (a benchmark variant, not a product option): the training batches' aux states get
-    Gaussian noise of that size relative to each state's RMS (held-out evaluation without)."""
-    from eagleforge.train.loop import Trainer, train
+def train_ours(cfg: Config) -> dict:
+    """The trainer end to end (train(cfg)); loop seconds from its own count (train_summary.json)."""
+    from eagleforge.train.loop import train
 
     t0 = time.perf_counter()
-    batch_loss = Trainer.batch_loss
-    if noise > 0:
-        def noisy_batch_loss(self, batch, training=False):
-            if training:
-                aux = batch.aux_hidden_states  # [B, T, k * Ht]
-                chunks = aux.float().unflatten(-1, (-1, self.draft.config.target_hidden_size))  # [B, T, k, Ht]
-                rms = chunks.pow(2).mean(-1, keepdim=True).sqrt()
-                batch.aux_hidden_states = (chunks + noise * rms * torch.randn_like(chunks)).flatten(-2).to(aux.dtype)
-            return batch_loss(self, batch, training)
-        Trainer.batch_loss = noisy_batch_loss
-    try:
-        summary = train(cfg)
-    finally:
-        Trainer.batch_loss = batch_loss
+    summary = train(cfg)
     wall = time.perf_counter() - t0
     rate = summary.get("train_tokens_per_s")
     return {"draft": str(cfg.run / "draft"), "steps": summary["steps"], "train_tokens": summary["train_tokens"],
@@ -373,44 +355,6 @@ def heldout_acceptance(cfg: Config) -> dict:
             "accuracy_per_step": [round(a, 4) for a in stats.accuracy_per_step()]}
 
 
-def epoch_checkpoint_overrides(cfg: Config) -> list[str]:
-    """Overrides that make the trainer keep a checkpoint at each epoch's end (steps per epoch from
-    the trainer's schedule; a run of `epochs` epochs keeps them all)."""
-    from eagleforge.train.sources import ShardSource
-    from eagleforge.vocab import training_sample_count
-
-    tc = cfg.train
-    source = ShardSource(cfg.run / "hidden", Layout(device=torch.device("cpu")), tc.verify_checksums, tc.skip_corrupt_shards)
-    n_train = training_sample_count(len(source), tc.holdout_samples, str(cfg.run / "hidden"))
-    per_epoch = len(step_schedule(source.sample_lengths(), list(range(n_train)), tc.batch_tokens, tc.seed, 1, 0, max(1, tc.grad_accum)))
-    return [f"train.save_every={per_epoch}", f"train.keep_last={tc.epochs + 1}"]
-
-
-def per_epoch_acceptance(cfg: Config) -> list[dict]:
-    """Held-out simulated acceptance of each checkpoint the run kept (export_finite of each, as
-    the trainer exports its last), oldest first: does acceptance peak before the last epoch?"""
-    from eagleforge.train.checkpoint import list_checkpoints
-    from eagleforge.train.loop import export_finite
-
-    out = []
-    final = cfg.run / "draft"
-    keep = cfg.run / "draft-final"
-    if final.exists():
-        final.rename(keep)
-    try:
-        for checkpoint in list_checkpoints(cfg.run):
-            export_finite(checkpoint, final)
-            row = heldout_acceptance(cfg)
-            out.append({"checkpoint": checkpoint.name, "simulated_acceptance_length": row["simulated_acceptance_length"]})
-            import shutil
-
-            shutil.rmtree(final)
-    finally:
-        if keep.exists():
-            keep.rename(final)
-    return out
-
-
 def eval_stage(config_file: str | None, run: Path, overrides: list[str], python: str) -> dict:
     """`python -m eagleforge.eval` on run/draft (its own process: the target loads and leaves)."""
     cmd = [python, "-m", "eagleforge.eval", *(["--config", config_file] if config_file else []), *overrides,
@@ -433,15 +377,14 @@ def fmt(value, spec: str = ".3f") -> str:
 
 def print_table(rows: list[dict]) -> None:
     k = next((r.get("k") for r in rows if r.get("k")), "k")
-    print(f"\n| row | seed | acceptance at k={k} (HumanEval) | simulated acceptance (held-out) | per epoch | train s | wall s | steps |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"\n| row | seed | acceptance at k={k} (HumanEval) | simulated acceptance (held-out) | train s | wall s | steps |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['name']} | {r.get('seed', '-')} | {r['error']} | | | | | |")
+            print(f"| {r['name']} | {r.get('seed', '-')} | {r['error']} | | | | |")
             continue
-        epochs = " ".join(fmt(e["simulated_acceptance_length"]) for e in r.get("per_epoch", [])) or "-"
         print(f"| {r['name']} | {r.get('seed', '-')} | {fmt(r.get('acceptance_length'))} | {fmt(r.get('simulated_acceptance_length'))} | "
-              f"{epochs} | {fmt(r.get('train_s'), '.1f')} | {fmt(r.get('wall_s'), '.1f')} | {r.get('steps', '-')} |")
+              f"{fmt(r.get('train_s'), '.1f')} | {fmt(r.get('wall_s'), '.1f')} | {r.get('steps', '-')} |")
 
 
 def summarize(paths: list[Path], baseline: str | None, key: str = "simulated_acceptance_length") -> list[dict]:
@@ -491,10 +434,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="train.seed of each training (a seed pairs the "
                     "trainers: the same initial draft and batch order)")
     ap.add_argument("--label", default=None, help="the row's name in the report (default: eagleforge / specforge 0.2.0)")
-    ap.add_argument("--noise", type=float, default=0.0, help="ours only, a benchmark variant: Gaussian noise on the training "
-                    "batches' aux states, relative to each state's RMS")
-    ap.add_argument("--per-epoch", action="store_true", help="ours: keep a checkpoint per epoch and report each one's "
-                    "held-out acceptance (does it peak before the last?)")
     ap.add_argument("--specforge-attention", default=None, help="SpecForge's attention backend "
                     "(default flex_attention on a GPU, sdpa on the CPU)")
     ap.add_argument("--specforge-mask", choices=["aligned", "own"], default="aligned")
@@ -535,13 +474,11 @@ def main(argv=None) -> dict:
         for name in args.only:
             run = bench_run_dir(out / name / f"seed{seed}", args.run)
             cfg = run_config(args.config, run, [*overrides, f"train.seed={seed}"])
-            if name == "ours" and args.per_epoch:
-                cfg = run_config(args.config, run, [*overrides, f"train.seed={seed}", *epoch_checkpoint_overrides(cfg)])
             label = args.label or ("eagleforge" if name == "ours" else "specforge 0.2.0")
             row = {"name": label if len(args.only) == 1 or args.label is None else f"{label} {name}", "seed": seed}
             try:
                 if name == "ours":
-                    row.update(train_ours(cfg, args.noise))
+                    row.update(train_ours(cfg))
                 else:
                     try:
                         import specforge  # noqa: F401
@@ -554,8 +491,6 @@ def main(argv=None) -> dict:
                     row.update(train_specforge(cfg, backend, args.specforge_mask), attention_backend=backend,
                                mask=args.specforge_mask)
                 row.update(heldout_acceptance(cfg))
-                if name == "ours" and args.per_epoch:
-                    row["per_epoch"] = per_epoch_acceptance(cfg)
                 if not args.no_eval:
                     row.update(eval_stage(args.config, run, overrides, python))
             except Exception as err:  # noqa: BLE001 - recorded; the other rows still run
