@@ -29,8 +29,6 @@ SpecForge (full vocabulary, as it does). MFU is against --peak-tflops (H200 dens
     python benchmarks/bench_train.py --no-attention-bench --tokens 8192 \
         --variants "" "train.activation_checkpoint=selective" "train.attention=flex"    # settings side by side
     python benchmarks/bench_train.py --attention-bench --json attn.json    # the TTT attention alone, by mode
-    python benchmarks/bench_train.py --varying 16 --tokens 8192 \
-        --variants train.attention=merged_cudnn train.attention=flex        # lengths changing every step
     python benchmarks/bench_train.py --profile 8192           # one profiled step: kernels, host syncs, peak memory
     python benchmarks/bench_train.py --launch 1 2 --tokens 8192 --iters 6 --no-attention-bench --no-specforge
     python benchmarks/bench_train.py --cpu-check              # tiny shapes on the CPU: checks the script
@@ -296,38 +294,6 @@ def run_trainer(b: "Bench", name: str, config_file: str, variant: str) -> None:
         free_memory(device)
 
 
-def varying_lengths(max_tokens: int, count: int, seed: int = 0) -> list[int]:
-    """`count` lengths drawn uniformly from (max_tokens / 2, max_tokens] (seeded), one batch each:
-    the trainer's batches, whose T is the longest sample of each, change from step to step."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(max_tokens // 2 + 1, max_tokens + 1, (count,), generator=gen).tolist()
-
-
-def run_varying(b: "Bench", name: str, config_file: str, variant: str) -> None:
-    """--varying N: N + 1 shards of lengths varying up to T (the largest --tokens); one step first
-    (the one-time setup: compile of the graphs), then N steps, each a new length, timed together
-    (each new shape's first-use costs, cuDNN's plan or a recompile, included)."""
-    s, device, n = b.shape, b.device, b.args.varying
-    lengths = varying_lengths(max(b.args.tokens), n + 1)
-    try:
-        trainer = make_trainer(b, config_file, variant, lengths)
-        trainer.train_step()
-        sync(device)
-        t0 = time.perf_counter()
-        steps = [trainer.train_step()[0].tokens for _ in range(n)]  # one sample a batch: its length
-        sync(device)
-        seconds = (time.perf_counter() - t0) / n
-        peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-        flops = sum(t * flops_per_token(s, t, s.draft_vocab) for t in steps) / n
-        row = result_row(name, f"{n} lengths {min(steps)}-{max(steps)}", seconds, peak, sum(steps) / n, flops, b.args.peak_tflops)
-        trainer.close()
-    except Exception as err:  # noqa: BLE001 - recorded; the next variant still runs
-        row = {"method": name, "tokens": "varying", "error": repr(err)[:300]}
-    log.info("%s", row)
-    b.report["results"].append(row)
-    free_memory(device)
-
-
 def profile_step(name: str, step_fn, tokens: int, device: torch.device, compiled: bool) -> dict:
     """Diagnose one training step (after two warm-up steps): the top CUDA kernels, the GPU's
     kernel time against the step's wall time (a launch-bound step shows a gap), the calls where
@@ -518,9 +484,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-checks", action="store_true", help="skip the attention check at the start")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--profile", type=int, default=0, help="only profile one step of each trainer row (and SpecForge's) at this T")
-    ap.add_argument("--varying", type=int, default=0, metavar="N",
-                    help="only time N trainer steps of lengths varying up to T (the largest --tokens), per trainer row: "
-                         "each new shape's first-use costs included")
     ap.add_argument("--launch", type=int, nargs="+", default=None, metavar="N",
                     help="run the trainer's rows under torchrun on each number of GPUs (--tokens per GPU), then a scaling table")
     ap.add_argument("--workdir", type=Path, default=Path("runs/bench_train"), help="where the trainer rows' shards go")
@@ -626,12 +589,6 @@ def main(argv=None) -> dict:
     results = b.report["results"]
     if args.profile:
         profile_mode(b)
-        return b.report
-    if args.varying:
-        for name, config_file, variant in b.trainer_rows():
-            run_varying(b, name, config_file, variant)
-            b.save()
-        print_table(results)
         return b.report
     if not args.no_checks:
         for mode in sorted({m.partition("+")[0] for m in args.attention_modes}):
