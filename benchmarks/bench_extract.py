@@ -7,6 +7,9 @@ tokens per forward):
 - forward only, and forward + capture (3 aux layers + final norm) + full-vocabulary argmax +
   the overlapped writer's copies (pinned copies on a side stream, a sink that drops them):
   tokens/s per GPU;
+- the captured states finite, and at tp > 1 equal on every rank (every rank feeds the same ids,
+  drawn on the CPU from a fixed seed; ids drawn from each rank's own CUDA generator once gave a
+  NaN and a near-zero token at tp 2);
 - each component timed alone on the same input: attention (MLA), router, routed experts, shared
   expert, dense MLP, all-reduce of [T, H] (tp > 1), head argmax; and whole layers;
 - MFU: model FLOPs / time / the bf16 matmul rate measured in the same run;
@@ -122,6 +125,11 @@ def capture_modes(model, args, layout, ids, reps: int, aux_layers: list[int]) ->
             stats = writer.close()
             r["writer_copy"] = {"items": stats.items, "GB": round(stats.bytes / 1e9, 3),
                                 "submit_blocked_s": round(stats.submit_blocked_s, 3)}
+        # the captured states: finite, and under tensor parallelism the same on every rank
+        out = captured()
+        states = torch.cat([out["aux_hidden_states"], out["last_hidden_state"]], -1).float()
+        r["capture_finite"] = bool(torch.isfinite(states).all())
+        r["capture_max_diff_between_ranks"] = max(float((g - states).abs().max()) for g in model.tp.all_gather(states))
     head = r["forward_head_ms"]
     r["copy_overhead_vs_forward_head"] = round(r["forward_head_capture_copy_ms"] / head - 1, 4)
     r["capture_overhead_vs_forward_head"] = round(r["forward_head_capture_ms"] / head - 1, 4)
@@ -240,7 +248,8 @@ def summary(res: dict, tokens: list) -> None:
         c, pr = r["components_ms"], r["projection_61_layers_8_gpus"]
         line = (f"T={T:>6}: fwd {r['forward_ms']:.1f} ms, {r['tokens_per_s_per_gpu_forward']:.0f} tok/s/GPU, +head "
                 f"{r['tokens_per_s_per_gpu_forward_head']:.0f}, MFU {r['MFU_forward_plus_head']:.1%}; capture "
-                f"{r['capture_overhead_vs_forward_head']:+.1%}, +copy {r['copy_overhead_vs_forward_head']:+.1%}; "
+                f"{r['capture_overhead_vs_forward_head']:+.1%}, +copy {r['copy_overhead_vs_forward_head']:+.1%} (states finite "
+                f"{r['capture_finite']}, ranks' max diff {r['capture_max_diff_between_ranks']}); "
                 f"attn {c['attention']} router {c['router']} "
                 f"experts {c['routed_experts']} shared {c['shared_expert']} all-reduce {c.get('all_reduce', 0)} head {c['argmax_head']} ms")
         if "scaling_efficiency_1_to_2" in r:
@@ -317,7 +326,7 @@ def main(argv=None) -> dict:
         if a.cpu_check:
             for T in tokens:
                 r = res[f"T={T}"]
-                assert "error" not in r, r
+                assert "error" not in r and r["capture_finite"] and r["capture_max_diff_between_ranks"] == 0, r
                 if layout.is_group_leader:
                     assert r["writer_copy"]["items"] == a.reps + 4, r["writer_copy"]
             log.info("cpu-check passed (tp %d)", tp.size)

@@ -6,11 +6,11 @@
 #
 #   make bench-gpu                                   # = bash benchmarks/run_all.sh
 #   bash benchmarks/run_all.sh moe loss              # a subset, by name:
-#        moe loss train attention prefill extract pipeline plan train-dist tp-capture online quality quality-specforge
+#        moe loss train attention prefill extract pipeline plan train-dist online quality quality-specforge
 #   OUT=runs/bench PYTHON=python3 bash benchmarks/run_all.sh
 #
-# Single-GPU benchmarks run on GPU 0; with two or more GPUs, extract, plan, train-dist and
-# tp-capture also run over all of them (torchrun). Logs and JSON records go to $OUT (default
+# Single-GPU benchmarks run on GPU 0; with two or more GPUs, extract, plan and train-dist also
+# run over all of them (torchrun). Logs and JSON records go to $OUT (default
 # runs/bench); the GPU, torch and triton versions to $OUT/versions.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -47,7 +47,7 @@ run() {  # run NAME COMMAND...: prints and logs the output, remembers a failure
   [ "${PIPESTATUS[0]}" -eq 0 ] || failed+=("$name")
 }
 
-for bench in ${*:-moe loss train attention prefill extract pipeline plan train-dist tp-capture online quality quality-specforge}; do
+for bench in ${*:-moe loss train attention prefill extract pipeline plan train-dist online quality quality-specforge}; do
   case $bench in
     moe)  # one Kimi-K2.5 MoE layer: INT4 kernels vs bf16 grouped_mm
       run moe "${ONE[@]}" benchmarks/bench_moe.py --tokens 4096 16384 --json "$OUT/moe.json" ;;
@@ -82,12 +82,6 @@ for bench in ${*:-moe loss train attention prefill extract pipeline plan train-d
       else
         echo "=== train-dist: skipped (needs 2 GPUs)"
       fi ;;
-    tp-capture)  # tensor-parallel capture: ranks identical, states finite
-      if [ "$GPUS" -ge 2 ]; then
-        run tp-capture "${TORCHRUN[@]}" benchmarks/check_tp_capture.py
-      else
-        echo "=== tp-capture: skipped (needs 2 GPUs)"
-      fi ;;
     online)  # online training: the Kimi-shaped target feeding the Kimi-shaped draft on one GPU
       for t in 8192 16384; do
         run "online-$t" "${ONE[@]}" benchmarks/bench_online.py --tokens "$t" --steps 8 --warmup 3 --json "$OUT/online_$t.json"
@@ -102,7 +96,7 @@ for bench in ${*:-moe loss train attention prefill extract pipeline plan train-d
       run quality-specforge "${ONE[@]}" benchmarks/bench_quality.py --config configs/smollm2_gpu.yaml \
         --run "$OUT/smollm2_gpu" --json "$OUT/quality_specforge.json" ;;
     *)
-      echo "unknown benchmark '$bench' (moe loss train attention prefill extract pipeline plan train-dist tp-capture online quality quality-specforge)" >&2
+      echo "unknown benchmark '$bench' (moe loss train attention prefill extract pipeline plan train-dist online quality quality-specforge)" >&2
       failed+=("$bench") ;;
   esac
 done
