@@ -4,10 +4,7 @@ At the Kimi-K2.5 draft shape (H = 7168, Vd = 32000) for T = 8192 and 32768,
 with the usual alternatives run side by side in the same process:
 
     naive_torch                       public trainers' way: fp32 softmax of both [T, Vd] logits
-    liger_fused_linear_jsd_beta0      Liger-Kernel's fused linear JSD, beta 0 (forward KL)
-    liger_fused_linear_kldiv_given_probs  Liger's fused linear KL-div, fp32 probabilities given
-    ours_single_step                  fused_soft_cross_entropy (teacher lse given: once per sequence)
-    ours_teacher_lse                  teacher_logsumexp alone (its share per step is 1/K)
+    liger_fused_linear_jsd_beta0      Liger-Kernel's fused linear JSD, beta 0 (forward KL), one step
     *_ttt7                            K = 7 TTT steps with the teacher shared, per-step cost = ms / 7
                                       (naive: probabilities once + 7 steps; Liger KL: the same;
                                       ours: fused_soft_cross_entropy_ttt, teacher logits once)
@@ -91,7 +88,7 @@ def run_cases(tokens, hidden, vocab, steps, chunks, device, dtype, timer, with_l
         ttt_w[j, tokens - 1 - j :] = 0  # step j's last 1 + j rows have no teacher
     results, losses = {}, {}
 
-    def case(name, fn, n_steps=1, grad_outputs_gib=grad_gib, is_loss=True):
+    def case(name, fn, n_steps=1, grad_outputs_gib=grad_gib):
         def step():
             for p in params:
                 p.grad = None
@@ -108,7 +105,7 @@ def run_cases(tokens, hidden, vocab, steps, chunks, device, dtype, timer, with_l
         if peak is not None:
             row["peak_GiB_over_inputs"] = round(peak, 3)
             row["peak_GiB_over_inputs_and_grads"] = round(peak - grad_outputs_gib, 3)
-        if is_loss and name in losses and "naive_torch" in losses and n_steps == 1:
+        if name in losses and "naive_torch" in losses and n_steps == 1:
             row["loss_rel_to_naive"] = float(f"{losses[name] / losses['naive_torch'] - 1:.2e}")
         results[name] = row
         log.info("T=%d %-40s %s", tokens, name, row)
@@ -126,16 +123,6 @@ def run_cases(tokens, hidden, vocab, steps, chunks, device, dtype, timer, with_l
 
     with torch.no_grad():
         lse = soft_ce.teacher_logsumexp(ht, wt)
-    for chunk in ([] if ttt_only else chunks):
-        def ours(chunk=chunk):
-            loss, _ = soft_ce.fused_soft_cross_entropy(hd, wd, ht, wt, lse, mean_w, chunk_tokens=chunk)
-            loss.backward()
-            return loss.detach()
-
-        case(f"ours_single_step_chunk{chunk}", ours)
-    if not ttt_only:
-        case("ours_teacher_lse", lambda: soft_ce.teacher_logsumexp(ht, wt).sum(), grad_outputs_gib=0.0, is_loss=False)
-
     if with_liger and not ttt_only:
         try:
             from liger_kernel.transformers import LigerFusedLinearJSD
@@ -155,16 +142,6 @@ def run_cases(tokens, hidden, vocab, steps, chunks, device, dtype, timer, with_l
             from liger_kernel.transformers import LigerFusedLinearKLDivLoss
 
             kl = LigerFusedLinearKLDivLoss()
-            with torch.no_grad():
-                probs = torch.softmax((ht @ wt.T).float(), -1)  # an input here, [T, Vd] fp32
-
-            def liger_kl():
-                loss = kl(hd, wd, probs)
-                loss.backward()
-                return loss.detach()
-
-            case("liger_fused_linear_kldiv_given_probs", liger_kl)
-            del probs
 
             def liger_kl_ttt():  # probabilities computed once, shared by the K steps
                 with torch.no_grad():
