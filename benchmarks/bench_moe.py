@@ -11,8 +11,6 @@ bf16 rows.
                               product runs): its router (a bf16 GEMM with fp32 output), the same
                               kernels, the shared expert added in the combine
                               (router_only / native_router_only: the two routers alone)
-    int4_dequant_grouped_mm   dequantize all experts to bf16 per call, then grouped_mm (the
-                              product's target.moe_backend=grouped_mm)
     *_experts_only            routed experts alone, routing precomputed
 
 FLOPs: 2 T (k + 1) 3 H I + 2 T H E. MFU against the bf16 8192^3 matmul rate of
@@ -121,7 +119,6 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
     p.add_argument("--cpu-check", action="store_true")
-    p.add_argument("--skip-dequant", action="store_true")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -194,16 +191,6 @@ def main(argv=None) -> dict:
                 del layer
             record(T, "router_only", median_ms(lambda: route(x), device), peer="-")
             record(T, "shared_expert_only", median_ms(lambda: moe.shared_experts(x), device), peer="-")
-            # the dequantize-then-grouped_mm floor: writing + reading 3 E H I bf16 weights at the copy rate, plus grouped_mm
-            rows[T]["dequant_then_grouped_mm_floor_ms"] = round(rows[T]["grouped_mm_bf16_experts_only"]["ms"] + 3 * E * H * I * 2 * 2 / 4.3e12 * 1e3, 2)
-        if not a.skip_dequant:
-            del gu_t, dn_t
-            gc.collect()
-            torch.cuda.empty_cache() if device.type == "cuda" else None
-            for T in tokens:
-                x = xs[T]
-                w, idx = route(x)
-                record(T, "int4_dequant_grouped_mm", median_ms(lambda: int4_moe.int4_moe_grouped_mm(x, *route(x), *pk) + moe.shared_experts(x), device))
     res.update({f"T={T}": rows[T] for T in tokens})
     res["kernel_configs"] = {str(k): v for k, v in int4_moe._CHOSEN.items()}
     res["config_search_ms"] = {str(k): v for k, v in int4_moe._TIMES.items()}
