@@ -20,6 +20,11 @@ def import_eagleforge() -> None:
         sys.path.insert(0, str(ROOT))  # ROOT/eagleforge is the root package
 
 
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def median_ms(fn, device: torch.device, rep_ms: int = 100, cpu_reps: int = 3, fixed_iters: int | None = None,
               warmup_ms: int = 5) -> float:
     """do_bench median on CUDA; perf_counter median on the CPU.

@@ -55,7 +55,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import gpu_busy_ms, host_syncs, memory_at_peak  # noqa: E402
+from _bench_common import gpu_busy_ms, host_syncs, memory_at_peak, sync  # noqa: E402
 from kimi_shaped import DraftShape  # noqa: E402  (imports eagleforge from a bare checkout)
 
 from eagleforge.draft.attention import ttt_attention  # noqa: E402
@@ -85,11 +85,6 @@ def make_batch(s: DraftShape, tokens: int, device: torch.device, used_ids: torch
     return {"input_ids": input_ids.to(device), "aux": torch.randn(1, tokens, 3 * s.hidden, device=device, dtype=torch.bfloat16),
             "last": torch.randn(1, tokens, s.hidden, device=device, dtype=torch.bfloat16),
             "loss_mask": torch.ones(1, tokens, dtype=torch.uint8, device=device), "target_argmax": argmax.to(device)}
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def free_memory(device: torch.device) -> None:

@@ -35,22 +35,13 @@ from _bench_common import import_eagleforge  # noqa: E402
 from bench_extract import NullSink  # noqa: E402  (the writer's sink that drops the host copies)
 
 import_eagleforge()
-from kimi_shaped import bench_layout, build_bench_model, kimi_args, tiny_args  # noqa: E402
+from kimi_shaped import bench_layout, build_bench_model, kimi_args, random_rows, tiny_args  # noqa: E402
 
 from eagleforge.extract.driver import forward_batches  # noqa: E402
 from eagleforge.extract.native.plan import GIB, plan_memory  # noqa: E402
 from eagleforge.extract.native.target import NativeTarget  # noqa: E402
 from eagleforge.extract.samples import batch_by_tokens  # noqa: E402
 from eagleforge.extract.writer import make_writer  # noqa: E402
-
-
-def samples(vocab: int, batch_tokens: int, max_length: int, count: int, seed: int) -> list[dict]:
-    """`count` batches' worth of rows {"id", "input_ids", "loss_mask"}: batch_tokens // max_length
-    samples of max_length random ids per batch (the same on every rank: drawn on the CPU from `seed`)."""
-    gen = torch.Generator().manual_seed(seed)
-    n = max(1, batch_tokens // max_length) * count
-    return [{"id": j, "input_ids": torch.randint(0, vocab, (max_length,), generator=gen).tolist(), "loss_mask": [1] * max_length}
-            for j in range(n)]
 
 
 def run_loop(model, job, aux_layers: list[int], rows: list[dict], batch_tokens: int) -> None:
@@ -72,7 +63,7 @@ def measure(model, args, job, layout: str, aux_layers: list[int], batch_tokens: 
     cuda = job.device.type == "cuda"
     plan = plan_memory(args, job.tp, layout, batch_tokens=batch_tokens, max_length=max_length,
                        aux_layers=aux_layers)
-    rows = samples(args.vocab_size, batch_tokens, max_length, reps, seed=batch_tokens)
+    rows = random_rows(args.vocab_size, batch_tokens, max_length, reps, seed=batch_tokens)
     r = {"rank": job.rank, "layout": layout, "batch_tokens": batch_tokens, "max_length": max_length,
          "plan_weights_GiB": plan.weights_bytes / GIB, "plan_activations_GiB": plan.components["activations"] / GIB,
          "plan_total_GiB": plan.total_bytes / GIB}

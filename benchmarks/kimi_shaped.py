@@ -104,6 +104,14 @@ def tiny_args(num_layers: int = 3) -> ModelArgs:
     return kimi_args(num_layers, TINY_TEXT)
 
 
+def random_rows(vocab: int, batch_tokens: int, length: int, batches: int, seed: int = 0) -> list[dict]:
+    """`batches` batches' worth of extraction rows {"id", "input_ids", "loss_mask"}: batch_tokens //
+    length samples of `length` random ids per batch (the same on every rank: drawn on the CPU)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [{"id": j, "input_ids": torch.randint(0, vocab, (length,), generator=gen).tolist(), "loss_mask": [1] * length}
+            for j in range(max(1, batch_tokens // length) * batches)]
+
+
 @torch.no_grad()
 def randomize_(model: DeepseekV3ForExtraction, seed: int = 0, std: float = 0.02) -> DeepseekV3ForExtraction:
     """Fill every weight in place: normal(0, std) for matrices, random nibbles for INT4 experts.

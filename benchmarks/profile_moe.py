@@ -40,11 +40,6 @@ def parse_config(text: str) -> tuple:
     return (impl, *map(int, nums))
 
 
-def random_experts(device, seed=0) -> dict:
-    """INT4 experts in the checkpoint layout (bench_moe's draw)."""
-    return random_int4_experts(H, I, E, torch.Generator(device=device).manual_seed(seed))
-
-
 def random_routing(T: int, device, seed=1):
     """[T, K] distinct experts per token, uniform (what a random router gives), and softmax weights."""
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -70,7 +65,7 @@ def main(argv=None) -> None:
     p.add_argument("--time", action="store_true", help="time each config instead of profiling")
     a = p.parse_args(argv)
     device = torch.device("cuda")
-    packs = random_experts(device)
+    packs = random_int4_experts(H, I, E, torch.Generator(device=device).manual_seed(0))  # bench_moe's draw
     pk = [packs[n] for n in ("gate_packed", "gate_scale", "up_packed", "up_scale", "down_packed", "down_scale")]
     int4_moe._pick_config = lambda name, configs, key, run: configs[0]  # pinned: no search
     for T in a.tokens:
