@@ -7,9 +7,8 @@ tokens per forward):
 - forward only, and forward + capture (3 aux layers + final norm) + full-vocabulary argmax +
   the overlapped writer's copies (pinned copies on a side stream, a sink that drops them):
   tokens/s per GPU;
-- the captured states finite, and at tp > 1 equal on every rank (every rank feeds the same ids,
-  drawn on the CPU from a fixed seed; ids drawn from each rank's own CUDA generator once gave a
-  NaN and a near-zero token at tp 2);
+- the captured states finite and, at tp > 1, equal on every rank (all ranks feed the same ids,
+  drawn on the CPU: ids from each rank's own CUDA generator once gave a NaN at tp 2);
 - each component timed alone on the same input: attention (MLA), router, routed experts, shared
   expert, dense MLP, all-reduce of [T, H] (tp > 1), head argmax; and whole layers;
 - MFU: model FLOPs / time / the bf16 matmul rate measured in the same run;
@@ -44,7 +43,6 @@ from kimi_shaped import KIMI_K25_TEXT, bench_layout, build_bench_model, kimi_arg
 
 from eagleforge.extract.capture import HiddenStateCapture  # noqa: E402
 from eagleforge.extract.native import model as native_model  # noqa: E402
-from eagleforge.extract.native.plan import plan_memory  # noqa: E402
 from eagleforge.extract.writer import OverlappedWriter  # noqa: E402
 
 log = logging.getLogger("bench_extract")
@@ -68,11 +66,8 @@ def pipelined_ms(step, device, warmup: int, reps: int) -> float:
     """Mean ms per step of `reps` steps run back to back with ONE device sync at the end.
 
     This is how extraction runs: forwards follow each other without a host sync, so the
-    writer's device-to-host copies (side stream) overlap the next forward. (The first version of
-    this benchmark synced after every step, which serialized those copies, and timed its first
-    items while the writer's pinned-buffer pool was still empty, so cudaHostAlloc of ~0.5-2 GB
-    pinned buffers was inside the timing; it also counted the head's argmax as capture cost.)
-    """
+    writer's device-to-host copies (side stream) overlap the next forward; the warm-up fills
+    the writer's pinned-buffer pool, so no cudaHostAlloc falls inside the timing."""
     for _ in range(warmup):  # also fills the writer's pinned pool
         step()
     torch.cuda.synchronize() if device.type == "cuda" else None
@@ -285,8 +280,6 @@ def main(argv=None) -> dict:
                "layers": args.num_hidden_layers, "aux_layers": aux_layers, "build_s": round(time.perf_counter() - t0, 1),
                "matmul_TFLOPs": round(matmul_tflops(layout.device), 1), "moe_backend": model.args.moe_backend,
                "torch": torch.__version__}
-        # the memory planner beside the measurement (benchmarks/check_plan.py compares them per GPU)
-        res["planner_weights_GiB"] = round(plan_memory(args, tp.size, "ep").weights_bytes / 2**30, 2)
         if layout.device.type == "cuda":
             res["memory_GiB_after_build"] = round(torch.cuda.memory_allocated() / 2**30, 2)
         log.info("%s", res)
@@ -307,8 +300,6 @@ def main(argv=None) -> dict:
                 if layout.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats()
                 r = bench_length(model, args, layout, T, a.reps, aux_layers, res["matmul_TFLOPs"])
-                plan = plan_memory(args, tp.size, "ep", batch_tokens=T, max_length=T, aux_layers=aux_layers)
-                r["planner_weights_plus_activations_GiB"] = round((plan.weights_bytes + plan.components["activations"]) / 2**30, 2)
                 if layout.device.type == "cuda":
                     r["peak_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
                 base = (baseline or {}).get(f"T={T}", {})
