@@ -20,12 +20,10 @@ which every method must return), and the loss relative to naive (a correctness c
 matmul rate is measured in the same run and gives the floors (3 or 4 matmuls of 2 T H Vd).
 
     make bench-loss                                      # = python benchmarks/bench_loss.py
-    python benchmarks/bench_loss.py --tokens 8192 --chunks 2048 4096 --json out.json
-    python benchmarks/bench_loss.py --ttt-only --variants perstep packed   # old vs packed TTT only
+    python benchmarks/bench_loss.py --ttt-only --variants perstep packed   # our TTT forms only
     python benchmarks/bench_loss.py --cpu-check          # tiny shapes on the CPU: checks the script
 
-The Liger rows need liger-kernel installed (`pip install -e ".[bench]"`); without it they are
-skipped.
+The Liger rows need liger-kernel (`pip install liger-kernel`); without it they are skipped.
 """
 
 from __future__ import annotations
@@ -230,8 +228,7 @@ def ttt_fix(ttt_w, rows):
 def profile_ttt(tokens, hidden, vocab, steps, chunk, device, dtype, timer) -> dict:
     """Where one packed TTT call (forward + backward) spends its GPU time: the kernels by total
     time (printed), and each of a packed chunk's GEMMs timed alone at its own shape with its
-    TFLOP/s (the grad-head addmm with beta 1, as the loop runs it after the first chunk, and with
-    beta 0: the difference is the cost of reading the bf16 accumulator back)."""
+    TFLOP/s (the grad-head addmm with beta 1, as the loop runs it after the first chunk)."""
     from torch.profiler import ProfilerActivity, profile
 
     hd, wd, ht, wt, hds = make_inputs(tokens, hidden, vocab, steps, device, dtype)
@@ -282,9 +279,6 @@ def profile_ttt(tokens, hidden, vocab, steps, chunk, device, dtype, timer) -> di
         f"draft logits [{p},H] x [H,Vd]": (lambda: torch.mm(h, w.T, out=z), p),
         f"grad hidden [{p},Vd] x [Vd,H]": (lambda: torch.mm(z, w, out=g), p),
         f"grad head += [Vd,{p}] x [{p},H] (beta 1)": (lambda: acc.addmm_(z.T, h, beta=1.0), p),
-        f"grad head = [Vd,{p}] x [{p},H] (beta 0)": (lambda: acc.addmm_(z.T, h, beta=0.0), p),
-        # the same accumulation written as its transpose (cuBLAS picks other kernels for it)
-        f"grad head^T += [H,{p}] x [{p},Vd] (beta 1)": (lambda: acc.T.addmm_(h.T, z, beta=1.0), p),
     }
     for name, (fn, rows) in gemms.items():
         ms = timer(fn)
