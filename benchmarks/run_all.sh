@@ -24,12 +24,8 @@ if [ "$GPUS" -lt 1 ]; then
   exit 1
 fi
 $PY - <<'EOF' | tee "$OUT/versions.txt"
-import torch
-try:
-    import triton
-    tv = triton.__version__
-except ImportError:
-    tv = "not installed"
+import importlib.util, torch
+tv = __import__("triton").__version__ if importlib.util.find_spec("triton") else "not installed"
 names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
 print(f"{torch.cuda.device_count()} x {', '.join(names)}; torch {torch.__version__} (CUDA {torch.version.cuda}); triton {tv}")
 EOF
