@@ -1,54 +1,37 @@
 """Benchmark: draft QUALITY of this project's trainer against SpecForge 0.2.0's training step, on
-the same shards with the same batches, steps, learning-rate schedule and TTT length.
+the same shards with the same batches, steps, learning-rate schedule and TTT length
+(BENCHMARKS.md, "Trainer against SpecForge on the same shards").
 
-Inputs: a RUN directory already holding data, hidden and vocab (the data, extract and vocab
-stages of CONFIG, e.g. configs/smollm2_gpu.yaml), and CONFIG itself. Nothing under RUN is
-changed: each training writes under OUT (default RUN/bench_quality), in a run directory whose
-data, hidden and vocab are links to RUN's.
+Inputs: a RUN holding data, hidden and vocab (the first stages of CONFIG, e.g.
+configs/smollm2_gpu.yaml), and CONFIG. RUN is not changed: each training writes under OUT
+(default RUN/bench_quality), in a run directory whose data, hidden and vocab link to RUN's.
 
-  ours       eagleforge.train.loop.train(cfg): the trainer as `make train` runs it (its own
-             batching, read-ahead, loss, optimizer, schedule), exporting OUT/ours/draft.
-  Both start from the same draft: the trainer's initial weights for train.seed (train/build.py),
-  copied into SpecForge's model, so with the same batch order a seed pairs the two recipes, not
-  two random draws. --seeds S... runs each trainer once per seed; --summarize prints per row the
-  seeds, mean, sd and the mean paired difference to a --baseline row. draft.fc_norm=true trains
-  EAGLE-3.1 on both sides (SpecForge's `fc_norm`).
-
+  ours       eagleforge.train.loop.train(cfg): the trainer as `make train` runs it.
   specforge  SpecForge's own step: LlamaForCausalLMEagle3 in OnlineEagle3Model (flex_attention
              on a GPU, sdpa on the CPU), its compact teacher from the target's last hidden states
-             and FULL lm_head, its loss (sum_j decay^j x step loss), its BF16Optimizer (AdamW over
-             fp32 masters of bf16 weights, grad clip) with the trainer's lr, weight decay, clip and
-             lr schedule (train.loop.lr_lambda swapped in for SpecForge's own).
-             Batches: the trainer's (step_schedule below: make_batches with train.seed, epoch by
-             epoch, world x grad_accum batches a step), read from the shards by the trainer's ShardSource and
-             padded on the same read-ahead worker (train/prefetch.py), fed as
-             SpecForge's offline pipeline feeds its step (TargetHead.preprocess: input ids and
-             target states shifted left by one, loss mask not). --specforge-mask aligned (the
-             default) shifts the loss mask left by two so SpecForge scores the same rows as the
-             trainer (row t at TTT step j predicts token t+2+j; SpecForge reads its mask at
-             t+j); `own` passes the mask as SpecForge's pipeline does (last token zeroed).
-             The trained weights are mapped onto this project's names (specforge_export_tensors:
-             the same names, minus embed_tokens) with d2t/t2d from RUN/vocab and written in the
-             export format (docs/export.md) to OUT/specforge/draft.
+             and FULL lm_head, its loss (sum_j decay^j x step loss), its BF16Optimizer with the
+             trainer's lr, weight decay, clip and lr schedule (train.loop.lr_lambda). Batches: the
+             trainer's (`step_schedule`), read by the trainer's ShardSource on the same read-ahead
+             worker, fed as SpecForge's offline pipeline feeds its step (input ids and target
+             states shifted left by one). --specforge-mask aligned (the default) shifts the loss
+             mask left by two so SpecForge scores the trainer's rows (row t at TTT step j predicts
+             token t+2+j; SpecForge reads its mask at t+j); `own` passes it as SpecForge's
+             pipeline does. The trained weights are written in the export format (docs/export.md).
+  Both start from the trainer's initial draft for train.seed (train/build.py), so a seed pairs
+  the recipes, not two random draws; --seeds S... trains each once per seed, --summarize prints
+  per row the seeds, mean, sd and the paired difference to a --baseline row. draft.fc_norm=true
+  trains EAGLE-3.1 on both sides.
 
-Both exports are then measured the same way:
-  - simulated acceptance: the trainer's held-out evaluation (Trainer.evaluate on the last
-    train.holdout_samples samples, as train/loop.py finish() does) of the EXPORTED bf16 draft;
-    acceptance length at k = eval.k from the per-step accuracies.
-  - measured acceptance: `python -m eagleforge.eval` with eval.draft_path=OUT/<name>/draft: real
-    speculative decoding with greedy verification on the held-out HumanEval prompts at k = eval.k.
-  - train seconds: the training loop (ours: the trainer's own count between host syncs, no
-    checkpoint writes; SpecForge: its steps incl. batch reads, synced at the end) and the wall
-    time of the whole training call (model build, checkpoints, export; ours also its held-out
-    evaluation).
+Both exports are measured alike: the simulated acceptance at k = eval.k from the trainer's
+held-out evaluation of the EXPORTED draft (Trainer.evaluate, as train/loop.py finish() does);
+the measured acceptance of `python -m eagleforge.eval` on it (unless --no-eval); the training
+loop's seconds and the whole call's wall time.
 
     make bench-quality RUN=runs/smollm2_gpu CONFIG=configs/smollm2_gpu.yaml
     python benchmarks/bench_quality.py --config configs/smollm2_gpu.yaml --run runs/smollm2_gpu \
         --seeds 0 1 2 --json runs/smollm2_gpu/bench_quality.json
     python benchmarks/bench_quality.py --summarize A.json B.json --baseline "specforge 0.2.0"
-
-    python benchmarks/bench_quality.py --tiny      # the CPU check of the script (embedded SmolLM2,
-                                                   # a 16-prompt run it prepares, a few steps, 2 prompts)
+    python benchmarks/bench_quality.py --tiny      # the CPU check: embedded SmolLM2, a 16-prompt run, a few steps
 
 SpecForge is not a dependency: without it the SpecForge row says so and ours still runs. On the CPU
 (--tiny) SpecForge's Triton loss kernel cannot run: its loss is replaced by the same formula in

@@ -1,40 +1,29 @@
 """Benchmark: one full EAGLE-3 draft training step (forward over the TTT steps, fused loss,
-backward, clipping, optimizer) at Kimi-K2.5's draft shape: the trainer's own step beside
-SpecForge's, in one process.
+backward, clipping, optimizer) at Kimi-K2.5's draft shape (kimi_shaped.DraftShape.kimi(): hidden
+7168, 64 heads of 128, intermediate 18432, V 163840, Vd 32000, TTT 7), batch 1 x T tokens: the
+trainer's own step beside SpecForge's, in one process. BENCHMARKS.md, "Draft training step".
 
-Shape: kimi_shaped.DraftShape.kimi() (hidden 7168, one layer, 64 query and 64 KV heads of 128,
-intermediate 18432, target vocabulary 163840, draft vocabulary 32000, TTT 7), batch 1 x T tokens.
-
-The trainer's rows time Trainer.train_step() as `make train` runs it: the train settings of each
---trainer-configs file, plus each --variants entry (a set of config overrides, one set a row, e.g.
+The trainer's rows: Trainer.train_step() as `make train` runs it, with the train settings of each
+--trainer-configs file plus each --variants entry (config overrides, one set a row:
 "train.activation_checkpoint=selective train.attention=flex"; "" = the config as it is), on
-Kimi-shaped shards written by the project's ShardWriter, read, padded and copied ahead by the
-trainer's feed ("shards"), then on the first batch kept on the device ("synthetic batch": nothing
-read). So a setting is measured as users run it: a config override. With --launch N..., the
-trainer's rows run under torchrun on N GPUs each (the config's train.parallel: FSDP2 on several
-GPUs), --tokens per GPU (weak scaling), with the scaling against one GPU.
+Kimi-shaped shards written by the project's ShardWriter and read ahead by the trainer's feed
+("shards"), then on the first batch kept on the device ("synthetic batch": nothing read).
+--launch N...: the same rows under torchrun on N GPUs each, --tokens per GPU, with the scaling.
 
-SpecForge's step is its own: LlamaForCausalLMEagle3 in OnlineEagle3Model, flex attention, its
-compact teacher from hidden states over the FULL target vocabulary every step, stepped by its
-trainer's BF16Optimizer (fp32 masters and moments, clipping at 0.5). Rows carry "vs SpecForge"
-speed and memory ratios against SpecForge measured in the same run (none without it installed).
+SpecForge's rows: its own step (LlamaForCausalLMEagle3 in OnlineEagle3Model, flex attention, its
+compact teacher over the FULL vocabulary, its trainer's BF16Optimizer), last in the process; the
+trainer's rows carry speed and memory ratios against it (none without specforge installed).
 
-FLOPs are counted (model FLOPs, no recompute): 6 x (trainable parameters used per TTT step) x K
-+ fc + causal attention (fwd + bwd, 3 x 4 x T/2 x heads x head_dim per token and step) + the
-teacher's forward logits: 2 H Vd per token for the trainer (once, shared over steps), 2 H V for
-SpecForge (full vocabulary, as it does). MFU is against --peak-tflops (H200 dense bf16, 989).
+FLOPs are counted (model FLOPs, no recompute; `flops_per_token`); MFU against --peak-tflops
+(H200 dense bf16, 989).
 
     make bench-train                                          # = python benchmarks/bench_train.py
-    python benchmarks/bench_train.py --no-attention-bench --tokens 2048 8192 --no-specforge --json out.json
     python benchmarks/bench_train.py --no-attention-bench --tokens 8192 \
         --variants "" "train.activation_checkpoint=selective" "train.attention=flex"    # settings side by side
-    python benchmarks/bench_train.py --attention-bench --json attn.json    # the TTT attention alone, by mode
+    python benchmarks/bench_train.py --attention-bench        # the TTT attention alone, by mode
     python benchmarks/bench_train.py --profile 8192           # one profiled step: kernels, host syncs, peak memory
-    python benchmarks/bench_train.py --launch 1 2 --tokens 8192 --iters 6 --no-attention-bench --no-specforge
+    python benchmarks/bench_train.py --launch 1 2 --tokens 8192 --no-attention-bench --no-specforge
     python benchmarks/bench_train.py --cpu-check              # tiny shapes on the CPU: checks the script
-
-The SpecForge rows need specforge installed (and the Liger kernels it uses); without it they are
-skipped and no ratio is given.
 """
 
 from __future__ import annotations
@@ -65,7 +54,8 @@ log = logging.getLogger("bench_train")
 
 
 def flops_per_token(s: DraftShape, tokens: int, teacher_vocab: int) -> float:
-    """Model FLOPs per token of one training step (forward + backward, no recompute)."""
+    """Model FLOPs per token of one training step (forward + backward, no recompute); the teacher's
+    logits once per position, over the draft vocabulary (the trainer) or the full one (SpecForge)."""
     attn_params = s.heads * s.head_dim * 2 * s.hidden + 2 * s.kv_heads * s.head_dim * 2 * s.hidden \
         + s.heads * s.head_dim * s.hidden  # q, k, v from 2H; o_proj
     per_step = attn_params + 3 * s.hidden * s.intermediate + s.draft_vocab * s.hidden  # + MLP + lm_head
@@ -244,13 +234,6 @@ def make_trainer(b: "Bench", config_file: str, variant: str, lengths: list[int])
     return Trainer(cfg, layout if layout.distributed else None)
 
 
-def settings(trainer) -> dict:
-    out = {k: str(getattr(trainer, k, "")) for k in ("param_dtype", "parallel")}
-    out.update(activation_checkpoint=trainer.step_plan.activation_checkpoint, compile=str(trainer.step_plan.compile),
-               attention=trainer.cfg.train.attention, embedding="host" if trainer.host_embedding is not None else "device")
-    return out
-
-
 def run_trainer(b: "Bench", name: str, config_file: str, variant: str) -> None:
     """Trainer.train_step() at each T: on the shards (read, padded and copied ahead by the
     trainer's feed), then on the same first batch kept on the device ("synthetic batch": the feed
@@ -275,7 +258,10 @@ def run_trainer(b: "Bench", name: str, config_file: str, variant: str) -> None:
                 seconds, peak = b.slowest(seconds), None if peak is None else b.slowest(peak)
                 row = result_row(label, tokens, seconds, peak, tokens * world,
                                  world * tokens * flops_per_token(s, tokens, s.draft_vocab), b.args.peak_tflops * world)
-                row.update(gpus=world, settings=settings(trainer))
+                row.update(gpus=world, settings={
+                    "param_dtype": str(trainer.param_dtype), "parallel": trainer.parallel, "attention": trainer.cfg.train.attention,
+                    "activation_checkpoint": trainer.step_plan.activation_checkpoint, "compile": str(trainer.step_plan.compile),
+                    "embedding": "host" if trainer.host_embedding is not None else "device"})
             except Exception as err:  # noqa: BLE001 - recorded (an OOM too); the next T still runs
                 if b.layout.distributed:
                     raise  # the other ranks would wait for this one in a collective
@@ -349,10 +335,6 @@ def profile_mode(b: Bench) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-
-
 def attention_inputs(s: DraftShape, device: torch.device, tokens: int, seed: int):
     """Random bf16 TTT attention inputs at the draft's head shape: q [1, heads, T, D], K steps'
     keys and values [1, kv_heads, T, D] (all requiring grad) and an upstream gradient like q."""
@@ -379,7 +361,8 @@ def check_attention(s: DraftShape, device: torch.device, tokens: int, fast: str)
         results[mode] = [out.detach()] + [x.grad.clone() for x in [q] + keys + values]
         for x in [q] + keys + values:
             x.grad = None
-    errs = [rel_err(a, b) for a, b in zip(results[fast], results["reference"])]
+    errs = [((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+            for a, b in zip(results[fast], results["reference"])]
     return {"tokens": tokens, "steps": s.ttt, "fast": fast, "out_rel_err": errs[0], "grad_max_rel_err": max(errs[1:])}
 
 
@@ -419,11 +402,6 @@ def attention_bench(s: DraftShape, device: torch.device, tokens_list: list[int],
     return rows
 
 
-# ----------------------------------------------------------------------------------------------
-# Driver
-# ----------------------------------------------------------------------------------------------
-
-
 def versus_specforge(rows: list[dict]) -> None:
     """Add speed and memory ratios against SpecForge measured in this run (at the same T)."""
     measured = {r["tokens"]: (r["tokens_per_s"], r["peak_GiB"]) for r in rows
@@ -448,7 +426,7 @@ def print_table(rows: list[dict]) -> None:
     if rows:
         print("| T | method | step ms | tokens/s | peak GiB | GFLOP/token | TFLOP/s | MFU | vs SpecForge: speed, memory |")
         print("|---|---|---|---|---|---|---|---|---|")
-    for r in sorted(rows, key=lambda r: (r["tokens"] if isinstance(r["tokens"], int) else 0, str(r["tokens"]), r["method"])):
+    for r in sorted(rows, key=lambda r: (r["tokens"], r["method"])):
         if "error" in r:
             print(f"| {r['tokens']} | {r['method']} | {r['error']} | | | | | | |")
         else:

@@ -1,22 +1,15 @@
-"""The Kimi-K2.5 shapes every benchmark and test uses, and a Kimi-shaped model built in memory with
-random weights (benchmarks need no download).
+"""The Kimi-K2.5 shapes every benchmark and test uses, and a Kimi-shaped model built in memory
+with random weights (no download).
 
-One table: the target's text config is the product's own (extract/native/plan.py
-`KIMI_K25_TEXT_CONFIG`, the numbers of docs/kimi-k25.md: hidden 7168, 64 heads with MLA (q_lora 1536,
-kv_lora 512, qk 128 + 64 rope, v 128), YaRN factor 64, vocab 163840, 384 routed experts with 8
-active, one shared expert, dense layer 0 with intermediate 18432, 61 layers). The draft's side
-(draft vocabulary, TTT steps, aux layers) is the Kimi configs' (configs/kimi_k25_b300.yaml), and
-the draft's dimensions are what the trainer derives from both (Eagle3Config.from_target_config):
-`DraftShape.kimi()`. `TINY_TEXT` is the same structure at toy size (CPU checks).
+One table: the target's text config is the product's (extract/native/plan.py
+`KIMI_K25_TEXT_CONFIG`, docs/kimi-k25.md); the draft side (draft vocabulary, TTT steps, aux
+layers) is configs/kimi_k25_b300.yaml's, and `DraftShape.kimi()` is the draft the trainer derives
+from both (Eagle3Config.from_target_config). `TINY_TEXT`: the same structure at toy size.
 
-The model: INT4 group-32 packed experts (random nibbles, scales giving weights of std ~0.02), only
-the layer count cut (default 1 dense + 3 MoE). Weights are drawn directly on the target device, so
-a 4-layer model (about 37 GB with the embedding and head) builds in seconds on a GPU.
-
-    model = build_bench_model(kimi_args(num_layers=4), device="cuda")
-
-Used by the benchmarks and by tests (which put benchmarks/ on sys.path); not part of the installed
-package.
+The model (`build_bench_model(kimi_args(num_layers=4), device="cuda")`): INT4 group-32 experts
+(random nibbles, scales giving weights of std ~0.02), only the layer count cut (default 1 dense +
+3 MoE); drawn on the device, a 4-layer model (~37 GB) builds in seconds on a GPU. Not part of the
+installed package: benchmarks and tests put benchmarks/ on sys.path.
 """
 
 from __future__ import annotations
