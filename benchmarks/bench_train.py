@@ -315,7 +315,7 @@ def profile_step(name: str, step_fn, tokens: int, device: torch.device, compiled
 
 
 def profile_mode(b: Bench) -> None:
-    """--profile T: one profiled step of the trainer (each config and variant), then SpecForge's."""
+    """--profile T: one profiled step of the trainer, per config and variant."""
     tokens, results = b.args.profile, b.report["results"]
     for name, config_file, variant in b.trainer_rows():
         trainer = make_trainer(b, config_file, variant, [tokens] * 4)
@@ -323,10 +323,6 @@ def profile_mode(b: Bench) -> None:
         trainer.close()
         del trainer
         free_memory(b.device)
-        b.save()
-    if not b.args.no_specforge:
-        sf, batch = SpecForgeStep(b.shape, b.device, b.used_ids), make_batch(b.shape, tokens, b.device, b.used_ids)
-        results.append(profile_step("specforge", lambda: sf.step(batch), tokens, b.device, False))
         b.save()
 
 
@@ -456,7 +452,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--check-tokens", type=int, default=1024, help="T of the attention modes' check against the reference")
     ap.add_argument("--no-checks", action="store_true", help="skip the attention check at the start")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
-    ap.add_argument("--profile", type=int, default=0, help="only profile one step of each trainer row (and SpecForge's) at this T")
+    ap.add_argument("--profile", type=int, default=0, help="only profile one step of each trainer row at this T")
     ap.add_argument("--launch", type=int, nargs="+", default=None, metavar="N",
                     help="run the trainer's rows under torchrun on each number of GPUs (--tokens per GPU), then a scaling table")
     ap.add_argument("--workdir", type=Path, default=Path("runs/bench_train"), help="where the trainer rows' shards go")
