@@ -265,7 +265,7 @@ def run_trainer(b: "Bench", name: str, config_file: str, variant: str) -> None:
             except Exception as err:  # noqa: BLE001 - recorded (an OOM too); the next T still runs
                 if b.layout.distributed:
                     raise  # the other ranks would wait for this one in a collective
-                row = {"method": label, "tokens": tokens, "error": repr(err)[:300]}
+                row = {"method": label, "tokens": tokens, "gpus": world, "error": repr(err)[:300]}
             log.info("%s", row)
             out.append(row)
             b.save()
