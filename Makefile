@@ -50,7 +50,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 ENGINE ?=
 EVAL_ARGS := $(if $(ENGINE),eval.engine=$(ENGINE)) $(if $(filter vllm,$(ENGINE)),eval.vllm_python=$(abspath $(VLLM_PY)))
 
-.PHONY: install lock test-latest vllm-env test-vllm test-sglang data extract vocab train train-online eval plan preflight test lint bench-extract-cpu bench-extract bench-pipeline bench-moe bench-loss bench-train bench-prefill-attention bench-teacher-forced bench-online bench-quality bench-gpu clean
+.PHONY: install lock test-latest vllm-env test-vllm test-sglang data extract vocab train train-online eval plan preflight test lint bench-extract bench-pipeline bench-moe bench-loss bench-train bench-prefill-attention bench-teacher-forced bench-online bench-quality bench-gpu clean
 
 install: $(STAMP)
 
@@ -164,7 +164,7 @@ lint: $(STAMP)
 # BENCH_ARGS. bench-online: the Kimi-shaped extraction model feeding the Kimi-shaped draft on one
 # GPU (--tiny: CPU shapes); bench-pipeline: pipeline stages on one GPU, the loop's overhead at
 # pp 1, two stages in turn against pp 1, the pilot's projection per layout (--cpu-check).
-PLAIN_BENCHES := bench-extract-cpu bench-moe bench-extract bench-pipeline bench-loss bench-train bench-online bench-prefill-attention
+PLAIN_BENCHES := bench-moe bench-extract bench-pipeline bench-loss bench-train bench-online bench-prefill-attention
 $(PLAIN_BENCHES): bench-%: $(STAMP)
 	$(PY) benchmarks/bench_$(subst -,_,$*).py $(BENCH_ARGS)
 
@@ -183,11 +183,11 @@ bench-teacher-forced: $(STAMP)
 	$(PY) benchmarks/teacher_forced.py $(RUN)
 
 # Kill-and-resume soak: every stage of a tiny run SIGKILLed at seeded random moments (210 kills by
-# default) and rerun, its outputs compared with an uninterrupted run's (benchmarks/soak.py,
+# default) and rerun, its outputs compared with an uninterrupted run's (tests/soak/soak.py,
 # RELIABILITY.md; SOAK_ARGS="--kills 3 --seed 7 --stages train,eval"). The short version is in make test.
 .PHONY: soak
 soak: $(STAMP)
-	$(PY) benchmarks/soak.py --out runs/soak $(SOAK_ARGS)
+	$(PY) tests/soak/soak.py --out runs/soak $(SOAK_ARGS)
 
 clean:
 	rm -rf $(RUN)

@@ -20,7 +20,13 @@ def import_eagleforge() -> None:
         sys.path.insert(0, str(ROOT))  # ROOT/eagleforge is the root package
 
 
-def median_ms(fn, device: torch.device, rep_ms: int = 100, cpu_reps: int = 3, fixed_iters: int | None = None) -> float:
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(fn, device: torch.device, rep_ms: int = 100, cpu_reps: int = 3, fixed_iters: int | None = None,
+              warmup_ms: int = 5) -> float:
     """do_bench median on CUDA; perf_counter median on the CPU.
 
     fixed_iters: time exactly that many calls (after 3 warm-up calls), each between CUDA events.
@@ -41,7 +47,7 @@ def median_ms(fn, device: torch.device, rep_ms: int = 100, cpu_reps: int = 3, fi
     if device.type == "cuda":
         import triton.testing
 
-        return float(triton.testing.do_bench(fn, warmup=5, rep=rep_ms, return_mode="median"))
+        return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
     fn()
     times = []
     for _ in range(cpu_reps):

@@ -4,10 +4,7 @@ At the Kimi-K2.5 draft shape (H = 7168, Vd = 32000) for T = 8192 and 32768,
 with the usual alternatives run side by side in the same process:
 
     naive_torch                       public trainers' way: fp32 softmax of both [T, Vd] logits
-    liger_fused_linear_jsd_beta0      Liger-Kernel's fused linear JSD, beta 0 (forward KL)
-    liger_fused_linear_kldiv_given_probs  Liger's fused linear KL-div, fp32 probabilities given
-    ours_single_step                  fused_soft_cross_entropy (teacher lse given: once per sequence)
-    ours_teacher_lse                  teacher_logsumexp alone (its share per step is 1/K)
+    liger_fused_linear_jsd_beta0      Liger-Kernel's fused linear JSD, beta 0 (forward KL), one step
     *_ttt7                            K = 7 TTT steps with the teacher shared, per-step cost = ms / 7
                                       (naive: probabilities once + 7 steps; Liger KL: the same;
                                       ours: fused_soft_cross_entropy_ttt, teacher logits once)
@@ -23,22 +20,19 @@ which every method must return), and the loss relative to naive (a correctness c
 matmul rate is measured in the same run and gives the floors (3 or 4 matmuls of 2 T H Vd).
 
     make bench-loss                                      # = python benchmarks/bench_loss.py
-    python benchmarks/bench_loss.py --tokens 8192 --chunks 2048 4096 --json out.json
-    python benchmarks/bench_loss.py --ttt-only --variants perstep packed   # old vs packed TTT only
+    python benchmarks/bench_loss.py --ttt-only --variants perstep packed   # our TTT forms only
     python benchmarks/bench_loss.py --cpu-check          # tiny shapes on the CPU: checks the script
 
-The Liger rows need liger-kernel installed (`pip install -e ".[bench]"`); without it they are
-skipped.
+The Liger rows need liger-kernel (`pip install liger-kernel`); without it they are skipped.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -47,33 +41,12 @@ log = logging.getLogger("bench_loss")
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import import_eagleforge  # noqa: E402
-
-import_eagleforge()  # a bare checkout runs without `pip install -e .`
+from _bench_common import matmul_tflops, median_ms  # noqa: E402
+from kimi_shaped import DraftShape  # noqa: E402  (imports eagleforge from a bare checkout)
 
 from eagleforge.kernels import rows as row_kernels  # noqa: E402
 from eagleforge.kernels import soft_ce, soft_ce_ttt  # noqa: E402
 from eagleforge.train import loss as reference_loss  # noqa: E402
-
-
-class Timer:
-    """do_bench on CUDA; perf_counter median on the CPU (--cpu-check)."""
-
-    def __init__(self, device: torch.device, rep_ms: int):
-        self.device, self.rep_ms = device, rep_ms
-
-    def median_ms(self, fn) -> float:
-        if self.device.type == "cuda":
-            import triton.testing
-
-            return float(triton.testing.do_bench(fn, warmup=25, rep=self.rep_ms, return_mode="median"))
-        fn()
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
 
 
 def peak_above_inputs(fn, device: torch.device) -> float | None:
@@ -113,7 +86,7 @@ def run_cases(tokens, hidden, vocab, steps, chunks, device, dtype, timer, with_l
         ttt_w[j, tokens - 1 - j :] = 0  # step j's last 1 + j rows have no teacher
     results, losses = {}, {}
 
-    def case(name, fn, n_steps=1, grad_outputs_gib=grad_gib, is_loss=True):
+    def case(name, fn, n_steps=1, grad_outputs_gib=grad_gib):
         def step():
             for p in params:
                 p.grad = None
@@ -125,12 +98,12 @@ def run_cases(tokens, hidden, vocab, steps, chunks, device, dtype, timer, with_l
         out = step()
         if out is not None:
             losses[name] = float(out)
-        ms = timer.median_ms(step)
+        ms = timer(step)
         row = {"ms": round(ms, 3), "ms_per_step": round(ms / n_steps, 3)}
         if peak is not None:
             row["peak_GiB_over_inputs"] = round(peak, 3)
             row["peak_GiB_over_inputs_and_grads"] = round(peak - grad_outputs_gib, 3)
-        if is_loss and name in losses and "naive_torch" in losses and n_steps == 1:
+        if name in losses and "naive_torch" in losses and n_steps == 1:
             row["loss_rel_to_naive"] = float(f"{losses[name] / losses['naive_torch'] - 1:.2e}")
         results[name] = row
         log.info("T=%d %-40s %s", tokens, name, row)
@@ -148,16 +121,6 @@ def run_cases(tokens, hidden, vocab, steps, chunks, device, dtype, timer, with_l
 
     with torch.no_grad():
         lse = soft_ce.teacher_logsumexp(ht, wt)
-    for chunk in ([] if ttt_only else chunks):
-        def ours(chunk=chunk):
-            loss, _ = soft_ce.fused_soft_cross_entropy(hd, wd, ht, wt, lse, mean_w, chunk_tokens=chunk)
-            loss.backward()
-            return loss.detach()
-
-        case(f"ours_single_step_chunk{chunk}", ours)
-    if not ttt_only:
-        case("ours_teacher_lse", lambda: soft_ce.teacher_logsumexp(ht, wt).sum(), grad_outputs_gib=0.0, is_loss=False)
-
     if with_liger and not ttt_only:
         try:
             from liger_kernel.transformers import LigerFusedLinearJSD
@@ -177,16 +140,6 @@ def run_cases(tokens, hidden, vocab, steps, chunks, device, dtype, timer, with_l
             from liger_kernel.transformers import LigerFusedLinearKLDivLoss
 
             kl = LigerFusedLinearKLDivLoss()
-            with torch.no_grad():
-                probs = torch.softmax((ht @ wt.T).float(), -1)  # an input here, [T, Vd] fp32
-
-            def liger_kl():
-                loss = kl(hd, wd, probs)
-                loss.backward()
-                return loss.detach()
-
-            case("liger_fused_linear_kldiv_given_probs", liger_kl)
-            del probs
 
             def liger_kl_ttt():  # probabilities computed once, shared by the K steps
                 with torch.no_grad():
@@ -275,8 +228,7 @@ def ttt_fix(ttt_w, rows):
 def profile_ttt(tokens, hidden, vocab, steps, chunk, device, dtype, timer) -> dict:
     """Where one packed TTT call (forward + backward) spends its GPU time: the kernels by total
     time (printed), and each of a packed chunk's GEMMs timed alone at its own shape with its
-    TFLOP/s (the grad-head addmm with beta 1, as the loop runs it after the first chunk, and with
-    beta 0: the difference is the cost of reading the bf16 accumulator back)."""
+    TFLOP/s (the grad-head addmm with beta 1, as the loop runs it after the first chunk)."""
     from torch.profiler import ProfilerActivity, profile
 
     hd, wd, ht, wt, hds = make_inputs(tokens, hidden, vocab, steps, device, dtype)
@@ -314,7 +266,7 @@ def profile_ttt(tokens, hidden, vocab, steps, chunk, device, dtype, timer) -> di
         end.record()
         torch.cuda.synchronize()
         out["back_to_back_ms_per_call"] = round(start.elapsed_time(end) / 5, 3)
-        out["do_bench_ms_per_call"] = round(timer.median_ms(call), 3)
+        out["do_bench_ms_per_call"] = round(timer(call), 3)
         print("kernels summed / back to back / do_bench, ms per call:", out)
     t_chunk = chunk // steps
     p = t_chunk * steps
@@ -327,47 +279,12 @@ def profile_ttt(tokens, hidden, vocab, steps, chunk, device, dtype, timer) -> di
         f"draft logits [{p},H] x [H,Vd]": (lambda: torch.mm(h, w.T, out=z), p),
         f"grad hidden [{p},Vd] x [Vd,H]": (lambda: torch.mm(z, w, out=g), p),
         f"grad head += [Vd,{p}] x [{p},H] (beta 1)": (lambda: acc.addmm_(z.T, h, beta=1.0), p),
-        f"grad head = [Vd,{p}] x [{p},H] (beta 0)": (lambda: acc.addmm_(z.T, h, beta=0.0), p),
-        # the same accumulation written as its transpose (cuBLAS picks other kernels for it)
-        f"grad head^T += [H,{p}] x [{p},Vd] (beta 1)": (lambda: acc.T.addmm_(h.T, z, beta=1.0), p),
     }
     for name, (fn, rows) in gemms.items():
-        ms = timer.median_ms(fn)
+        ms = timer(fn)
         out[name] = {"ms": round(ms, 3), "TFLOPs": round(2 * rows * hidden * vocab / ms / 1e9, 1)}
         print(f"{name:<44} {ms:8.3f} ms {out[name]['TFLOPs']:7.1f} TFLOP/s")
-    if cuda:
-        out["row_pass"] = time_row_pass(z, tb, p, steps, device, timer)
     return out
-
-
-def time_row_pass(z, tb, rows: int, steps: int, device, timer) -> dict:
-    """The packed row pass alone on one chunk's [rows, Vd] logits, per launch config (BLOCK,
-    warps): the default (`row_kernels.launch_config`) against wider and narrower blocks. The logits are
-    overwritten by G at each call (values do not change the work)."""
-    z.normal_()
-    tb.normal_()
-    lse, psum = row_kernels.teacher_lse_fns("triton")[1](tb)
-    t_rows = tb.shape[0]
-    tidx = torch.arange(t_rows, device=device, dtype=torch.int32).repeat(steps)[:rows].contiguous()
-    weight = torch.ones(rows, device=device)
-    loss = torch.empty(rows, device=device)
-    argmax = torch.empty(rows, device=device, dtype=torch.int64)
-    out = {"default": list(row_kernels.launch_config(z.shape[1]))}
-    for block, warps in ((4096, 8), (8192, 8), (8192, 16), (2048, 4), (4096, 4), (2048, 8)):
-        def launch():
-            soft_ce._soft_ce_rows_kernel[(rows,)](z, tb, tidx, lse, psum, weight, loss, argmax, z.stride(0), tb.stride(0),
-                                                  z.shape[1], BLOCK=block, HAS_TIDX=True, HAS_PSUM=True, num_warps=warps)
-        ms = timer.median_ms(launch)
-        out[f"BLOCK {block}, {warps} warps"] = round(ms, 4)
-        print(f"row pass [{rows}, {z.shape[1]}] BLOCK {block:5d} warps {warps:2d}: {ms:.4f} ms")
-    return out
-
-
-def matmul_tflops(device, dtype, timer, size: int) -> float:
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    ms = timer.median_ms(lambda: a @ b)
-    return 2 * size**3 / ms / 1e9
 
 
 def floors(tokens, hidden, vocab, steps, tflops) -> dict:
@@ -379,9 +296,10 @@ def floors(tokens, hidden, vocab, steps, tflops) -> dict:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
-    parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--steps", type=int, default=7, help="TTT steps sharing one teacher")
+    kimi = DraftShape.kimi()
+    parser.add_argument("--hidden", type=int, default=kimi.hidden)
+    parser.add_argument("--vocab", type=int, default=kimi.draft_vocab)
+    parser.add_argument("--steps", type=int, default=kimi.ttt, help="TTT steps sharing one teacher")
     parser.add_argument("--chunks", type=int, nargs="+", default=[2048, 4096], help="our chunk_tokens values to time")
     parser.add_argument("--rep-ms", type=int, default=300, help="do_bench measuring time per case")
     parser.add_argument("--no-liger", action="store_true")
@@ -402,7 +320,7 @@ def main(argv=None) -> dict:
         if not torch.cuda.is_available():
             raise SystemExit("bench_loss.py needs a CUDA GPU (an H200 for BENCHMARKS.md's table); --cpu-check runs tiny shapes on the CPU")
         device, dtype = torch.device("cuda"), torch.bfloat16
-    timer = Timer(device, args.rep_ms)
+    timer = functools.partial(median_ms, device=device, rep_ms=args.rep_ms, cpu_reps=5, warmup_ms=25)
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
            "triton_path": row_kernels.resolve_backend("auto", device)}
     try:
@@ -416,7 +334,7 @@ def main(argv=None) -> dict:
         if device.type == "cuda" and not args.no_liger:
             log.warning("liger_kernel not importable: its rows are skipped (pip install liger-kernel to include them)")
     result = {"env": env, "shape": {"hidden": args.hidden, "vocab": args.vocab, "steps": args.steps}}
-    tflops = matmul_tflops(device, dtype, timer, 8192 if device.type == "cuda" else 256)
+    tflops = matmul_tflops(device)
     result["matmul_tflops"] = round(tflops, 1)
     for tokens in args.tokens:
         table = run_cases(tokens, args.hidden, args.vocab, args.steps, args.chunks, device, dtype, timer, with_liger,

@@ -3,7 +3,6 @@
 All rows in one process on the SAME weights: random INT4 experts, dequantized to bf16 for the
 bf16 rows.
 
-    hf_deepseekv3_bf16        transformers' DeepseekV3MoE as shipped (bf16 experts; a comparison)
     grouped_mm_bf16           the reference: sort by expert + torch._grouped_mm, bf16 weights
     int4_v3                   our Triton W4A16 kernels (kernels/int4_moe.py) routed by transformers'
                               router, as the reference is, shared expert added in a separate pass
@@ -12,8 +11,6 @@ bf16 rows.
                               product runs): its router (a bf16 GEMM with fp32 output), the same
                               kernels, the shared expert added in the combine
                               (router_only / native_router_only: the two routers alone)
-    int4_dequant_grouped_mm   dequantize all experts to bf16 per call, then grouped_mm (a
-                              comparison; the product does not run it)
     *_experts_only            routed experts alone, routing precomputed
 
 FLOPs: 2 T (k + 1) 3 H I + 2 T H E. MFU against the bf16 8192^3 matmul rate of
@@ -23,7 +20,6 @@ the full record (config search times, failed configs) goes to --json.
 
     python3 benchmarks/bench_moe.py --tokens 4096 16384 --json $OUT/bench_moe.json
     python3 benchmarks/bench_moe.py --cpu-check     # toy shapes, CPU, Triton under TRITON_INTERPRET=1
-    python3 benchmarks/bench_moe.py --aot           # no GPU: sm_90 builds of the candidates, static counts
 """
 
 from __future__ import annotations
@@ -44,6 +40,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _bench_common import import_eagleforge, matmul_tflops, median_ms  # noqa: E402
 
 import_eagleforge()
+from kimi_shaped import KIMI_MOE, kimi_args  # noqa: E402
+
 from eagleforge.kernels import int4_moe  # noqa: E402
 
 log = logging.getLogger("bench_moe")
@@ -90,8 +88,6 @@ def native_moe(moe, packs, H, I, E, K, device):
     """The extraction model's own MoE layer (extract/native/model.py, tp 1) on the same weights:
     its router (one bf16 GEMM with fp32 output; transformers' computes the logits in fp32), the
     Triton INT4 experts, and the shared expert added in the experts' combine pass."""
-    from kimi_shaped import kimi_args
-
     from eagleforge.extract.native.model import MoE
     from eagleforge.extract.native.parallel import TensorParallel
 
@@ -119,84 +115,17 @@ def print_table(res: dict, tokens: list) -> None:
                   f"{'' if err is None else f'{err:.1e}':>8}")
 
 
-def aot_report(configs=None) -> dict:
-    """Build the gate+up and down kernels for sm_90 here (no GPU) with the installed Triton
-    (pip install --target DIR triton==3.6.0 and PYTHONPATH=DIR for the device's version): registers,
-    spills, and SASS instructions per K step of the main loop against that step's tensor-core time
-    (4096 FLOP/clock/SM). Integer arguments get the divisibility by 16 that the JIT specializes on."""
-    import re
-    import subprocess
-
-    import triton
-    import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    ptr_types = {"b_ptr": "*i32", "b2_ptr": "*i32", "a_rows_ptr": "*i32", "c_rows_ptr": "*i32", "tile_expert_ptr": "*i32", "word_group_ptr": "*i32",
-                 "tile_begin_ptr": "*i32", "tile_end_ptr": "*i32", "c_scale_ptr": "*fp32"}
-    out = {}
-    configs = configs or sorted({c for v in (int4_moe.V3_CONFIGS, int4_moe.V3_DOWN_CONFIGS) for cs in v.values() for c in cs})
-    for kernel_name in ("gate_up", "down"):
-        for impl, bm, bn, bk, warps, stages, *cap in configs:
-            gate_up = kernel_name == "gate_up"
-            consts = dict(GROUP=32, BLOCK_N=bn, GATHER_A=gate_up, GATE_UP=gate_up, SCATTER_C=not gate_up, DOT_DTYPE=tl.bfloat16)
-            kern = int4_moe._int4_moe_v3_kernel
-            consts.update(BLOCK_T=bm, PERMUTE_N=gate_up, ASM=impl == "sa", NIB=bk // 16)
-            sig = {n: ("constexpr" if n in consts else ptr_types.get(n, "*bf16") if n.endswith("_ptr") else "i32") for n in kern.arg_names}
-            attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kern.arg_names)
-                     if n not in consts and (n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K"))}
-            key = f"{kernel_name} {(impl, bm, bn, bk, warps, stages, *cap)}"
-            try:
-                k = triton.compile(ASTSource(kern, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                                   options=dict(num_warps=warps, num_stages=stages, **({"maxnreg": cap[0]} if cap else {})))
-            except Exception as err:  # noqa: BLE001 - a report, not a guard: any compiler failure is printed
-                out[key] = {"error": str(err)[-300:]}
-                log.warning("%s: %s", key, str(err)[:2000])
-                continue
-            path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"bench_moe_aot_{os.getpid()}.cubin")
-            with open(path, "wb") as f:
-                f.write(k.asm["cubin"])
-            sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "--dump-sass", path], capture_output=True, text=True).stdout
-            usage = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "--dump-resource-usage", path], capture_output=True, text=True).stdout
-            os.unlink(path)
-            lines = re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*)$", sass, re.M)
-            addr = [int(a, 16) for a, _ in lines]
-            loop = None  # the longest backward branch: the K loop
-            for a, (_, text) in zip(addr, lines):
-                m = re.search(r"BRA\s+0x([0-9a-f]+)", text)
-                if m and int(m.group(1), 16) < a and (loop is None or a - int(m.group(1), 16) > loop[1] - loop[0]):
-                    loop = (int(m.group(1), 16), a)
-            n_loop = sum(1 for a in addr if loop and loop[0] <= a <= loop[1])
-            k_step = 128  # columns per loop step (in 128 / bk dots)
-            mma_clk = 2 * bm * bn * k_step * (2 if kernel_name == "gate_up" else 1) / 4096
-            res = dict(re.findall(r"(REG|STACK):(\d+)", usage))
-            out[key] = {"regs": int(res.get("REG", 0)), "spill_stack_bytes": int(res.get("STACK", 0)), "shared_bytes": k.metadata.shared,
-                        "loop_instructions_per_thread": n_loop, "issue_over_mma": round(n_loop * warps / 4 / mma_clk, 2)}
-            log.info("%-48s %s", key, out[key])
-    return out
-
-
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
     p.add_argument("--cpu-check", action="store_true")
-    p.add_argument("--aot", action="store_true", help="no GPU needed: sm_90 builds and static counts of the kernel candidates")
-    p.add_argument("--skip-hf", action="store_true")
-    p.add_argument("--skip-dequant", action="store_true")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if a.aot:
-        res = {"aot_sm90": aot_report()}
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(res, f, indent=1)
-        return res
     if a.cpu_check:
         device, (H, I, E, K), tokens = torch.device("cpu"), (256, 128, 16, 4), [37, 101]
     else:
-        device, (H, I, E, K), tokens = torch.device("cuda"), (7168, 2048, 384, 8), a.tokens
+        device, (H, I, E, K), tokens = torch.device("cuda"), KIMI_MOE, a.tokens
     res = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
            "triton": getattr(int4_moe.triton, "__version__", None), "shape": dict(H=H, I=I, E=E, K=K)}
     res["matmul_TFLOPs"] = round(matmul_tflops(device), 1)
@@ -229,14 +158,7 @@ def main(argv=None) -> dict:
             log.error("T=%d %s failed: %s", T, name, err)
 
     with torch.no_grad():
-        if not a.skip_hf:  # (a) transformers as shipped
-            for T in tokens:
-                try:
-                    record(T, "hf_deepseekv3_bf16", median_ms(lambda: moe(xs[T][None]), device, rep_ms=200))
-                except torch.OutOfMemoryError as err:
-                    rows[T]["hf_deepseekv3_bf16"] = {"error": repr(err)[:200]}
-                torch.cuda.empty_cache() if device.type == "cuda" else None
-        # (b) the grouped_mm reference; the HF expert weights are replaced by its layout
+        # the grouped_mm reference; the HF expert weights are replaced by its layout
         gu_t = moe.experts.gate_up_proj.data.transpose(1, 2).contiguous()  # [E, H, 2I]
         moe.experts.gate_up_proj.data = torch.empty(0, device=device)
         dn_t = moe.experts.down_proj.data.transpose(1, 2).contiguous()  # [E, I, H]
@@ -269,16 +191,6 @@ def main(argv=None) -> dict:
                 del layer
             record(T, "router_only", median_ms(lambda: route(x), device), peer="-")
             record(T, "shared_expert_only", median_ms(lambda: moe.shared_experts(x), device), peer="-")
-            # the dequantize-then-grouped_mm floor: writing + reading 3 E H I bf16 weights at the copy rate, plus grouped_mm
-            rows[T]["dequant_then_grouped_mm_floor_ms"] = round(rows[T]["grouped_mm_bf16_experts_only"]["ms"] + 3 * E * H * I * 2 * 2 / 4.3e12 * 1e3, 2)
-        if not a.skip_dequant:
-            del gu_t, dn_t
-            gc.collect()
-            torch.cuda.empty_cache() if device.type == "cuda" else None
-            for T in tokens:
-                x = xs[T]
-                w, idx = route(x)
-                record(T, "int4_dequant_grouped_mm", median_ms(lambda: int4_moe.int4_moe_grouped_mm(x, *route(x), *pk) + moe.shared_experts(x), device))
     res.update({f"T={T}": rows[T] for T in tokens})
     res["kernel_configs"] = {str(k): v for k, v in int4_moe._CHOSEN.items()}
     res["config_search_ms"] = {str(k): v for k, v in int4_moe._TIMES.items()}

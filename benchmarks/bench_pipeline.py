@@ -11,10 +11,8 @@ The Kimi-shaped model (benchmarks/kimi_shaped.py: real K2.5 dimensions, random I
    embedding and the first layers) and stage 1 (the rest, the norm and the head) share the full
    model's modules and pass their messages through a queue in place of send/recv; every batch's
    rows against pp 1's (bf16: the same kernels on the same inputs, so equal) and finite.
-3. The pilot's projection (8 x RTX PRO 6000, PCIe) per tp x pp layout, from this GPU's measured
-   layer times scaled by the ratio of the stated matmul rates, and from stated link rates
-   (extract/native/preflight.py project_stages: compute + the tp group's all-reduces per stage,
-   the stage-to-stage hop overlapped). COMPUTED, not measured: no pilot machine here.
+3. The pilot's projection (8 x RTX PRO 6000, PCIe) per tp x pp layout (preflight.project_stages)
+   from this GPU's layer times scaled by the stated matmul rates, and stated link rates. COMPUTED.
 
     python3 benchmarks/bench_pipeline.py --json $OUT/pipeline.json
     python3 benchmarks/bench_pipeline.py --cpu-check            # toy shapes on the CPU (checks the script)
@@ -34,13 +32,13 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench_common import import_eagleforge, matmul_tflops, median_ms  # noqa: E402
+from _bench_common import import_eagleforge, matmul_tflops, median_ms, sync  # noqa: E402
 
 import_eagleforge()
-from kimi_shaped import KIMI_K25_TEXT, build_bench_model, kimi_args, tiny_args  # noqa: E402
+from kimi_shaped import KIMI_K25_TEXT, DraftShape, build_bench_model, kimi_args, random_rows, tiny_args  # noqa: E402
 
 from eagleforge.extract.driver import forward_batches  # noqa: E402
-from eagleforge.extract.native.model import DeepseekV3ForExtraction, LayerStack, ModelArgs  # noqa: E402
+from eagleforge.extract.native.model import DeepseekV3ForExtraction, LayerStack  # noqa: E402
 from eagleforge.extract.native.plan import stage_layers, stage_work_per_token  # noqa: E402
 from eagleforge.extract.native.preflight import Rates, format_layouts, project_stages  # noqa: E402
 from eagleforge.extract.native.target import NativeTarget, forward_batch  # noqa: E402
@@ -86,17 +84,6 @@ def stage_view(full: DeepseekV3ForExtraction, layers: range, first: bool, last: 
     stage.model.inv_freq = full.model.inv_freq
     stage.lm_head = full.lm_head if last else None
     return stage
-
-
-def make_rows(vocab: int, tokens: int, seq: int, batches: int) -> list[dict]:
-    gen = torch.Generator().manual_seed(0)
-    n = batches * max(1, tokens // seq)
-    return [{"id": i, "input_ids": torch.randint(0, vocab, (seq,), generator=gen).tolist(), "loss_mask": [1] * seq} for i in range(n)]
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def loop_overhead(model, aux: list[int], rows: list[dict], tokens: int, device: torch.device, rounds: int) -> dict:
@@ -175,11 +162,12 @@ def pilot_projection(ms: dict, tokens: int, measured_tflops: float, seq: int) ->
     """Part 3: the 61-layer Kimi-K2.5 per tp x pp layout of 8 GPUs, from the measured layer times
     scaled by measured / stated matmul rate (at tp > 1 a layer's time divided by tp: an even
     split, its all-reduces added from the stated bus bandwidth)."""
-    a = ModelArgs(**KIMI_K25_TEXT)
+    a = kimi_args(KIMI_K25_TEXT["num_hidden_layers"])
     scale = measured_tflops / PILOT_TFLOPS
     layer_s = [(ms["dense_layer"] if i < a.first_k_dense_replace else ms["moe_layer"]) / 1e3 / tokens * scale
                for i in range(a.num_hidden_layers)]
     head_s = ms["argmax_head"] / 1e3 / tokens * scale
+    aux = list(DraftShape.kimi().aux_layers)
     out = {}
     for name, (busbw, p2p) in PILOT_LINKS.items():
         rows = []
@@ -188,7 +176,7 @@ def pilot_projection(ms: dict, tokens: int, measured_tflops: float, seq: int) ->
             ranges = stage_layers(a, pp, tp, seq, tp > 1)
             work = []
             for s, r in enumerate(ranges):
-                w = stage_work_per_token(a, tp, r, s == 0, s == pp - 1, 2, seq, tp > 1, True, [1, 29, 57])
+                w = stage_work_per_token(a, tp, r, s == 0, s == pp - 1, 2, seq, tp > 1, True, aux)
                 w["compute_s"] = (sum(layer_s[i] for i in r) + (head_s if s == pp - 1 else 0.0)) / tp
                 work.append(w)
             rows.append({"tp": tp, "pp": pp, "fits": True, "keys": f"target.tp={tp} target.pp={pp}",
@@ -217,7 +205,7 @@ def main(argv=None) -> dict:
         args = kimi_args(a.layers)
     aux = sorted({1, max(1, args.num_hidden_layers // 2), args.num_hidden_layers - 1})
     model = build_bench_model(args, device, dtype=torch.float32 if cpu else torch.bfloat16)
-    rows = make_rows(args.vocab_size, a.tokens, a.seq, a.batches)
+    rows = random_rows(args.vocab_size, a.tokens, a.seq, a.batches)
     tflops = matmul_tflops(device)
     res = {"device": torch.cuda.get_device_name() if not cpu else "cpu", "torch": torch.__version__,
            "layers": args.num_hidden_layers, "tokens_per_forward": a.tokens, "seq": a.seq, "matmul_TFLOPs": round(tflops, 1)}

@@ -32,6 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _bench_common import import_eagleforge, median_ms  # noqa: E402
 
 import_eagleforge()
+from kimi_shaped import KIMI_K25_TEXT  # noqa: E402
+
 from eagleforge.extract.native.model import _cudnn_refused, prefill_attention  # noqa: E402
 
 log = logging.getLogger("bench_prefill_attention")
@@ -76,13 +78,13 @@ def reference(q, k, v, scale):
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384, 32768])
-    ap.add_argument("--heads", type=int, default=64)
+    ap.add_argument("--heads", type=int, default=KIMI_K25_TEXT["num_attention_heads"])
     ap.add_argument("--check-tokens", type=int, default=1031)
     ap.add_argument("--json", default=None)
     ap.add_argument("--cpu-check", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    d_qk, d_v = 192, 128
+    d_qk, d_v = KIMI_K25_TEXT["qk_nope_head_dim"] + KIMI_K25_TEXT["qk_rope_head_dim"], KIMI_K25_TEXT["v_head_dim"]
     scale = d_qk**-0.5
     if args.cpu_check:
         device, dtype, args.tokens, args.heads, args.check_tokens = torch.device("cpu"), torch.float32, [64, 129], 3, 37

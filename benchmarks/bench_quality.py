@@ -1,57 +1,37 @@
 """Benchmark: draft QUALITY of this project's trainer against SpecForge 0.2.0's training step, on
-the same shards with the same batches, steps, learning-rate schedule and TTT length.
+the same shards with the same batches, steps, learning-rate schedule and TTT length
+(BENCHMARKS.md, "Trainer against SpecForge on the same shards").
 
-Inputs: a RUN directory already holding data, hidden and vocab (the data, extract and vocab
-stages of CONFIG, e.g. configs/smollm2_gpu.yaml), and CONFIG itself. Nothing under RUN is
-changed: each training writes under OUT (default RUN/bench_quality), in a run directory whose
-data, hidden and vocab are links to RUN's.
+Inputs: a RUN holding data, hidden and vocab (the first stages of CONFIG, e.g.
+configs/smollm2_gpu.yaml), and CONFIG. RUN is not changed: each training writes under OUT
+(default RUN/bench_quality), in a run directory whose data, hidden and vocab link to RUN's.
 
-  ours       eagleforge.train.loop.train(cfg): the trainer as `make train` runs it (its own
-             batching, read-ahead, loss, optimizer, schedule), exporting OUT/ours/draft.
-  Both start from the same draft: the trainer's initial weights for train.seed (train/build.py),
-  copied into SpecForge's model, so with the same batch order a seed pairs the two recipes, not
-  two random draws. --seeds S... runs each trainer once per seed; --summarize prints per row the
-  seeds, mean, sd and the mean paired difference to a --baseline row. draft.fc_norm=true trains
-  EAGLE-3.1 on both sides (SpecForge's `fc_norm`).
-
+  ours       eagleforge.train.loop.train(cfg): the trainer as `make train` runs it.
   specforge  SpecForge's own step: LlamaForCausalLMEagle3 in OnlineEagle3Model (flex_attention
              on a GPU, sdpa on the CPU), its compact teacher from the target's last hidden states
-             and FULL lm_head, its loss (sum_j decay^j x step loss), its BF16Optimizer (AdamW over
-             fp32 masters of bf16 weights, grad clip) with the trainer's lr, weight decay, clip and
-             lr schedule (train.loop.lr_lambda swapped in for SpecForge's own).
-             Batches: the trainer's (step_schedule below: make_batches with train.seed, epoch by
-             epoch, world x grad_accum batches a step), read from the shards by the trainer's ShardSource and
-             padded on the same read-ahead worker (train/prefetch.py), fed as
-             SpecForge's offline pipeline feeds its step (TargetHead.preprocess: input ids and
-             target states shifted left by one, loss mask not). --specforge-mask aligned (the
-             default) shifts the loss mask left by two so SpecForge scores the same rows as the
-             trainer (row t at TTT step j predicts token t+2+j; SpecForge reads its mask at
-             t+j); `own` passes the mask as SpecForge's pipeline does (last token zeroed).
-             The trained weights are mapped onto this project's names (specforge_export_tensors:
-             the same names, minus embed_tokens) with d2t/t2d from RUN/vocab and written in the
-             export format (docs/export.md) to OUT/specforge/draft.
+             and FULL lm_head, its loss (sum_j decay^j x step loss), its BF16Optimizer with the
+             trainer's lr, weight decay, clip and lr schedule (train.loop.lr_lambda). Batches: the
+             trainer's (`step_schedule`), read by the trainer's ShardSource on the same read-ahead
+             worker, fed as SpecForge's offline pipeline feeds its step (input ids and target
+             states shifted left by one). --specforge-mask aligned (the default) shifts the loss
+             mask left by two so SpecForge scores the trainer's rows (row t at TTT step j predicts
+             token t+2+j; SpecForge reads its mask at t+j); `own` passes it as SpecForge's
+             pipeline does. The trained weights are written in the export format (docs/export.md).
+  Both start from the trainer's initial draft for train.seed (train/build.py), so a seed pairs
+  the recipes, not two random draws; --seeds S... trains each once per seed, --summarize prints
+  per row the seeds, mean, sd and the paired difference to a --baseline row. draft.fc_norm=true
+  trains EAGLE-3.1 on both sides.
 
-Both exports are then measured the same way:
-  - simulated acceptance: the trainer's held-out evaluation (Trainer.evaluate on the last
-    train.holdout_samples samples, as train/loop.py finish() does) of the EXPORTED bf16 draft;
-    acceptance length at k = eval.k from the per-step accuracies.
-  - measured acceptance: `python -m eagleforge.eval` with eval.draft_path=OUT/<name>/draft: real
-    speculative decoding with greedy verification on the held-out HumanEval prompts at k = eval.k.
-  - train seconds: the training loop (ours: the trainer's own count between host syncs, no
-    checkpoint writes; SpecForge: its steps incl. batch reads, synced at the end) and the wall
-    time of the whole training call (model build, checkpoints, export; ours also its held-out
-    evaluation).
+Both exports are measured alike: the simulated acceptance at k = eval.k from the trainer's
+held-out evaluation of the EXPORTED draft (Trainer.evaluate, as train/loop.py finish() does);
+the measured acceptance of `python -m eagleforge.eval` on it (unless --no-eval); the training
+loop's seconds and the whole call's wall time.
 
     make bench-quality RUN=runs/smollm2_gpu CONFIG=configs/smollm2_gpu.yaml
     python benchmarks/bench_quality.py --config configs/smollm2_gpu.yaml --run runs/smollm2_gpu \
         --seeds 0 1 2 --json runs/smollm2_gpu/bench_quality.json
     python benchmarks/bench_quality.py --summarize A.json B.json --baseline "specforge 0.2.0"
-
-Benchmark variants of ours (not product options): --noise S trains on aux states with Gaussian
-noise of S x each state's RMS; --per-epoch keeps a checkpoint per epoch and reports each one's
-held-out acceptance (would keeping the best checkpoint beat keeping the last?).
-    python benchmarks/bench_quality.py --tiny      # the CPU check of the script (embedded SmolLM2,
-                                                   # a 16-prompt run it prepares, a few steps, 2 prompts)
+    python benchmarks/bench_quality.py --tiny      # the CPU check: embedded SmolLM2, a 16-prompt run, a few steps
 
 SpecForge is not a dependency: without it the SpecForge row says so and ours still runs. On the CPU
 (--tiny) SpecForge's Triton loss kernel cannot run: its loss is replaced by the same formula in
@@ -246,27 +226,12 @@ def run_config(config_file: str | None, run: Path, overrides: list[str]) -> Conf
     return load_config(config_file, [*overrides, f"run_dir={run}", "train.resume=false"])
 
 
-def train_ours(cfg: Config, noise: float = 0.0) -> dict:
-    """The trainer end to end (train(cfg)); loop seconds from its own count (train_summary.json).
-    noise > 0 (a benchmark variant, not a product option): the training batches' aux states get
-    Gaussian noise of that size relative to each state's RMS (held-out evaluation without)."""
-    from eagleforge.train.loop import Trainer, train
+def train_ours(cfg: Config) -> dict:
+    """The trainer end to end (train(cfg)); loop seconds from its own count (train_summary.json)."""
+    from eagleforge.train.loop import train
 
     t0 = time.perf_counter()
-    batch_loss = Trainer.batch_loss
-    if noise > 0:
-        def noisy_batch_loss(self, batch, training=False):
-            if training:
-                aux = batch.aux_hidden_states  # [B, T, k * Ht]
-                chunks = aux.float().unflatten(-1, (-1, self.draft.config.target_hidden_size))  # [B, T, k, Ht]
-                rms = chunks.pow(2).mean(-1, keepdim=True).sqrt()
-                batch.aux_hidden_states = (chunks + noise * rms * torch.randn_like(chunks)).flatten(-2).to(aux.dtype)
-            return batch_loss(self, batch, training)
-        Trainer.batch_loss = noisy_batch_loss
-    try:
-        summary = train(cfg)
-    finally:
-        Trainer.batch_loss = batch_loss
+    summary = train(cfg)
     wall = time.perf_counter() - t0
     rate = summary.get("train_tokens_per_s")
     return {"draft": str(cfg.run / "draft"), "steps": summary["steps"], "train_tokens": summary["train_tokens"],
@@ -373,44 +338,6 @@ def heldout_acceptance(cfg: Config) -> dict:
             "accuracy_per_step": [round(a, 4) for a in stats.accuracy_per_step()]}
 
 
-def epoch_checkpoint_overrides(cfg: Config) -> list[str]:
-    """Overrides that make the trainer keep a checkpoint at each epoch's end (steps per epoch from
-    the trainer's schedule; a run of `epochs` epochs keeps them all)."""
-    from eagleforge.train.sources import ShardSource
-    from eagleforge.vocab import training_sample_count
-
-    tc = cfg.train
-    source = ShardSource(cfg.run / "hidden", Layout(device=torch.device("cpu")), tc.verify_checksums, tc.skip_corrupt_shards)
-    n_train = training_sample_count(len(source), tc.holdout_samples, str(cfg.run / "hidden"))
-    per_epoch = len(step_schedule(source.sample_lengths(), list(range(n_train)), tc.batch_tokens, tc.seed, 1, 0, max(1, tc.grad_accum)))
-    return [f"train.save_every={per_epoch}", f"train.keep_last={tc.epochs + 1}"]
-
-
-def per_epoch_acceptance(cfg: Config) -> list[dict]:
-    """Held-out simulated acceptance of each checkpoint the run kept (export_finite of each, as
-    the trainer exports its last), oldest first: does acceptance peak before the last epoch?"""
-    from eagleforge.train.checkpoint import list_checkpoints
-    from eagleforge.train.loop import export_finite
-
-    out = []
-    final = cfg.run / "draft"
-    keep = cfg.run / "draft-final"
-    if final.exists():
-        final.rename(keep)
-    try:
-        for checkpoint in list_checkpoints(cfg.run):
-            export_finite(checkpoint, final)
-            row = heldout_acceptance(cfg)
-            out.append({"checkpoint": checkpoint.name, "simulated_acceptance_length": row["simulated_acceptance_length"]})
-            import shutil
-
-            shutil.rmtree(final)
-    finally:
-        if keep.exists():
-            keep.rename(final)
-    return out
-
-
 def eval_stage(config_file: str | None, run: Path, overrides: list[str], python: str) -> dict:
     """`python -m eagleforge.eval` on run/draft (its own process: the target loads and leaves)."""
     cmd = [python, "-m", "eagleforge.eval", *(["--config", config_file] if config_file else []), *overrides,
@@ -433,15 +360,14 @@ def fmt(value, spec: str = ".3f") -> str:
 
 def print_table(rows: list[dict]) -> None:
     k = next((r.get("k") for r in rows if r.get("k")), "k")
-    print(f"\n| row | seed | acceptance at k={k} (HumanEval) | simulated acceptance (held-out) | per epoch | train s | wall s | steps |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"\n| row | seed | acceptance at k={k} (HumanEval) | simulated acceptance (held-out) | train s | wall s | steps |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['name']} | {r.get('seed', '-')} | {r['error']} | | | | | |")
+            print(f"| {r['name']} | {r.get('seed', '-')} | {r['error']} | | | | |")
             continue
-        epochs = " ".join(fmt(e["simulated_acceptance_length"]) for e in r.get("per_epoch", [])) or "-"
         print(f"| {r['name']} | {r.get('seed', '-')} | {fmt(r.get('acceptance_length'))} | {fmt(r.get('simulated_acceptance_length'))} | "
-              f"{epochs} | {fmt(r.get('train_s'), '.1f')} | {fmt(r.get('wall_s'), '.1f')} | {r.get('steps', '-')} |")
+              f"{fmt(r.get('train_s'), '.1f')} | {fmt(r.get('wall_s'), '.1f')} | {r.get('steps', '-')} |")
 
 
 def summarize(paths: list[Path], baseline: str | None, key: str = "simulated_acceptance_length") -> list[dict]:
@@ -491,10 +417,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="train.seed of each training (a seed pairs the "
                     "trainers: the same initial draft and batch order)")
     ap.add_argument("--label", default=None, help="the row's name in the report (default: eagleforge / specforge 0.2.0)")
-    ap.add_argument("--noise", type=float, default=0.0, help="ours only, a benchmark variant: Gaussian noise on the training "
-                    "batches' aux states, relative to each state's RMS")
-    ap.add_argument("--per-epoch", action="store_true", help="ours: keep a checkpoint per epoch and report each one's "
-                    "held-out acceptance (does it peak before the last?)")
     ap.add_argument("--specforge-attention", default=None, help="SpecForge's attention backend "
                     "(default flex_attention on a GPU, sdpa on the CPU)")
     ap.add_argument("--specforge-mask", choices=["aligned", "own"], default="aligned")
@@ -535,13 +457,11 @@ def main(argv=None) -> dict:
         for name in args.only:
             run = bench_run_dir(out / name / f"seed{seed}", args.run)
             cfg = run_config(args.config, run, [*overrides, f"train.seed={seed}"])
-            if name == "ours" and args.per_epoch:
-                cfg = run_config(args.config, run, [*overrides, f"train.seed={seed}", *epoch_checkpoint_overrides(cfg)])
             label = args.label or ("eagleforge" if name == "ours" else "specforge 0.2.0")
             row = {"name": label if len(args.only) == 1 or args.label is None else f"{label} {name}", "seed": seed}
             try:
                 if name == "ours":
-                    row.update(train_ours(cfg, args.noise))
+                    row.update(train_ours(cfg))
                 else:
                     try:
                         import specforge  # noqa: F401
@@ -554,8 +474,6 @@ def main(argv=None) -> dict:
                     row.update(train_specforge(cfg, backend, args.specforge_mask), attention_backend=backend,
                                mask=args.specforge_mask)
                 row.update(heldout_acceptance(cfg))
-                if name == "ours" and args.per_epoch:
-                    row["per_epoch"] = per_epoch_acceptance(cfg)
                 if not args.no_eval:
                     row.update(eval_stage(args.config, run, overrides, python))
             except Exception as err:  # noqa: BLE001 - recorded; the other rows still run

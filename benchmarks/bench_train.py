@@ -1,142 +1,61 @@
-"""Benchmark: one full EAGLE-3 draft training step (forward, backward, optimizer) at Kimi-K2.5's
-draft shape, ours against SpecForge's own step, side by side in one process.
+"""Benchmark: one full EAGLE-3 draft training step (forward over the TTT steps, fused loss,
+backward, clipping, optimizer) at Kimi-K2.5's draft shape (kimi_shaped.DraftShape.kimi(): hidden
+7168, 64 heads of 128, intermediate 18432, V 163840, Vd 32000, TTT 7), batch 1 x T tokens: the
+trainer's own step beside SpecForge's, in one process. BENCHMARKS.md, "Draft training step".
 
-Shape (Kimi-K2.5 draft): hidden 7168, one layer, 64 query and 64 KV heads of 128, intermediate
-18432, target vocabulary 163840, draft vocabulary Vd 32000, TTT 7, batch 1 x T tokens.
+The trainer's rows: Trainer.train_step() as `make train` runs it, with the train settings of each
+--trainer-configs file plus each --variants entry (config overrides, one set a row:
+"train.activation_checkpoint=selective train.attention=flex"; "" = the config as it is), on
+Kimi-shaped shards written by the project's ShardWriter and read ahead by the trainer's feed
+("shards"), then on the first batch kept on the device ("synthetic batch": nothing read).
+--launch N...: the same rows under torchrun on N GPUs each, --tokens per GPU, with the scaling.
 
-Our step mirrors the trainer (train/loop.py) with the memory changes measured here:
+SpecForge's rows: its own step (LlamaForCausalLMEagle3 in OnlineEagle3Model, flex attention, its
+compact teacher over the FULL vocabulary, its trainer's BF16Optimizer), last in the process; the
+trainer's rows carry speed and memory ratios against it (none without specforge installed).
 
-    emb   = embed(input_ids ++ [0] * K)             [T + K, H]; step j reads rows 1+j .. T+j (a view)
-    h     = fc(aux)                                  [T, H]
-    step j = 0..K-1 (Eagle3Draft.ttt_step_fn: checkpointed per the variant's ckpt, elementwise
-                     pieces compiled with compile=1):
-        q, k_j, v_j = midlayer.qkv(emb_j, h, RoPE(t + j))
-        h = midlayer.finish(ttt_attention(q, k_0..k_j, v_0..v_j, mode=attn), h)   un-normed, fed to j+1
-        normed_j = norm(h)                                                  [T, H]
-    loss  = fused_soft_cross_entropy_ttt(normed_0..K-1, lm_head, last_hidden, teacher_head[Vd],
-            weight [K, T], packed=packed)
-                               teacher logits over Vd computed ONCE per position for all K steps;
-                               weight = loss mask x (target argmax in the draft vocabulary) x 0.8^j
-                               / (rows of step j); the target argmax comes with the shards
-    loss.backward(); clip_grad_norm_(0.5); AdamW(fused=True).step(); zero_grad(set_to_none=True)
-
-The step-only variants keep bf16 parameters and bf16 AdamW states (a benchmark variant: the
-trainer's rows run the trainer itself, whose bf16 parameters step with fp32 masters and moments,
-train/optimizer.py). SpecForge's step runs with its own trainer's optimizer, BF16Optimizer (fp32
-masters and moments of its bf16 weights, its gradient clipping): the same update precision as the
-trainer's. The frozen target embedding [163840, 7168] (2.2 GiB) stays on the
-host by default (--embed-device cpu): only the T rows a batch uses are gathered there (into
-pinned memory) and copied over, inside the timed step.
-
-SpecForge's step is its own training step:
-LlamaForCausalLMEagle3 in OnlineEagle3Model, flex_attention backend, its compact teacher from
-hidden states over the FULL target vocabulary (163840) every step, BF16Optimizer.
-
-FLOPs are counted here (model FLOPs, no recompute): 6 x (trainable parameters used per TTT step)
-x K + fc + causal attention (fwd + bwd, 3 x 4 x T/2 x heads x head_dim per token and step) + the
-teacher's forward logits: 2 H Vd per token for ours (once, shared over steps; the target argmax
-comes from the shards), 2 H V for SpecForge (full vocabulary, as it does). MFU is against
---peak-tflops (H200 dense bf16, 989).
-
-Variants (side by side in ONE run; --variants picks them, each a spec
-`key=value,...` with ckpt = step | none | selective | selective_all (eagleforge.modes.CHECKPOINT_MODES),
-attn = flex | merged | merged_cudnn | sdpa (draft.attention), compile = 0 | 1 (fused elementwise pieces),
-packed = 0 | 1 (the loss's packed TTT form), fusegrad = 0 | 1 (midlayer weight gradients accumulated by the
-GEMM itself, train/weight_grads.py, which the trainer runs with bf16 parameters)).
-The trainer's Kimi configs run ckpt=selective_all,attn=merged_cudnn,compile=1 (packed = the
-`train.loss_packed` option, off by default). Rows carry "vs SpecForge" ratios against SpecForge
-measured in the same run (none without SpecForge installed).
-
-    python benchmarks/bench_train.py --no-specforge --json $OUT/bench_train.json        # attention + all variants
-    python benchmarks/bench_train.py --attention-bench --json $OUT/attn.json              # TTT attention only
-    python benchmarks/bench_train.py --variants ckpt=selective,attn=merged,compile=1,packed=1 \
-        --tokens 2048 8192 16384 32768 65536                                                # the full table
+FLOPs are counted (model FLOPs, no recompute; `flops_per_token`); MFU against --peak-tflops
+(H200 dense bf16, 989).
 
     make bench-train                                          # = python benchmarks/bench_train.py
-    python benchmarks/bench_train.py --tokens 2048 8192 --no-specforge --json out.json
+    python benchmarks/bench_train.py --no-attention-bench --tokens 8192 \
+        --variants "" "train.activation_checkpoint=selective" "train.attention=flex"    # settings side by side
+    python benchmarks/bench_train.py --attention-bench        # the TTT attention alone, by mode
+    python benchmarks/bench_train.py --profile 8192           # one profiled step: kernels, host syncs, peak memory
+    python benchmarks/bench_train.py --launch 1 2 --tokens 8192 --no-attention-bench --no-specforge
     python benchmarks/bench_train.py --cpu-check              # tiny shapes on the CPU: checks the script
-    python benchmarks/bench_train.py --varying 24 --tokens 8192 --variants \
-        ckpt=selective_all,attn=merged,compile=dynamic,packed=1 \
-        ckpt=selective_all,attn=merged_cudnn,compile=dynamic,packed=1   # lengths changing every step
-
-The SpecForge rows need specforge installed (and the Liger kernels it uses); without it they are
-skipped and no ratio is given.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import gc
 import json
 import logging
+import os
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import gpu_busy_ms, host_syncs, import_eagleforge, memory_at_peak  # noqa: E402
+from _bench_common import gpu_busy_ms, host_syncs, memory_at_peak, sync  # noqa: E402
+from kimi_shaped import DraftShape  # noqa: E402  (imports eagleforge from a bare checkout)
 
-import_eagleforge()  # a bare checkout runs without `pip install -e .`
-
-from eagleforge.draft import Eagle3Config, Eagle3Draft  # noqa: E402
 from eagleforge.draft.attention import ttt_attention  # noqa: E402
-from eagleforge.kernels import soft_ce_ttt  # noqa: E402
-from eagleforge.train import loss as reference_loss  # noqa: E402
-from eagleforge.train.weight_grads import fuse_weight_grads  # noqa: E402
+from eagleforge.layout import init_layout  # noqa: E402
 
 log = logging.getLogger("bench_train")
 
-STEP_WEIGHT_DECAY = 0.8
-GRAD_CLIP = 0.5
 
-DEFAULT_VARIANTS = [
-    "ckpt=step,attn=flex",  # whole-step checkpointing, flex attention: the simplest configuration
-    "ckpt=selective,attn=merged",
-    "ckpt=selective,attn=merged,compile=1,packed=1",
-    "ckpt=selective_all,attn=merged,compile=1,packed=1",
-    "ckpt=step,attn=merged,compile=1,packed=1",
-    "ckpt=none,attn=merged,compile=1,packed=1",
-    "ckpt=selective_all,attn=merged_cudnn,compile=1,packed=1,fusegrad=1",  # the fastest measured (BENCHMARKS.md)
-]
-
-
-@dataclass
-class Shape:
-    hidden: int = 7168
-    heads: int = 64
-    kv_heads: int = 64
-    head_dim: int = 128
-    intermediate: int = 18432
-    vocab: int = 163840
-    draft_vocab: int = 32000
-    ttt: int = 7
-
-    @classmethod
-    def tiny(cls) -> "Shape":
-        return cls(hidden=96, heads=4, kv_heads=2, head_dim=24, intermediate=160, vocab=1500, draft_vocab=997, ttt=3)
-
-    def draft_config(self) -> Eagle3Config:
-        return Eagle3Config(
-            hidden_size=self.hidden, num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
-            head_dim=self.head_dim, intermediate_size=self.intermediate, vocab_size=self.vocab,
-            draft_vocab_size=self.draft_vocab, target_hidden_size=self.hidden, aux_layer_ids=[1, 29, 57],
-            rms_norm_eps=1e-5, rope_theta=50000.0, max_position_embeddings=131072,
-        )
-
-
-# ----------------------------------------------------------------------------------------------
-# FLOPs (counted, not measured)
-# ----------------------------------------------------------------------------------------------
-
-
-def flops_per_token(s: Shape, tokens: int, teacher_vocab: int) -> float:
-    """Model FLOPs per token of one training step (forward + backward, no recompute)."""
+def flops_per_token(s: DraftShape, tokens: int, teacher_vocab: int) -> float:
+    """Model FLOPs per token of one training step (forward + backward, no recompute); the teacher's
+    logits once per position, over the draft vocabulary (the trainer) or the full one (SpecForge)."""
     attn_params = s.heads * s.head_dim * 2 * s.hidden + 2 * s.kv_heads * s.head_dim * 2 * s.hidden \
         + s.heads * s.head_dim * s.hidden  # q, k, v from 2H; o_proj
     per_step = attn_params + 3 * s.hidden * s.intermediate + s.draft_vocab * s.hidden  # + MLP + lm_head
@@ -146,52 +65,16 @@ def flops_per_token(s: Shape, tokens: int, teacher_vocab: int) -> float:
     return 6 * per_step * s.ttt + 6 * fc + s.ttt * attention + teacher
 
 
-# ----------------------------------------------------------------------------------------------
-# Inputs (random, at a trained model's scales) and memory/time helpers
-# ----------------------------------------------------------------------------------------------
-
-
-def use_compiled_block_masks() -> None:
-    """Build the TTT flex block masks with create_block_mask(_compile=True): the draft's eager
-    call evaluates the mask over all T x K*T pairs at once (7.5 GB of booleans at T = 32768,
-    30 GB at 65536) before reducing it to blocks; the compiled one never materializes it. Same
-    mask_mod as eagleforge.draft.attention._ttt_block_mask (which should adopt this)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    from eagleforge.draft import attention as attention_module
-
-    @functools.lru_cache(maxsize=64)
-    def block_mask(seq_len: int, num_steps: int, device: str):
-        def mask_mod(b, h, q_idx, kv_idx):
-            step = kv_idx // seq_len
-            pos = kv_idx % seq_len
-            return ((step == 0) & (pos <= q_idx)) | ((step > 0) & (pos == q_idx))
-
-        return create_block_mask(mask_mod, None, None, seq_len, num_steps * seq_len, device=device, _compile=True)
-
-    attention_module._ttt_block_mask = block_mask
-
-
-def make_batch(s: Shape, tokens: int, device: torch.device, used_ids: torch.Tensor, seed: int = 0) -> dict:
+def make_batch(s: DraftShape, tokens: int, device: torch.device, used_ids: torch.Tensor, seed: int = 0) -> dict:
     """One sample of T tokens as the shards hold it: aux [1, T, 3H], last hidden [1, T, H],
     input ids, loss mask (all ones, as SpecForge's step), target argmax (90% inside the draft vocab)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     input_ids = torch.randint(0, s.vocab, (1, tokens), generator=gen)
     in_vocab = used_ids[torch.randint(0, len(used_ids), (1, tokens), generator=gen)]
     argmax = torch.where(torch.rand(1, tokens, generator=gen) < 0.9, in_vocab, input_ids)
-    return {
-        "input_ids": input_ids,  # kept on the host too for the host-side embedding gather
-        "input_ids_dev": input_ids.to(device),
-        "aux": torch.randn(1, tokens, 3 * s.hidden, device=device, dtype=torch.bfloat16),
-        "last": torch.randn(1, tokens, s.hidden, device=device, dtype=torch.bfloat16),
-        "loss_mask": torch.ones(1, tokens, dtype=torch.uint8, device=device),
-        "target_argmax": argmax.to(device),
-    }
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    return {"input_ids": input_ids.to(device), "aux": torch.randn(1, tokens, 3 * s.hidden, device=device, dtype=torch.bfloat16),
+            "last": torch.randn(1, tokens, s.hidden, device=device, dtype=torch.bfloat16),
+            "loss_mask": torch.ones(1, tokens, dtype=torch.uint8, device=device), "target_argmax": argmax.to(device)}
 
 
 def free_memory(device: torch.device) -> None:
@@ -200,11 +83,14 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def time_steps(step_fn, device: torch.device, warmup: int, iters: int) -> tuple[float, float | None]:
-    """(mean seconds per step over `iters` after `warmup` steps, peak GiB allocated during them)."""
+def time_steps(step_fn, device: torch.device, warmup: int, iters: int, line_up=None) -> tuple[float, float | None]:
+    """(mean seconds per step over `iters` after `warmup` steps, peak GiB allocated during them);
+    `line_up` (the ranks' barrier) runs before the clock starts."""
     for _ in range(warmup):
         step_fn()
     sync(device)
+    if line_up is not None:
+        line_up()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -216,172 +102,13 @@ def time_steps(step_fn, device: torch.device, warmup: int, iters: int) -> tuple[
     return seconds, peak
 
 
-def result_row(name: str, tokens: int, seconds: float, peak: float | None, flops_tok: float, peak_tflops: float) -> dict:
-    tflops = tokens * flops_tok / seconds / 1e12
-    return {"method": name, "tokens": tokens, "step_ms": round(seconds * 1e3, 1), "tokens_per_s": round(tokens / seconds),
-            "peak_GiB": None if peak is None else round(peak, 2), "GFLOP_per_token": round(flops_tok / 1e9, 2),
+def result_row(name: str, tokens, seconds: float, peak: float | None, step_tokens: float, step_flops: float,
+               peak_tflops: float) -> dict:
+    """A row of `seconds` per step of `step_tokens` tokens and `step_flops` model FLOPs (means over the steps)."""
+    tflops = step_flops / seconds / 1e12
+    return {"method": name, "tokens": tokens, "step_ms": round(seconds * 1e3, 1), "tokens_per_s": round(step_tokens / seconds),
+            "peak_GiB": None if peak is None else round(peak, 2), "GFLOP_per_token": round(step_flops / step_tokens / 1e9, 2),
             "TFLOPs": round(tflops, 1), "MFU": round(tflops / peak_tflops, 3)}
-
-
-# ----------------------------------------------------------------------------------------------
-# Our training step
-# ----------------------------------------------------------------------------------------------
-
-
-def ttt_layer_step(draft: Eagle3Draft, attention: str, n_prev: int, hidden, emb, cos, sin, *kv):
-    """One TTT step of the midlayer. hidden, emb [1, T, H]; kv = n_prev keys then n_prev values
-    [1, Hkv, T, D] of the earlier steps -> (un-normed output, normed output, k_j, v_j)."""
-    return draft.ttt_step(attention, n_prev, hidden, emb, cos, sin, *kv)
-
-
-def step_modes(ckpt: str, k_steps: int) -> list[str]:
-    """A variant's ckpt -> one checkpoint mode per TTT step: "selective:4" (selective for steps
-    0..3, step after; this script's own form), else eagleforge.modes.checkpoint_modes ("selective_all",
-    "selective*3+selective_all*4")."""
-    from eagleforge.modes import checkpoint_modes
-
-    mode, _, first = ckpt.partition(":")
-    if first:
-        return [mode if j < int(first) else "step" for j in range(k_steps)]
-    return checkpoint_modes(ckpt, k_steps)
-
-
-@dataclass
-class Variant:
-    """One configuration of our step, parsed from "ckpt=selective,attn=merged,compile=1,packed=1"."""
-
-    ckpt: str = "step"
-    attn: str = "flex"
-    compile: bool | str = False  # False, True (a graph per length) or "dynamic"
-    packed: bool = False
-    fusegrad: bool = False
-    sync: bool = False  # two host syncs in the loss's backward (what they would cost; the loss makes none)
-
-    @classmethod
-    def parse(cls, spec: str) -> "Variant":
-        from eagleforge.modes import CHECKPOINT_MODES
-
-        out = cls()
-        for item in filter(None, spec.split(",")):
-            key, _, value = item.partition("=")
-            mode, _, first = value.partition(":")
-            if key == "ckpt" and "+" in value:
-                out.ckpt = value  # "selective*3+selective_all*4": one mode per TTT step (checked when built)
-            elif key == "ckpt" and mode in CHECKPOINT_MODES and (first == "" or first.isdigit()):
-                out.ckpt = value  # "selective:4": selective for the first 4 TTT steps, step for the rest
-            elif key == "attn" and value in ("flex", "merged", "merged_cudnn", "sdpa", "reference", "fast", "auto"):
-                out.attn = value
-            elif key == "compile" and value == "dynamic":
-                out.compile = "dynamic"  # one graph for every length (the trainer's setting)
-            elif key in ("compile", "packed", "fusegrad", "sync") and value in ("0", "1"):
-                setattr(out, key, value == "1")
-            else:
-                raise SystemExit(f"bench_train: bad variant item {item!r} in {spec!r} (ckpt={'|'.join(CHECKPOINT_MODES)}"
-                                 f"[:N for the first N steps, step after], attn=flex|merged|merged_cudnn|sdpa, "
-                                 f"compile=0|1, packed=0|1, fusegrad=0|1, sync=0|1)")
-        return out
-
-    @property
-    def name(self) -> str:
-        compiled = self.compile if self.compile == "dynamic" else int(self.compile)
-        name = f"ckpt={self.ckpt},attn={self.attn},compile={compiled},packed={int(self.packed)}"
-        return name + (",fusegrad=1" if self.fusegrad else "") + (",sync=1" if self.sync else "")
-
-    def step(self, s: "Shape", device: torch.device, used_ids: torch.Tensor, embed_device: str,
-             chunk_tokens: int | None) -> "OurStep":
-        return OurStep(s, device, used_ids, self.ckpt, self.attn, embed_device, chunk_tokens, self.compile, self.packed,
-                       self.fusegrad, self.sync)
-
-
-def ttt_weights(loss_mask: torch.Tensor, target_argmax: torch.Tensor, t2d: torch.Tensor, steps: int) -> torch.Tensor:
-    """weight [K, T] fp32 for fused_soft_cross_entropy_ttt (batch 1): the trainer's own
-    (train.ttt_loss.ttt_loss_weights: loss row x teacher token in the draft vocabulary x 0.8^j / rows)."""
-    from eagleforge.train.ttt_loss import ttt_loss_weights
-
-    return ttt_loss_weights(loss_mask, target_argmax, t2d, steps, STEP_WEIGHT_DECAY)[0]
-
-
-class OurStep:
-    """Builds the draft (bf16), the optimizer and one training step over a batch."""
-
-    def __init__(self, s: Shape, device: torch.device, used_ids: torch.Tensor, ckpt: str, attention: str,
-                 embed_device: str, chunk_tokens: int | None, compile: bool = False, packed: bool = False,
-                 fusegrad: bool = False, sync: bool = False):
-        self.s, self.device, self.ckpt, self.attention, self.chunk = s, device, ckpt, attention, chunk_tokens
-        self.compile, self.packed, self.sync = compile, packed, sync
-        torch.manual_seed(0)
-        with torch.device(device):
-            draft = Eagle3Draft(s.draft_config())
-        draft.to(torch.bfloat16)
-        fuse_weight_grads(draft, fusegrad)  # midlayer weight gradients added into .grad by each GEMM
-        d2t = used_ids - torch.arange(s.draft_vocab)
-        t2d = torch.zeros(s.vocab, dtype=torch.bool)
-        t2d[used_ids] = True
-        draft.set_vocab_map(d2t.to(device), t2d.to(device))
-        self.embed_weight = draft.embed_tokens.weight.detach()
-        if embed_device == "cpu":
-            # The frozen table lives on the host; the module keeps an empty placeholder.
-            self.embed_weight = self.embed_weight.cpu()
-            draft.embed_tokens.weight = torch.nn.Parameter(torch.empty(0, s.hidden, device=device, dtype=torch.bfloat16),
-                                                           requires_grad=False)
-            free_memory(device)
-        self.draft = draft
-        self.params = [p for p in draft.parameters() if p.requires_grad]
-        fused = device.type == "cuda"
-        self.opt = torch.optim.AdamW(self.params, lr=1e-5, betas=(0.9, 0.95), fused=fused)
-        # The target's lm_head rows of the draft vocabulary [Vd, H] (RUN/vocab/target_head.safetensors).
-        self.teacher_head = torch.randn(s.draft_vocab, s.hidden, device=device, dtype=torch.bfloat16) * s.hidden**-0.5
-        self.pinned: torch.Tensor | None = None
-
-    def trainable_params(self) -> int:
-        return sum(p.numel() for p in self.params)
-
-    def embeddings(self, batch: dict) -> torch.Tensor:
-        """embed(input_ids ++ [0] * K) [1, T + K, H] on the device (step j uses rows 1+j .. T+j)."""
-        ids = batch["input_ids"][0] if self.embed_weight.device.type == "cpu" else batch["input_ids_dev"][0]
-        ids = F.pad(ids, (0, self.s.ttt), value=0)
-        if self.embed_weight.device.type != "cpu":
-            return F.embedding(ids, self.embed_weight)[None]
-        if self.pinned is None or self.pinned.shape[0] != ids.shape[0]:
-            self.pinned = torch.empty(ids.shape[0], self.s.hidden, dtype=torch.bfloat16,
-                                      pin_memory=self.device.type == "cuda")
-        torch.index_select(self.embed_weight, 0, ids, out=self.pinned)
-        return self.pinned.to(self.device, non_blocking=True)[None]
-
-    def forward_loss(self, batch: dict):
-        """-> (loss, step_losses [K], draft argmax [K, T]); the forward_ttt math, step by step."""
-        draft, k_steps = self.draft, self.s.ttt
-        tokens = batch["input_ids_dev"].shape[1]
-        emb = self.embeddings(batch)  # [1, T + K, H]
-        hidden = draft.fuse(batch["aux"])  # [1, T, H]
-        rows = torch.arange(tokens, device=self.device)[None]
-        modes = step_modes(self.ckpt, k_steps)
-        step_fns = {m: draft.ttt_step_fn(self.attention, m, self.compile) for m in set(modes)}  # forward_ttt's
-        keys, values, normed = [], [], []
-        for j in range(k_steps):
-            cos, sin = draft.rope(rows + j)
-            hidden, out_j, k, v = step_fns[modes[j]](j, hidden, emb[:, 1 + j: 1 + j + tokens], cos, sin, *keys, *values)
-            keys.append(k)
-            values.append(v)
-            normed.append(out_j[0])  # [T, H]
-        del keys, values, hidden
-        weight = ttt_weights(batch["loss_mask"], batch["target_argmax"], draft.t2d, k_steps)
-        return soft_ce_ttt.fused_soft_cross_entropy_ttt(
-            normed, draft.lm_head.weight, batch["last"][0], self.teacher_head, weight,
-            teacher_shift=1, chunk_tokens=self.chunk, packed=self.packed,
-            check_weight=self.sync)  # ttt_weights zeroes the rows without a teacher: no check, no host sync
-
-    def step(self, batch: dict) -> torch.Tensor:
-        loss, step_losses, argmax = self.forward_loss(batch)
-        if self.sync and self.device.type == "cuda":
-            # sync=1: a host wait before the backward, as a loss reading the upstream gradient
-            # back (to test it for 1) would make
-            torch.cuda.synchronize()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.params, GRAD_CLIP, foreach=True)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return step_losses
 
 
 # ----------------------------------------------------------------------------------------------
@@ -390,9 +117,10 @@ class OurStep:
 
 
 class SpecForgeStep:
-    def __init__(self, s: Shape, device: torch.device, used_ids: torch.Tensor):
+    def __init__(self, s: DraftShape, device: torch.device, used_ids: torch.Tensor):
         from specforge.algorithms.eagle3.model import OnlineEagle3Model
         from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
+        from specforge.optimizer import BF16Optimizer
         from transformers import LlamaConfig
 
         cfg = LlamaConfig(hidden_size=s.hidden, intermediate_size=s.intermediate, num_attention_heads=s.heads,
@@ -408,21 +136,16 @@ class SpecForgeStep:
         draft.d2t.copy_(used - torch.arange(s.draft_vocab, device=device))
         draft.embed_tokens.weight.requires_grad_(False)
         self.model = OnlineEagle3Model(draft, length=s.ttt, attention_backend="flex_attention")
-        from specforge.optimizer import BF16Optimizer
-
         self.params = [p for p in draft.parameters() if p.requires_grad]
         # its trainer's optimizer: fp32 masters and moments, clipping at 0.5 as the trainer's configs
         self.opt = BF16Optimizer(draft, lr=1e-5, max_grad_norm=0.5, total_steps=1000)
         self.head = torch.randn(s.vocab, s.hidden, device=device, dtype=torch.bfloat16) * s.hidden**-0.5  # full target head
 
-    def trainable_params(self) -> int:
-        return sum(p.numel() for p in self.params)
-
     def step(self, batch: dict) -> None:
-        tokens = batch["input_ids_dev"].shape[1]
+        tokens = batch["input_ids"].shape[1]
         am = torch.ones(1, tokens, dtype=torch.bool, device=batch["aux"].device)
         lm = torch.ones(1, tokens, 1, device=batch["aux"].device)
-        out = self.model(input_ids=batch["input_ids_dev"], attention_mask=am, target=None, loss_mask=lm,
+        out = self.model(input_ids=batch["input_ids"], attention_mask=am, target=None, loss_mask=lm,
                          hidden_states=batch["aux"], target_hidden_for_compact=batch["last"],
                          target_head_weight=self.head)
         loss = sum(0.8**i * l for i, l in enumerate(out[0]))
@@ -430,107 +153,24 @@ class SpecForgeStep:
         self.opt.step()  # clips, steps the fp32 masters, copies them back, drops the gradients
 
 
-# ----------------------------------------------------------------------------------------------
-# Correctness checks at the benchmark's shapes
-# ----------------------------------------------------------------------------------------------
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-
-
-def check_loss(ours: OurStep, batch: dict) -> dict:
-    """Fused TTT loss (and its gradients) against the plain fp32 reference on the same hidden states."""
-    s, draft = ours.s, ours.draft
-    tokens = batch["input_ids_dev"].shape[1]
-    gen = torch.Generator(device="cpu").manual_seed(1)
-    hiddens = [(torch.randn(tokens, s.hidden, generator=gen) * 0.5).to(ours.device, torch.bfloat16).requires_grad_()
-               for _ in range(s.ttt)]
-    head = draft.lm_head.weight.detach().clone().requires_grad_()
-    weight = ttt_weights(batch["loss_mask"], batch["target_argmax"], draft.t2d, s.ttt)
-    ref, ref_steps, _ = reference_loss.soft_cross_entropy_ttt(hiddens, head, batch["last"][0], ours.teacher_head, weight)
-    ref.backward()
-    ref_grads = [x.grad.clone() for x in hiddens + [head]]
-    out = {"tokens": tokens, "reference_loss": ref.item()}
-    for packed in (False, True):
-        for x in hiddens + [head]:
-            x.grad = None
-        loss, steps, _ = soft_ce_ttt.fused_soft_cross_entropy_ttt(hiddens, head, batch["last"][0], ours.teacher_head, weight,
-                                                              chunk_tokens=ours.chunk, packed=packed)
-        loss.backward()
-        grad_errs = [rel_err(x.grad, g) for x, g in zip(hiddens + [head], ref_grads)]
-        tag = "packed_" if packed else ""
-        out.update({f"{tag}loss": loss.item(), f"{tag}loss_rel_err": abs(loss.item() - ref.item()) / abs(ref.item()),
-                    f"{tag}step_loss_max_rel_err": ((steps - ref_steps).abs() / ref_steps.abs().clamp_min(1e-30)).max().item(),
-                    f"{tag}grad_max_rel_err": max(grad_errs)})
-    return out
-
-
-def check_fused_weight_grads(ours: OurStep, batch: dict) -> dict:
-    """The whole step's gradients with fused weight gradients (train/weight_grads.py) on against off (same weights,
-    same batch): the largest relative error over the trainable tensors, and the loss of each."""
-    out, grads = {"tokens": batch["input_ids_dev"].shape[1]}, {}
-    for fused in (False, True):
-        fuse_weight_grads(ours.draft, fused)
-        loss, _, _ = ours.forward_loss(batch)
-        loss.backward()
-        out[f"loss_fused_{int(fused)}"] = loss.item()
-        grads[fused] = [p.grad.float() for p in ours.params]
-        ours.opt.zero_grad(set_to_none=True)
-    out["grad_max_rel_err"] = max(rel_err(a, b) for a, b in zip(grads[True], grads[False]))
-    return out
-
-
-def attention_inputs(s: Shape, device: torch.device, tokens: int, seed: int):
-    """Random bf16 TTT attention inputs at the draft's head shape: q [1, heads, T, D], K steps'
-    keys and values [1, kv_heads, T, D] (all requiring grad) and an upstream gradient like q."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=gen).to(device, torch.bfloat16).requires_grad_()
-
-    q = rnd(1, s.heads, tokens, s.head_dim)
-    keys = [rnd(1, s.kv_heads, tokens, s.head_dim) for _ in range(s.ttt)]
-    values = [rnd(1, s.kv_heads, tokens, s.head_dim) for _ in range(s.ttt)]
-    upstream = torch.randn(1, s.heads, tokens, s.head_dim, generator=gen).to(device, torch.bfloat16)
-    return q, keys, values, upstream
-
-
-def check_attention(s: Shape, device: torch.device, tokens: int, fast: str) -> dict:
-    """TTT attention at the draft's head shape, all K steps: the explicit-mask reference against
-    the fast kernel (forward and the gradients of q and of every step's keys/values)."""
-    q, keys, values, upstream = attention_inputs(s, device, tokens, seed=2)
-    results = {}
-    for mode in ("reference", fast):
-        out = ttt_attention(q, keys, values, s.head_dim**-0.5, mode=mode)
-        (out.float() * upstream.float()).sum().backward()
-        results[mode] = [out.detach()] + [x.grad.clone() for x in [q] + keys + values]
-        for x in [q] + keys + values:
-            x.grad = None
-    errs = [rel_err(a, b) for a, b in zip(results[fast], results["reference"])]
-    return {"tokens": tokens, "steps": s.ttt, "fast": fast, "out_rel_err": errs[0], "grad_max_rel_err": max(errs[1:])}
-
-
-# ----------------------------------------------------------------------------------------------
-# Driver
-# ----------------------------------------------------------------------------------------------
-
-
-def run_method(name, build, s, tokens_list, device, used_ids, warmup, iters, peak_tflops, teacher_vocab, out):
-    """Build the method once, time it at each T (largest last; an OOM is recorded and skipped)."""
-    method = build()
-    log.info("%s: %s trainable parameters", name, f"{method.trainable_params():,}")
-    for tokens in tokens_list:
-        batch = make_batch(s, tokens, device, used_ids)
+def run_specforge(b: "Bench") -> None:
+    """SpecForge's step at each --specforge-tokens (an OOM or error is recorded and the next T runs)."""
+    s, device, args, out = b.shape, b.device, b.args, b.report["results"]
+    try:
+        method = SpecForgeStep(s, device, b.used_ids)
+    except ImportError as err:
+        out.append({"method": "specforge", "tokens": 0, "error": f"not installed: {err}"})
+        return
+    name = "specforge 0.2.0"
+    log.info("%s: %s trainable parameters", name, f"{sum(p.numel() for p in method.params):,}")
+    for tokens in args.specforge_tokens:
+        batch = make_batch(s, tokens, device, b.used_ids)
         try:
-            big = tokens >= 32768  # a few seconds per step: fewer repetitions
-            seconds, peak = time_steps(lambda: method.step(batch), device, 1 if big else warmup, min(iters, 2) if big else iters)  # noqa: F821 (bound above; deleted only after the call)
-            row = result_row(name, tokens, seconds, peak, flops_per_token(s, tokens, teacher_vocab), peak_tflops)
-        except torch.OutOfMemoryError as err:
-            row = {"method": name, "tokens": tokens, "error": "OOM: " + str(err).splitlines()[0][:200]}
-        except Exception as err:  # noqa: BLE001 - a peer's failure must not end the run; it is recorded
+            seconds, peak = time_steps(lambda: method.step(batch), device, *b.repetitions(tokens))  # noqa: F821 (bound above)
+            row = result_row(name, tokens, seconds, peak, tokens, tokens * flops_per_token(s, tokens, s.vocab), args.peak_tflops)
+        except Exception as err:  # noqa: BLE001 - recorded (an OOM too); the next T still runs
             row = {"method": name, "tokens": tokens, "error": repr(err)[:300]}
-        for p in getattr(method, "params", []):
+        for p in method.params:
             p.grad = None
         del batch
         free_memory(device)
@@ -545,201 +185,128 @@ def run_method(name, build, s, tokens_list, device, used_ids, warmup, iters, pea
 # ----------------------------------------------------------------------------------------------
 
 
-def kimi_shaped_target_config(s: Shape) -> dict:
-    """A DeepSeek-V3-style text config whose draft (Eagle3Config.from_target_config) is Shape's:
-    MLA, so one key/value head per query head at the value head width."""
-    return {"model_type": "deepseek_v3", "hidden_size": s.hidden, "num_attention_heads": s.heads, "kv_lora_rank": 512,
-            "v_head_dim": s.head_dim, "qk_nope_head_dim": s.head_dim, "intermediate_size": s.intermediate,
-            "vocab_size": s.vocab, "num_hidden_layers": 61, "rms_norm_eps": 1e-5, "rope_theta": 50000.0,
-            "max_position_embeddings": 131072}
-
-
-def write_kimi_shaped_run(run: Path, s: Shape, tokens: int, samples: int, used_ids: torch.Tensor) -> None:
-    """RUN/hidden: `samples` samples of `tokens` tokens each (random bf16 states at the Kimi shape,
-    target argmax 90% inside the draft vocabulary), written by eagleforge.shards.ShardWriter one
-    sample per shard; RUN/vocab: d2t/t2d of `used_ids`, a random teacher head and embedding."""
+def write_kimi_shaped_run(run: Path, s: DraftShape, lengths: list[int], used_ids: torch.Tensor) -> None:
+    """RUN/hidden: one sample per length (random bf16 states at the shape, target argmax 90% inside
+    the draft vocabulary), written by eagleforge.shards.ShardWriter one sample per shard, under a
+    header whose target config is the shape's text config; RUN/vocab: d2t/t2d of `used_ids`, a
+    random teacher head and embedding."""
     from eagleforge.shards import ShardWriter
     from eagleforge.vocab import TARGET_HEAD, VOCAB_MAP, save_vocab_file
 
-    header = {"target": {"path": "kimi-shaped", "architecture": "DeepseekV3ForCausalLM", "num_layers": 61,
-                         "hidden_size": s.hidden, "vocab_size": s.vocab, "config": kimi_shaped_target_config(s)},
-              "aux_layer_ids": [1, 29, 57], "tokenizer": "none", "chat_template": None, "max_length": tokens,
+    text = s.text
+    header = {"target": {"path": "kimi-shaped", "architecture": "DeepseekV3ForCausalLM", "num_layers": text["num_hidden_layers"],
+                         "hidden_size": s.hidden, "vocab_size": s.vocab, "config": text},
+              "aux_layer_ids": list(s.aux_layers), "tokenizer": "none", "chat_template": None, "max_length": max(lengths),
               "has_target_argmax": True}
     writer = ShardWriter(run / "hidden", header, storage_dtype="bfloat16")
-    for i in range(samples):
+    for i, tokens in enumerate(lengths):
         batch = make_batch(s, tokens, torch.device("cpu"), used_ids, seed=100 + i)
         sample = {"input_ids": batch["input_ids"][0].int(), "loss_mask": batch["loss_mask"][0],
                   "aux_hidden_states": batch["aux"][0], "last_hidden_state": batch["last"][0],
                   "target_argmax": batch["target_argmax"][0].int()}
         writer.write_shard(i, [sample], [i])
-    d2t = used_ids - torch.arange(s.draft_vocab)
     t2d = torch.zeros(s.vocab, dtype=torch.bool)
     t2d[used_ids] = True
-    counts = t2d.long()
     gen = torch.Generator().manual_seed(7)
     meta = {"identity": "bench", "format": "pt"}
     (run / "vocab").mkdir(parents=True, exist_ok=True)
-    save_vocab_file({"d2t": d2t, "t2d": t2d, "counts": counts}, run / "vocab" / VOCAB_MAP, meta)
+    save_vocab_file({"d2t": used_ids - torch.arange(s.draft_vocab), "t2d": t2d, "counts": t2d.long()}, run / "vocab" / VOCAB_MAP, meta)
     save_vocab_file({"lm_head": (torch.randn(s.draft_vocab, s.hidden, generator=gen) * s.hidden**-0.5).bfloat16(),
                      "embed_tokens": (torch.randn(s.vocab, s.hidden, generator=gen) * 0.02).bfloat16()},
                     run / "vocab" / TARGET_HEAD, meta)
 
 
-def run_trainer(name: str, config_file: str | None, overrides: list[str], s: Shape, tokens_list: list[int],
-                device: torch.device, used_ids: torch.Tensor, warmup: int, iters: int, peak_tflops: float,
-                workdir: Path, out: list[dict], save=None) -> None:
-    """The trainer's own step, Trainer.train_step(), as `make train` runs it with `config_file`'s
-    train settings (+ `overrides`), at each T: on shards written by the project's writer (batches
-    read, padded and copied ahead by the trainer's prefetch worker), then on the same first batch
-    kept on the device ("synthetic batch": no reading at all). Two rows per T."""
-    import shutil
-
+def make_trainer(b: "Bench", config_file: str, variant: str, lengths: list[int]):
+    """The trainer as `make train` builds it from `config_file` + the --trainer-overrides + `variant`,
+    over a fresh run directory holding one shard per length (one batch each: train.batch_tokens =
+    the longest)."""
     from eagleforge.config import load_config
     from eagleforge.train.loop import Trainer
 
-    for tokens in tokens_list:
-        big = tokens >= 32768
-        steps_warm, steps_timed = (1, min(iters, 2)) if big else (warmup, iters)
-        run = workdir / f"trainer-{tokens}"
+    run, layout = b.args.workdir / "trainer", b.layout
+    if layout.is_main:  # under torchrun: a batch per rank and step, all read from rank 0's shards
         shutil.rmtree(run, ignore_errors=True)
-        write_kimi_shaped_run(run, s, tokens, steps_warm + steps_timed, used_ids)
-        cfg = load_config(config_file, [f"run_dir={run}", f"train.batch_tokens={tokens}", "train.holdout_samples=0",
-                                        "train.epochs=4", f"train.device={device.type}", "train.save_every=0", *overrides])
+        write_kimi_shaped_run(run, b.shape, lengths * layout.world_size, b.used_ids)
+    layout.barrier()
+    cfg = load_config(config_file, [f"run_dir={run}", f"train.batch_tokens={max(lengths)}", "train.holdout_samples=0",
+                                    "train.epochs=4", f"train.device={b.device.type}", "train.save_every=0",
+                                    *b.args.trainer_overrides, *variant.split()])
+    return Trainer(cfg, layout if layout.distributed else None)
+
+
+def run_trainer(b: "Bench", name: str, config_file: str, variant: str) -> None:
+    """Trainer.train_step() at each T: on the shards (read, padded and copied ahead by the
+    trainer's feed), then on the same first batch kept on the device ("synthetic batch": the feed
+    stopped, nothing read, padded or copied). Two rows per T. Under torchrun: T per rank, the
+    slowest rank's time and the largest peak."""
+    s, device, out, world = b.shape, b.device, b.report["results"], b.layout.world_size
+    for tokens in b.args.tokens:
+        warm, timed = b.repetitions(tokens)
         trainer = None
         for source in ("shards", "synthetic batch"):
             label = f"{name} ({source})"
             try:
                 if trainer is None:
-                    trainer = Trainer(cfg)
+                    trainer = make_trainer(b, config_file, variant, [tokens] * (warm + timed))
                 if source == "synthetic batch":
-                    # no reading at all: the feed is stopped and remade with a worker that hands
-                    # over the same device batch for every slot (nothing read, padded or copied)
                     first = trainer.load_batch(trainer.schedule.epoch_batches(0)[0])
                     if trainer.feed is not None:
                         trainer.feed.close()
                         trainer.feed = None
                     trainer.read = lambda slot, first=first: first
-                seconds, peak = time_steps(trainer.train_step, device, steps_warm, steps_timed)
-                row = result_row(label, tokens, seconds, peak, flops_per_token(s, tokens, s.draft_vocab), peak_tflops)
-                row["settings"] = {k: str(getattr(trainer, k, "")) for k in ("param_dtype", "parallel")}
-                row["settings"].update(activation_checkpoint=trainer.step_plan.activation_checkpoint,
-                                       compile=str(trainer.step_plan.compile), attention=cfg.train.attention,
-                                       embedding="host" if trainer.host_embedding is not None else "device")
-            except torch.OutOfMemoryError as err:
-                row = {"method": label, "tokens": tokens, "error": "OOM: " + str(err).splitlines()[0][:200]}
-            except Exception as err:  # noqa: BLE001 - recorded; the next T still runs
-                row = {"method": label, "tokens": tokens, "error": repr(err)[:300]}
+                seconds, peak = time_steps(trainer.train_step, device, warm, timed, b.layout.barrier)
+                seconds, peak = b.slowest(seconds), None if peak is None else b.slowest(peak)
+                row = result_row(label, tokens, seconds, peak, tokens * world,
+                                 world * tokens * flops_per_token(s, tokens, s.draft_vocab), b.args.peak_tflops * world)
+                row.update(gpus=world, settings={
+                    "param_dtype": str(trainer.param_dtype), "parallel": trainer.parallel, "attention": trainer.cfg.train.attention,
+                    "activation_checkpoint": trainer.step_plan.activation_checkpoint, "compile": str(trainer.step_plan.compile),
+                    "embedding": "host" if trainer.host_embedding is not None else "device"})
+            except Exception as err:  # noqa: BLE001 - recorded (an OOM too); the next T still runs
+                if b.layout.distributed:
+                    raise  # the other ranks would wait for this one in a collective
+                row = {"method": label, "tokens": tokens, "gpus": world, "error": repr(err)[:300]}
             log.info("%s", row)
             out.append(row)
-            if save is not None:
-                save()
+            b.save()
         if trainer is not None:
             trainer.close()
         del trainer
         free_memory(device)
-        shutil.rmtree(run, ignore_errors=True)
 
 
-def varying_lengths(max_tokens: int, count: int, seed: int = 0) -> list[int]:
-    """`count` lengths drawn uniformly from [max_tokens / 2, max_tokens] (seeded): the trainer's
-    batches, whose T is the longest sample of each, change from step to step."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(max_tokens // 2, max_tokens + 1, (count,), generator=gen).tolist()
-
-
-def run_varying(name, build, s, lengths, device, used_ids, peak_tflops, teacher_vocab, out):
-    """One step at each of `lengths` in turn, every step timed (first-use costs of a new shape,
-    such as cuDNN's plan per shape or a recompile, included): tokens/s over all of them."""
-    method = build()
-    batches = {t: make_batch(s, t, device, used_ids, seed=t) for t in sorted(set(lengths))}
-    try:
-        method.step(batches[lengths[0]])  # the first call's one-time setup (compile of the graphs) apart
-        sync(device)
-        t0 = time.perf_counter()
-        for t in lengths:
-            method.step(batches[t])
-        sync(device)
-        seconds = time.perf_counter() - t0
-        total = sum(lengths)
-        flops = sum(t * flops_per_token(s, t, teacher_vocab) for t in lengths)
-        row = {"method": name, "tokens": f"{len(lengths)} lengths {min(lengths)}-{max(lengths)}",
-               "step_ms": round(seconds * 1e3 / len(lengths), 1), "tokens_per_s": round(total / seconds),
-               "peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
-               "GFLOP_per_token": round(flops / total / 1e9, 2), "TFLOPs": round(flops / seconds / 1e12, 1),
-               "MFU": round(flops / seconds / 1e12 / peak_tflops, 3)}
-    except Exception as err:  # noqa: BLE001 - recorded; the next variant still runs
-        row = {"method": name, "tokens": "varying", "error": repr(err)[:300]}
-    log.info("%s", row)
-    out.append(row)
-    del method, batches
-    free_memory(device)
-
-
-def memory_phases(method: "OurStep", batch: dict) -> dict:
-    """GiB allocated at the start of each phase of one step and the peak inside it (forward +
-    loss, backward, clip + optimizer): where the step's peak is, without the allocator trace."""
-    sync(method.device)
-    gib = lambda b: round(b / 2**30, 3)  # noqa: E731
-    out = {"start": gib(torch.cuda.memory_allocated())}
-
-    def phase(name, fn):
-        torch.cuda.reset_peak_memory_stats()
-        result = fn()
-        sync(method.device)
-        out[f"{name}_peak"], out[f"{name}_end"] = gib(torch.cuda.max_memory_allocated()), gib(torch.cuda.memory_allocated())
-        return result
-
-    loss, _, _ = phase("forward_loss", lambda: method.forward_loss(batch))
-    phase("backward", loss.backward)
-    del loss
-
-    def update():
-        torch.nn.utils.clip_grad_norm_(method.params, GRAD_CLIP, foreach=True)
-        method.opt.step()
-        method.opt.zero_grad(set_to_none=True)
-
-    phase("optimizer", update)
-    return out
-
-
-def profile_step(name: str, method, s: Shape, tokens: int, device: torch.device, used_ids: torch.Tensor) -> dict:
+def profile_step(name: str, step_fn, tokens: int, device: torch.device, compiled: bool) -> dict:
     """Diagnose one training step (after two warm-up steps): the top CUDA kernels, the GPU's
     kernel time against the step's wall time (a launch-bound step shows a gap), the calls where
     the host waits for the GPU, and the blocks live at the step's peak memory."""
     from torch.profiler import ProfilerActivity, profile
 
-    batch = make_batch(s, tokens, device, used_ids)
     for _ in range(2):
-        method.step(batch)
+        step_fn()
     sync(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        method.step(batch)
+        step_fn()
         sync(device)
     print(f"=== profile: {name}, T = {tokens}")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60))
-    kernel_ms = gpu_busy_ms(prof)
-    wall_ms = time_steps(lambda: method.step(batch), device, 0, 3)[0] * 1e3
-    out = {"method": name, "tokens": tokens, "step_ms": round(wall_ms, 1), "gpu_busy_ms": round(kernel_ms, 1)}
+    wall_ms = time_steps(step_fn, device, 0, 3)[0] * 1e3
+    out = {"method": name, "tokens": tokens, "step_ms": round(wall_ms, 1), "gpu_busy_ms": round(gpu_busy_ms(prof), 1)}
     print(f"GPU busy (union of its kernels' intervals) {out['gpu_busy_ms']} ms of a {out['step_ms']} ms step (unprofiled)",
           flush=True)
     if device.type != "cuda":
         return out
-    out["host_syncs"] = host_syncs(lambda: method.step(batch))
+    out["host_syncs"] = host_syncs(step_fn)
     print(f"host syncs per step: {json.dumps(out['host_syncs'])}", flush=True)
-    if isinstance(method, OurStep):
-        out["memory_phases"] = memory_phases(method, batch)
-        print(f"memory by phase (GiB): {json.dumps(out['memory_phases'])}", flush=True)
-    if getattr(method, "compile", False):
+    if compiled:
         # torch 2.11: the allocator's history with python stacks breaks compiled code inside a
         # checkpoint (SystemError in the backward, pytorch/pytorch#179536)
-        print("memory at the peak by source line: skipped (compiled variant; see pytorch#179536)")
+        print("memory at the peak by source line: skipped (compiled step; see pytorch#179536)")
         return out
     try:
-        mem = memory_at_peak(lambda: method.step(batch))
+        out["memory"] = mem = memory_at_peak(step_fn)
     except Exception as err:  # a diagnostic: report it, keep the run
         print(f"memory at the peak by source line failed: {err!r}")
         return out
-    out["memory"] = mem
     print(f"memory: {mem['base_GiB']} GiB before the step, peak +{mem['peak_delta_GiB']} GiB at {mem['peak_at']} "
           f"(pre-existing freed by then: {mem['freed_preexisting_GiB']} GiB); live at the peak, allocated in the step:")
     for where, gib, count in mem["groups"]:
@@ -747,7 +314,55 @@ def profile_step(name: str, method, s: Shape, tokens: int, device: torch.device,
     return out
 
 
-def attention_bench(s: Shape, device: torch.device, tokens_list: list[int], modes: list[str], warmup: int,
+def profile_mode(b: Bench) -> None:
+    """--profile T: one profiled step of the trainer, per config and variant."""
+    tokens, results = b.args.profile, b.report["results"]
+    for name, config_file, variant in b.trainer_rows():
+        trainer = make_trainer(b, config_file, variant, [tokens] * 4)
+        results.append(profile_step(name, trainer.train_step, tokens, b.device, bool(trainer.step_plan.compile)))
+        trainer.close()
+        del trainer
+        free_memory(b.device)
+        b.save()
+
+
+# ----------------------------------------------------------------------------------------------
+# The TTT attention alone, and its check against the explicit-mask reference
+# ----------------------------------------------------------------------------------------------
+
+
+def attention_inputs(s: DraftShape, device: torch.device, tokens: int, seed: int):
+    """Random bf16 TTT attention inputs at the draft's head shape: q [1, heads, T, D], K steps'
+    keys and values [1, kv_heads, T, D] (all requiring grad) and an upstream gradient like q."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(device, torch.bfloat16).requires_grad_()
+
+    q = rnd(1, s.heads, tokens, s.head_dim)
+    keys = [rnd(1, s.kv_heads, tokens, s.head_dim) for _ in range(s.ttt)]
+    values = [rnd(1, s.kv_heads, tokens, s.head_dim) for _ in range(s.ttt)]
+    upstream = torch.randn(1, s.heads, tokens, s.head_dim, generator=gen).to(device, torch.bfloat16)
+    return q, keys, values, upstream
+
+
+def check_attention(s: DraftShape, device: torch.device, tokens: int, fast: str) -> dict:
+    """TTT attention at the draft's head shape, all K steps: the explicit-mask reference against
+    the fast kernel (forward and the gradients of q and of every step's keys/values)."""
+    q, keys, values, upstream = attention_inputs(s, device, tokens, seed=2)
+    results = {}
+    for mode in ("reference", fast):
+        out = ttt_attention(q, keys, values, s.head_dim**-0.5, mode=mode)
+        (out.float() * upstream.float()).sum().backward()
+        results[mode] = [out.detach()] + [x.grad.clone() for x in [q] + keys + values]
+        for x in [q] + keys + values:
+            x.grad = None
+    errs = [((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+            for a, b in zip(results[fast], results["reference"])]
+    return {"tokens": tokens, "steps": s.ttt, "fast": fast, "out_rel_err": errs[0], "grad_max_rel_err": max(errs[1:])}
+
+
+def attention_bench(s: DraftShape, device: torch.device, tokens_list: list[int], modes: list[str], warmup: int,
                     iters: int) -> list[dict]:
     """TTT attention alone as training runs it: for j = 0..K-1, forward over the keys of steps
     0..j and backward, per mode (flex: flex_attention over the concatenated keys; merged: flash + diagonal
@@ -788,10 +403,8 @@ def versus_specforge(rows: list[dict]) -> None:
     measured = {r["tokens"]: (r["tokens_per_s"], r["peak_GiB"]) for r in rows
                 if r["method"].startswith("specforge") and "error" not in r}
     for r in rows:
-        if "error" in r or r["method"].startswith("specforge") or "step_ms" not in r:
-            continue
         ref = measured.get(r["tokens"])
-        if ref:
+        if ref and "step_ms" in r and not r["method"].startswith("specforge"):
             r["vs_specforge_speed"] = round(r["tokens_per_s"] / ref[0], 3)
             r["vs_specforge_memory"] = None if r["peak_GiB"] is None else round(r["peak_GiB"] / ref[1], 3)
 
@@ -799,25 +412,21 @@ def versus_specforge(rows: list[dict]) -> None:
 def print_table(rows: list[dict]) -> None:
     attention = [r for r in rows if r["method"].startswith("attention")]
     if attention:
-        print("| T | attention | ms (7 steps, fwd+bwd) | ms / step | TFLOP/s | peak GiB over inputs |")
+        print("| T | attention | ms (all TTT steps, fwd+bwd) | ms / step | TFLOP/s | peak GiB over inputs |")
         print("|---|---|---|---|---|---|")
         for r in attention:
-            if "error" in r:
-                print(f"| {r['tokens']} | {r['method']} | {r['error']} | | | |")
-            else:
-                print(f"| {r['tokens']} | {r['method']} | {r['ms_all_steps']} | {r['ms_per_step']} | {r['TFLOPs']} | "
-                      f"{r['peak_GiB_over_inputs']} |")
+            cells = [r["error"], "", "", ""] if "error" in r else \
+                [r["ms_all_steps"], r["ms_per_step"], r["TFLOPs"], r["peak_GiB_over_inputs"]]
+            print(f"| {r['tokens']} | {r['method']} | " + " | ".join(map(str, cells)) + " |")
     rows = [r for r in rows if not r["method"].startswith("attention")]
-    if not rows:
-        return
-    print("| T | method | step ms | tokens/s | peak GiB | GFLOP/token | TFLOP/s | MFU | vs SpecForge: speed, memory |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    if rows:
+        print("| T | method | step ms | tokens/s | peak GiB | GFLOP/token | TFLOP/s | MFU | vs SpecForge: speed, memory |")
+        print("|---|---|---|---|---|---|---|---|---|")
     for r in sorted(rows, key=lambda r: (r["tokens"], r["method"])):
         if "error" in r:
             print(f"| {r['tokens']} | {r['method']} | {r['error']} | | | | | | |")
         else:
-            vs = f"{r['vs_specforge_speed']}x, {r['vs_specforge_memory']}x" \
-                if "vs_specforge_speed" in r else ""
+            vs = f"{r['vs_specforge_speed']}x, {r['vs_specforge_memory']}x" if "vs_specforge_speed" in r else ""
             print(f"| {r['tokens']} | {r['method']} | {r['step_ms']} | {r['tokens_per_s']} | {r['peak_GiB']} | "
                   f"{r['GFLOP_per_token']} | {r['TFLOPs']} | {r['MFU']} | {vs} |")
 
@@ -827,32 +436,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192, 32768])
     ap.add_argument("--specforge-tokens", type=int, nargs="+", default=[2048, 8192, 16384, 32768])
     ap.add_argument("--no-specforge", action="store_true")
-    ap.add_argument("--variants", nargs="*", default=None,
-                    help="our step's configurations, each 'ckpt=..,attn=..,compile=0|1,packed=0|1' (default: DEFAULT_VARIANTS)")
-    ap.add_argument("--ckpt", nargs="+", default=None, choices=["step", "none", "selective", "selective_all"],
-                    help="old interface: one variant per value with --attention, no compile, per-step loss")
-    ap.add_argument("--no-ckpt-max-tokens", type=int, default=16384, help="ckpt=none variants run only up to this T")
-    ap.add_argument("--attention", default="fast", help="with --ckpt: our TTT attention mode (fast = auto = merged_cudnn on CUDA)")
+    ap.add_argument("--trainer-configs", nargs="*", default=["configs/kimi_k25_b300.yaml"],
+                    help="the trainer's rows: Trainer.train_step with each config's train settings (none: skip)")
+    ap.add_argument("--variants", nargs="+", default=[""],
+                    help="sets of config overrides, one set a row per config, each 'key=value key=value' ('': the config as is)")
+    ap.add_argument("--trainer-overrides", nargs="*", default=[], help="key=value overrides for every trainer row")
     ap.add_argument("--attention-bench", action="store_true", help="only time the TTT attention modes (--attention-modes)")
     ap.add_argument("--no-attention-bench", action="store_true",
-                    help="skip the TTT attention timing that otherwise runs first, before the step variants")
+                    help="skip the TTT attention timing that otherwise runs first, before the steps")
     ap.add_argument("--attention-modes", nargs="+", default=["flex", "merged", "merged+compile", "merged_cudnn+compile"],
                     help="ttt_attention modes; '+compile' fuses the merged mode's elementwise work")
     ap.add_argument("--attention-tokens", type=int, nargs="+", default=[8192, 32768])
-    ap.add_argument("--embed-device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--chunk-tokens", type=int, default=None, help="fused loss rows per chunk (default: its budget)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--check-tokens", type=int, default=2048, help="T of the loss check (attention check: 1024)")
-    ap.add_argument("--no-checks", action="store_true", help="skip the correctness checks at the start")
+    ap.add_argument("--check-tokens", type=int, default=1024, help="T of the attention modes' check against the reference")
+    ap.add_argument("--no-checks", action="store_true", help="skip the attention check at the start")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
-    ap.add_argument("--profile", type=int, default=0, help="only profile one step of each variant at this T")
-    ap.add_argument("--varying", type=int, default=0, metavar="N",
-                    help="only time N steps of lengths varying in [T/2, T] (T = the largest --tokens), per variant: "
-                         "the trainer's case, with each new shape's first-use costs")
-    ap.add_argument("--trainer-configs", nargs="*", default=["configs/kimi_k25_b300.yaml"],
-                    help="the trainer's rows: Trainer.train_step with each config's train settings (none: skip)")
-    ap.add_argument("--trainer-overrides", nargs="*", default=[], help="key=value overrides for the trainer rows")
+    ap.add_argument("--profile", type=int, default=0, help="only profile one step of each trainer row at this T")
+    ap.add_argument("--launch", type=int, nargs="+", default=None, metavar="N",
+                    help="run the trainer's rows under torchrun on each number of GPUs (--tokens per GPU), then a scaling table")
     ap.add_argument("--workdir", type=Path, default=Path("runs/bench_train"), help="where the trainer rows' shards go")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--cpu-check", action="store_true", help="tiny shapes on the CPU (checks the script)")
@@ -861,143 +463,124 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 @dataclasses.dataclass
 class Bench:
-    """One run's shape, device, step variants, draft-vocabulary ids and report (saved as it grows)."""
+    """One run's shape, device (this rank's, under torchrun), draft-vocabulary ids and report (saved as it grows)."""
 
     args: argparse.Namespace
-    shape: Shape
+    shape: DraftShape
     device: torch.device
-    variants: list
     used_ids: torch.Tensor
     report: dict
+    layout: object
 
     def save(self) -> None:
-        if self.args.json:
+        if self.args.json and self.layout.is_main:
             self.args.json.parent.mkdir(parents=True, exist_ok=True)
             self.args.json.write_text(json.dumps(self.report, indent=1))
 
-    def our_step(self, v: "Variant"):
-        return v.step(self.shape, self.device, self.used_ids, self.args.embed_device, self.args.chunk_tokens)
+    def repetitions(self, tokens: int) -> tuple[int, int]:
+        """(warm-up, timed) steps at T: fewer from 32K on (a few seconds per step)."""
+        return (1, min(self.args.iters, 2)) if tokens >= 32768 else (self.args.warmup, self.args.iters)
+
+    def slowest(self, value: float) -> float:
+        """The largest of the ranks' values (this rank's alone in one process)."""
+        layout = self.layout
+        return max(layout.all_reduce_sum([value if r == layout.rank else 0.0 for r in range(layout.world_size)]))
+
+    def trainer_rows(self) -> list[tuple[str, str, str]]:
+        """(name, config file, variant) of each trainer row."""
+        return [(f"trainer {Path(c).stem}" + (f" [{v}]" if v else ""), c, v)
+                for c in self.args.trainer_configs for v in self.args.variants]
 
 
 def set_up(args: argparse.Namespace) -> Bench:
-    """The shape and device (tiny on the CPU with --cpu-check), the step variants, the report."""
+    """The shape and device (tiny on the CPU with --cpu-check), the draft vocabulary, the report."""
     if args.cpu_check:
-        s, device = Shape.tiny(), torch.device("cpu")
+        s, device = DraftShape.tiny(), torch.device("cpu")
         args.tokens, args.specforge_tokens, args.check_tokens = [64, 150], [64], 150
         args.attention_tokens, args.attention_modes = [64, 150], ["merged", "merged+compile", "sdpa"]
-        args.warmup, args.iters, args.embed_device = 1, 1, "cpu"
+        args.warmup, args.iters = 1, 1
         args.trainer_overrides = ["train.attention=merged", "train.compile=false", *args.trainer_overrides]
     else:
         if not torch.cuda.is_available():
             raise SystemExit("bench_train: no CUDA device (use --cpu-check on a CPU machine)")
-        s, device = Shape(), torch.device("cuda")
-        use_compiled_block_masks()
-    if args.ckpt:
-        variants = [Variant(ckpt=c, attn=args.attention) for c in args.ckpt]
-    else:
-        variants = [Variant.parse(v) for v in (DEFAULT_VARIANTS if args.variants is None else args.variants)]
-    if args.cpu_check:  # no flex on the CPU; compile stays on when asked (inductor's C++ backend)
-        variants = [dataclasses.replace(v, attn="merged" if v.attn == "flex" else v.attn) for v in variants]
+        s, device = DraftShape.kimi(), torch.device("cuda")
+    layout = init_layout(device.type)  # one process, or torchrun's world (--launch)
+    device = layout.device
     used_ids = torch.sort(torch.randperm(s.vocab, generator=torch.Generator().manual_seed(0))[: s.draft_vocab]).values
-    report: dict = {"shape": vars(s), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                    "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()},
-                    "variants": [v.name for v in variants], "results": [], "checks": {}}
-    return Bench(args, s, device, variants, used_ids, report)
+    report: dict = {"shape": {k: v for k, v in vars(s).items() if k != "text"},
+                    "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+                    "args": {k: str(v) for k, v in vars(args).items()}, "results": [], "checks": {}}
+    return Bench(args, s, device, used_ids, report, layout)
 
 
-def varying_mode(b: Bench) -> None:
-    """--varying N: N steps of lengths varying in [T/2, T] per variant."""
-    lengths = varying_lengths(max(b.args.tokens), b.args.varying)
-    for v in b.variants:
-        run_varying(f"ours {v.name}", lambda v=v: b.our_step(v), b.shape, lengths, b.device, b.used_ids,
-                    b.args.peak_tflops, b.shape.draft_vocab, b.report["results"])
-        b.save()
-    print_table(b.report["results"])
-
-
-def profile_mode(b: Bench) -> None:
-    """--profile T: one profiled step of each variant (and SpecForge's) at T."""
-    for v in b.variants:
-        method = b.our_step(v)
-        b.report["results"].append(profile_step(f"ours {v.name}", method, b.shape, b.args.profile, b.device, b.used_ids))
-        b.save()
-        del method
-        free_memory(b.device)
-    if not b.args.no_specforge:
-        b.report["results"].append(profile_step("specforge", SpecForgeStep(b.shape, b.device, b.used_ids), b.shape,
-                                                b.args.profile, b.device, b.used_ids))
-        b.save()
-
-
-def correctness_checks(b: Bench) -> None:
-    """Correctness first, at the real head shapes (small T for the explicit-mask attention reference)."""
-    s, device, used_ids, args, checks = b.shape, b.device, b.used_ids, b.args, b.report["checks"]
-    for mode in sorted({v.attn for v in b.variants} - {"reference"}):
-        checks[f"attention_{mode}"] = check_attention(s, device, min(1024, args.check_tokens), mode)
-        log.info("attention check: %s", checks[f"attention_{mode}"])
-    ours = OurStep(s, device, used_ids, "none", b.variants[0].attn if b.variants else "auto", args.embed_device, args.chunk_tokens)
-    checks["loss"] = check_loss(ours, make_batch(s, args.check_tokens, device, used_ids, seed=3))
-    log.info("loss check: %s", checks["loss"])
-    del ours
-    free_memory(device)
-    fused = next((v for v in b.variants if v.fusegrad), None)
-    if fused:
-        ours = OurStep(s, device, used_ids, fused.ckpt, fused.attn, args.embed_device, args.chunk_tokens, fused.compile,
-                       fused.packed)
-        checks["fusegrad"] = check_fused_weight_grads(ours, make_batch(s, min(1024, args.check_tokens), device, used_ids, seed=4))
-        log.info("fused weight-gradient check: %s", checks["fusegrad"])
-        del ours
-    free_memory(device)
-    b.save()
-
-
-def timing_rows(b: Bench) -> None:
-    """The trainer's rows per --trainer-configs, each step-only variant, then SpecForge's step."""
-    s, device, used_ids, args, results = b.shape, b.device, b.used_ids, b.args, b.report["results"]
-    for config_file in args.trainer_configs:
-        run_trainer(f"trainer {Path(config_file).stem}", config_file, args.trainer_overrides, s, args.tokens, device,
-                    used_ids, args.warmup, args.iters, args.peak_tflops, args.workdir, results, b.save)
-    for v in b.variants:
-        tokens = [t for t in args.tokens if v.ckpt != "none" or t <= args.no_ckpt_max_tokens]
-        run_method(f"step-only {v.name}", lambda v=v: b.our_step(v), s, tokens, device, used_ids, args.warmup, args.iters,
-                   args.peak_tflops, s.draft_vocab, results)
-        versus_specforge(results)
-        b.save()
-    # SpecForge last: rows measured after it in the same process carried ~10 GiB more fixed
-    # memory (most likely its model kept alive by compile caches), so nothing of ours follows it.
-    if not args.no_specforge:
-        try:
-            import specforge  # noqa: F401
-        except ImportError as err:
-            results.append({"method": "specforge", "tokens": 0, "error": f"not installed: {err}"})
-        else:
-            run_method("specforge 0.2.0", lambda: SpecForgeStep(s, device, used_ids), s, args.specforge_tokens, device,
-                       used_ids, args.warmup, args.iters, args.peak_tflops, s.vocab, results)
-        versus_specforge(results)
-        b.save()
+def launch(args: argparse.Namespace, argv: list[str]) -> list[dict]:
+    """--launch N...: this command's trainer rows under torchrun on N GPUs each (no attention
+    bench, checks or SpecForge there), each row's scaling against its 1-GPU row, as a table."""
+    forwarded, skip = [], False
+    for item in argv:  # the command line less --launch N... and --json PATH
+        if item.startswith("--"):
+            skip = item in ("--launch", "--json")
+        if not skip:
+            forwarded.append(item)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in args.launch:
+            out = Path(tmp) / f"{n}.json"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), __file__,
+                   *forwarded, "--no-attention-bench", "--no-checks", "--no-specforge", "--json", str(out)]
+            log.info("%s", " ".join(cmd))
+            done = subprocess.run(cmd, check=False)
+            rows += json.loads(out.read_text())["results"] if done.returncode == 0 and out.is_file() else \
+                [{"method": f"{n} GPUs", "tokens": "", "gpus": n, "error": f"exit code {done.returncode}"}]
+    one = {(r["method"], r["tokens"]): r["tokens_per_s"] for r in rows if r["gpus"] == 1 and "error" not in r}
+    print("| GPUs | method | tokens per GPU | step ms | tokens/s | scaling vs 1 GPU | peak GiB | MFU |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if (r["method"], r["tokens"]) in one and "error" not in r:
+            r["scaling"] = round(r["tokens_per_s"] / one[(r["method"], r["tokens"])], 3)
+        cells = [r["error"]] if "error" in r else [r["step_ms"], r["tokens_per_s"], r.get("scaling", ""), r["peak_GiB"], r["MFU"]]
+        print(f"| {r['gpus']} | {r['method']} | {r['tokens']} | " + " | ".join(map(str, cells)) + " |")
+    return rows
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
+                        format="%(asctime)s %(name)s: %(message)s")
+    if args.launch:
+        report = {"args": {k: str(v) for k, v in vars(args).items()},
+                  "results": launch(args, sys.argv[1:] if argv is None else list(argv))}
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(report, indent=1))
+        return report
     b = set_up(args)
-    if args.attention_bench or not (args.no_attention_bench or args.profile or args.varying):
-        b.report["results"] = attention_bench(b.shape, b.device, args.attention_tokens, args.attention_modes, args.warmup, args.iters)
-        b.save()
-        if args.attention_bench:
-            print_table(b.report["results"])
-            return b.report
-    if args.varying:
-        varying_mode(b)
-        return b.report
+    results = b.report["results"]
     if args.profile:
         profile_mode(b)
         return b.report
     if not args.no_checks:
-        correctness_checks(b)
-    timing_rows(b)
-    print_table(b.report["results"])
-    print(json.dumps(b.report["checks"]))
+        for mode in sorted({m.partition("+")[0] for m in args.attention_modes}):
+            b.report["checks"][f"attention_{mode}"] = check_attention(b.shape, b.device, args.check_tokens, mode)
+            log.info("attention check: %s", b.report["checks"][f"attention_{mode}"])
+    if args.attention_bench or not args.no_attention_bench:
+        results += attention_bench(b.shape, b.device, args.attention_tokens, args.attention_modes, args.warmup, args.iters)
+        b.save()
+    if not args.attention_bench:
+        for name, config_file, variant in b.trainer_rows():
+            run_trainer(b, name, config_file, variant)
+        # SpecForge last: rows measured after it in the same process carried ~10 GiB more fixed
+        # memory (most likely its model kept alive by compile caches), so nothing of ours follows it.
+        if not args.no_specforge:
+            run_specforge(b)
+        versus_specforge(results)
+        b.save()
+    b.layout.barrier()
+    if b.layout.is_main:
+        shutil.rmtree(args.workdir / "trainer", ignore_errors=True)
+        print_table(results)
+        print(json.dumps(b.report["checks"]))
+    b.layout.shutdown()
     return b.report
 
 

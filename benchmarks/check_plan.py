@@ -13,8 +13,7 @@ side stream; a sink that drops them, so the disk plays no part). Per rank and ba
 
 The activations of a layer do not depend on the depth, so a few layers check the planner's
 activation model of the full 61-layer model; its weights per GPU are checked against the
-parameters each rank builds in tests/test_native_run.py. With `--breakdown`, rank 0 also lists the
-blocks live at the peak of one forward by the source line that allocated them.
+parameters each rank builds in tests/test_native_run.py.
 
     python3 benchmarks/check_plan.py --batch-tokens 8192 16384 32768 --json $OUT/plan_tp1.json
     torchrun --nproc-per-node 2 benchmarks/check_plan.py --layouts ep tp --batch-tokens 16384 32768
@@ -32,29 +31,17 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench_common import import_eagleforge, memory_at_peak  # noqa: E402
+from _bench_common import import_eagleforge  # noqa: E402
 from bench_extract import NullSink  # noqa: E402  (the writer's sink that drops the host copies)
 
 import_eagleforge()
-from kimi_shaped import bench_layout, build_bench_model, kimi_args, tiny_args  # noqa: E402
+from kimi_shaped import bench_layout, build_bench_model, kimi_args, random_rows, tiny_args  # noqa: E402
 
 from eagleforge.extract.driver import forward_batches  # noqa: E402
 from eagleforge.extract.native.plan import GIB, plan_memory  # noqa: E402
-from eagleforge.extract.native.target import NativeTarget, forward_batch  # noqa: E402
+from eagleforge.extract.native.target import NativeTarget  # noqa: E402
 from eagleforge.extract.samples import batch_by_tokens  # noqa: E402
 from eagleforge.extract.writer import make_writer  # noqa: E402
-from eagleforge.target.capture import HiddenStateCapture  # noqa: E402
-
-log = logging.getLogger("check_plan")
-
-
-def samples(vocab: int, batch_tokens: int, max_length: int, count: int, seed: int) -> list[dict]:
-    """`count` batches' worth of rows {"id", "input_ids", "loss_mask"}: batch_tokens // max_length
-    samples of max_length random ids per batch (the same on every rank: drawn on the CPU from `seed`)."""
-    gen = torch.Generator().manual_seed(seed)
-    n = max(1, batch_tokens // max_length) * count
-    return [{"id": j, "input_ids": torch.randint(0, vocab, (max_length,), generator=gen).tolist(), "loss_mask": [1] * max_length}
-            for j in range(n)]
 
 
 def run_loop(model, job, aux_layers: list[int], rows: list[dict], batch_tokens: int) -> None:
@@ -71,13 +58,12 @@ def run_loop(model, job, aux_layers: list[int], rows: list[dict], batch_tokens: 
         writer.close()
 
 
-def measure(model, args, job, layout: str, aux_layers: list[int], batch_tokens: int, max_length: int,
-            reps: int, breakdown: bool) -> dict:
+def measure(model, args, job, layout: str, aux_layers: list[int], batch_tokens: int, max_length: int, reps: int) -> dict:
     """One rank's measured bytes for one batch size, beside the planner's."""
     cuda = job.device.type == "cuda"
     plan = plan_memory(args, job.tp, layout, batch_tokens=batch_tokens, max_length=max_length,
                        aux_layers=aux_layers)
-    rows = samples(args.vocab_size, batch_tokens, max_length, reps, seed=batch_tokens)
+    rows = random_rows(args.vocab_size, batch_tokens, max_length, reps, seed=batch_tokens)
     r = {"rank": job.rank, "layout": layout, "batch_tokens": batch_tokens, "max_length": max_length,
          "plan_weights_GiB": plan.weights_bytes / GIB, "plan_activations_GiB": plan.components["activations"] / GIB,
          "plan_total_GiB": plan.total_bytes / GIB}
@@ -94,12 +80,6 @@ def measure(model, args, job, layout: str, aux_layers: list[int], batch_tokens: 
     r.update(weights_GiB=weights / GIB, activations_GiB=(torch.cuda.max_memory_allocated() - weights) / GIB,
              allocated_peak_GiB=torch.cuda.max_memory_allocated() / GIB, reserved_peak_GiB=torch.cuda.max_memory_reserved() / GIB,
              in_use_GiB=(total - free) / GIB, outside_allocator_GiB=(total - free - torch.cuda.memory_reserved()) / GIB)
-    if breakdown:
-        def one_forward():
-            with HiddenStateCapture(model.model.layers, aux_layers, model.model.norm) as capture:
-                forward_batch(model, capture, [r["input_ids"] for r in rows[:max(1, batch_tokens // max_length)]],
-                              job.device, True)
-        r["breakdown"] = memory_at_peak(one_forward)
     return r
 
 
@@ -129,7 +109,6 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--batch-tokens", type=int, nargs="+", default=[8192, 16384, 32768])
     p.add_argument("--max-length", type=int, default=None, help="tokens per sample (default: one sample per batch)")
     p.add_argument("--reps", type=int, default=3, help="batches per measurement")
-    p.add_argument("--breakdown", action="store_true", help="rank 0: the blocks live at one forward's peak, by line")
     p.add_argument("--cpu-check", action="store_true", help="toy shapes on the CPU (gloo under torchrun)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
@@ -143,13 +122,9 @@ def main(argv=None) -> list[dict]:
         for layout in a.layouts:
             model = build_bench_model(args, job.device, tp=tp, layout=layout)
             for T in tokens:
-                r = measure(model, args, job, layout, aux_layers, T, min(a.max_length or T, T), a.reps,
-                            a.breakdown and job.device.type == "cuda")
+                r = measure(model, args, job, layout, aux_layers, T, min(a.max_length or T, T), a.reps)
                 r["tp"] = tp.size
                 rows.extend(job.all_gather_object(r))
-                if job.is_main and "breakdown" in r:
-                    log.info("peak of one forward, tp %d %s %d tokens: %s", tp.size, layout, T,
-                             json.dumps(r["breakdown"], indent=1))
             del model
             if job.device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -1,20 +1,20 @@
-"""A Kimi-K2.5-shaped model built in memory with random weights: benchmarks need no download.
+"""The Kimi-K2.5 shapes every benchmark and test uses, and a Kimi-shaped model built in memory
+with random weights (no download).
 
-Real K2.5 dimensions (docs/kimi-k25.md): hidden 7168, 64 heads with MLA (q_lora 1536, kv_lora
-512, qk 128 + 64 rope, v 128), YaRN factor 64, vocab 163840, 384 routed experts with 8 active,
-INT4 group-32 packed experts (random nibbles, scales giving weights of std ~0.02), one shared
-expert, dense layer 0 with intermediate 18432; only the layer count is cut (default 1 dense +
-3 MoE). Weights are drawn directly on the target device, so a 4-layer model (about 37 GB with the
-embedding and head) builds in seconds on a GPU.
+One table: the target's text config is the product's (extract/native/plan.py
+`KIMI_K25_TEXT_CONFIG`, docs/kimi-k25.md); the draft side (draft vocabulary, TTT steps, aux
+layers) is configs/kimi_k25_b300.yaml's, and `DraftShape.kimi()` is the draft the trainer derives
+from both (Eagle3Config.from_target_config). `TINY_TEXT`: the same structure at toy size.
 
-    model = build_bench_model(kimi_args(num_layers=4), device="cuda")
-
-Used by the benchmarks (bench_extract, bench_moe, check_plan, check_tp_capture) and by tests
-(which put benchmarks/ on sys.path); not part of the installed package.
+The model (`build_bench_model(kimi_args(num_layers=4), device="cuda")`): INT4 group-32 experts
+(random nibbles, scales giving weights of std ~0.02), only the layer count cut (default 1 dense +
+3 MoE); drawn on the device, a 4-layer model (~37 GB) builds in seconds on a GPU. Not part of the
+installed package: benchmarks and tests put benchmarks/ on sys.path.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import zlib
@@ -22,23 +22,60 @@ import zlib
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench_common import import_eagleforge  # noqa: E402
+from _bench_common import ROOT, import_eagleforge  # noqa: E402
 
 import_eagleforge()
+from eagleforge.config import load_config  # noqa: E402
+from eagleforge.draft import Eagle3Config  # noqa: E402
 from eagleforge.extract.native.model import DeepseekV3ForExtraction, ModelArgs  # noqa: E402
 from eagleforge.extract.native.parallel import TensorParallel, tensor_parallel, use_expandable_segments  # noqa: E402
+from eagleforge.extract.native.plan import KIMI_K25_TEXT_CONFIG  # noqa: E402
 from eagleforge.layout import Layout, init_layout, world_size_from_env  # noqa: E402
 
-KIMI_K25_TEXT = dict(
-    vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
-    num_hidden_layers=61, num_attention_heads=64, n_routed_experts=384, n_shared_experts=1,
-    num_experts_per_tok=8, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=1536,
-    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_group=1, topk_group=1,
-    routed_scaling_factor=2.827, norm_topk_prob=True, rms_norm_eps=1e-5, rope_theta=50000.0,
-    rope_scaling={"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
-                  "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
-    max_position_embeddings=262144,
-)
+KIMI_K25_TEXT = KIMI_K25_TEXT_CONFIG
+# one MoE layer: hidden, expert width, routed experts, experts per token
+KIMI_MOE = tuple(KIMI_K25_TEXT[k] for k in ("hidden_size", "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok"))
+KIMI_CONFIG = ROOT / "configs" / "kimi_k25_b300.yaml"
+TINY_TEXT = {**KIMI_K25_TEXT, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 192, "moe_intermediate_size": 64,
+             "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 16, "num_experts_per_tok": 4,
+             "kv_lora_rank": 64, "q_lora_rank": 96, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32}
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftShape:
+    """The draft's dimensions as the trainer builds them from a target text config, with the TTT
+    steps and aux layers of its training."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    draft_vocab: int
+    ttt: int
+    aux_layers: tuple
+    text: dict = dataclasses.field(repr=False, compare=False)  # the target's text config
+
+    @classmethod
+    def of(cls, text: dict, draft_vocab: int, ttt: int, aux_layers) -> "DraftShape":
+        c = Eagle3Config.from_target_config(text, draft_vocab, aux_layers)
+        return cls(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size,
+                   c.vocab_size, c.draft_vocab_size, ttt, tuple(aux_layers), text)
+
+    @classmethod
+    def kimi(cls) -> "DraftShape":
+        """Kimi-K2.5's draft: hidden 7168, 64 heads of 128 (MLA: as many kv heads), intermediate
+        18432, vocabulary 163840, draft vocabulary 32000, 7 TTT steps, aux layers [1, 29, 57]."""
+        cfg = load_config(KIMI_CONFIG)
+        return cls.of(KIMI_K25_TEXT, cfg.vocab.draft_vocab_size, cfg.train.ttt_steps, cfg.extract.aux_layers)
+
+    @classmethod
+    def tiny(cls) -> "DraftShape":
+        return cls.of({**TINY_TEXT, "num_hidden_layers": 4}, 97, 3, [0, 1, 2])
+
+    def draft_config(self) -> Eagle3Config:
+        return Eagle3Config.from_target_config(self.text, self.draft_vocab, list(self.aux_layers))
 
 
 def bench_layout(cpu_check: bool) -> tuple[Layout, TensorParallel]:
@@ -50,16 +87,22 @@ def bench_layout(cpu_check: bool) -> tuple[Layout, TensorParallel]:
     return layout, tensor_parallel(layout)
 
 
-def kimi_args(num_layers: int = 4, **overrides) -> ModelArgs:
+def kimi_args(num_layers: int = 4, text: dict = KIMI_K25_TEXT, **overrides) -> ModelArgs:
     """Kimi-K2.5's text shape with `num_layers` layers (the first `first_k_dense_replace` dense)."""
-    return ModelArgs(**{**KIMI_K25_TEXT, "num_hidden_layers": num_layers, **overrides})
+    return dataclasses.replace(ModelArgs.from_config({**text, "num_hidden_layers": num_layers}), **overrides)
 
 
 def tiny_args(num_layers: int = 3) -> ModelArgs:
     """The same structure at toy size (CPU checks of the benchmark scripts)."""
-    return kimi_args(num_layers, vocab_size=512, hidden_size=128, intermediate_size=192, moe_intermediate_size=64,
-                     num_attention_heads=4, n_routed_experts=16, num_experts_per_tok=4, kv_lora_rank=64,
-                     q_lora_rank=96, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
+    return kimi_args(num_layers, TINY_TEXT)
+
+
+def random_rows(vocab: int, batch_tokens: int, length: int, batches: int, seed: int = 0) -> list[dict]:
+    """`batches` batches' worth of extraction rows {"id", "input_ids", "loss_mask"}: batch_tokens //
+    length samples of `length` random ids per batch (the same on every rank: drawn on the CPU)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [{"id": j, "input_ids": torch.randint(0, vocab, (length,), generator=gen).tolist(), "loss_mask": [1] * length}
+            for j in range(max(1, batch_tokens // length) * batches)]
 
 
 @torch.no_grad()

@@ -28,19 +28,16 @@ from _bench_common import import_eagleforge  # noqa: E402
 from bench_moe import random_int4_experts  # noqa: E402
 
 import_eagleforge()
+from kimi_shaped import KIMI_MOE  # noqa: E402
+
 from eagleforge.kernels import int4_moe  # noqa: E402
 
-H, I, E, K = 7168, 2048, 384, 8
+H, I, E, K = KIMI_MOE
 
 
 def parse_config(text: str) -> tuple:
     impl, *nums = text.split(",")
     return (impl, *map(int, nums))
-
-
-def random_experts(device, seed=0) -> dict:
-    """INT4 experts in the checkpoint layout (bench_moe's draw)."""
-    return random_int4_experts(H, I, E, torch.Generator(device=device).manual_seed(seed))
 
 
 def random_routing(T: int, device, seed=1):
@@ -68,7 +65,7 @@ def main(argv=None) -> None:
     p.add_argument("--time", action="store_true", help="time each config instead of profiling")
     a = p.parse_args(argv)
     device = torch.device("cuda")
-    packs = random_experts(device)
+    packs = random_int4_experts(H, I, E, torch.Generator(device=device).manual_seed(0))  # bench_moe's draw
     pk = [packs[n] for n in ("gate_packed", "gate_scale", "up_packed", "up_scale", "down_packed", "down_scale")]
     int4_moe._pick_config = lambda name, configs, key, run: configs[0]  # pinned: no search
     for T in a.tokens:

@@ -6,11 +6,11 @@
 #
 #   make bench-gpu                                   # = bash benchmarks/run_all.sh
 #   bash benchmarks/run_all.sh moe loss              # a subset, by name:
-#        moe loss train attention prefill extract pipeline plan train-dist tp-capture online quality quality-specforge
+#        moe loss train attention prefill extract pipeline plan train-dist online quality quality-specforge
 #   OUT=runs/bench PYTHON=python3 bash benchmarks/run_all.sh
 #
-# Single-GPU benchmarks run on GPU 0; with two or more GPUs, extract, plan, train-dist and
-# tp-capture also run over all of them (torchrun). Logs and JSON records go to $OUT (default
+# Single-GPU benchmarks run on GPU 0; with two or more GPUs, extract, plan and train-dist also
+# run over all of them (torchrun). Logs and JSON records go to $OUT (default
 # runs/bench); the GPU, torch and triton versions to $OUT/versions.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,16 +20,12 @@ mkdir -p "$OUT"
 
 GPUS=$($PY -c 'import torch; print(torch.cuda.device_count())') || exit 1
 if [ "$GPUS" -lt 1 ]; then
-  echo "no CUDA GPU here; the CPU benchmarks are make bench-extract-cpu and make bench-teacher-forced" >&2
+  echo "no CUDA GPU here; the CPU benchmark is make bench-teacher-forced" >&2
   exit 1
 fi
 $PY - <<'EOF' | tee "$OUT/versions.txt"
-import torch
-try:
-    import triton
-    tv = triton.__version__
-except ImportError:
-    tv = "not installed"
+import importlib.util, torch
+tv = __import__("triton").__version__ if importlib.util.find_spec("triton") else "not installed"
 names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
 print(f"{torch.cuda.device_count()} x {', '.join(names)}; torch {torch.__version__} (CUDA {torch.version.cuda}); triton {tv}")
 EOF
@@ -47,16 +43,15 @@ run() {  # run NAME COMMAND...: prints and logs the output, remembers a failure
   [ "${PIPESTATUS[0]}" -eq 0 ] || failed+=("$name")
 }
 
-for bench in ${*:-moe loss train attention prefill extract pipeline plan train-dist tp-capture online quality quality-specforge}; do
+for bench in ${*:-moe loss train attention prefill extract pipeline plan train-dist online quality quality-specforge}; do
   case $bench in
     moe)  # one Kimi-K2.5 MoE layer: INT4 kernels vs bf16 grouped_mm
       run moe "${ONE[@]}" benchmarks/bench_moe.py --tokens 4096 16384 --json "$OUT/moe.json" ;;
     loss)  # the fused EAGLE-3 loss, 7 TTT steps
       run loss "${ONE[@]}" benchmarks/bench_loss.py --json "$OUT/loss.json" ;;
-    train)  # one Kimi-shaped draft training step as the Kimi configs set it, beside SpecForge's
+    train)  # the trainer's step on the Kimi-shaped draft as the B300 config sets it, beside SpecForge's
       run train "${ONE[@]}" benchmarks/bench_train.py --no-attention-bench --tokens 2048 8192 16384 32768 \
-        --specforge-tokens 2048 8192 16384 32768 --variants "ckpt=selective_all,attn=merged_cudnn,compile=1,packed=1" \
-        --json "$OUT/train.json" ;;
+        --specforge-tokens 2048 8192 16384 32768 --warmup 2 --iters 4 --json "$OUT/train.json" ;;
     attention)  # the draft's TTT attention alone, by mode
       run attention "${ONE[@]}" benchmarks/bench_train.py --attention-bench --attention-tokens 2048 8192 32768 \
         --attention-modes merged+compile merged_cudnn+compile flex --json "$OUT/attention.json" ;;
@@ -65,7 +60,7 @@ for bench in ${*:-moe loss train attention prefill extract pipeline plan train-d
     extract)  # the native extraction on a Kimi-shaped 4-layer model: tp 1, then tp = all GPUs
       run extract_tp1 "${ONE[@]}" benchmarks/bench_extract.py --json "$OUT/extract_tp1.json"
       if [ "$GPUS" -ge 2 ]; then
-        run "extract_tp$GPUS" "${TORCHRUN[@]}" benchmarks/bench_extract.py --tokens 16384 32768 --no-write \
+        run "extract_tp$GPUS" "${TORCHRUN[@]}" benchmarks/bench_extract.py --tokens 16384 32768 \
           --baseline-json "$OUT/extract_tp1.json" --json "$OUT/extract_tp$GPUS.json"
       fi ;;
     pipeline)  # pipeline stages: the loop at pp 1, two stages in turn against pp 1, the pilot's projection
@@ -78,15 +73,10 @@ for bench in ${*:-moe loss train attention prefill extract pipeline plan train-d
       fi ;;
     train-dist)  # the trainer's own step on 1 GPU, then on all of them (FSDP2)
       if [ "$GPUS" -ge 2 ]; then
-        run train-dist "$PY" benchmarks/bench_train_dist.py --launch 1 "$GPUS" --tokens 8192 --steps 6 --json "$OUT/train_dist.json"
+        run train-dist "$PY" benchmarks/bench_train.py --launch 1 "$GPUS" --tokens 8192 --warmup 2 --iters 6 \
+          --no-attention-bench --no-checks --no-specforge --json "$OUT/train_dist.json"
       else
         echo "=== train-dist: skipped (needs 2 GPUs)"
-      fi ;;
-    tp-capture)  # tensor-parallel capture: ranks identical, states finite
-      if [ "$GPUS" -ge 2 ]; then
-        run tp-capture "${TORCHRUN[@]}" benchmarks/check_tp_capture.py
-      else
-        echo "=== tp-capture: skipped (needs 2 GPUs)"
       fi ;;
     online)  # online training: the Kimi-shaped target feeding the Kimi-shaped draft on one GPU
       for t in 8192 16384; do
@@ -102,7 +92,7 @@ for bench in ${*:-moe loss train attention prefill extract pipeline plan train-d
       run quality-specforge "${ONE[@]}" benchmarks/bench_quality.py --config configs/smollm2_gpu.yaml \
         --run "$OUT/smollm2_gpu" --json "$OUT/quality_specforge.json" ;;
     *)
-      echo "unknown benchmark '$bench' (moe loss train attention prefill extract pipeline plan train-dist tp-capture online quality quality-specforge)" >&2
+      echo "unknown benchmark '$bench' (moe loss train attention prefill extract pipeline plan train-dist online quality quality-specforge)" >&2
       failed+=("$bench") ;;
   esac
 done

@@ -36,10 +36,8 @@ from eagleforge.target.loading import load_target, use_cpu_attention  # noqa: E4
 
 def heldout_rows(run: Path, holdout: int) -> list[dict]:
     """The trainer's held-out samples (the last `holdout` of the extracted shards, in their
-    order), read from RUN/data/samples.jsonl(.gz). Without the shards (a run copied without
-    RUN/hidden) the last `holdout` ids of samples.jsonl, which is the same split when extraction
-    skipped no sample (it says how many it skipped)."""
-    from eagleforge.shards import MANIFEST, ShardReader
+    order), read from RUN/data/samples.jsonl(.gz)."""
+    from eagleforge.shards import ShardReader
 
     if holdout <= 0:
         raise SystemExit(f"{run}: train.holdout_samples = {holdout}: the run has no held-out samples")
@@ -49,12 +47,7 @@ def heldout_rows(run: Path, holdout: int) -> list[dict]:
         path = path.with_suffix(".jsonl.gz")
     with opener(path, "rt", encoding="utf-8") as f:
         rows = {r["id"]: r for r in (json.loads(line) for line in f if line.strip())}
-    if (run / "hidden" / MANIFEST).is_file():
-        ids = ShardReader(run / "hidden").sample_ids()[-holdout:]
-    else:
-        print(f"{run}/hidden: no shard manifest; held-out = the last {holdout} ids of {path.name}")
-        ids = sorted(rows)[-holdout:]
-    return [rows[i] for i in ids]
+    return [rows[i] for i in ShardReader(run / "hidden").sample_ids()[-holdout:]]
 
 
 def on_heldout(draft, target, tokenizer, rows: list[dict], answer_tokens: int, k: int) -> dict:

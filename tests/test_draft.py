@@ -18,6 +18,7 @@ from transformers import DeepseekV3Config, Kimi_K25Config, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
 from eagleforge.draft import EXPORT_TENSOR_NAMES, Eagle3Config, Eagle3Draft, load_draft, save_draft
+from eagleforge.extract.native.plan import KIMI_K25_TEXT_CONFIG
 
 ROPES = {
     "default": None,
@@ -635,15 +636,13 @@ def test_from_target_config_llama(tiny_llama_config):
     assert cfg.rope_theta == 500000.0 and cfg.rope_scaling == ROPES["llama3"]
 
 
-KIMI_TEXT = dict(
-    hidden_size=7168, num_hidden_layers=61, num_attention_heads=64, num_key_value_heads=64, intermediate_size=18432,
-    moe_intermediate_size=2048, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-    v_head_dim=128, vocab_size=163840, rms_norm_eps=1e-5, max_position_embeddings=262144, rope_theta=50000.0,
-    rope_scaling={"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
-                  "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
-)
-KIMI_DRAFT = dict(hidden_size=7168, num_attention_heads=64, num_key_value_heads=64, head_dim=128,
-                  intermediate_size=18432, vocab_size=163840, target_hidden_size=7168, target_num_layers=61)
+# Kimi-K2.5's text config: the one table (docs/kimi-k25.md), without its model_type key
+KIMI_TEXT = {k: v for k, v in KIMI_K25_TEXT_CONFIG.items() if k != "model_type"}
+# MLA: as many kv heads as query heads, head_dim = v_head_dim
+KIMI_DRAFT = dict(hidden_size=KIMI_TEXT["hidden_size"], num_attention_heads=KIMI_TEXT["num_attention_heads"],
+                  num_key_value_heads=KIMI_TEXT["num_attention_heads"], head_dim=KIMI_TEXT["v_head_dim"],
+                  intermediate_size=KIMI_TEXT["intermediate_size"], vocab_size=KIMI_TEXT["vocab_size"],
+                  target_hidden_size=KIMI_TEXT["hidden_size"], target_num_layers=KIMI_TEXT["num_hidden_layers"])
 
 
 def _check_kimi(cfg):
@@ -679,8 +678,9 @@ def test_from_target_config_deepseek_v3_and_kimi():
     # The Kimi-sized draft builds on the meta device (no memory) with the export's shapes.
     with torch.device("meta"):
         kimi = Eagle3Draft(cfg)
-    assert tuple(kimi.midlayer.self_attn.q_proj.weight.shape) == (64 * 128, 2 * 7168)
-    assert tuple(kimi.fc.weight.shape) == (7168, 3 * 7168) and tuple(kimi.lm_head.weight.shape) == (32000, 7168)
+    H, heads, hd = KIMI_DRAFT["hidden_size"], KIMI_DRAFT["num_attention_heads"], KIMI_DRAFT["head_dim"]
+    assert tuple(kimi.midlayer.self_attn.q_proj.weight.shape) == (heads * hd, 2 * H)
+    assert tuple(kimi.fc.weight.shape) == (H, 3 * H) and tuple(kimi.lm_head.weight.shape) == (32000, H)
 
 
 @pytest.mark.parametrize("rope_key", ["rope_scaling", "rope_parameters"])

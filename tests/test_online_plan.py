@@ -40,20 +40,28 @@ def _line(stage, name: str) -> float:
     return lines[0]
 
 
-# ---- Kimi-K2.5's resident target by hand (docs/kimi-k25.md's config; extract/native/plan.py's
-# docstrings say what each term holds). H 7168, 64 heads (qk 128 + 64 rope, v 128), q_lora 1536,
-# kv_lora 512, 61 layers (layer 0 dense, 18432 wide; 60 MoE: 384 experts 2048 wide, 8 routed + 1
-# shared a token, a router of 384 x H bf16 + 384 fp32 biases), vocabulary 163840, bf16 (2 bytes).
+# ---- Kimi-K2.5's resident target by hand (docs/kimi-k25.md's config, the one table of
+# benchmarks/kimi_shaped.py; extract/native/plan.py's docstrings say what each term holds). H 7168,
+# 64 heads (qk 128 + 64 rope, v 128), q_lora 1536, kv_lora 512, 61 layers (layer 0 dense, 18432 wide;
+# 60 MoE: 384 experts 2048 wide, 8 routed + 1 shared a token, a router of 384 x H bf16 + 384 fp32
+# biases), vocabulary 163840, bf16 (2 bytes).
+H, HEADS, Q_LORA, KV_LORA = (KIMI_K25_TEXT_CONFIG[k] for k in ("hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank"))
+NOPE, ROPE, V = (KIMI_K25_TEXT_CONFIG[k] for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+LAYERS, DENSE, VOCAB = (KIMI_K25_TEXT_CONFIG[k] for k in ("num_hidden_layers", "intermediate_size", "vocab_size"))
+E, MOE, TOPK = (KIMI_K25_TEXT_CONFIG[k] for k in ("n_routed_experts", "moe_intermediate_size", "num_experts_per_tok"))
+QK = NOPE + ROPE
+
+
 def _int4(rows, cols):  # packed nibbles, one bf16 scale per 32 input columns, the int64 [2] shape
     return rows * cols // 2 + rows * (cols // 32) * 2 + 16
 
 
-EXPERT = 2 * _int4(2048, 7168) + _int4(7168, 2048)  # gate, up [2048, H]; down [H, 2048]: 24,772,656 bytes
-REPLICATED_ATTENTION = 7168 * 1536 + 1536 + 7168 * (512 + 64) + 512 + 2 * 7168  # q_a, its norm, kv_a, its norm, 2 layer norms
+EXPERT = 2 * _int4(MOE, H) + _int4(H, MOE)  # gate, up [2048, H]; down [H, 2048]: 24,772,656 bytes
+REPLICATED_ATTENTION = H * Q_LORA + Q_LORA + H * (KV_LORA + ROPE) + KV_LORA + 2 * H  # q_a, its norm, kv_a, its norm, 2 layer norms
 
 
 def _split_attention(heads):  # q_b, kv_b, o_proj for this rank's heads
-    return heads * (128 + 64) * 1536 + 512 * heads * (128 + 128) + heads * 128 * 7168
+    return heads * QK * Q_LORA + KV_LORA * heads * (NOPE + V) + heads * V * H
 
 
 def _reserve(ranks, activations):  # context 1 GiB, NCCL 1 GiB (several ranks), 10% of the activations' peak
@@ -62,23 +70,24 @@ def _reserve(ranks, activations):  # context 1 GiB, NCCL 1 GiB (several ranks), 
 
 # tp 8, whole model, T = 32768 tokens a forward: rank 0 holds vocabulary rows 0-20479, 48 experts a
 # MoE layer, 8 heads, 1/8 of the dense and shared MLPs
-_T = 32768
-_NH = _T * 7168 * 2  # one [T, H] bf16 state
+_T, TP = 32768, 8
+_NH = _T * H * 2  # one [T, H] bf16 state
 _B300_ACTIVATIONS = max(
     # MoE, the peak: 4 states held (aux 1, 29, 57 and the input of layer 60) + 5 more, the 8 slots'
     # [8T, 2048 + H] and their 20 bytes of routing each
-    4 * _NH + 5 * _NH + 8 * _T * (2048 + 7168) * 2 + 8 * _T * 20,  # 9,064,939,520
-    4 * _NH + 2 * _NH + _T * 2112 * 2 + _T * 8 * (3 * 192 + 256 + 128) * 2 + _T * 8 * 4,  # attention: 3,461,349,376
-    1 * _NH + 2 * _NH + 4 * _T * (18432 // 8) * 2,  # the dense MLP of layer 0: 2,013,265,920
+    4 * _NH + 5 * _NH + TOPK * _T * (MOE + H) * 2 + TOPK * _T * 20,  # 9,064,939,520
+    4 * _NH + 2 * _NH + _T * (Q_LORA + KV_LORA + ROPE) * 2 + _T * (HEADS // TP) * (3 * QK + NOPE + V + V) * 2
+    + _T * (HEADS // TP) * 4,  # attention: 3,461,349,376
+    1 * _NH + 2 * _NH + 4 * _T * (DENSE // TP) * 2,  # the dense MLP of layer 0: 2,013,265,920
     8 * _NH,  # the end: the aux states, the final norm, their packed copies: 3,758,096,384
 )
 B300_TARGET_BYTES = (
-    2 * 20480 * 7168 * 2  # embedding and lm_head rows
-    + 61 * (REPLICATED_ATTENTION + _split_attention(8)) * 2
-    + 1 * 3 * 7168 * (18432 // 8) * 2  # dense MLP
-    + 60 * 384 * (7168 * 2 + 4)  # router
-    + 60 * 3 * 7168 * (2048 // 8) * 2  # shared expert
-    + 60 * 48 * EXPERT  # routed experts, INT4
+    2 * (VOCAB // TP) * H * 2  # embedding and lm_head rows
+    + LAYERS * (REPLICATED_ATTENTION + _split_attention(HEADS // TP)) * 2
+    + 1 * 3 * H * (DENSE // TP) * 2  # dense MLP
+    + (LAYERS - 1) * E * (H * 2 + 4)  # router
+    + (LAYERS - 1) * 3 * H * (MOE // TP) * 2  # shared expert
+    + (LAYERS - 1) * (E // TP) * EXPERT  # routed experts, INT4
     + _B300_ACTIVATIONS + _reserve(8, _B300_ACTIVATIONS)
 )  # 88,301,634,560 bytes = 82.24 GiB
 

@@ -28,7 +28,7 @@ from tiny_runs import write_tiny_llama
 from eagleforge.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "tests" / "soak"))
 import soak  # noqa: E402 - the soak's comparison of a checkpoint's tensors in their own dtypes
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

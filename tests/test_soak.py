@@ -1,4 +1,4 @@
-"""The kill-and-resume soak, short version (benchmarks/soak.py; `make soak` runs the long one with
+"""The kill-and-resume soak, short version (tests/soak/soak.py; `make soak` runs the long one with
 hundreds of random kills): each stage of a tiny run SIGKILLed at a few chosen moments, among them
 the write phases (a file-system point: right before or after a shard's, a checkpoint's, the
 cache's, the export's fsync or rename, half-way through removing an old checkpoint), rerun to the
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "tests" / "soak"))
 import soak  # noqa: E402
 
 TRIAL_SEED = 20240917

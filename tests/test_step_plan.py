@@ -5,24 +5,27 @@ given size."""
 from __future__ import annotations
 
 import logging
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from eagleforge.config import TrainConfig, load_config
-from eagleforge.draft import Eagle3Config, Eagle3Draft
+from eagleforge.draft import Eagle3Draft
 from eagleforge.errors import ConfigError
 from eagleforge.train.step_plan import GIB, RESERVE, draft_activation_bytes_per_token, plan_step
 
-H, HEADS, HD, INTER, VD, VOCAB = 7168, 64, 128, 18432, 32000, 163840
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from kimi_shaped import DraftShape  # noqa: E402 - the one table of Kimi-K2.5's dimensions
+
+KIMI = DraftShape.kimi()
+H, HEADS, HD, INTER, VD, VOCAB = KIMI.hidden, KIMI.heads, KIMI.head_dim, KIMI.intermediate, KIMI.draft_vocab, KIMI.vocab
 
 
 def _kimi_draft() -> Eagle3Draft:
-    config = Eagle3Config(hidden_size=H, num_attention_heads=HEADS, num_key_value_heads=HEADS, head_dim=HD,
-                          intermediate_size=INTER, vocab_size=VOCAB, draft_vocab_size=VD, target_hidden_size=H,
-                          aux_layer_ids=[1, 29, 57], rms_norm_eps=1e-5, rope_theta=50000.0, max_position_embeddings=131072)
     with torch.device("meta"):  # sizes only, no memory
-        draft = Eagle3Draft(config)
+        draft = Eagle3Draft(KIMI.draft_config())
     draft.embed_tokens.weight.requires_grad_(False)
     return draft
 

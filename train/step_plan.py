@@ -8,7 +8,8 @@ under FSDP2; the frozen embedding [V, H] (none when kept on the host, train.embe
 teacher head [Vd, Ht] in the parameters' dtype.
 
 Activations per token: bench-train's Kimi-shaped step (hidden 7168, 7 TTT steps, one sample of
-T tokens; BENCHMARKS.md, "Draft training step") peaked at 22.3 GiB at 8K and 62.7 GiB at 32K
+T tokens; the step the benchmark assembled from the draft and the loss, 2026-11-30, in
+BENCHMARKS.md's history) peaked at 22.3 GiB at 8K and 62.7 GiB at 32K
 tokens with selective_all: 40.4 GiB per 24K tokens (1724 KiB per token) once the fixed states
 are taken out by the difference. `selective` (gate/up recomputed) measured ~0.37 GiB less per 1K
 tokens in the same benchmark. The other modes are derived: benchmarks/draft_activation_memory.py

@@ -1,9 +1,9 @@
 """Kill-and-resume soak: every stage of a tiny run SIGKILLed at seeded random moments, rerun until
 it finishes, and its outputs compared with an uninterrupted run's.
 
-    python benchmarks/soak.py                         # the long soak (make soak): >= 200 kills
-    python benchmarks/soak.py --kills 3 --seed 7      # 3 kills per stage
-    python benchmarks/soak.py --stages train,eval --kills 20 --out runs/soak --keep
+    python tests/soak/soak.py                         # the long soak (make soak): >= 200 kills
+    python tests/soak/soak.py --kills 3 --seed 7      # 3 kills per stage
+    python tests/soak/soak.py --stages train,eval --kills 20 --out runs/soak --keep
 
 The run is the embedded default's pipeline at toy size: stdlib prompts answered greedily by a
 tiny random Llama target (hidden 48, 7 layers, SmolLM2's tokenizer and chat template, bf16 as
@@ -29,7 +29,7 @@ is one of
   - right before or right after one of the uninterrupted run's file-system calls (os.fsync,
     os.replace, os.rename, os.unlink, os.rmdir under RUN: after a shard's fsync and before its
     rename, between a directory swap's two renames, half-way through removing an old
-    checkpoint), in the process (rank) that made it: benchmarks/soak_hook/sitecustomize.py wraps
+    checkpoint), in the process (rank) that made it: tests/soak/hook/sitecustomize.py wraps
     those calls in the stage's processes and stops the process there; the stage's code is not
     changed.
 At the moment, the stage's whole process tree (the launcher and its ranks) is stopped (SIGSTOP),
@@ -78,8 +78,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable
 
-REPO = Path(__file__).resolve().parents[1]
-HOOK_DIR = Path(__file__).resolve().parent / "soak_hook"  # sitecustomize.py: the file-system kill points
+REPO = Path(__file__).resolve().parents[2]
+HOOK_DIR = Path(__file__).resolve().parent / "hook"  # sitecustomize.py: the file-system kill points
 POLL_S = 0.002
 
 # The tiny run: one config for every stage (only launch/source keys differ between stages).

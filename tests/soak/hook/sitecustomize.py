@@ -1,4 +1,4 @@
-"""The soak's file-system kill points (benchmarks/soak.py), loaded by every Python process the soak
+"""The soak's file-system kill points (tests/soak/soak.py), loaded by every Python process the soak
 starts (PYTHONPATH holds this folder only when the soak asks for it; nothing else imports it).
 
 SOAK_FAULT="count": record this process's os.replace / os.rename / os.fsync / os.unlink / os.rmdir
