@@ -143,7 +143,8 @@ def test_the_uninterrupted_bf16_run_is_deterministic(runs):
     weights, one int16 master remainder and two fp32 moments per weight."""
     compared = _assert_same_run(runs["again"], runs["whole"])
     weights = compared.get("weight bfloat16", 0)
-    assert weights == 13 and "weight float32" not in compared, compared
+    # fc, 7 midlayer linears, lm_head, 4 norms and 3 fc_norm norms (the default draft is EAGLE-3.1)
+    assert weights == 16 and "weight float32" not in compared, compared
     assert compared.get("master remainder int16") == weights and compared.get("moment float32") == 2 * weights, compared
 
 
@@ -156,4 +157,4 @@ def test_a_sigkilled_bf16_run_resumes_to_the_uninterrupted_run_bit_for_bit(runs)
     assert KILL_AFTER in at_kill["checkpoints"] and at_kill["steps"] < 15, f"the kill landed too late: {at_kill}"
     assert "resumed from" in runs["rerun"], runs["rerun"][-3000:]
     compared = _assert_same_run(runs["killed"], runs["whole"])
-    assert compared.get("master remainder int16") == compared.get("weight bfloat16") == 13, compared
+    assert compared.get("master remainder int16") == compared.get("weight bfloat16") == 16, compared
