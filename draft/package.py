@@ -1,7 +1,8 @@
 """EAGLE-3 draft library: model, config and the vLLM/SGLang export format.
 
-Standalone: no dependency on the rest of eagleforge and no torch.distributed, so serving-side
-users can `from eagleforge import draft` alone.
+Standalone: no dependency on the stages or the target, only on the root package's plain helpers
+(eagleforge.modes, .atomic, .errors, .readers), and no torch.distributed, so serving-side users
+can `from eagleforge import draft` alone.
 """
 
 from eagleforge.draft.attention import ttt_attention, ttt_attention_reference, ttt_attention_sdpa

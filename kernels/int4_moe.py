@@ -350,23 +350,22 @@ if HAS_TRITON:
 #   "sa"  the same with the unpack in inline PTX (two nibbles per 32-bit operation; sm_90)
 # BLOCK_K is the K of one dot: 16 NIB, NIB nibble tiles side by side (a loop step covers 128
 # columns in 8 / NIB dots). What decides the speed, from the sm_90 SASS (Triton 3.6) and
-# measurements on an H200 (gate+up at 16K tokens): each dot waits for its wgmma (a register
-# operand), so 8 / NIB waits per step; an arange-derived word_group sent every unpacked tile
-# through shared memory (two barriers per dot; 35.4 ms), a loaded one keeps it in registers;
-# 4-warp configs under ~110 KB of shared memory put two CTAs on an SM to cover each other's
-# waits (23.8 ms); the PTX unpack cuts the step from 821 to 604 instructions (23.5 ms: issue was
-# not the bound).
+# measurements on an H200 (gate+up at 16K tokens; the times: BENCHMARKS.md, "What bounds the
+# INT4 kernels"): each dot waits for its wgmma (a register operand), so 8 / NIB waits per step;
+# an arange-derived word_group sent every unpacked tile through shared memory (two barriers per
+# dot), a loaded one keeps it in registers; 4-warp configs under ~110 KB of shared memory put two
+# CTAs on an SM to cover each other's waits (the largest gain); the PTX unpack cuts the
+# instructions per step by a quarter but hardly the time (issue was not the bound).
 
 # v3 candidates per rows-per-expert bucket, each timed once per shape; the first is used untimed
 # under the interpreter (INTERPRET_CONFIGS there)
 # Down: a cap of 168 registers (185 uncapped, no spills at 168) fits three 4-warp CTAs per SM
-# instead of two (measured on an H200: the routed experts 35.80 -> 34.54 ms at 16K tokens,
-# 12.73 -> 11.70 at 4K). Gate+up keeps two (255 registers for its two accumulators; at 168 it
-# spills 552 bytes). Both kernels are latency-bound (Nsight Compute: tensor pipe 37-46% active,
-# L2 ~50% of its throughput, the largest stall the words' global loads in the step that unpacks
-# them); a prefetch of the next block into L1 doubled the L2 traffic and lost 9-15%; gate+up
-# with gate and up stacked in one accumulator (three CTAs per SM, twice the token-tile reads)
-# lost 9-13%.
+# instead of two (faster at 4K and 16K tokens). Gate+up keeps two (255 registers for its two
+# accumulators; at 168 it spills 552 bytes). Both kernels are latency-bound (Nsight Compute: the
+# tensor pipe and L2 well below their peaks, the largest stall the words' global loads in the
+# step that unpacks them); a prefetch of the next block into L1 doubled the L2 traffic and lost
+# time; gate+up with gate and up stacked in one accumulator (three CTAs per SM, twice the
+# token-tile reads) lost time too. Measured: BENCHMARKS.md, "What bounds the INT4 kernels".
 V3_CONFIGS = {
     "large": [("sa", 128, 64, 64, 4, 3), ("sa", 128, 64, 32, 4, 3), ("s", 128, 64, 64, 4, 3), ("sa", 128, 64, 16, 4, 3)],
     "small": [("sa", 128, 64, 64, 4, 3), ("sa", 128, 64, 32, 4, 3), ("sa", 128, 64, 64, 4, 2), ("sa", 128, 64, 16, 4, 3)],

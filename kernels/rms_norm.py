@@ -4,8 +4,9 @@
 
 `rms_norm_reference` is transformers' DeepseekV3RMSNorm verbatim in torch: an fp32 copy of x, a
 square, a mean, a multiply, a cast back and a multiply by the weight, each a pass over [N, H].
-At 16K tokens and H = 7168 that is ~0.5 ms per norm on an H200 and, under tensor parallelism,
-the same on every rank (the norms are replicated work, as a MoE layer's kernel profile showed).
+At Kimi-K2.5's shapes that is a visible share of a layer (measured: BENCHMARKS.md, "Smaller
+measurements the code's choices rest on") and, under tensor parallelism, the same on every rank
+(the norms are replicated work, as a MoE layer's kernel profile showed).
 `rms_norm` is one Triton program per row: one read, one write, fp32 inside, the same two
 roundings as the reference (the normalized row to x's dtype, then the product with the weight).
 The sum of squares is a tree (Triton's reduction) instead of torch's order: the mean differs in

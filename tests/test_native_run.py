@@ -203,7 +203,7 @@ def test_planner_activations_match_the_h200_measurement(key):
 @pytest.mark.parametrize("layers,experts,tp", [(61, 384, 8), (12, 384, 8), (4, 384, 2), (4, 100, 8), (5, 384, 16)])
 @pytest.mark.parametrize("layout", ["ep", "tp"])
 def test_planner_weights_equal_the_built_model_on_every_rank(layers, experts, tp, layout):
-    """The memory check at sizes no single machine here holds: the planner's weight bytes per GPU
+    """The memory check at sizes no test machine holds: the planner's weight bytes per GPU
     against the bytes of the parameters and buffers the native model builds on each rank (meta
     tensors, no memory): Kimi-K2.5 at tp 8 and 16, the Kimi-shaped 12- and 4-layer bench models,
     and 100 experts over 8 ranks (uneven: the planner must plan for the fullest rank)."""

@@ -226,7 +226,7 @@ def test_refused_with_the_shortfall_and_the_batch_that_fits():
     b300 = _cfg("kimi_k25_b300")
     plan = check_online_fits(b300, int(288e9), 8)
     assert plan.total_bytes() <= 288e9 and plan.max_batch_tokens(288e9) >= b300.train.batch_tokens
-    # the extraction plan of README's grid (82.2 GiB), by hand: tp 8, ep layout, bf16, INT4 experts,
+    # the B300 config's extraction plan (make plan: 82.2 GiB), by hand: tp 8, ep layout, bf16, INT4 experts,
     # extract.batch_tokens 32768, aux layers 1, 29, 57
     assert plan.target.total_bytes == B300_TARGET_BYTES, (plan.target.components, B300_TARGET_BYTES)
     assert plan.target.total_bytes / GIB == pytest.approx(82.2, abs=0.1)

@@ -34,9 +34,9 @@ def build_draft(cfg: Config, manifest: dict, vocab: dict, head: dict) -> torch.n
     """Eagle3Draft sized from the target config (+ cfg.draft overrides), with the frozen target
     embedding and d2t/t2d, its weights drawn under train.seed (so every rank, and a benchmark
     pairing two trainers, starts from the same draft) or taken from train.init_draft. lm_head
-    keeps its random init: in a short SmolLM2 trial, starting it
-    from the target's head rows gave a ~1.5x higher initial loss, grad norms ~50x larger (so
-    clipping dominated) and no accuracy gain."""
+    keeps its random init: in a short SmolLM2 trial, starting it from the target's head rows gave
+    a higher initial loss, far larger grad norms (so clipping dominated) and no accuracy gain
+    (BENCHMARKS.md, "Smaller measurements the code's choices rest on")."""
     from eagleforge.draft import Eagle3Config, Eagle3Draft
     from eagleforge.draft.config import RopeConflictError
 

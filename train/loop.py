@@ -337,7 +337,7 @@ class Trainer:
                 stats.merge(batch_stats)
                 loss_sum = loss_sum + loss.detach().float()
                 # The states themselves, even in rows the loss masks out: one device reduction per
-                # tensor (~0.25 ms for a 16K-token Kimi batch on an H200), no host sync.
+                # tensor (its cost: BENCHMARKS.md, "Smaller measurements"), no host sync.
                 inputs_bad = inputs_bad + (~torch.isfinite(batch.aux_hidden_states)).any() \
                     + (~torch.isfinite(batch.last_hidden_state)).any()
         # the step's tokens over all ranks, from the host's own lengths (every rank knows the global batches)

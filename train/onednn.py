@@ -6,15 +6,16 @@ it in two caches of 1024 entries each: oneDNN's own primitive cache
 (ONEDNN_PRIMITIVE_CACHE_CAPACITY) and the one of ideep, torch's layer over it
 (LRU_CACHE_CAPACITY). An entry holds about 0.45 MB whatever the matrix sizes. The trainer's
 batches are whole samples padded to the longest, so nearly every step brings new shapes, whose
-kernels are never used again. At the default capacities the entries alone reach ~600 MB, and as
-they are allocated between each step's large short-lived tensors, the heap around them can be
-neither reused for the next, differently sized, tensors nor returned: on the embedded default's
-shapes the trainer's anonymous memory grew by ~46 MB a step (1.2 GB to 3.5 GB in 50 steps, most of
-it free heap), with 64 entries it stays within its per-batch working set (1.5-1.8 GB).
+kernels are never used again. At the default capacities the entries alone reach hundreds of MB,
+and as they are allocated between each step's large short-lived tensors, the heap around them
+can be neither reused for the next, differently sized, tensors nor returned: the trainer's
+anonymous memory grew every step on the embedded default's shapes, most of it free heap; with 64
+entries it stays within its per-batch working set.
 
 A training step uses about 30 shapes, each many times (every TTT step repeats the linears',
-the flash attention runs thousands of blocks of a few shapes): 64 entries keep those hits (the
-same step time as the defaults), 0 would compile again on every call (~20% slower).
+the flash attention runs thousands of blocks of a few shapes): 64 entries keep those hits (no
+slower than the defaults), 0 would compile again on every call (slower). Measured: BENCHMARKS.md,
+"CPU training over a run: memory and speed".
 
 Both libraries read their capacity once, at their first use in the process: `bound_caches()`
 runs before the first CPU matmul (the train stage's entry calls it first). A capacity set in the

@@ -379,9 +379,10 @@ def print_online_plan(cfg: Config, gpu_bytes: float | None) -> None:
               f"{', '.join(str(len(r)) for r in plan.ranges)} layers); {largest}")
 
 
-# bench-train (BENCHMARKS.md, "The trainer"): the trainer's step at 8192 tokens from shards with
-# selective_all, 11822 tokens/s on one H200, whose bf16 matmul measured 751 TFLOP/s (bench-pipeline):
-# the draft's rate a layout's projection scales by the stated matmul rate.
+# The draft's step rate a layout's projection scales by the stated matmul rate, and the bf16
+# matmul rate of the GPU it was measured on: bench-train's trainer at 8192 tokens from shards with
+# selective_all on one H200 (2026-12-02, with the bf16 AdamW moments of then), that H200's rate
+# from bench-pipeline. The trainer's current measurement (an H100): BENCHMARKS.md, "The trainer".
 DRAFT_TOKENS_PER_S_REF, DRAFT_REF_TFLOPS = 11822.0, 751.0
 
 

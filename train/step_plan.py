@@ -8,24 +8,21 @@ under FSDP2; the frozen embedding [V, H] (none when kept on the host, train.embe
 teacher head [Vd, Ht] in the parameters' dtype.
 
 Activations per token: bench-train's Kimi-shaped step (hidden 7168, 7 TTT steps, one sample of
-T tokens; the step the benchmark assembled from the draft and the loss, 2026-11-30, in
-BENCHMARKS.md's history) peaked at 22.3 GiB at 8K and 62.7 GiB at 32K
-tokens with selective_all: 40.4 GiB per 24K tokens (1724 KiB per token) once the fixed states
-are taken out by the difference. `selective` (gate/up recomputed) measured ~0.37 GiB less per 1K
-tokens in the same benchmark. The other modes are derived: benchmarks/draft_activation_memory.py
-counts, on the CPU, the bytes of every tensor one training step of the draft makes (1/8 of
-Kimi's widths, eager elementwise work) under each mode, and a mode's slope here is the measured
-selective_all slope less the count's difference between selective_all and that mode (the count
-gives selective 389 KiB per token below selective_all, where the GPU measured 379). `step`
-(each TTT step rerun whole in the backward) is then 954 KiB per token, and the mixes
-step*m+selective_all*(K - m) (the first m steps rerun, the later ones keep their matmul outputs)
-save 148 KiB per token per rerun step, at most what `step` saves (the rerun step's own
-activations are in memory during its backward). These slopes are scaled by the draft's hidden
-size and TTT steps against that draft's; they are estimates from measured and counted points,
-not measurements of another shape. The trainer's own step (bench-train's trainer rows, the
-frozen embedding on the GPU) then peaked at 14.56, 24.56, 38.18 and 64.88 GiB at 2K, 8K, 16K and
-32K tokens, where this plan says 14.85, 24.95, 38.42 and 65.35; with the embedding on the host,
-22.40 GiB at 8K where it says 22.77. `none` has no slope here: `auto` never picks it.
+T tokens) peaked at two lengths with selective_all (MEASURED_PEAK_GIB): their difference, with
+the fixed states taken out, is the selective_all slope. `selective` (gate/up recomputed) measured
+SELECTIVE_SAVES_GIB_PER_1K less in the same benchmark. The other modes are derived:
+benchmarks/draft_activation_memory.py counts, on the CPU, the bytes of every tensor one training
+step of the draft makes (1/8 of Kimi's widths, eager elementwise work) under each mode, and a
+mode's slope here is the measured selective_all slope less the count's difference between
+selective_all and that mode (the count's difference for selective is within a few percent of the
+GPU's). `step` (each TTT step rerun whole in the backward) then saves COUNTED_STEP_SAVES_KIB per
+token, and the mixes step*m+selective_all*(K - m) (the first m steps rerun, the later ones keep
+their matmul outputs) COUNTED_RERUN_STEP_SAVES_KIB per rerun step, at most what `step` saves (the
+rerun step's own activations are in memory during its backward). These slopes are scaled by the
+draft's hidden size and TTT steps against that draft's; they are estimates from measured and
+counted points, not measurements of another shape. Measured, counted, and this plan against the
+trainer's own peaks: BENCHMARKS.md, "Activations per checkpoint mode" and "The trainer". `none`
+has no slope here: `auto` never picks it.
 
 train.activation_checkpoint=auto and train.compile=auto resolve here: on the CPU, no
 checkpointing and no compile (memory is the host's; the embedded default's numbers stay as
@@ -53,8 +50,7 @@ MEASURED_PEAK_GIB = {8192: 22.3, 32768: 62.7}
 SELECTIVE_SAVES_GIB_PER_1K = 0.37  # selective against selective_all, the same benchmark
 _REF_HIDDEN, _REF_TTT = 7168, 7
 # benchmarks/draft_activation_memory.py (the CPU count, 1/8 widths x 8: the Kimi draft's KiB per
-# token between 1024 and 2048 tokens; runs differ by ~1-2%): selective_all 1904.8, step 1135.0,
-# step*m+selective_all*(7 - m) for m = 1..6: 1756.5, 1608.3, 1460.0, 1311.8, 1163.5, 1135.0.
+# token between 1024 and 2048 tokens, per mode: BENCHMARKS.md, "Activations per checkpoint mode").
 COUNTED_STEP_SAVES_KIB = 1904.8 - 1135.0  # `step` against selective_all, per token
 COUNTED_RERUN_STEP_SAVES_KIB = (1904.8 - 1163.5) / 5  # each step*m step up to m = 5, per token
 RESERVE = 0.10  # of the GPU's memory: allocator fragmentation, the loss's chunks, cuDNN workspaces

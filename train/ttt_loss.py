@@ -148,8 +148,8 @@ def ttt_loss_shared(
 
     No host sync: the rows of each step are masks, not index lists (no nonzero), the per-step
     counts stay on the device (the weights divide by them there), and the stats are device sums
-    (TTTStats.add_device_sums) read back once when the step's numbers are logged. (bench-train,
-    2026-11-30: nine syncs per step cost ~9 ms of a ~175 ms step at 2K tokens.)"""
+    (TTTStats.add_device_sums) read back once when the step's numbers are logged (what host syncs
+    cost a step: BENCHMARKS.md, "Smaller measurements the code's choices rest on")."""
     from eagleforge.kernels import fused_lk_loss_ttt, fused_soft_cross_entropy_ttt
 
     fused_ttt = fused_soft_cross_entropy_ttt if lk is None else functools.partial(fused_lk_loss_ttt, **lk)

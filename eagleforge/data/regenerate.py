@@ -170,7 +170,8 @@ def _generate_fitting(model, prompt_ids: list[list[int]], max_new_tokens: int, s
 
 def _new_cache(model, max_len: int):
     """A preallocated KV cache: a DynamicCache re-copies every layer's K and V on each step
-    (torch.cat), 40% of a bf16 CPU decode step at batch 64."""
+    (torch.cat), a large share of a bf16 CPU decode step (measured: BENCHMARKS.md, "Smaller
+    measurements the code's choices rest on")."""
     from transformers import StaticCache
 
     return StaticCache(config=model.config, max_cache_len=max_len)

@@ -276,9 +276,10 @@ def gqa_attention(module, query, key, value, attention_mask, scaling=None, dropo
     """Plain attention that groups query heads per KV head instead of repeating K and V.
 
     For few queries per row (decoding: 1; verification: k + 1), transformers' CPU choices are
-    slow: sdpa's CPU flash kernel spends ~75% of a bf16 decode step on one query row, and
+    slow: sdpa's CPU flash kernel spends most of a bf16 decode step on one query row, and
     eager copies K and V three times (repeat_kv, GQA 9/3) every step. Here the G query heads
-    of one KV head are stacked as rows of one matmul.
+    of one KV head are stacked as rows of one matmul (measured: BENCHMARKS.md, "Smaller
+    measurements the code's choices rest on").
     query [B, H, Tq, D], key/value [B, Hkv, Tk, D], attention_mask additive [B, 1, Tq, Tk]
     (eager_mask) or None; returns ([B, Tq, H, D], None).
     """
@@ -297,8 +298,9 @@ def gqa_attention(module, query, key, value, attention_mask, scaling=None, dropo
 
 
 def use_cpu_attention(model) -> None:
-    """On the CPU, switch the target to `gqa_attention` (2-3x faster bf16 decode steps than
-    sdpa or eager on the 2-core machines); a no-op on GPUs, where sdpa is the fast path.
+    """On the CPU, switch the target to `gqa_attention` (faster bf16 decode steps than sdpa or
+    eager; measured: BENCHMARKS.md, "Smaller measurements the code's choices rest on"); a no-op
+    on GPUs, where sdpa is the fast path.
 
     Rows stay independent and exact up to matmul rounding, so greedy outputs are unchanged
     (tests compare with transformers' own generate and with unbatched decoding).

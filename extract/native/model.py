@@ -216,7 +216,8 @@ class RMSNorm(nn.Module):
 # Query rows per chunk where the attention runs unfused (CPU, fp32): the math kernel holds
 # [n, chunk, T] scores. The fused CUDA kernels need no chunks (their memory is linear in T).
 ATTENTION_CHUNK_TOKENS = 8192
-# Prefill attention kernel on CUDA (bf16/fp16), measured by benchmarks/bench_prefill_attention.py:
+# Prefill attention kernel on CUDA (bf16/fp16), measured by benchmarks/bench_prefill_attention.py
+# (BENCHMARKS.md, "Prefill attention"):
 #   auto        cuDNN's fused attention, one causal call, v at its own head dim (MLA: 128, no
 #               padding to 192); where cuDNN refuses the inputs, flash_attn's kernel when the
 #               package is installed, else FlashAttention-2 through SDPA with v padded
@@ -286,9 +287,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
     Right padding only, so a causal mask is all a batch needs. backend: one of PREFILL_BACKENDS
     (the model passes target.prefill_attention). On CUDA in bf16/fp16 the
-    whole prompt is one fused call unless chunk_tokens is given (on an H200 the 8192-row
-    chunks' bottom-right mask sent SDPA to a kernel 1.7-1.9x slower than one causal call at
-    16-32K); elsewhere queries go in chunks of chunk_tokens (default ATTENTION_CHUNK_TOKENS) so
+    whole prompt is one fused call unless chunk_tokens is given (the chunks' bottom-right mask
+    sends SDPA to a slower kernel than one causal call; measured: BENCHMARKS.md, "Prefill
+    attention"); elsewhere queries go in chunks of chunk_tokens (default ATTENTION_CHUNK_TOKENS) so
     the math kernel's scores stay bounded.
     """
     backend = backend or "auto"
@@ -392,7 +393,7 @@ class Router(nn.Module):
         bf16 x and weight on CUDA: one bf16 GEMM with fp32 output. Products of two bf16 numbers
         are exact in fp32 and the tensor cores accumulate in fp32, so this is the fp32 GEMM's
         result up to summation order, at tensor-core speed and without an fp32 copy of x (the
-        fp32 GEMM was 2.5 ms of a MoE layer at 16K tokens on an H200)."""
+        fp32 GEMM against this one: BENCHMARKS.md, "INT4 MoE layer", routers alone)."""
         if x.is_cuda and x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16 and _MM_OUT_DTYPE:
             return torch.mm(x, self.weight.t(), out_dtype=torch.float32)
         return F.linear(x.float(), self.weight.float())

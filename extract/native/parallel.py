@@ -228,9 +228,9 @@ class VocabParallelHead(_VocabRows):
 
         Chunked over tokens into ONE reused [chunk, V/tp] logits buffer in the model dtype, so
         [N, V/tp] logits never exist and the memory planner can count this as one chunk (an fp32
-        copy per chunk, with the previous chunk's still referenced, held 1.56 GiB at tp 1 on
-        an H200: the peak of an 8K-token forward). The argmax of the rounded logits is the
-        argmax of their exact fp32 copy. Ties go to the lowest token id, as torch.argmax over the
+        copy per chunk, with the previous chunk's still referenced, set the peak of a forward;
+        measured: BENCHMARKS.md, "Smaller measurements the code's choices rest on"). The argmax
+        of the rounded logits is the argmax of their exact fp32 copy. Ties go to the lowest token id, as torch.argmax over the
         full vocabulary would.
         """
         n_rows = hidden.shape[0]
@@ -258,8 +258,9 @@ def use_expandable_segments() -> bool:
     """Ask the CUDA caching allocator for expandable segments, unless the user configured it
     (any of ALLOC_CONF_VARS) or CUDA already runs in this process (the setting is read once).
     Each layer's forward allocates GiBs of transients of many sizes; with fixed segments the
-    cache held up to 2.2x the activation peak besides it (8.9 GiB above a 7.6 GiB peak at 32K
-    tokens on an H200), memory the planner could not count on. True if set here."""
+    cache held a multiple of the activation peak besides it (measured: BENCHMARKS.md, "Smaller
+    measurements the code's choices rest on"), memory the planner could not count on. True if
+    set here."""
     # torch reads the first of these that is set (PYTORCH_ALLOC_CONF is the newer name)
     if any(name in os.environ for name in ALLOC_CONF_VARS) or torch.cuda.is_initialized():
         return False

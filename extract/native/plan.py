@@ -39,11 +39,11 @@ from eagleforge.target.loading import default_aux_layers
 log = logging.getLogger(__name__)
 
 GIB = 1 << 30
-# Memory besides the weights and the activations' peak (measured on an H200 with
-# the expandable segments the native backend asks for): the CUDA context and libraries outside the
-# allocator, 0.75 GiB; the allocator's cache beyond the allocated peak, up to 8.6% of the
-# activations. NCCL's buffers at tp > 1: 1.5-2.0 GiB outside the allocator measured at tp 2; more peers at tp 8 are
-# not measured.
+# Memory besides the weights and the activations' peak: the CUDA context and libraries outside
+# the allocator; NCCL's buffers on top of them at tp > 1 (measured at tp 2 only; more peers at tp 8
+# are not measured); the allocator's cache beyond the allocated peak, a share of the activations.
+# The constants below cover what was measured on an H200 with the expandable segments the native
+# backend asks for (measured: BENCHMARKS.md, "Memory planner against the extraction loop").
 CONTEXT_RESERVE_BYTES = 1 * GIB
 NCCL_RESERVE_BYTES = 1 * GIB
 ALLOCATOR_SLACK = 0.10  # of the activations

@@ -38,8 +38,9 @@ from eagleforge.errors import UserInputError
 log = logging.getLogger(__name__)
 
 MIB = 1 << 20
-# The Kimi-shaped forward + greedy head ran at 58-68% of the measured bf16 matmul rate on one
-# H200 (bench-extract, BENCHMARKS.md); the projection uses 60% and also prints the bound at 100%.
+# The share of the measured bf16 matmul rate the Kimi-shaped forward + greedy head reaches
+# (measured: BENCHMARKS.md, "Native extraction"); the projection uses 60% and also prints the
+# bound at 100%.
 FORWARD_MFU = 0.60
 # What NCCL's busbw reaches of a link's raw one-way rate (PCIe Gen5 x16: 63 GB/s raw, ~50 GB/s).
 LINK_EFFICIENCY = 0.8
@@ -183,7 +184,7 @@ def project_tokens_per_s(flops_per_token: float, bytes_per_token: dict, matmul_t
 
 @dataclass
 class Rates:
-    """What a projection assumes of a machine: measured (preflight) or stated (the README's)."""
+    """What a projection assumes of a machine: measured (preflight) or stated (STATED_RATES)."""
 
     matmul_tflops: float  # bf16, one GPU
     busbw_gbs: float  # all-reduce bus bandwidth over a tp group
