@@ -48,7 +48,7 @@ from _bench_common import gpu_busy_ms, host_syncs, memory_at_peak, sync  # noqa:
 from kimi_shaped import DraftShape  # noqa: E402  (imports eagleforge from a bare checkout)
 
 from eagleforge.draft.attention import ttt_attention  # noqa: E402
-from eagleforge.layout import init_layout  # noqa: E402
+from eagleforge.layout import init_layout, use_expandable_segments  # noqa: E402
 
 log = logging.getLogger("bench_train")
 
@@ -501,6 +501,7 @@ def set_up(args: argparse.Namespace) -> Bench:
         args.warmup, args.iters = 1, 1
         args.trainer_overrides = ["train.attention=merged", "train.compile=false", *args.trainer_overrides]
     else:
+        use_expandable_segments()  # the allocator the train stage sets up, for SpecForge's rows too
         if not torch.cuda.is_available():
             raise SystemExit("bench_train: no CUDA device (use --cpu-check on a CPU machine)")
         s, device = DraftShape.kimi(), torch.device("cuda")

@@ -28,9 +28,9 @@ import_eagleforge()
 from eagleforge.config import load_config  # noqa: E402
 from eagleforge.draft import Eagle3Config  # noqa: E402
 from eagleforge.extract.native.model import DeepseekV3ForExtraction, ModelArgs  # noqa: E402
-from eagleforge.extract.native.parallel import TensorParallel, tensor_parallel, use_expandable_segments  # noqa: E402
+from eagleforge.extract.native.parallel import TensorParallel, tensor_parallel  # noqa: E402
 from eagleforge.extract.native.plan import KIMI_K25_TEXT_CONFIG  # noqa: E402
-from eagleforge.layout import Layout, init_layout, world_size_from_env  # noqa: E402
+from eagleforge.layout import Layout, init_layout, use_expandable_segments, world_size_from_env  # noqa: E402
 
 KIMI_K25_TEXT = KIMI_K25_TEXT_CONFIG
 # one MoE layer: hidden, expert width, routed experts, experts per token

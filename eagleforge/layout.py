@@ -190,6 +190,24 @@ class Layout:
                 dist.destroy_process_group()
 
 
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def use_expandable_segments() -> bool:
+    """Ask the CUDA caching allocator for expandable segments, unless the user configured it
+    (any of ALLOC_CONF_VARS) or CUDA already runs in this process (the setting is read once).
+    Called by the stages that use CUDA before it starts (the target's and the trainer's memory
+    plans assume it). A target layer's forward and a draft step allocate GiBs of transients of
+    many sizes; with fixed segments the cache held a multiple of the activation peak besides it (measured: BENCHMARKS.md, "Smaller
+    measurements the code's choices rest on"), memory the planner could not count on. True if
+    set here."""
+    # torch reads the first of these that is set (PYTORCH_ALLOC_CONF is the newer name)
+    if any(name in os.environ for name in ALLOC_CONF_VARS) or torch.cuda.is_initialized():
+        return False
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    return True
+
+
 def resolve_device(name: str) -> torch.device:
     """A device key ("auto", "cpu", "cuda", "cuda:N"): auto = the GPU when there is one."""
     if name == "auto":

@@ -314,7 +314,7 @@ def test_native_resume_refuses_changed_data_under_the_same_ids(tiny_ckpt, tmp_pa
 def test_expandable_segments_only_where_the_user_set_no_allocator_config(monkeypatch, user_var):
     """The native backend asks for expandable segments, but never over a configuration the user
     gave under any of the names torch reads."""
-    from eagleforge.extract.native.parallel import ALLOC_CONF_VARS, use_expandable_segments
+    from eagleforge.layout import ALLOC_CONF_VARS, use_expandable_segments
 
     for name in ALLOC_CONF_VARS:
         monkeypatch.delenv(name, raising=False)

@@ -40,13 +40,14 @@ train.resume=false starts afresh, and is refused where an earlier run's checkpoi
 
 from eagleforge.cli import run_main
 from eagleforge.config import Config, save_config
-from eagleforge.layout import env_rank
+from eagleforge.layout import env_rank, use_expandable_segments
 from eagleforge.train.loop import train
 from eagleforge.train.onednn import bound_caches
 
 
 def main(cfg: Config) -> None:
     bound_caches()  # before the first CPU matmul: each library reads its capacity once
+    use_expandable_segments()  # before CUDA starts: the step plan counts no allocator fragments
     if env_rank() == 0:  # one writer under torchrun
         save_config(cfg, cfg.run / "config.yaml")
     summary = train(cfg)

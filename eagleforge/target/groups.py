@@ -21,7 +21,7 @@ def target_layout(cfg: Config, device: str) -> Layout:
     backend; the hf backend is tp 1). On CUDA the native backend's allocator is set up first."""
     if cfg.target.backend != "native":
         return init_layout(device)
-    from eagleforge.extract.native.parallel import use_expandable_segments
+    from eagleforge.layout import use_expandable_segments
 
     use_expandable_segments()  # before CUDA starts (its plan's reserve assumes it)
     return init_layout(device, tp=cfg.target.tp, pp=cfg.target.pp)
@@ -37,8 +37,7 @@ def plan_gpu_bytes(cfg: Config, device: str) -> float | None:
 
     if resolve_device(device).type != "cuda":
         return None
-    from eagleforge.extract.native.parallel import use_expandable_segments
-    from eagleforge.layout import resolve_rank_device, world_size_from_env
+    from eagleforge.layout import resolve_rank_device, use_expandable_segments, world_size_from_env
 
     use_expandable_segments()
     # this rank's own GPU, made current as init_layout makes it (no CUDA context on another rank's GPU)

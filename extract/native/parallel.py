@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -249,23 +248,6 @@ class VocabParallelHead(_VocabRows):
                 index = indices.gather(0, winner).squeeze(0)
             out[begin:begin + chunk_tokens] = index.to(torch.int32)
         return out
-
-
-ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
-
-
-def use_expandable_segments() -> bool:
-    """Ask the CUDA caching allocator for expandable segments, unless the user configured it
-    (any of ALLOC_CONF_VARS) or CUDA already runs in this process (the setting is read once).
-    Each layer's forward allocates GiBs of transients of many sizes; with fixed segments the
-    cache held a multiple of the activation peak besides it (measured: BENCHMARKS.md, "Smaller
-    measurements the code's choices rest on"), memory the planner could not count on. True if
-    set here."""
-    # torch reads the first of these that is set (PYTORCH_ALLOC_CONF is the newer name)
-    if any(name in os.environ for name in ALLOC_CONF_VARS) or torch.cuda.is_initialized():
-        return False
-    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    return True
 
 
 class StageLink:
