@@ -9,7 +9,7 @@ with the usual alternatives run side by side in the same process:
                                       (naive: probabilities once + 7 steps; Liger KL: the same;
                                       ours: fused_soft_cross_entropy_ttt, teacher logits once)
     ours_ttt7_chunkC                  per step: K x (3 matmuls + row pass) per teacher chunk of C
-    ours_ttt7_packed_chunkC           packed (train.loss_packed): the K steps' rows of a teacher chunk of C/K
+    ours_ttt7_packed_chunkC           packed (the kernels' packed=True): the K steps' rows of a teacher chunk of C/K
                                       positions in ONE [C, H] x [H, Vd] matmul, one row pass, one
                                       grad-hidden matmul, one grad-head addmm (same buffer sizes)
 

@@ -8,8 +8,8 @@ Three timings on the same batches of --tokens tokens (sequences of --seq tokens)
 - extraction alone: the target forward with the capture hooks and the greedy head
   (extract/native/target.py forward_batch), the rows padded into a training batch on the device;
 - training alone: optimizer steps on one captured batch;
-- online: both, the target's forward of the next batch queued on a side stream by the trainer's
-  own feed (train/prefetch.py Prefetcher) while the draft trains on the current one.
+- online: both in turn, each batch's target forward in line before the step that trains on it,
+  as the trainer runs them (train/loop.py ONLINE_PREFETCH).
 Prints tokens/s of each, the serial ideal 1 / (1/extract + 1/train) and online's ratio to it, and
 the peak memory against train/online_plan.py's plan for this shape.
 
@@ -37,7 +37,7 @@ head, and PCIe, are not in it).
     python3 benchmarks/bench_online.py --stage 2 --tiny                                        # the CPU check
 
 The --tiny numbers only show that the script runs: on a shared 2-core CPU they swing several-fold
-between runs, and the producer thread and the training share the same cores.
+between runs.
 """
 
 from __future__ import annotations
@@ -64,7 +64,6 @@ from eagleforge.train.batching import pad_batch  # noqa: E402
 from eagleforge.train.distributed import DraftWithLoss, clip_grad_norm  # noqa: E402
 from eagleforge.train.loop import ttt_loss_of  # noqa: E402
 from eagleforge.train.online_plan import GIB, plan_online  # noqa: E402
-from eagleforge.train.prefetch import Prefetcher  # noqa: E402
 from eagleforge.train.step_plan import resolve_param_dtype  # noqa: E402
 from eagleforge.train.weight_grads import fuse_weight_grads  # noqa: E402
 
@@ -93,7 +92,6 @@ def main(argv=None) -> dict:
     p.add_argument("--layers", type=int, default=4, help="target layers (1 dense + the rest MoE)")
     p.add_argument("--steps", type=int, default=8, help="timed batches per mode")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--prefetch", type=int, default=Config().train.prefetch, help="train.prefetch: forwards queued ahead (default: the trainer's)")
     p.add_argument("--tiny", "--cpu", dest="tiny", action="store_true", help="toy shapes on the CPU")
     p.add_argument("--stage", type=int, default=0, help="N > 0: one middle pipeline stage of N MoE layers online (see above)")
     p.add_argument("--forward-tokens", type=int, default=8192, help="--stage: tokens per target forward (extract.batch_tokens)")
@@ -113,7 +111,7 @@ def main(argv=None) -> dict:
 
     cfg = Config()
     tc = cfg.train
-    tc.batch_tokens, tc.prefetch, tc.ttt_steps = opt.tokens, opt.prefetch, (3 if opt.tiny else 7)
+    tc.batch_tokens, tc.ttt_steps = opt.tokens, (3 if opt.tiny else 7)
     tc.bf16 = device.type == "cuda"
     tc.activation_checkpoint, tc.attention, tc.compile = ("none", "auto", False) if opt.tiny else \
         ("selective_all", "merged_cudnn", True)  # the Kimi configs' step options
@@ -185,19 +183,9 @@ def main(argv=None) -> dict:
     del one
 
     def online(first: int, count: int) -> None:
-        """Train on `count` batches as the trainer does: with prefetch 0 each forward in line
-        before its step; else fed by a fresh Prefetcher, whose queue starts empty, so the timing
-        includes filling it (no forward is done before the clock starts)."""
-        if opt.prefetch == 0:
-            for i in range(first, first + count):
-                train_step(produce(i))
-            return
-        prefetcher = Prefetcher(produce, list(range(first, first + count)), opt.prefetch, device, side_stream=True)
-        try:
-            for _ in range(count):
-                train_step(prefetcher.get()[1])
-        finally:
-            prefetcher.close()
+        """Train on `count` batches as the trainer does: each forward in line before its step."""
+        for i in range(first, first + count):
+            train_step(produce(i))
 
     online(0, opt.warmup)
     sync(device)
@@ -218,17 +206,17 @@ def main(argv=None) -> dict:
     report = overlap_report(n, extract_s, n, train_s, n, online_s)
     plan = plan_online(cfg, world=1, args=args, quantized=True)
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "tokens_per_batch": tokens_per_batch,
-              "steps": opt.steps, "prefetch": opt.prefetch, "layers": args.num_hidden_layers, **report,
+              "steps": opt.steps, "layers": args.num_hidden_layers, **report,
               "peak_allocated_gib": peak / GIB if peak is not None else None,
               "peak_reserved_gib": reserved / GIB if reserved is not None else None,
               "peak_in_use_gib": in_use / GIB if in_use is not None else None, "plan_gib": plan.total_bytes() / GIB}
     print(f"\nonline training, {result['device']}, {tokens_per_batch} tokens per batch, {opt.steps} batches, "
-          f"{args.num_hidden_layers}-layer target, prefetch {opt.prefetch}")
+          f"{args.num_hidden_layers}-layer target")
     print(f"{'mode':<34}{'tokens/s':>12}")
     print(f"{'extraction alone':<34}{report['extract_tokens_per_s']:>12.0f}")
     print(f"{'training alone':<34}{report['train_tokens_per_s']:>12.0f}")
     print(f"{'serial ideal 1/(1/ex + 1/tr)':<34}{report['serial_ideal_tokens_per_s']:>12.0f}")
-    print(f"{'online (overlapped)':<34}{report['online_tokens_per_s']:>12.0f}")
+    print(f"{'online (forwards in line)':<34}{report['online_tokens_per_s']:>12.0f}")
     print(f"{'online / serial ideal':<34}{report['ratio_to_serial']:>12.3f}")
     if peak is not None:
         print(f"peak allocated {peak / GIB:.2f} GiB, reserved {reserved / GIB:.2f} GiB, in use {in_use / GIB:.2f} GiB; "

@@ -71,7 +71,7 @@ RUN_LINKS = ("data", "hidden", "vocab")  # what a bench run directory borrows fr
 # The --tiny run: the embedded SmolLM2-135M on the CPU, a run small enough for minutes.
 TINY_PREPARE = ["data.num_prompts=16", "data.max_new_tokens=24", "vocab.draft_vocab_size=512", "train.holdout_samples=4"]
 TINY_TRAIN = ["train.max_steps=6", "train.batch_tokens=1024", "train.holdout_samples=4", "train.ttt_steps=3",
-              "train.save_every=0", "train.verify_checksums=false", "eval.n_prompts=2", "eval.max_new_tokens=16",
+              "train.save_every=0", "eval.n_prompts=2", "eval.max_new_tokens=16",
               "eval.k=3", "eval.reuse_ngram=false"]
 
 
@@ -245,14 +245,15 @@ def train_specforge(cfg: Config, attention_backend: str, mask_mode: str) -> dict
 
     from eagleforge.target.loading import target_path
     from eagleforge.train.build import build_draft
-    from eagleforge.train.loop import lr_lambda
+    from eagleforge.train.loop import MIN_LR_RATIO, WEIGHT_DECAY, lr_lambda
+    from eagleforge.train.ttt_loss import STEP_WEIGHT_DECAY
     from eagleforge.vocab import load_target_head, load_vocab_map, read_target_head, training_sample_count
 
     t_start = time.perf_counter()
     tc = cfg.train
     device = torch.device("cuda" if tc.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # SpecForge trains bf16 weights on GPUs
-    source = ShardSource(cfg.run / "hidden", Layout(device=device), tc.verify_checksums, tc.skip_corrupt_shards)
+    source = ShardSource(cfg.run / "hidden", Layout(device=device), tc.skip_corrupt_shards)
     vocab, head = load_vocab_map(cfg.run), load_target_head(cfg.run)
     initial = build_draft(cfg, source.manifest, vocab, head)  # the trainer's initial draft for train.seed
     config = initial.config
@@ -264,12 +265,12 @@ def train_specforge(cfg: Config, attention_backend: str, mask_mode: str) -> dict
     draft = build_specforge_draft(initial, vocab["d2t"], vocab["t2d"], head["embed_tokens"], attention_backend)
     draft = draft.to(device, dtype)
     model = OnlineEagle3Model(draft, length=tc.ttt_steps, attention_backend=attention_backend)
-    opt = BF16Optimizer(draft, lr=tc.lr, weight_decay=tc.weight_decay, max_grad_norm=tc.grad_clip,
+    opt = BF16Optimizer(draft, lr=tc.lr, weight_decay=WEIGHT_DECAY, max_grad_norm=tc.grad_clip,
                         total_steps=len(steps), warmup_ratio=tc.warmup_ratio)
     for group in opt.optimizer.param_groups:  # the trainer's schedule in place of SpecForge's own
         group["lr"] = tc.lr
         group.pop("initial_lr", None)
-    opt.scheduler = torch.optim.lr_scheduler.LambdaLR(opt.optimizer, lr_lambda(len(steps), tc.warmup_ratio, tc.min_lr_ratio))
+    opt.scheduler = torch.optim.lr_scheduler.LambdaLR(opt.optimizer, lr_lambda(len(steps), tc.warmup_ratio, MIN_LR_RATIO))
     head_weight = full_head.to(device, dtype)
     all_positions = tc.loss_positions == "all"
     # read and padded a step ahead on one worker, as the trainer's feed does
@@ -285,7 +286,7 @@ def train_specforge(cfg: Config, attention_backend: str, mask_mode: str) -> dict
                 assert list(slot.read_of(0, 1)) == ids, (slot, ids)
                 batch = batch.to(device, dtype)
                 out = model(**specforge_inputs(batch, all_positions, mask_mode), target_head_weight=head_weight)
-                loss = sum(tc.step_weight_decay**j * step for j, step in enumerate(out[0])) / len(step_batches)
+                loss = sum(STEP_WEIGHT_DECAY**j * step for j, step in enumerate(out[0])) / len(step_batches)
                 loss.backward()
                 step_loss += float(loss.detach()) if n % tc.log_every == 0 else 0.0
                 tokens += batch.num_tokens

@@ -97,8 +97,7 @@ def peak_bytes(draft, head, mode: str, tokens: int) -> int:
     from eagleforge.train.ttt_loss import TTTLoss
 
     h, vd, vocab = draft.config.hidden_size, draft.config.draft_vocab_size, draft.config.vocab_size
-    loss = TTTLoss(head, torch.device("cpu"), ttt_steps=TTT_STEPS, step_weight_decay=0.8, loss="auto", bf16=True,
-                   attention="auto", checkpoint=mode,
+    loss = TTTLoss(head, torch.device("cpu"), ttt_steps=TTT_STEPS, loss="auto", bf16=True, attention="auto", checkpoint=mode,
                    chunk_tokens=LOSS_CHUNK_TOKENS)
     aux = torch.randn(1, tokens, KIMI["aux"] * h).to(torch.bfloat16)
     last = torch.randn(1, tokens, h).to(torch.bfloat16)

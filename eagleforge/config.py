@@ -225,15 +225,12 @@ class TrainConfig:
     batch_tokens: int = 2048  # padded tokens per batch (whole samples, one per row)
     grad_accum: int = 1
     lr: float = 1e-3
-    min_lr_ratio: float = 0.1
     warmup_ratio: float = 0.015
-    weight_decay: float = 0.0
     adam_beta2: float = 0.999  # AdamW's second-moment decay (beta1 0.9); 0.95 measured 6.9% lower acceptance (BENCHMARKS.md)
     grad_clip: float = 0.5
     # The recipe's K is 7 (the GPU and Kimi configs keep it); the embedded CPU default trains 5 because
     # eval proposes k = 5 and steps past k are never used there.
     ttt_steps: int = 5
-    step_weight_decay: float = 0.8
     attention: str = "auto"  # auto (merged_cudnn on CUDA, merged on CPU) | reference | fast | sdpa | flex | merged | merged_cudnn
     loss: str = "auto"  # auto | reference | fused (soft cross-entropy) | lk | lk_reference (LK loss)
     # bf16 autocast for the draft and the loss matmuls (fp32 master weights), on GPUs and on
@@ -249,14 +246,6 @@ class TrainConfig:
     # = on the GPU beside the draft; auto = host on CUDA unless online training's rank holds the
     # target's whole embedding (native tp 1 and pp 1, hf), which the draft then shares; device on the CPU.
     embed_device: str = "auto"
-    loss_chunk_tokens: int = 0  # rows per chunk in the fused loss; 0 = automatic
-    loss_packed: bool = False  # the fused loss runs all TTT steps' rows of a teacher chunk in one matmul
-    # The LK loss (train.loss=lk | lk_reference; docs/training.md, "LK loss"): lambda = CE weighted
-    # lam = lk_kl_scale * exp(-lk_kl_decay * the step's mean acceptance), 1 - acceptance weighted
-    # 1 - lam | alpha = -log acceptance (no weights). 3.0: SpecForge's and the paper's decay.
-    lk_variant: str = "lambda"
-    lk_kl_scale: float = 1.0
-    lk_kl_decay: float = 3.0
     # Activation checkpointing per TTT step: auto | none | step (recompute the whole step) |
     # selective (keep the large matmul outputs and flash attention's, recompute elementwise work) |
     # selective_all (keep every matmul output), or one per step ("step*5+selective_all*2"). auto:
@@ -278,9 +267,6 @@ class TrainConfig:
     log_every: int = 10
     save_every: int = 200
     keep_last: int = 2
-    # Steps whose loss or gradient norm is NaN/Inf are skipped (no update) and counted; more
-    # than this many stop the run with an error (a poisoned shard, head or checkpoint).
-    max_nonfinite_steps: int = 3
     # false: start afresh, refused where RUN/checkpoints holds an earlier run's checkpoints (a fresh
     # run there would mix with that run: move them aside or use a new run_dir)
     resume: bool = True
@@ -288,7 +274,6 @@ class TrainConfig:
     # A draft export (RUN/draft of an earlier run, or one trained elsewhere) to start from instead of
     # a random init: the same draft shape and vocabulary map. "" = a fresh draft.
     init_draft: str = ""
-    verify_checksums: bool = True
     skip_corrupt_shards: bool = False  # leave out (and count) shards failing the size/sha256 check
     # Under torchrun: auto = FSDP2 when WORLD_SIZE > 1, else none | fsdp | ddp.
     parallel: str = "auto"
@@ -296,9 +281,6 @@ class TrainConfig:
     # Where the target's states come from: shards (RUN/hidden, written by extract) | online (the
     # target runs inside the train stage on RUN/data/samples.jsonl; train/online.py).
     source: str = "shards"
-    # online: target forwards queued ahead of the training thread on a producer thread (0 = in
-    # line; on one H200 queueing gained nothing: BENCHMARKS.md, bench-online)
-    prefetch: int = 0
     cache_gb: float = 0.0  # online: keep up to this many GB of the first epoch's states as shards in RUN/hidden
 
 
@@ -376,6 +358,29 @@ def _coerce(value: Any, annotation: Any, key: str, source: str) -> Any:
     return value
 
 
+# Keys that were removed: key -> (the value it always has now, why, what to do). The unknown-key
+# error of a config file or command line naming one says why and what to do (CHANGELOG.md,
+# "Removed config keys"); resuming a checkpoint written with another value of a key that shaped
+# its training is refused (train/checkpoint.py check_resume_config). Each value is the constant
+# of the module that uses it (tests/test_config_removed.py checks that they agree).
+REMOVED_KEYS: dict[str, tuple[Any, str, str]] = {
+    "train.loss_chunk_tokens": (0, "the fused loss always sizes its chunks itself", "delete it"),
+    "train.loss_packed": (False, "the fused loss always runs each TTT step's rows in their own matmuls", "delete it"),
+    "train.lk_variant": ("lambda", "train.loss=lk always trains the lambda variant, SpecForge's and the paper's",
+                         "delete it; the alpha variant is eagleforge.kernels.lk's variant='alpha'"),
+    "train.lk_kl_scale": (1.0, "the LK loss's lambda scale is always 1.0, SpecForge's and the paper's", "delete it"),
+    "train.lk_kl_decay": (3.0, "the LK loss's lambda decay is always 3.0, SpecForge's and the paper's", "delete it"),
+    "train.max_nonfinite_steps": (3, "more than 3 steps with a NaN/Inf loss or gradient norm always stop the run",
+                                  "delete it"),
+    "train.step_weight_decay": (0.8, "TTT step j's loss is always weighted 0.8^j, EAGLE-3's", "delete it"),
+    "train.min_lr_ratio": (0.1, "the cosine schedule always ends at 0.1 x train.lr", "delete it"),
+    "train.weight_decay": (0.0, "AdamW always runs without weight decay, as EAGLE-3 and SpecForge do", "delete it"),
+    "train.verify_checksums": (True, "training always checks every shard's sha256",
+                               "delete it; train.skip_corrupt_shards=true leaves damaged shards out"),
+    "train.prefetch": (0, "online forwards always run in line", "delete it"),
+}
+
+
 def _apply(cfg: Any, key: str, value: Any, source: str) -> None:
     """Set dotted `key` on the nested dataclass `cfg`, checking name and type."""
     *sections, leaf = key.split(".")
@@ -387,6 +392,9 @@ def _apply(cfg: Any, key: str, value: Any, source: str) -> None:
         obj = sub
     fields = {f.name: f for f in dataclasses.fields(obj)}
     if leaf not in fields:
+        if key in REMOVED_KEYS:
+            _, why, todo = REMOVED_KEYS[key]
+            raise ConfigError(f"{source}: unknown config key {bounded_repr(key)}: {key} was removed ({why}): {todo}")
         known = ", ".join(sorted(fields))
         raise ConfigError(f"{source}: unknown config key {bounded_repr(key)} (known here: {known})")
     if dataclasses.is_dataclass(getattr(obj, leaf)):
@@ -440,7 +448,6 @@ _CHOICES = {
     "extract.storage_dtype": modes.STORAGE_DTYPES,
     "train.attention": modes.ATTENTION_MODES,
     "train.loss": modes.LOSS_MODES,
-    "train.lk_variant": modes.LK_VARIANTS,
     "train.parallel": modes.PARALLEL_MODES,
     "train.param_dtype": modes.PARAM_DTYPES,
     "train.embed_device": modes.EMBED_DEVICES,
@@ -467,8 +474,6 @@ def _validate(cfg: Config) -> None:
     if cfg.train.compile not in (True, False, "auto"):
         raise ConfigError(f"config key 'train.compile' must be one of [auto, true, false], got {bounded_repr(cfg.train.compile)}")
     _validate_device_map(cfg.target)
-    if not cfg.train.step_weight_decay > 0:  # the per-step losses are divided by decay^j for the stats
-        raise ConfigError(f"config key 'train.step_weight_decay' must be > 0, got {cfg.train.step_weight_decay!r}")
     url = cfg.data.server_url
     if url and (not url.startswith(("http://", "https://")) or not url.split("://", 1)[1].strip("/") or any(c.isspace() for c in url)):
         raise ConfigError(f"config key 'data.server_url' must be an http:// or https:// URL like http://localhost:8000, "
@@ -574,22 +579,14 @@ RANGES: dict[str, tuple] = {
     "train.batch_tokens": (1, UNBOUNDED),
     "train.grad_accum": (1, UNBOUNDED),
     "train.lr": (0.0, UNBOUNDED),
-    "train.min_lr_ratio": (0.0, 1.0),  # the cosine ends at lr * ratio: above 1 the lr would climb past its peak
     "train.warmup_ratio": (0.0, 1.0),
-    "train.weight_decay": (0.0, UNBOUNDED),
     "train.adam_beta2": (0.0, 0.999999),  # < 1: AdamW's bias correction divides by 1 - beta2^step
     "train.grad_clip": (0.0, UNBOUNDED),  # 0 = no clipping
     "train.ttt_steps": (1, UNBOUNDED),
-    "train.step_weight_decay": (0.0, UNBOUNDED),  # and > 0 (_validate): the per-step losses are divided by decay^j
-    "train.loss_chunk_tokens": (0, UNBOUNDED),  # 0 = automatic
-    "train.lk_kl_scale": (0.0, 1.0),  # lam <= 1: the 1 - acceptance term never gets a negative weight
-    "train.lk_kl_decay": (0.0, UNBOUNDED),  # 0 = a constant mix lam = lk_kl_scale
     "train.holdout_samples": (0, UNBOUNDED),
     "train.log_every": (1, UNBOUNDED),
     "train.save_every": (0, UNBOUNDED),  # 0 = only the final checkpoint
     "train.keep_last": (0, UNBOUNDED),  # 0 = keep every checkpoint
-    "train.max_nonfinite_steps": (0, UNBOUNDED),
-    "train.prefetch": (0, UNBOUNDED),  # 0 = the target's forwards in line
     "train.cache_gb": (0.0, UNBOUNDED),  # 0 = no cache
     "train.seed": (0, 2**32 - 1),
     "eval.n_prompts": (1, UNBOUNDED),

@@ -530,7 +530,7 @@ class ShardReader:
             try:  # a damaged header that kept the file's size: named, before safetensors reads it
                 self._handles[shard] = open_safetensors(path)
             except UserInputError as err:
-                raise UserInputError(f"{err}; verify with train.verify_checksums=true") from None
+                raise UserInputError(f"{err}; the train stage checks every shard's sha256 first and names each damaged one") from None
         return self._handles[shard]
 
     def _shard_offsets(self, shard: int) -> list[int]:

@@ -64,12 +64,11 @@ from torch.autograd.function import once_differentiable
 
 from eagleforge.kernels import rows
 from eagleforge.kernels.optional_triton import HAS_TRITON, tl, triton
-from eagleforge.modes import LK_VARIANTS
 
 if HAS_TRITON:
     from eagleforge.kernels.rows import row_block, row_operands, row_pass1
 
-VARIANTS = LK_VARIANTS
+VARIANTS = ("lambda", "alpha")  # SpecForge's lk_loss_type: the adaptive mix of CE and 1 - acceptance, -log acceptance
 # -log of an acceptance below this is this constant (no gradient): only an exact 0 (every q_v
 # under p's support underflowed) needs it; any larger floor would stop rows that can still learn.
 ALPHA_FLOOR = 1e-12

@@ -1,7 +1,8 @@
 """The LK loss's plain-torch reference (eagleforge.train.loss.lk_loss) against the formula written
 out here in float64 and by gradcheck, its limits, the TTT dispatch (train.loss=lk through the
-shared-teacher kernel == lk_reference through the per-step loop), the config keys, and a tiny
-real training run with train.loss=lk. The kernels against this reference: tests/test_lk_kernels.py."""
+shared-teacher kernel == lk_reference through the per-step loop), the trainer's options, the alpha
+variant training through the TTT op, and a tiny real training run with train.loss=lk. The kernels
+against this reference: tests/test_lk_kernels.py."""
 
 from __future__ import annotations
 
@@ -204,18 +205,61 @@ def test_shared_teacher_ttt_lk_equals_per_step_reference(options, packed):
 # ------------------------------------------------------------------------------------ the config
 
 
-def test_config_keys():
-    cfg = load_config(None, ["train.loss=lk", "train.lk_variant=alpha", "train.lk_kl_scale=0.5", "train.lk_kl_decay=0"])
-    assert (cfg.train.loss, cfg.train.lk_variant, cfg.train.lk_kl_scale, cfg.train.lk_kl_decay) == ("lk", "alpha", 0.5, 0.0)
-    defaults = load_config(None, [])
-    assert (defaults.train.lk_variant, defaults.train.lk_kl_scale, defaults.train.lk_kl_decay) == ("lambda", 1.0, 3.0)
-    for override, words in (("train.lk_variant=beta", "'train.lk_variant' must be one of ['lambda', 'alpha']"),
-                            ("train.lk_kl_scale=1.5", "'train.lk_kl_scale' must be in [0.0, 1.0], got 1.5"),
-                            ("train.lk_kl_decay=-1.0", "'train.lk_kl_decay' must be in [0.0, inf], got -1.0"),
+def test_config_selects_the_lk_loss_with_the_trainers_options():
+    """train.loss=lk selects the LK loss; the trainer's TTTLoss runs it with LK_OPTIONS, the lambda
+    variant at scale 1.0 and decay 3.0 (SpecForge's and the paper's); the options' keys are gone
+    (each one's removal is a one-line error saying so)."""
+    from eagleforge.train.loop import ttt_loss_of
+    from eagleforge.train.loss import LK_OPTIONS
+
+    assert LK_OPTIONS == dict(variant="lambda", kl_scale=1.0, kl_decay=3.0)
+    cfg = load_config(None, ["train.loss=lk"])
+    assert cfg.train.loss == "lk"
+    assert ttt_loss_of(cfg, torch.zeros(3, 2), torch.device("cpu"), "none", False).lk == LK_OPTIONS
+    assert ttt_loss_of(load_config(None, []), torch.zeros(3, 2), torch.device("cpu"), "none", False).lk is None
+    for override, words in (("train.lk_variant=alpha", "train.lk_variant was removed (train.loss=lk always trains the "
+                                                       "lambda variant"),
+                            ("train.lk_kl_scale=0.5", "train.lk_kl_scale was removed"),
+                            ("train.lk_kl_decay=0", "train.lk_kl_decay was removed"),
                             ("train.loss=lk_fused", "'train.loss' must be one of")):
         with pytest.raises(ConfigError) as err:
             load_config(None, [override])
         assert words in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_alpha_variant_trains_through_the_ttt_op():
+    """The alpha variant (-log acceptance), called through the fused TTT op the trainer's loss
+    runs (torch path on the CPU) with variant="alpha": Adam on the draft's hidden states and head
+    lowers it, and raises every step's mean acceptance."""
+    from eagleforge.kernels.lk import fused_lk_loss_ttt
+
+    g = torch.Generator().manual_seed(4)
+    steps, n, h, vd = 3, 24, 16, 40
+    hiddens = [torch.randn(n, h, generator=g).requires_grad_() for _ in range(steps)]
+    head = (torch.randn(vd, h, generator=g) / h**0.5).requires_grad_()
+    teacher_hidden, teacher_head = torch.randn(n, h, generator=g), torch.randn(vd, h, generator=g) * 2 / h**0.5
+    weight = torch.ones(steps, n)
+    for j in range(steps):
+        weight[j, n - 1 - j:] = 0  # rows past the teacher's end
+    weight = weight / weight.sum(1, keepdim=True)
+
+    def acceptance() -> list[float]:
+        with torch.no_grad():
+            p = torch.softmax(teacher_hidden @ teacher_head.T, -1)
+            return [float((torch.minimum(torch.softmax(hd @ head.T, -1)[:n - 1 - j], p[1 + j:]).sum(-1)).mean())
+                    for j, hd in enumerate(hiddens)]
+
+    optimizer = torch.optim.Adam([*hiddens, head], lr=0.05)
+    before, losses = acceptance(), []
+    for _ in range(40):
+        optimizer.zero_grad()
+        loss, _, _ = fused_lk_loss_ttt(hiddens, head, teacher_hidden, teacher_head, weight, variant="alpha")
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    after = acceptance()
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert all(a > b for a, b in zip(after, before)), (before, after)
 
 
 # ------------------------------------------------------------------------- a tiny training run
@@ -225,8 +269,7 @@ def test_config_keys():
 def test_tiny_run_trains_with_lk(tmp_path, tiny_llama_config):
     """The real trainer on a tiny random Llama's shards with train.loss=lk (the fused form, torch
     path on the CPU) and lk_reference (plain torch, per step), fp32: the two log the same losses
-    step for step, and the LK loss falls (lambda: the mixed CE / 1 - acceptance; alpha:
-    -log acceptance)."""
+    step for step, and the LK loss (the lambda variant: the mixed CE / 1 - acceptance) falls."""
     from eagleforge.vocab import main as vocab_main
 
     cfg, _, _ = build_tiny_run(tmp_path / "base", tiny_llama_config, n_samples=14, with_argmax=True)
@@ -237,10 +280,8 @@ def test_tiny_run_trains_with_lk(tmp_path, tiny_llama_config):
         setattr(cfg.train, key, value)
     cfg.eval.k = 2
     vocab_main(cfg)
-    losses = train_variants(cfg, cfg.run, tmp_path, {"lk": dict(loss="lk"), "lk_reference": dict(loss="lk_reference"),
-                                                     "alpha": dict(loss="lk", lk_variant="alpha")})
+    losses = train_variants(cfg, cfg.run, tmp_path, {"lk": dict(loss="lk"), "lk_reference": dict(loss="lk_reference")})
     assert len(losses["lk"]) == len(losses["lk_reference"]) == 14
     assert losses["lk_reference"] == pytest.approx(losses["lk"], rel=1e-4), losses
-    for name in ("lk", "alpha"):
-        first, last = sum(losses[name][:3]) / 3, sum(losses[name][-3:]) / 3
-        assert last < 0.8 * first, (name, first, last)
+    first, last = sum(losses["lk"][:3]) / 3, sum(losses["lk"][-3:]) / 3
+    assert last < 0.8 * first, (first, last)

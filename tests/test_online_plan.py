@@ -159,17 +159,6 @@ def test_the_pilot_at_pp8_line_by_line():
     check_online_fits(cfg, int(GPU), 8)  # the trainer's check passes
 
 
-def test_prefetch_adds_the_forward_to_the_step():
-    """train.prefetch=1: the feed's thread runs the forwards during the step: forward + step + one
-    queued batch, at once."""
-    plan = plan_online(_cfg("kimi_k25_pilot", "train.prefetch=1", "train.activation_checkpoint=step"), world=8, gpu_bytes=GPU)
-    stage, t = plan.stages[4], 8192
-    phases = {name: sum(line.at(t) for line in lines) for name, lines in stage.phases.items()}
-    assert stage.phase_bytes(t)["forward + step (prefetch)"] == pytest.approx(
-        phases["forward"] + phases["step"] + t * PADDED, rel=1e-12)
-    assert plan.total_bytes() > GPU  # then it does not fit at pp 8 on 96 GB, even rerunning every step
-
-
 def test_stages_cut_by_memory_where_the_cut_by_compute_does_not_fit():
     """tp 2 x pp 4 on 96 GB: the cut by compute (16, 16, 16, 13: the head's cost on the last
     stage) leaves the stages of sixteen MoE layers over the card beside the draft; the plan cuts

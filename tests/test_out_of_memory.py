@@ -90,9 +90,9 @@ def test_online_target_forward(tmp_path, monkeypatch, capsys):
         json.dumps({"id": i, "input_ids": torch.randint(3, 211, (12,), generator=g).tolist(), "loss_mask": [1] * 12}) + "\n"
         for i in range(8)))
     cfg = configure(load_config(None, [f"run_dir={run}", f"target.path={target}", "target.device=cpu", "train.device=cpu",
-                                       "target.dtype=float32", "train.source=online", "train.prefetch=1",
+                                       "target.dtype=float32", "train.source=online",
                                        "extract.batch_tokens=55"]), holdout_samples=2, epochs=1)
-    monkeypatch.setattr(OnlineSource, "load", _raise_oom)  # on the feed's worker thread
+    monkeypatch.setattr(OnlineSource, "load", _raise_oom)  # in line, on the training thread (the feed's get)
     line = stage_error_line(capsys, lambda _: train(cfg))
     assert line.startswith("error: train (the online target's forward): out of GPU memory on cpu at extract.batch_tokens=55 "
                            "(no memory plan covers this path); lower extract.batch_tokens"), line

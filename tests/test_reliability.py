@@ -149,12 +149,6 @@ _value_text = st.one_of(
 )
 
 
-def test_step_weight_decay_must_be_positive():
-    for bad in ("0", "-0.5"):
-        with pytest.raises(ConfigError, match="step_weight_decay"):
-            load_config(None, [f"train.step_weight_decay={bad}"])
-
-
 def test_activation_checkpoint_per_step_is_checked_against_ttt_steps():
     cfg = load_config(None, ["train.ttt_steps=7", "train.activation_checkpoint=selective*3+selective_all*4"])
     assert cfg.train.activation_checkpoint == "selective*3+selective_all*4"
@@ -182,8 +176,7 @@ def test_every_numeric_key_has_its_range_checked():
     (and NaN/inf for floats) is a one-line ConfigError naming the key and the value. Regression:
     train.log_every=0, train.batch_tokens=0, train.lr=-1, vocab.draft_vocab_size=0,
     data.max_new_tokens=0, data.gen_batch_size=0 crashed later with a traceback;
-    train.min_lr_ratio=5 (lr climbing to 5x its peak), train.warmup_ratio=-1, train.grad_accum=0
-    and extract.batch_tokens=-1 were accepted."""
+    train.warmup_ratio=-1, train.grad_accum=0 and extract.batch_tokens=-1 were accepted."""
     from eagleforge.config import RANGES
 
     numeric = _numeric_fields()
@@ -207,13 +200,13 @@ def test_every_numeric_key_has_its_range_checked():
             assert (str(value) if typ is int else ("nan" if value != value else "inf" if value == float("inf") else str(value))) in message
         # the bounds themselves are in range
         for value in (low, high):
-            if value is not None and not (key == "train.step_weight_decay" and value == 0):
+            if value is not None:
                 assert load_config(None, [f"{key}={value}"]) is not None
 
 
 @pytest.mark.parametrize("override", [
     "train.log_every=0", "train.batch_tokens=0", "train.lr=-1e-3", "vocab.draft_vocab_size=0", "data.max_new_tokens=0",
-    "data.gen_batch_size=0", "train.min_lr_ratio=5", "train.warmup_ratio=-0.1", "train.grad_accum=0",
+    "data.gen_batch_size=0", "train.warmup_ratio=-0.1", "train.grad_accum=0",
     "extract.batch_tokens=-1", "eval.ngram_min=4",
 ])
 def test_reported_bad_values_are_config_errors(override):
@@ -398,7 +391,7 @@ def test_target_of_another_hidden_size_refused(vocab_run):
 
 
 def test_training_refuses_a_corrupt_shard_or_skips_it_when_configured(vocab_run, caplog):
-    """sha256 at the start of training (train.verify_checksums, on by default): a bit flip is an
+    """sha256 at the start of training (always): a bit flip is an
     error naming the shard; with train.skip_corrupt_shards the run goes on without it and says
     how many samples it left out."""
     from eagleforge.shards import load_manifest
@@ -419,7 +412,6 @@ def test_training_refuses_a_corrupt_shard_or_skips_it_when_configured(vocab_run,
     data = bytearray(path.read_bytes())
     data[len(data) - 1 - int(torch.randint(0, 64, (1,), generator=extra))] ^= 0x04
     path.write_bytes(bytes(data))
-    assert cfg.train.verify_checksums
     with pytest.raises(UserInputError, match=rf"{path.name}: sha256 .* does not match"):
         train(cfg)
     cfg.train.skip_corrupt_shards = True
@@ -1014,12 +1006,13 @@ def _poison_batches(trainer, steps: set[int]):
 
 def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(vocab_run):
     """A step with a NaN loss leaves weights and optimizer state as they were (skipped on the
-    device), is counted, and more than train.max_nonfinite_steps stop the run with one line; no
+    device), is counted, and more than MAX_NONFINITE_STEPS (3) stop the run with one line; no
     draft is exported then. Regression: a NaN anywhere trained a NaN draft, exported with exit 0."""
-    from eagleforge.train.loop import Trainer
+    from eagleforge.train.loop import MAX_NONFINITE_STEPS, Trainer
 
+    assert MAX_NONFINITE_STEPS == 3
     cfg, _ = vocab_run
-    cfg.train.max_steps, cfg.train.log_every, cfg.train.max_nonfinite_steps, cfg.train.save_every = 4, 2, 1, 0
+    cfg.train.max_steps, cfg.train.log_every, cfg.train.save_every = 4, 2, 0
     trainer = Trainer(cfg)
     after = _poison_batches(trainer, {2})
     summary = trainer.run()
@@ -1035,8 +1028,8 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(vocab_run):
     shutil.rmtree(cfg.run / "checkpoints")
     shutil.rmtree(cfg.run / "draft")
     trainer = Trainer(cfg)
-    _poison_batches(trainer, {2, 3})
-    with pytest.raises(UserInputError, match=r"2 steps had a NaN/Inf loss .*max_nonfinite_steps=1") as err:
+    _poison_batches(trainer, {1, 2, 3, 4})  # 2 at the first log step (a warning), 4 at the second
+    with pytest.raises(UserInputError, match=r"4 steps had a NaN/Inf loss .*\(skipped; the last: 3, 4\), more than 3;") as err:
         trainer.run()
     assert "\n" not in str(err.value)
     assert not (cfg.run / "draft").exists()
@@ -1401,7 +1394,6 @@ def test_fuzzed_numeric_keys_are_range_checked(key, value):
             load_config(None, [f"{key}={text}"])
         return
     fits = value == value and abs(value) != float("inf") and (low is None or value >= low) and (high is None or value <= high)
-    fits = fits and not (key == "train.step_weight_decay" and value == 0)
     fits = fits and not (key == "eval.ngram_min" and value > Config().eval.ngram_max)
     fits = fits and not (key == "eval.ngram_max" and value < Config().eval.ngram_min)
     # pipeline stages belong to the native backend; the default hf backend refuses target.pp > 1
@@ -1420,13 +1412,13 @@ def test_fuzzed_numeric_keys_are_range_checked(key, value):
 def test_a_diverging_run_exits_2_with_one_line_and_exports_nothing(vocab_run, tmp_path):
     """End to end through the CLI, no test hook: an lr of 1e30 blows the weights up after the
     first update, so every later step's loss is NaN. Those steps are skipped and counted, the run
-    stops past train.max_nonfinite_steps with exit 2 and one line, and no draft is exported
+    stops past MAX_NONFINITE_STEPS (3) with exit 2 and one line, and no draft is exported
     (was: exit 0 with a NaN draft in RUN/draft)."""
     cfg, _ = vocab_run
     proc = _cli("eagleforge.train", f"run_dir={cfg.run}", f"target.path={cfg.target.path}", "target.device=cpu",
                 "train.device=cpu", "vocab.draft_vocab_size=40", "train.holdout_samples=1", "train.max_steps=8",
-                "train.log_every=4", "train.lr=1e30", "train.max_nonfinite_steps=2", cwd=tmp_path)
+                "train.log_every=4", "train.lr=1e30", cwd=tmp_path)
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error")]
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert len(lines) == 1 and "steps had a NaN/Inf loss" in lines[0] and "train.max_nonfinite_steps=2" in lines[0], proc.stderr[-2000:]
+    assert len(lines) == 1 and "steps had a NaN/Inf loss" in lines[0] and "more than 3;" in lines[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and not (cfg.run / "draft").exists()

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one thr
 
 
 def _configure(cfg, **train):
-    return configure(cfg, **{"batch_tokens": 160, "warmup_ratio": 0.05, "holdout_samples": 4, "verify_checksums": True, **train})
+    return configure(cfg, **{"batch_tokens": 160, "warmup_ratio": 0.05, "holdout_samples": 4, **train})
 
 
 def _log_rows(run):

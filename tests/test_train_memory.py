@@ -106,7 +106,7 @@ def test_cpu_training_memory_and_speed_stay_flat_over_changing_shapes(tmp_path):
     env["OMP_NUM_THREADS"] = "1"
     args = [f"run_dir={run}", "train.device=cpu", f"train.max_steps={STEPS}", "train.batch_tokens=384",
             "train.ttt_steps=3", "train.holdout_samples=8", "train.log_every=50", "train.save_every=0",
-            "train.verify_checksums=false", "launch.mode=none"]
+            "launch.mode=none"]
     result = subprocess.run([sys.executable, str(script), str(out), *args], env=env, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -197,17 +197,15 @@ def test_online_equals_offline_hf_with_bf16_parameters(hf, states):
 
 def test_online_two_ranks_data_parallel_equal_offline(hf):
     """hf backend, 2 gloo ranks (each its own target group, FSDP2 over both): the offline curve
-    of 1 process x grad_accum 2 (the same global batches), with and without prefetching, and
-    with the cache (each rank writes its batches' shards; the second epoch reads them whichever
-    rank wrote them)."""
-    runs = {p: _new_run(hf["root"], f"online_2r_p{p}", hf["rows"]) for p in (0, 2)}
+    of 1 process x grad_accum 2 (the same global batches), and with the cache (each rank writes
+    its batches' shards; the second epoch reads them whichever rank wrote them)."""
+    run = _new_run(hf["root"], "online_2r", hf["rows"])
     cached = _new_run(hf["root"], "online_2r_cached", hf["rows"])
-    _spawn(2, [_train_overrides(run, hf["target"], "train.source=online", f"train.prefetch={p}") for p, run in runs.items()]
-           + [_train_overrides(cached, hf["target"], "train.source=online", "train.cache_gb=0.0002")])
-    for run in runs.values():
-        _assert_same_losses(run, hf["offline"])
-        _assert_no_hidden(run)
-        assert json.loads((run / "train_summary.json").read_text())["world_size"] == 2
+    _spawn(2, [_train_overrides(run, hf["target"], "train.source=online"),
+               _train_overrides(cached, hf["target"], "train.source=online", "train.cache_gb=0.0002")])
+    _assert_same_losses(run, hf["offline"])
+    _assert_no_hidden(run)
+    assert json.loads((run / "train_summary.json").read_text())["world_size"] == 2
     # with the cache: each rank wrote its own batches (manifest parts), the other rank read them
     _assert_same_losses(cached, hf["offline"])
     _assert_cache(cached)
@@ -330,18 +328,17 @@ def test_online_equals_offline_native_one_process(native):
     _assert_no_hidden(run)
 
 
-@pytest.mark.parametrize("layout,prefetch", [("target.tp=2", "train.prefetch=0"), ("target.pp=2", "train.prefetch=1")])
-def test_online_equals_offline_native_two_ranks(native, layout, prefetch):
+@pytest.mark.parametrize("layout", ["target.tp=2", "target.pp=2"])
+def test_online_equals_offline_native_two_ranks(native, layout):
     """2 gloo ranks as ONE target group: a tensor-parallel group of 2 (experts split 5 + 4: each
     forward runs on the union of both ranks' batches and each rank trains its own rows), or two
     pipeline stages (layers 0-1 and 2-3: each forward streams through both, the last stage sends
-    the first stage's rank its own rows; with a forward started ahead, train.prefetch=1, the
-    stages work on consecutive slots at once); FSDP2 over both. Again with train.cache_gb holding
+    the first stage's rank its own rows); FSDP2 over both. Again with train.cache_gb holding
     part of the first epoch."""
     name = layout.replace("target.", "").replace("=", "")
     run = _new_run(native["root"], f"online_{name}", native["rows"])
     cached = _new_run(native["root"], f"online_{name}_cached", native["rows"])
-    _spawn(2, [_native_overrides(run, native["ckpt"], layout, "train.source=online", prefetch),
+    _spawn(2, [_native_overrides(run, native["ckpt"], layout, "train.source=online"),
                _native_overrides(cached, native["ckpt"], layout, "train.source=online", "train.cache_gb=0.0001")])
     _assert_same_losses(run, native["offline"])
     _assert_no_hidden(run)
@@ -366,8 +363,8 @@ def _assert_same_draft(got_run: Path, want_run: Path, rel: float = 1e-3) -> None
         assert diff < rel, f"{name}: relative difference {diff:.3g} from the offline draft"
 
 
-@pytest.mark.parametrize("layouts", [[("target.pp=4", "train.prefetch=0", "train.embed_device=host"),
-                                      ("target.tp=2", "target.pp=2", "train.prefetch=1", "train.embed_device=device")]])
+@pytest.mark.parametrize("layouts", [[("target.pp=4", "train.embed_device=host"),
+                                      ("target.tp=2", "target.pp=2", "train.embed_device=device")]])
 def test_online_equals_offline_native_four_ranks(native, layouts):
     """4 gloo ranks as ONE target group: four pipeline stages (one layer each), and two stages of
     a tensor-parallel pair (experts split 5 + 4 within each stage); FSDP2 over the 4 ranks. Each

@@ -446,13 +446,17 @@ def export_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
 
 RESUME_MAY_CHANGE = (
     "run_dir", "train.max_steps", "train.epochs", "train.log_every", "train.save_every", "train.keep_last",
-    "train.resume", "train.device", "train.parallel", "train.verify_checksums", "train.max_nonfinite_steps",
-    "train.attention", "train.loss_chunk_tokens", "train.loss_packed", "train.activation_checkpoint",
+    "train.resume", "train.device", "train.parallel", "train.attention", "train.activation_checkpoint",
     "train.compile", "train.embed_device", "target.device", "target.tp", "target.pp", "target.gpu_memory_gib", "data.gen_batch_size",
-    "extract.batch_tokens", "extract.overlap_writes", "train.prefetch", "target.prefill_attention",
-    "target.moe_backend", "target.split_rows_min_tokens", "target.overlap_min_rows", "eval.",
+    "extract.batch_tokens", "extract.overlap_writes", "target.prefill_attention", "target.moe_backend",
+    "target.split_rows_min_tokens", "target.overlap_min_rows", "eval.",
     "train.cache_gb",  # online: the resumed run keeps what its cache still holds (train/state_cache.py settle)
 )
+# Removed keys (eagleforge.config.REMOVED_KEYS) that shaped the training: a checkpoint written with
+# another value than the one each always has now is refused (the LK loss's only where it trained
+# with the LK loss); the others changed nothing a resume would train differently.
+RESUME_REMOVED_FIXED = ("train.step_weight_decay", "train.min_lr_ratio", "train.weight_decay", "train.lk_variant",
+                        "train.lk_kl_scale", "train.lk_kl_decay")
 
 
 def check_resume_inputs(checkpoint: Path, state: dict, inputs: dict | None, layout: Layout = SINGLE) -> None:
@@ -482,6 +486,21 @@ def _flat(tree: dict, prefix: str = "") -> dict:
         else:
             out[f"{prefix}{key}"] = value
     return out
+
+
+def _check_removed_keys(saved: dict, checkpoint: Path) -> None:
+    """UserInputError where the checkpoint's config (flat) set a key of RESUME_REMOVED_FIXED to
+    another value than the one it always has now."""
+    from eagleforge.config import REMOVED_KEYS
+    from eagleforge.modes import LK_LOSS_MODES
+
+    fixed = [k for k in RESUME_REMOVED_FIXED if k in saved and saved[k] != REMOVED_KEYS[k][0]
+             and (not k.startswith("train.lk_") or saved.get("train.loss") in LK_LOSS_MODES)]
+    if fixed:
+        diff = "; ".join(f"{k}: {saved[k]!r} in the checkpoint, removed and always {REMOVED_KEYS[k][0]!r} now" for k in fixed)
+        raise UserInputError(f"{checkpoint}: cannot resume a run trained with a removed key's other value ({diff}; "
+                             "CHANGELOG.md, \"Removed config keys\"): finish it with the version that wrote it, or use a "
+                             "new run_dir to start over")
 
 
 def check_resume_config(cfg: Config, checkpoint: Path, world_size: int = 1) -> None:
@@ -515,6 +534,7 @@ def check_resume_config(cfg: Config, checkpoint: Path, world_size: int = 1) -> N
         if isinstance(saved_world, int) and isinstance(saved["train.grad_accum"], int) and \
                 saved_world * saved["train.grad_accum"] == world_size * now["train.grad_accum"]:
             changed.remove("train.grad_accum")
+    _check_removed_keys(saved, checkpoint)
     if changed:
         diff = "; ".join(f"{k}: {saved[k]!r} in the checkpoint, {now[k]!r} now" for k in changed)
         raise UserInputError(f"{checkpoint}: cannot resume with a changed config ({diff}); set the checkpoint's values, "

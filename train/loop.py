@@ -50,14 +50,13 @@ from eagleforge.train.checkpoint import (
     tidy_checkpoints,
 )
 from eagleforge.train.distributed import DraftWithLoss, clip_grad_norm, gradient_sync, parallelize, reduce_dtype_of, resolve_parallel
-from eagleforge.train.loss import lk_options
 from eagleforge.train.metrics import MetricLogger, TTTStats, reduce_stats
 from eagleforge.train.optimizer import build_optimizer
 from eagleforge.train.prefetch import Prefetcher
 from eagleforge.train.schedule import Position, Schedule, Slot, make_batches, step_slots
 from eagleforge.train.sources import BatchSource, check_source, open_source
 from eagleforge.train.step_plan import plan_step, resolve_embed_device, resolve_param_dtype
-from eagleforge.train.ttt_loss import TTTLoss, target_argmax_from_hidden
+from eagleforge.train.ttt_loss import STEP_WEIGHT_DECAY, TTTLoss, target_argmax_from_hidden
 from eagleforge.train.weight_grads import fuse_weight_grads
 from eagleforge.vocab import (
     check_vocab_files,
@@ -72,6 +71,12 @@ from eagleforge.vocab import (
 log = logging.getLogger(__name__)
 
 SUMMARY_NAME = "train_summary.json"
+MIN_LR_RATIO = 0.1  # the cosine ends at 0.1 x train.lr: every measured run's schedule (BENCHMARKS.md); the last steps still learn
+WEIGHT_DECAY = 0.0  # AdamW without weight decay: EAGLE-3's and SpecForge's recipe for the draft
+MAX_NONFINITE_STEPS = 3  # skipped NaN/Inf steps a run survives: a rare spike is skipped, a diverging run stops soon
+# online target forwards run in line, before the step that trains on them: on one GPU a producer
+# thread gained nothing and two forwards ahead cost 9% (BENCHMARKS.md, bench-online)
+ONLINE_PREFETCH = 0
 
 
 def lr_lambda(total_steps: int, warmup_ratio: float, min_lr_ratio: float) -> Callable[[int], float]:
@@ -102,9 +107,8 @@ def ttt_loss_of(cfg: Config, teacher_head: torch.Tensor, device: torch.device, a
     """The TTT loss with the run's train.* keys, its checkpointing and compile as the step plan
     resolved them (train/step_plan.py)."""
     tc = cfg.train
-    return TTTLoss(teacher_head, device, ttt_steps=tc.ttt_steps, step_weight_decay=tc.step_weight_decay, loss=tc.loss,
-                   bf16=tc.bf16, attention=tc.attention, checkpoint=activation_checkpoint, compile=compile,
-                   chunk_tokens=tc.loss_chunk_tokens, packed=tc.loss_packed, lk=lk_options(tc))
+    return TTTLoss(teacher_head, device, ttt_steps=tc.ttt_steps, loss=tc.loss, bf16=tc.bf16, attention=tc.attention,
+                   checkpoint=activation_checkpoint, compile=compile)
 
 
 class Trainer:
@@ -210,8 +214,8 @@ class Trainer:
         moments and step counts as they were, so a step with a NaN/Inf loss or gradient is skipped
         on the device, without a host sync (train_step); the lr schedule."""
         tc = self.cfg.train
-        optimizer = build_optimizer(self.params, self.param_dtype, tc.lr, (0.9, tc.adam_beta2), tc.weight_decay)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(self.schedule.total_steps, tc.warmup_ratio, tc.min_lr_ratio))
+        optimizer = build_optimizer(self.params, self.param_dtype, tc.lr, (0.9, tc.adam_beta2), WEIGHT_DECAY)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(self.schedule.total_steps, tc.warmup_ratio, MIN_LR_RATIO))
         return optimizer, scheduler
 
     def _log_setup(self) -> None:
@@ -260,11 +264,11 @@ class Trainer:
         return batch
 
     def _feed(self, slots) -> Prefetcher:
-        """A worker making this rank's batches of `slots` ahead of the consumer: online, the next
-        train.prefetch slots' target forwards (0: in line) on a side stream; from shards, a step's
-        worth of reads (its grad_accum slots) while the current step trains."""
+        """A worker making this rank's batches of `slots` ahead of the consumer: online, the
+        target's forwards in line (ONLINE_PREFETCH); from shards, a step's worth of reads (its
+        grad_accum slots) while the current step trains."""
         tc = self.cfg.train
-        depth = tc.prefetch if self.source.on_device else max(1, tc.grad_accum)
+        depth = ONLINE_PREFETCH if self.source.on_device else max(1, tc.grad_accum)
         what = "the online target forward" if self.source.on_device else "reading a batch"
         # pipeline stages: forwards started pp - 1 slots ahead of the one whose rows are awaited
         lookahead = self.layout.pp - 1 if self.source.on_device else 0
@@ -388,7 +392,7 @@ class Trainer:
 
     def _check_nonfinite(self) -> None:
         """At a log step: name the cause of the window's skipped steps and stop past
-        train.max_nonfinite_steps. A non-finite hidden state in the skipped steps' samples is a
+        MAX_NONFINITE_STEPS. A non-finite hidden state in the skipped steps' samples is a
         damaged input (the source names it): an error at once."""
         flags, self._window_flags = self._window_flags, []
         if not flags:
@@ -401,15 +405,15 @@ class Trainer:
             if inputs_bad:
                 raise UserInputError(self.source.nonfinite_error(step, [i for ids in batches for i in ids]))
         self.nonfinite_before += len(skipped)
-        limit = self.cfg.train.max_nonfinite_steps
+        limit = MAX_NONFINITE_STEPS
         steps = ", ".join(str(step) for step, _, _ in skipped)
         if self.nonfinite_before > limit:
             raise UserInputError(
                 f"training diverged: {self.nonfinite_before} steps had a NaN/Inf loss or gradient norm (skipped; the last: "
-                f"{steps}), more than train.max_nonfinite_steps={limit}; the inputs of those steps are finite: lower "
+                f"{steps}), more than {limit}; the inputs of those steps are finite: lower "
                 f"train.lr (now {self.cfg.train.lr}) or train.grad_clip")
         if self.layout.is_main:
-            log.warning("step(s) %s: NaN/Inf loss or gradient norm, update skipped (%d so far, train.max_nonfinite_steps=%d)",
+            log.warning("step(s) %s: NaN/Inf loss or gradient norm, update skipped (%d so far; more than %d stop the run)",
                         steps, self.nonfinite_before, limit)
 
     # -- state
@@ -506,7 +510,7 @@ class Trainer:
                 elapsed = time.perf_counter() - window_start
                 self.train_seconds += elapsed
                 if logger is not None:
-                    logger.log(self.step, self.epoch, window, tc.step_weight_decay, self.scheduler.get_last_lr()[0], norm, window.tokens / max(elapsed, 1e-9))
+                    logger.log(self.step, self.epoch, window, STEP_WEIGHT_DECAY, self.scheduler.get_last_lr()[0], norm, window.tokens / max(elapsed, 1e-9))
                 window, window_start = TTTStats(tc.ttt_steps), time.perf_counter()
             if self.step == stop_after_step:
                 self.save()
@@ -543,7 +547,7 @@ class Trainer:
             stats = self.evaluate(self.heldout_ids)
             summary["heldout"] = {
                 "tokens": stats.tokens,
-                "loss": stats.loss(tc.step_weight_decay),
+                "loss": stats.loss(STEP_WEIGHT_DECAY),
                 "loss_per_step": stats.loss_per_step(),
                 "accuracy_per_step": stats.accuracy_per_step(),
                 "simulated_acceptance_length_by_k": {str(i): stats.acceptance_length(i) for i in range(1, tc.ttt_steps + 1)},

@@ -162,16 +162,16 @@ def fused_available() -> bool:
     return True
 
 
-def lk_options(train_config) -> dict:
-    """The LK loss's options from cfg.train (train.lk_variant, train.lk_kl_scale, train.lk_kl_decay)."""
-    return dict(variant=train_config.lk_variant, kl_scale=train_config.lk_kl_scale, kl_decay=train_config.lk_kl_decay)
+# The LK loss the trainer runs (train.loss=lk | lk_reference): the lambda variant with scale 1.0
+# and decay 3.0, SpecForge's and the paper's; the alpha variant stays the functions' `variant="alpha"`.
+LK_OPTIONS = dict(variant="lambda", kl_scale=1.0, kl_decay=3.0)
 
 
 def get_loss_fn(name: str, device: torch.device | str, lk: dict | None = None) -> LossFn:
     """The per-step loss to use: the soft cross-entropy "reference" (this file), "fused"
     (eagleforge.kernels), or "auto" = fused on CUDA when importable, else reference; the LK loss
     "lk" (eagleforge.kernels.lk) or "lk_reference" (this file), with the options `lk`
-    (`lk_options`; the defaults of `lk_loss` without)."""
+    (the trainer's: LK_OPTIONS; the defaults of `lk_loss` without)."""
     device = torch.device(device)
     if name in LK_LOSS_MODES:
         if name == "lk_reference":

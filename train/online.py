@@ -33,19 +33,17 @@ slot n it runs the stream up to slot n's last forward and then `ahead` = P - 1 -
 stage (the forwards of slot n + 1 have started in every stage but the last while the draft
 trains on slot n), and its next forward's input is already sent by stage s - 1, one further
 ahead: after the step every stage computes at once. The stages' fill and drain happen once per
-feed (the run, the held-out evaluation), not once per slot; with train.prefetch > 0 the stages'
-forwards also run during the step, on the feed's thread. A rank's rows of a forward it ran ahead
+feed (the run, the held-out evaluation), not once per slot. A rank's rows of a forward it ran ahead
 are received only when it waits for that forward's slot (their receive posted then, before the
 last stage sends them): during a draft step a rank holds the batch it trains and no rows of
 later slots. Every rank of a stage runs the same forwards in the same order, so the stages'
 sends and receives pair up; a feed stopped early leaves forwards queued, which close() runs
 (`flush`) before the target closes.
 
-Overlap (`train.prefetch` = N > 0): the trainer's feed thread (train/prefetch.py) runs the target
-forwards of the next N slots ahead of the training thread, on CUDA on a side stream; 0 runs them
-in line. The target's tensor-parallel collectives then run on the group's own process group from
-that thread while FSDP's run on the world group from the trainer's; the target's activations
-and the draft's step are then in memory at once (the online plan adds them).
+In line: the trainer's feed (train/prefetch.py) runs a slot's target forwards on the training
+thread, before the step that trains on them (train/loop.py ONLINE_PREFETCH), so the target's
+tensor-parallel collectives and FSDP's run from one thread, in turn, and the target's activations
+and the draft's step are never in memory at once (the online plan takes the larger).
 
 Cache (`train.cache_gb`, train/state_cache.py): part of the first epoch's states kept as shards in
 RUN/hidden, read back by later epochs instead of forwarded.
@@ -127,7 +125,7 @@ class OnlineSource:
             n_train = training_sample_count(len(self.samples), cfg.train.holdout_samples, str(cfg.run / "data" / "samples.jsonl"))
             epoch0 = make_batches(self.sample_lengths(), list(range(n_train)), cfg.train.batch_tokens, cfg.train.seed, 0)
             self.cache = StateCache(cfg.run / "hidden", cfg.train.cache_gb, cfg.extract.storage_dtype, layout,
-                                    self.target.header, self.samples, epoch0, cfg.train.verify_checksums)
+                                    self.target.header, self.samples, epoch0)
         self.target_seconds, self.target_tokens = 0.0, 0  # this process's target forwards (overlap report)
         # Pipeline schedule: the target forwards queued by load() and not run yet, how many were
         # queued and run since the start, and the forwards run ahead whose rows' receives wait
@@ -136,8 +134,8 @@ class OnlineSource:
         self._deferred: list[_Forward] = []
         self.ahead = layout.pp - 1 - layout.stage  # forwards this stage runs past the slot it finishes
         if layout.is_main:
-            log.info("online: %d samples from %s, %d target group(s) of %d rank(s), %s backend, prefetch %d", len(self.samples),
-                     source, layout.num_groups, layout.group_size, cfg.target.backend, cfg.train.prefetch)
+            log.info("online: %d samples from %s, %d target group(s) of %d rank(s), %s backend", len(self.samples),
+                     source, layout.num_groups, layout.group_size, cfg.target.backend)
 
     def __len__(self) -> int:
         return len(self.samples)

@@ -22,8 +22,8 @@ Held all along:
   default on CUDA beside pipeline stages or tp groups; the target's own tensor at tp 1 and pp 1);
 - on the last stage (the group's leader, pp > 1): the rows it sends to earlier stages, the sends
   of ROW_FORWARDS_IN_FLIGHT forwards, [T, row] each at most.
-Then the largest of the phases of one slot, in line (train.prefetch = 0: the target's forwards
-and the draft's step take turns on the GPU, the allocator reusing the one's memory for the other):
+Then the largest of the phases of one slot, in line (the target's forwards and the draft's step
+take turns on the GPU, the allocator reusing the one's memory for the other):
 - forward: the target's activations (its plan's largest phase of one forward), its second send
   in flight and, on a stage before the last, this rank's rows of the slot arriving, [t, row] at
   most (rows of forwards run ahead for later slots are received only when their slot is made);
@@ -38,8 +38,6 @@ and the draft's step take turns on the GPU, the allocator reusing the one's memo
 - end of the backward: the bf16 gradients (2P), then the gathered weights (2P) until FSDP frees
   them, then the reduce-scatter copy in the reduce dtype (2P for bf16 parameters, 4P for fp32:
   train/distributed.py), and the batch.
-With train.prefetch = N > 0 the feed's thread runs the forwards during the step: the forward and
-step phases add, with the N batches queued.
 
 train.activation_checkpoint=auto: the mode recomputing the least (step_plan.checkpoint_candidates)
 for which some pipeline cut fits every stage; the stages are then cut by compute among the cuts
@@ -82,13 +80,9 @@ class StagePlan:
     target: object  # extract.native.plan.MemoryPlan of the stage
     held: list[Line] = field(default_factory=list)
     phases: dict[str, list[Line]] = field(default_factory=dict)  # phase -> its lines
-    concurrent: bool = False  # train.prefetch > 0: forward and step at once
 
     def phase_bytes(self, t: int) -> dict[str, float]:
-        out = {name: sum(line.at(t) for line in lines) for name, lines in self.phases.items()}
-        if self.concurrent:
-            out = {"forward + step (prefetch)": out.pop("forward") + out.pop("step") + out.pop("queued batches", 0.0), **out}
-        return out
+        return {name: sum(line.at(t) for line in lines) for name, lines in self.phases.items()}
 
     def peak_phase(self, t: int) -> str:
         phases = self.phase_bytes(t)
@@ -234,9 +228,7 @@ class _Planner:
                                          max(2, self.reduce_bytes) * p),
                                     Line("the batch", 0.0, self.batch_row)],
         }
-        if tc.prefetch > 0:
-            phases["queued batches"] = [Line(f"{tc.prefetch} batches queued by the feed", 0.0, tc.prefetch * self.batch_row)]
-        return StagePlan(target, held, phases, concurrent=tc.prefetch > 0)
+        return StagePlan(target, held, phases)
 
     def stages(self, ranges: list[range], mode: str) -> list[StagePlan]:
         return [self.stage(layers, s, mode) for s, layers in enumerate(ranges)]
@@ -301,14 +293,11 @@ def format_online_plan(plan: OnlinePlan, gpu_bytes: float | None) -> str:
              f"activation checkpoint {plan.checkpoint}; the fullest GPU{where}:"]
     for line in stage.held:
         lines.append(f"  {line.name:<{width}} {line.at(t) / GIB:9.2f} GiB")
-    phases = stage.phase_bytes(t)
     peak = stage.peak_phase(t)
     for name, phase_lines in stage.phases.items():
         lines.append(f"  phase: {name}" + ("  <- the peak" if name == peak else ""))
         for line in phase_lines:
             lines.append(f"    {line.name:<{width - 2}} {line.at(t) / GIB:9.2f} GiB")
-    if stage.concurrent:
-        lines.append(f"  forward, step and queued batches at once (train.prefetch > 0): {phases[peak] / GIB:.2f} GiB")
     lines.append(f"  {'total (held + the largest phase, ' + peak + ')':<{width}} {stage.total_bytes(t) / GIB:9.2f} GiB "
                  f"({stage.total_bytes(t) / 1e9:.1f} GB)")
     if len(plan.stages) > 1:
@@ -391,7 +380,7 @@ def project_online(target_tokens_per_s: float, gpus: int, matmul_tflops: float, 
     gpus batches of t tokens through the target (t x gpus / target_tokens_per_s: the stages never
     drain between slots, train/online.py) and each GPU then steps the draft on its t tokens
     (t / draft rate, the rate scaled from the measured one by the matmul rate and slowed by the
-    checkpoint mode's recomputed share); the two take turns on the GPUs (train.prefetch 0), so
+    checkpoint mode's recomputed share); the two take turns on the GPUs (forwards in line), so
     per token of the group 1 / target + 1 / (gpus x draft)."""
     draft = DRAFT_TOKENS_PER_S_REF * matmul_tflops / DRAFT_REF_TFLOPS / (1.0 + recompute)
     return 1.0 / (1.0 / target_tokens_per_s + 1.0 / (gpus * draft))

@@ -30,6 +30,8 @@ from eagleforge.train.schedule import Slot
 
 log = logging.getLogger(__name__)
 
+VERIFY_CHECKSUMS = True  # sha256 of every shard when training opens it: a flipped bit is an error naming the file, not a different draft
+
 
 class BatchSource(Protocol):
     manifest: dict  # the target's header (docs/shards.md), the draft is sized from it
@@ -78,11 +80,11 @@ class ShardSource:
     on_device = False
     planned_bytes = None
 
-    def __init__(self, hidden_dir: Path, layout: Layout, verify_checksums: bool = True, skip_corrupt: bool = False):
+    def __init__(self, hidden_dir: Path, layout: Layout, skip_corrupt: bool = False):
         from eagleforge.shards import ShardReader
 
         self.layout = layout
-        self.reader = ShardReader(hidden_dir, verify_checksums=verify_checksums, skip_corrupt=skip_corrupt)
+        self.reader = ShardReader(hidden_dir, verify_checksums=VERIFY_CHECKSUMS, skip_corrupt=skip_corrupt)
         if self.reader.skipped_shards:
             log.warning("skipped %d corrupt shard(s) holding %d samples: %s", len(self.reader.skipped_shards),
                         self.reader.skipped_samples, ", ".join(map(str, self.reader.skipped_shards)))
@@ -137,4 +139,4 @@ def open_source(cfg: Config, layout: Layout) -> BatchSource:
         from eagleforge.train.online import OnlineSource
 
         return OnlineSource(cfg, layout)
-    return ShardSource(cfg.run / "hidden", layout, tc.verify_checksums, tc.skip_corrupt_shards)
+    return ShardSource(cfg.run / "hidden", layout, tc.skip_corrupt_shards)

@@ -11,6 +11,7 @@ import torch
 
 from eagleforge.errors import UserInputError
 from eagleforge.layout import Layout
+from eagleforge.train.sources import VERIFY_CHECKSUMS
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +41,10 @@ class StateCache:
     refused by name. Neither is ever trained on."""
 
     def __init__(self, hidden_dir: Path, cache_gb: float, storage_dtype: str, layout: Layout, header: dict,
-                 samples: list[dict], epoch0_batches: list[list[int]], verify_checksums: bool = True):
+                 samples: list[dict], epoch0_batches: list[list[int]]):
         from eagleforge.shards import STORAGE_DTYPES, ShardWriter
 
-        self.hidden_dir, self.layout, self.samples, self.verify_checksums = hidden_dir, layout, samples, verify_checksums
+        self.hidden_dir, self.layout, self.samples = hidden_dir, layout, samples
         hidden = int(header["target"]["hidden_size"])
         k = len(header["aux_layer_ids"])
         width = STORAGE_DTYPES[storage_dtype].itemsize
@@ -78,7 +79,7 @@ class StateCache:
             return
         on_disk: set[int] = set()
         if self.hidden_dir.is_dir() and any(self.hidden_dir.glob("manifest*.json")):
-            reader = ShardReader(self.hidden_dir, verify_checksums=self.verify_checksums)
+            reader = ShardReader(self.hidden_dir, verify_checksums=VERIFY_CHECKSUMS)
             on_disk = {int(entry["index"]) for entry in reader.shards}
         first_unwritten = batch_index if epoch == 0 else float("inf")
         kept = {batch: index for batch, index in self.batch_index.items() if index >= first_unwritten or index in on_disk}
@@ -117,7 +118,7 @@ class StateCache:
         deadline = time.monotonic() + wait_s
         while sample_id not in self._reader_index and sample_id not in self._skipped_ids:
             if self.hidden_dir.is_dir() and any(self.hidden_dir.glob("manifest*.json")):
-                self._reader = ShardReader(self.hidden_dir, verify_checksums=self.verify_checksums)
+                self._reader = ShardReader(self.hidden_dir, verify_checksums=VERIFY_CHECKSUMS)
                 self._reader_index = {sid: i for i, sid in enumerate(self._reader.sample_ids())}
                 self._skipped_ids = {int(i) for entry in self._reader.shards for i in entry.get("skipped_ids", [])}
             if sample_id in self._reader_index or sample_id in self._skipped_ids:

@@ -32,10 +32,15 @@ import torch.nn.functional as F
 
 from eagleforge.kernels.soft_ce import teacher_logsumexp
 from eagleforge.modes import LK_LOSS_MODES, PLAIN_LOSS_MODES, checkpoint_modes
-from eagleforge.train.loss import get_loss_fn
+from eagleforge.train.loss import LK_OPTIONS, get_loss_fn
 from eagleforge.train.metrics import TTTStats
 
 log = logging.getLogger(__name__)
+
+# The trainer's TTT loss (TTTLoss):
+STEP_WEIGHT_DECAY = 0.8  # TTT step j's loss weighted 0.8^j: EAGLE-3's recipe, which SpecForge keeps
+LOSS_CHUNK_TOKENS = None  # rows per chunk of the fused loss: None = kernels/rows.py default_chunk_tokens, sized to Vd and dtype
+LOSS_PACKED = False  # each step's rows in their own matmuls; packed is the same math, kept for its tests and bench-loss
 
 
 def ttt_step_rows(loss_mask: torch.Tensor, step: int) -> torch.Tensor:
@@ -142,7 +147,7 @@ def ttt_loss_shared(
     """The same loss and stats as `ttt_loss`, through the TTT form of the fused kernel: the
     teacher logits are computed once per position for all steps (3 + 1/K matmuls per step
     instead of 4) and the matmuls run in `compute_dtype` (bf16 on GPUs and on CPUs with
-    bf16 units). Shapes as in `ttt_loss`. lk: the LK loss's options (train.loss.lk_options)
+    bf16 units). Shapes as in `ttt_loss`. lk: the LK loss's options (train.loss.LK_OPTIONS)
     for fused_lk_loss_ttt instead of the soft cross-entropy (the lambda variant: one more
     forward-only matmul per step, for its mean acceptance).
 
@@ -200,17 +205,19 @@ class TTTLoss:
     FSDP has lm_head gathered when the loss reads it. Returns (loss, TTTStats) as ttt_loss.
 
     teacher_head [Vd, Ht]; the rest are the train.* keys of the same names (docs/training.md):
-    loss (a LOSS_MODES name), lk (the LK loss's options, `train.loss.lk_options`, for the LK modes),
-    checkpoint (one of CHECKPOINT_MODES or a list per step) and compile as the step plan resolved them."""
+    loss (a LOSS_MODES name; the LK modes with LK_OPTIONS), checkpoint (one of CHECKPOINT_MODES
+    or a list per step) and compile as the step plan resolved them; chunk_tokens: the fused loss's
+    rows per chunk (a benchmark's fixed size; the trainer's is LOSS_CHUNK_TOKENS). The steps'
+    weights and the fused loss's per-step path are this module's constants."""
 
-    def __init__(self, teacher_head: torch.Tensor, device: torch.device, *, ttt_steps: int, step_weight_decay: float,
-                 loss: str = "auto", bf16: bool = True, attention: str = "auto", checkpoint="none", compile: bool = False,
-                 chunk_tokens: int = 0, packed: bool = False, lk: dict | None = None):
+    def __init__(self, teacher_head: torch.Tensor, device: torch.device, *, ttt_steps: int, loss: str = "auto",
+                 bf16: bool = True, attention: str = "auto", checkpoint="none", compile: bool = False,
+                 chunk_tokens: int | None = LOSS_CHUNK_TOKENS):
         self.teacher_head, self.device_type = teacher_head, device.type
-        self.ttt_steps, self.step_weight_decay, self.loss, self.bf16 = ttt_steps, step_weight_decay, loss, bf16
+        self.ttt_steps, self.step_weight_decay, self.loss, self.bf16 = ttt_steps, STEP_WEIGHT_DECAY, loss, bf16
         self.attention, self.checkpoint, self.compile = attention, checkpoint, compile
-        self.chunk_tokens, self.packed = chunk_tokens or None, packed
-        self.lk = lk if loss in LK_LOSS_MODES else None
+        self.chunk_tokens, self.packed = chunk_tokens, LOSS_PACKED
+        self.lk = LK_OPTIONS if loss in LK_LOSS_MODES else None
         # the per-step loss of the plain path (the LK loss with its options)
         self.loss_fn = get_loss_fn(loss, device, self.lk)
         # Autocast caches each weight's bf16 copy for the whole region, so with fp32 masters only
