@@ -50,7 +50,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 ENGINE ?=
 EVAL_ARGS := $(if $(ENGINE),eval.engine=$(ENGINE)) $(if $(filter vllm,$(ENGINE)),eval.vllm_python=$(abspath $(VLLM_PY)))
 
-.PHONY: install lock test-latest vllm-env test-vllm test-sglang data extract vocab train train-online eval plan preflight test lint bench-extract bench-pipeline bench-moe bench-loss bench-train bench-prefill-attention bench-teacher-forced bench-online bench-quality bench-gpu clean
+.PHONY: install lock test-latest vllm-env test-vllm test-sglang data extract vocab train train-online eval plan preflight test lint bench-extract bench-pipeline bench-moe bench-loss bench-train bench-prefill-attention bench-online bench-quality bench-gpu clean
 
 install: $(STAMP)
 
@@ -177,10 +177,6 @@ bench-quality: $(STAMP)
 # (benchmarks/run_all.sh; installs nothing: `make install` first, plus the GPU extras).
 bench-gpu:
 	PYTHON=$(if $(wildcard $(PY)),$(PY),$(PYTHON)) bash benchmarks/run_all.sh
-
-# Where a trained draft's acceptance is lost: teacher-forced on HumanEval vs its own held-out text.
-bench-teacher-forced: $(STAMP)
-	$(PY) benchmarks/teacher_forced.py $(RUN)
 
 # Kill-and-resume soak: every stage of a tiny run SIGKILLed at seeded random moments (210 kills by
 # default) and rerun, its outputs compared with an uninterrupted run's (tests/soak/soak.py,

@@ -20,7 +20,7 @@ mkdir -p "$OUT"
 
 GPUS=$($PY -c 'import torch; print(torch.cuda.device_count())') || exit 1
 if [ "$GPUS" -lt 1 ]; then
-  echo "no CUDA GPU here; the CPU benchmark is make bench-teacher-forced" >&2
+  echo "no CUDA GPU here; the CPU benchmarks are in BENCHMARKS.md, \"CPU\"" >&2
   exit 1
 fi
 $PY - <<'EOF' | tee "$OUT/versions.txt"
