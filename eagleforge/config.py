@@ -150,7 +150,7 @@ class DataConfig:
     num_prompts: int = 900
     regenerate: bool = True  # have the target answer the prompts (greedy)
     max_new_tokens: int = 160
-    gen_batch_size: int = 64
+    gen_batch_size: int = 16
     max_length: int = 2048
     overlong: str = "truncate"  # truncate | drop
     # Message text (an answer, a prompt, a system prompt) holding a special token's text, e.g.
