@@ -1,7 +1,9 @@
-"""Shared helpers of the benchmark scripts: import eagleforge from a bare checkout, timing, matmul rate."""
+"""Shared helpers of the benchmark scripts: import eagleforge from a bare checkout, timing, matmul
+rate, the device's name and peak memory, the --json record."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -23,6 +25,33 @@ def import_eagleforge() -> None:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def null_sink(meta, tensors) -> None:
+    """A writer's sink that drops the host copies: their cost without the disk's."""
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def write_json(path, record) -> None:
+    """The record to --json's path (its folder made), where one was given."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(record, indent=1))
+
+
+def device_peaks(device: torch.device) -> dict:
+    """Peak memory since the last reset, GiB (None on the CPU): allocated, reserved by the
+    allocator, and in use on the device (the reserved peak plus what lies outside the allocator:
+    the CUDA context, NCCL), the side a memory plan counts."""
+    if device.type != "cuda":
+        return dict.fromkeys(("peak_allocated_gib", "peak_reserved_gib", "peak_in_use_gib"))
+    reserved = torch.cuda.max_memory_reserved(device)
+    free, total = torch.cuda.mem_get_info(device)
+    return {"peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30, "peak_reserved_gib": reserved / 2**30,
+            "peak_in_use_gib": (total - free - torch.cuda.memory_reserved(device) + reserved) / 2**30}
 
 
 def median_ms(fn, device: torch.device, rep_ms: int = 100, cpu_reps: int = 3, fixed_iters: int | None = None,

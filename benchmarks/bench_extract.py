@@ -1,20 +1,16 @@
-"""Benchmark: native extraction throughput on a Kimi-K2.5-shaped model (`make bench-extract`).
+"""Benchmark: native extraction throughput on a Kimi-K2.5-shaped model (`make bench-extract`),
+BENCHMARKS.md "Native extraction": benchmarks/kimi_shaped.py's model (real K2.5 dimensions,
+random weights, INT4 experts, 1 dense + 3 MoE layers by default), one sequence of T tokens per
+forward. Per T:
 
-The model is built in memory (benchmarks/kimi_shaped.py): real K2.5 dimensions, random
-weights, INT4 experts, default 1 dense + 3 MoE layers. Per prompt length T (one sequence of T
-tokens per forward):
-
-- forward only, and forward + capture (3 aux layers + final norm) + full-vocabulary argmax +
-  the overlapped writer's copies (pinned copies on a side stream, a sink that drops them):
-  tokens/s per GPU;
+- forward only, and forward + capture (3 aux layers + final norm) + full-vocabulary argmax + the
+  overlapped writer's pinned copies on a side stream into a sink that drops them: tokens/s per GPU;
 - the captured states finite and, at tp > 1, equal on every rank (all ranks feed the same ids,
   drawn on the CPU: ids from each rank's own CUDA generator once gave a NaN at tp 2);
-- each component timed alone on the same input: attention (MLA), router, routed experts, shared
-  expert, dense MLP, all-reduce of [T, H] (tp > 1), head argmax; and whole layers;
-- MFU: model FLOPs / time / the bf16 matmul rate measured in the same run;
-- projection to the full 61-layer model on 8 GPUs from the measured per-layer times (an
-  ESTIMATE: the work of a layer split evenly over 8 GPUs, 100% efficiency); with
-  --baseline-json (a tp 1 run), the scaling of this tp against it.
+- each component timed alone (attention, router, routed and shared experts, dense MLP, the
+  all-reduce of [T, H] at tp > 1, head argmax) and whole layers; MFU against the run's matmul rate;
+- the full 61-layer model on 8 GPUs projected from the per-layer times (an ESTIMATE: 100%
+  efficiency); with --baseline-json (a tp 1 run), this tp's scaling against it.
 
     python3 benchmarks/bench_extract.py --json $OUT/bench_extract.json                # tp 1
     torchrun --nproc-per-node 2 benchmarks/bench_extract.py --json $OUT/tp2.json      # tp 2
@@ -35,11 +31,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench_common import import_eagleforge, matmul_tflops  # noqa: E402
+from _bench_common import device_name, matmul_tflops, null_sink, sync, write_json  # noqa: E402
 from _bench_common import median_ms as _median_ms  # noqa: E402
-
-import_eagleforge()
-from kimi_shaped import KIMI_K25_TEXT, bench_layout, build_bench_model, kimi_args, tiny_args  # noqa: E402
+from kimi_shaped import KIMI_K25_TEXT, bench_layout, build_bench_model, kimi_args, tiny_args  # noqa: E402  (imports eagleforge from a bare checkout)
 
 from eagleforge.extract.native import model as native_model  # noqa: E402
 from eagleforge.extract.writer import OverlappedWriter  # noqa: E402
@@ -70,19 +64,12 @@ def pipelined_ms(step, device, warmup: int, reps: int) -> float:
     the writer's pinned-buffer pool, so no cudaHostAlloc falls inside the timing."""
     for _ in range(warmup):  # also fills the writer's pinned pool
         step()
-    torch.cuda.synchronize() if device.type == "cuda" else None
+    sync(device)
     t0 = time.perf_counter()
     for _ in range(reps):
         step()
-    torch.cuda.synchronize() if device.type == "cuda" else None
+    sync(device)
     return (time.perf_counter() - t0) * 1e3 / reps
-
-
-class NullSink:
-    """Takes the host copies and drops them: the capture + copy cost without the disk."""
-
-    def __call__(self, meta, tensors) -> None:
-        pass
 
 
 def capture_modes(model, args, layout, ids, reps: int, aux_layers: list[int]) -> dict:
@@ -107,7 +94,7 @@ def capture_modes(model, args, layout, ids, reps: int, aux_layers: list[int]) ->
 
         r["forward_head_capture_ms"] = pipelined_ms(captured, device, 1, reps)
         # every rank runs every mode (the forwards hold collectives); only the group leader copies
-        writer = OverlappedWriter(NullSink(), max_pending=2) if layout.is_group_leader else None
+        writer = OverlappedWriter(null_sink, max_pending=2) if layout.is_group_leader else None
 
         def step():
             out = captured()
@@ -132,14 +119,6 @@ def capture_modes(model, args, layout, ids, reps: int, aux_layers: list[int]) ->
     return r
 
 
-def layer_inputs(model, args, device, T: int):
-    """A decoder layer's inputs at T tokens: x [1, T, H] bf16 and RoPE cos/sin [T, rope/2]."""
-    x = torch.randn(1, T, args.hidden_size, device=device, dtype=torch.bfloat16)
-    positions = torch.arange(T, device=device, dtype=torch.float32)
-    angles = positions[:, None] * model.model.inv_freq.float()[None, :]
-    return x, (angles.cos() * model.model.rope_scale).to(x.dtype), (angles.sin() * model.model.rope_scale).to(x.dtype)
-
-
 def components(model, args, layout, T: int) -> dict:
     """Each part alone on the same kind of input (medians of 20 calls between CUDA events, the
     same count at every tp so the tp 1 and tp 2 columns compare), ms; at tp > 1 the layers
@@ -147,7 +126,8 @@ def components(model, args, layout, T: int) -> dict:
     device, tp = layout.device, model.tp
     median_ms = functools.partial(_median_ms, fixed_iters=20)
 
-    x, cos, sin = layer_inputs(model, args, device, T)
+    x = torch.randn(1, T, args.hidden_size, device=device, dtype=torch.bfloat16)
+    cos, sin = model.model.rope(T, x.dtype)
     flat = x[0]
     dense, moe_layer = model.model.layers[0], model.model.layers[args.first_k_dense_replace]
     moe = moe_layer.mlp
@@ -276,7 +256,7 @@ def main(argv=None) -> dict:
         aux_layers = sorted({1, max(1, args.num_hidden_layers // 2), args.num_hidden_layers - 1})
         t0 = time.perf_counter()
         model = build_bench_model(args, layout.device, tp=tp)
-        res = {"device": torch.cuda.get_device_name() if layout.device.type == "cuda" else "cpu", "tp": tp.size,
+        res = {"device": device_name(layout.device), "tp": tp.size,
                "layers": args.num_hidden_layers, "aux_layers": aux_layers, "build_s": round(time.perf_counter() - t0, 1),
                "matmul_TFLOPs": round(matmul_tflops(layout.device), 1), "moe_backend": model.args.moe_backend,
                "torch": torch.__version__}
@@ -287,9 +267,7 @@ def main(argv=None) -> dict:
             res["ab"] = [ab_forward(model, layout, T, a.ab_off, a.ab_rounds, a.reps) for T in tokens]
             if layout.is_main:
                 print(json.dumps(res["ab"]))
-                if a.json:
-                    with open(a.json, "w") as f:
-                        json.dump(res, f, indent=1)
+                write_json(a.json, res)
             return res
         baseline = None
         if a.baseline_json:
@@ -322,9 +300,7 @@ def main(argv=None) -> dict:
                     assert r["writer_copy"]["items"] == a.reps + 4, r["writer_copy"]
             log.info("cpu-check passed (tp %d)", tp.size)
         if layout.is_main:
-            if a.json:
-                with open(a.json, "w") as f:
-                    json.dump(res, f, indent=1)
+            write_json(a.json, res)
             summary(res, tokens)
         return res
     finally:

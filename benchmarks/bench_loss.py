@@ -1,7 +1,6 @@
-"""Benchmark: the EAGLE-3 soft cross-entropy, forward + backward, ours vs the peers, one run.
-
-At the Kimi-K2.5 draft shape (H = 7168, Vd = 32000) for T = 8192 and 32768,
-with the usual alternatives run side by side in the same process:
+"""Benchmark: the EAGLE-3 soft cross-entropy, forward + backward, ours vs the peers, one run
+(BENCHMARKS.md, "Fused EAGLE-3 loss"), at the Kimi-K2.5 draft shape (H = 7168, Vd = 32000) for
+T = 8192 and 32768, the usual alternatives side by side in the same process:
 
     naive_torch                       public trainers' way: fp32 softmax of both [T, Vd] logits
     liger_fused_linear_jsd_beta0      Liger-Kernel's fused linear JSD, beta 0 (forward KL), one step
@@ -13,11 +12,10 @@ with the usual alternatives run side by side in the same process:
                                       positions in ONE [C, H] x [H, Vd] matmul, one row pass, one
                                       grad-hidden matmul, one grad-head addmm (same buffer sizes)
 
-Per case: median ms of forward + backward (triton.testing.do_bench), peak memory above the
-inputs (inputs = hidden states, heads and, where a method needs them, precomputed teacher
-probabilities or lse), the same peak less the gradient outputs (grad of hidden states and head,
-which every method must return), and the loss relative to naive (a correctness check). The bf16
-matmul rate is measured in the same run and gives the floors (3 or 4 matmuls of 2 T H Vd).
+Per case: median ms of forward + backward (do_bench), peak memory above the inputs (hidden
+states, heads, a method's precomputed teacher probabilities or lse) with and without the gradient
+outputs every method returns, and the loss relative to naive (a correctness check). The run's
+bf16 matmul rate gives the floors (3 or 4 matmuls of 2 T H Vd).
 
     make bench-loss                                      # = python benchmarks/bench_loss.py
     python benchmarks/bench_loss.py --ttt-only --variants perstep packed   # our TTT forms only
@@ -39,9 +37,8 @@ import torch
 
 log = logging.getLogger("bench_loss")
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import matmul_tflops, median_ms  # noqa: E402
+from _bench_common import device_name, matmul_tflops, median_ms, sync, write_json  # noqa: E402
 from kimi_shaped import DraftShape  # noqa: E402  (imports eagleforge from a bare checkout)
 
 from eagleforge.kernels import rows as row_kernels  # noqa: E402
@@ -81,9 +78,7 @@ def run_cases(tokens, hidden, vocab, steps, chunks, device, dtype, timer, with_l
     grad_gib = (hd.numel() * hd.element_size() + wd.numel() * wd.element_size()) / 2**30
     ones = torch.ones(tokens, device=device)
     mean_w = ones / tokens  # the loss is a mean over tokens
-    ttt_w = torch.ones(steps, tokens, device=device) / tokens
-    for j in range(steps):
-        ttt_w[j, tokens - 1 - j :] = 0  # step j's last 1 + j rows have no teacher
+    ttt_w = zero_past_teacher_(torch.ones(steps, tokens, device=device) / tokens)
     results, losses = {}, {}
 
     def case(name, fn, n_steps=1, grad_outputs_gib=grad_gib):
@@ -191,13 +186,13 @@ def check_ours(hds, wd, ht, wt, ttt_w, lse, hd, mean_w, chunk) -> dict:
     """Relative loss differences: ours (both entry points) vs the plain-torch reference (fp32) on
     the first 1024 rows (the reference materializes [rows, Vd] in fp32)."""
     rows = min(1024, hd.shape[0])
+    ttt = ([h[:rows] for h in hds], wd, ht[:rows], wt, ttt_fix(ttt_w, rows))
     with torch.no_grad():
         ref, _ = reference_loss.soft_cross_entropy(hd[:rows], wd, ht[:rows], wt, lse[:rows], mean_w[:rows])
         ours, _ = soft_ce.fused_soft_cross_entropy(hd[:rows], wd, ht[:rows], wt, lse[:rows], mean_w[:rows], chunk_tokens=chunk)
-        ref_ttt = reference_loss.soft_cross_entropy_ttt([h[:rows] for h in hds], wd, ht[:rows], wt, ttt_fix(ttt_w, rows))[0]
-        ours_ttt = soft_ce_ttt.fused_soft_cross_entropy_ttt([h[:rows] for h in hds], wd, ht[:rows], wt, ttt_fix(ttt_w, rows), chunk_tokens=chunk)[0]
-        packed = soft_ce_ttt.fused_soft_cross_entropy_ttt([h[:rows] for h in hds], wd, ht[:rows], wt, ttt_fix(ttt_w, rows),
-                                                      chunk_tokens=chunk, packed=True)[0]
+        ref_ttt = reference_loss.soft_cross_entropy_ttt(*ttt)[0]
+        ours_ttt = soft_ce_ttt.fused_soft_cross_entropy_ttt(*ttt, chunk_tokens=chunk)[0]
+        packed = soft_ce_ttt.fused_soft_cross_entropy_ttt(*ttt, chunk_tokens=chunk, packed=True)[0]
     return {"single_step_rel": float(f"{ours.item() / ref.item() - 1:.2e}"), "ttt_rel": float(f"{ours_ttt.item() / ref_ttt.item() - 1:.2e}"),
             "ttt_packed_rel": float(f"{packed.item() / ref_ttt.item() - 1:.2e}"), **check_packed_grads(hds, wd, ht, wt, ttt_w, chunk)}
 
@@ -217,12 +212,16 @@ def check_packed_grads(hds, wd, ht, wt, ttt_w, chunk) -> dict:
     return {"packed_vs_perstep_grad_head_rel": float(f"{errs[0]:.2e}"), "packed_vs_perstep_grad_hidden_max_rel": float(f"{max(errs[1:]):.2e}")}
 
 
-def ttt_fix(ttt_w, rows):
-    """weight [K, rows] with the rows past the last teacher zeroed, for a prefix of `rows` rows."""
-    w = ttt_w[:, :rows].clone()
+def zero_past_teacher_(w: torch.Tensor) -> torch.Tensor:
+    """TTT weight [K, rows], in place: step j's last 1 + j rows have no teacher, weight 0."""
     for j in range(w.shape[0]):
-        w[j, rows - 1 - j :] = 0
+        w[j, w.shape[1] - 1 - j:] = 0
     return w
+
+
+def ttt_fix(ttt_w, rows):
+    """The TTT weight of a prefix of `rows` rows."""
+    return zero_past_teacher_(ttt_w[:, :rows].clone())
 
 
 def profile_ttt(tokens, hidden, vocab, steps, chunk, device, dtype, timer) -> dict:
@@ -232,9 +231,7 @@ def profile_ttt(tokens, hidden, vocab, steps, chunk, device, dtype, timer) -> di
     from torch.profiler import ProfilerActivity, profile
 
     hd, wd, ht, wt, hds = make_inputs(tokens, hidden, vocab, steps, device, dtype)
-    ttt_w = torch.ones(steps, tokens, device=device) / tokens
-    for j in range(steps):
-        ttt_w[j, tokens - 1 - j:] = 0
+    ttt_w = zero_past_teacher_(torch.ones(steps, tokens, device=device) / tokens)
 
     def call():
         for x in [wd, *hds]:
@@ -244,13 +241,12 @@ def profile_ttt(tokens, hidden, vocab, steps, chunk, device, dtype, timer) -> di
         loss.backward()
 
     cuda = device.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     for _ in range(2):
         call()
-    sync()
+    sync(device)
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         call()
-        sync()
+        sync(device)
     print(f"=== profile: one packed TTT call, T = {tokens}, chunk {chunk}, {steps} steps")
     averages = prof.key_averages()
     print(averages.table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=25, max_name_column_width=90))
@@ -321,7 +317,7 @@ def main(argv=None) -> dict:
             raise SystemExit("bench_loss.py needs a CUDA GPU (an H200 for BENCHMARKS.md's table); --cpu-check runs tiny shapes on the CPU")
         device, dtype = torch.device("cuda"), torch.bfloat16
     timer = functools.partial(median_ms, device=device, rep_ms=args.rep_ms, cpu_reps=5, warmup_ms=25)
-    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+    env = {"torch": torch.__version__, "device": device_name(device),
            "triton_path": row_kernels.resolve_backend("auto", device)}
     try:
         import liger_kernel  # noqa: F401
@@ -347,8 +343,7 @@ def main(argv=None) -> dict:
         result["profile_gemms"] = profile_ttt(args.tokens[0], args.hidden, args.vocab, args.steps, args.chunks[0], device,
                                               dtype, timer)
     print(json.dumps(result, indent=1))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+    write_json(args.json, result)
     return result
 
 

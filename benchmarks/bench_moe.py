@@ -1,7 +1,6 @@
-"""Benchmark: one Kimi-K2.5 MoE layer (384 experts, 8 active, H 7168, I 2048, + shared expert), one GPU.
-
-All rows in one process on the SAME weights: random INT4 experts, dequantized to bf16 for the
-bf16 rows.
+"""Benchmark: one Kimi-K2.5 MoE layer (384 experts, 8 active, H 7168, I 2048, + shared expert), one GPU
+(BENCHMARKS.md, "INT4 MoE layer"). All rows in one process on the SAME weights: random INT4
+experts, dequantized to bf16 for the bf16 rows.
 
     grouped_mm_bf16           the reference: sort by expert + torch._grouped_mm, bf16 weights
     int4_v3                   our Triton W4A16 kernels (kernels/int4_moe.py) routed by transformers'
@@ -13,10 +12,9 @@ bf16 rows.
                               (router_only / native_router_only: the two routers alone)
     *_experts_only            routed experts alone, routing precomputed
 
-FLOPs: 2 T (k + 1) 3 H I + 2 T H E. MFU against the bf16 8192^3 matmul rate of
-the same run; "x_grouped" = grouped_mm_bf16's ms / this row's ms.
-Correctness: each output against grouped_mm_bf16 (relative L2). The table is printed at the end,
-the full record (config search times, failed configs) goes to --json.
+FLOPs: 2 T (k + 1) 3 H I + 2 T H E; MFU against the run's bf16 8192^3 matmul rate; "x_grouped" =
+grouped_mm_bf16's ms / this row's ms; each output against grouped_mm_bf16 (relative L2). The
+table is printed at the end, the full record (config search times, failed configs) goes to --json.
 
     python3 benchmarks/bench_moe.py --tokens 4096 16384 --json $OUT/bench_moe.json
     python3 benchmarks/bench_moe.py --cpu-check     # toy shapes, CPU, Triton under TRITON_INTERPRET=1
@@ -26,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import os
 import sys
@@ -37,10 +34,8 @@ if "--cpu-check" in sys.argv:  # must precede the first triton import
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench_common import import_eagleforge, matmul_tflops, median_ms  # noqa: E402
-
-import_eagleforge()
-from kimi_shaped import KIMI_MOE, kimi_args  # noqa: E402
+from _bench_common import device_name, matmul_tflops, median_ms, write_json  # noqa: E402
+from kimi_shaped import KIMI_MOE, kimi_args  # noqa: E402  (imports eagleforge from a bare checkout)
 
 from eagleforge.kernels import int4_moe  # noqa: E402
 
@@ -59,6 +54,15 @@ def random_int4_experts(H, I, E, gen: torch.Generator) -> dict:
     return packs
 
 
+def dequantized_slices(packs: dict, E: int, width: int = 32):
+    """The experts in bf16, `width` at a time (no second full-size copy): (slice, gate [e, I, H],
+    up [e, I, H], down [e, H, I])."""
+    for e in range(0, E, width):
+        sl = slice(e, e + width)
+        yield sl, *(int4_moe._dequantize(packs[f"{proj}_packed"][sl], packs[f"{proj}_scale"][sl], torch.bfloat16)
+                    for proj in ("gate", "up", "down"))
+
+
 def build(H, I, E, K, device, seed=0):
     """(HF DeepseekV3MoE in bf16, INT4 expert tensors) holding the same numbers."""
     from transformers import DeepseekV3Config
@@ -75,12 +79,9 @@ def build(H, I, E, K, device, seed=0):
             if "experts." in name and "shared" not in name:
                 continue
             p.normal_(0, 0.02, generator=gen) if p.dtype != torch.float32 or p.dim() > 1 else p.normal_(0, 1e-3, generator=gen)
-        for e in range(0, E, 32):  # dequantize in slices: the bf16 copy is the only full-size buffer
-            sl = slice(e, e + 32)
-            g = int4_moe._dequantize(packs["gate_packed"][sl], packs["gate_scale"][sl], torch.bfloat16)
-            u = int4_moe._dequantize(packs["up_packed"][sl], packs["up_scale"][sl], torch.bfloat16)
+        for sl, g, u, d in dequantized_slices(packs, E):  # the bf16 copy is the only full-size buffer
             moe.experts.gate_up_proj[sl] = torch.cat([g, u], 1)
-            moe.experts.down_proj[sl] = int4_moe._dequantize(packs["down_packed"][sl], packs["down_scale"][sl], torch.bfloat16)
+            moe.experts.down_proj[sl] = d
     return moe, packs
 
 
@@ -126,7 +127,7 @@ def main(argv=None) -> dict:
         device, (H, I, E, K), tokens = torch.device("cpu"), (256, 128, 16, 4), [37, 101]
     else:
         device, (H, I, E, K), tokens = torch.device("cuda"), KIMI_MOE, a.tokens
-    res = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+    res = {"device": device_name(device), "torch": torch.__version__,
            "triton": getattr(int4_moe.triton, "__version__", None), "shape": dict(H=H, I=I, E=E, K=K)}
     res["matmul_TFLOPs"] = round(matmul_tflops(device), 1)
     log.info("matmul %.1f TFLOP/s", res["matmul_TFLOPs"])
@@ -202,9 +203,7 @@ def main(argv=None) -> dict:
             err = rows[T]["int4_v3_native_layer"]["rel_err_vs_grouped_bf16"]
             assert err < 2e-2 and rows[T]["native_vs_hf_routing_mismatch"] == 0, (err, rows[T]["native_vs_hf_routing_mismatch"])
         log.info("cpu-check passed")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(a.json, res)
     print_table(res, tokens)
     return res
 

@@ -1,49 +1,32 @@
-"""Benchmark: online training on one GPU (`make bench-online`): the Kimi-shaped extraction model
-(benchmarks/kimi_shaped.py, as bench-extract builds it: real K2.5 dimensions, random INT4
-experts, 1 dense + 3 MoE layers by default) feeding the Kimi-shaped draft (Eagle3Draft sized from
-K2.5's config, Vd 32000, 7 TTT steps, the Kimi configs' step options, through the trainer's
-DraftWithLoss + TTTLoss and AdamW, as train/loop.py runs it).
+"""Benchmark: online training on one GPU (`make bench-online`; BENCHMARKS.md, "Online training"):
+the Kimi-shaped extraction model of bench-extract (benchmarks/kimi_shaped.py) feeding the
+Kimi-shaped draft with the Kimi configs' step options, through the trainer's DraftWithLoss,
+TTTLoss and AdamW as train/loop.py runs it.
 
-Three timings on the same batches of --tokens tokens (sequences of --seq tokens):
-- extraction alone: the target forward with the capture hooks and the greedy head
-  (extract/native/target.py forward_batch), the rows padded into a training batch on the device;
-- training alone: optimizer steps on one captured batch;
-- online: both in turn, each batch's target forward in line before the step that trains on it,
-  as the trainer runs them (train/loop.py ONLINE_PREFETCH).
-Prints tokens/s of each, the serial ideal 1 / (1/extract + 1/train) and online's ratio to it, and
-the peak memory against train/online_plan.py's plan for this shape.
+Three timings on the same batches of --tokens tokens (sequences of --seq): extraction alone
+(extract/native/target.py forward_batch, the rows padded into a training batch on the device),
+training alone (steps on one captured batch) and online (each batch's forward in line before its
+step, as the trainer runs them). Prints tokens/s of each, the serial ideal 1 / (1/extract +
+1/train), online's ratio to it, and the peak memory against train/online_plan.py's plan.
 
-    python3 benchmarks/bench_online.py                        # one GPU, Kimi shapes
+--stage N: one rank of the pp-8 pipeline-online path (train/online.py) on one GPU: a middle stage
+of N MoE layers (8: the pilot's fullest) with its messages through an in-process link, this
+rank's rows arriving into the last stage's buffer, the frozen embedding's rows gathered on the
+host, and the draft's step with bf16 parameters and the whole optimizer on this rank (no FSDP) in
+the online plan's checkpoint mode for the pilot (or --checkpoint). Per slot the stage forwards 8
+ranks' batches (in forwards of --forward-tokens) and the draft steps on one. Prints both rates,
+their peak memory against the plan's stage at a world of 1 (less the FSDP2 gather), and the
+pilot's projected tokens/s a group (COMPUTED: 1 / (1/stage rate + 1/(8 x draft rate)), scaled
+by the stated / measured matmul rate; the last stage and PCIe are not in it).
+
     python3 benchmarks/bench_online.py --tokens 16384 --json $OUT/online.json
-    python3 benchmarks/bench_online.py --tiny                 # toy shapes on the CPU (a check that it runs)
-
---stage N: one rank of the pipeline-online path as it runs at pp 8 (train/online.py), on one GPU:
-a middle stage of N MoE layers (8: the pilot's fullest; the hidden state and 2 aux states arrive
-with its input, as at layers 32-39 of Kimi-K2.5's 61), its messages through an in-process link
-(the previous stage's activations made ahead, the newest send kept in flight, one receive posted
-ahead), this rank's rows of each slot arriving into the buffer the last stage would fill, the
-batch made from them, the frozen embedding's rows gathered on the host, and the draft's step as
-the trainer runs it with bf16 parameters (the optimizer's 14 bytes per parameter, all of them on
-this one rank: no FSDP here) in the checkpoint mode the online plan picks for the pilot (or
---checkpoint). Per slot the stage forwards 8 ranks' batches (8 x --tokens, in forwards of
---forward-tokens) and the draft steps on one. Prints the stage's forward rate, the draft's step
-rate, their peak memory against the online plan's line for that stage at a world of 1 (less the
-FSDP2 gather one rank does not make), and the
-pilot's projected training tokens/s a group from these rates (COMPUTED: 1 / (1/stage rate + 1/(8
-x draft rate)), scaled by the stated / measured matmul rate; the 5-layer last stage with the
-head, and PCIe, are not in it).
-
     python3 benchmarks/bench_online.py --stage 8 --tokens 8192 --json $OUT/online_stage.json   # one H200
-    python3 benchmarks/bench_online.py --stage 2 --tiny                                        # the CPU check
-
-The --tiny numbers only show that the script runs: on a shared 2-core CPU they swing several-fold
-between runs.
+    python3 benchmarks/bench_online.py [--stage 2] --tiny    # CPU check: its numbers only show it runs
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -51,10 +34,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench_common import import_eagleforge, matmul_tflops  # noqa: E402
-
-import_eagleforge()
-from kimi_shaped import KIMI_K25_TEXT, build_bench_model, kimi_args, tiny_args  # noqa: E402
+from _bench_common import device_name, device_peaks, matmul_tflops, sync, write_json  # noqa: E402
+from kimi_shaped import KIMI_K25_TEXT, build_bench_model, kimi_args, tiny_args  # noqa: E402  (imports eagleforge from a bare checkout)
 
 from eagleforge.config import Config  # noqa: E402
 from eagleforge.draft import Eagle3Config, Eagle3Draft  # noqa: E402
@@ -80,9 +61,21 @@ def overlap_report(target_tokens: int, target_seconds: float, train_tokens: int,
             "serial_ideal_tokens_per_s": serial, "ratio_to_serial": online / serial}
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def text_config(args) -> dict:
+    """The target's text config for the draft's shape: Kimi-K2.5's with this run's model widths."""
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "kv_lora_rank", "v_head_dim",
+            "qk_nope_head_dim")
+    return {**KIMI_K25_TEXT, **{k: getattr(args, k) for k in keys}}
+
+
+def report_peaks(result: dict, plan: str) -> None:
+    """The peak memory (device_peaks: what the plan counts is the memory in use on the device, as
+    check_plan.py reads it for extraction) against the plan; on the CPU the plan alone."""
+    if result["peak_allocated_gib"] is None:
+        print(f"{plan} (CPU run: no device peak to compare)")
+    else:
+        print(f"peak allocated {result['peak_allocated_gib']:.2f} GiB, reserved {result['peak_reserved_gib']:.2f} GiB, "
+              f"in use {result['peak_in_use_gib']:.2f} GiB; {plan}")
 
 
 def main(argv=None) -> dict:
@@ -119,10 +112,7 @@ def main(argv=None) -> dict:
     cfg.target.tp, cfg.data.max_length = 1, opt.seq
     cfg.vocab.draft_vocab_size = 256 if opt.tiny else 32000
 
-    text = {**KIMI_K25_TEXT, **{k: getattr(args, k) for k in ("vocab_size", "hidden_size", "intermediate_size",
-                                                             "num_attention_heads", "kv_lora_rank", "v_head_dim",
-                                                             "qk_nope_head_dim")}}
-    text["num_hidden_layers"] = args.num_hidden_layers
+    text = {**text_config(args), "num_hidden_layers": args.num_hidden_layers}
     vd = cfg.vocab.draft_vocab_size
     torch.manual_seed(0)
     param_dtype = resolve_param_dtype(tc, device, "none")  # as the trainer: bf16 parameters on CUDA
@@ -166,50 +156,28 @@ def main(argv=None) -> dict:
         optimizer.step()
 
     def timed(fn) -> float:
+        """Seconds of fn(i) over the timed batches, after fn on the warm-up ones."""
         for i in range(opt.warmup):
-            fn(i, warm=True)
+            fn(i)
         sync(device)
         start = time.perf_counter()
         for i in range(opt.warmup, opt.warmup + opt.steps):
-            fn(i, warm=False)
+            fn(i)
         sync(device)
         return time.perf_counter() - start
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    extract_s = timed(lambda i, warm: produce(i))
+    extract_s = timed(produce)
     one = produce(0)
-    train_s = timed(lambda i, warm: train_step(one))  # noqa: F821 (bound above; deleted only after the call)
+    train_s = timed(lambda i: train_step(one))  # noqa: F821 (bound above; deleted only after the call)
     del one
-
-    def online(first: int, count: int) -> None:
-        """Train on `count` batches as the trainer does: each forward in line before its step."""
-        for i in range(first, first + count):
-            train_step(produce(i))
-
-    online(0, opt.warmup)
-    sync(device)
-    start = time.perf_counter()
-    online(opt.warmup, opt.steps)
-    sync(device)
-    online_s = time.perf_counter() - start
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    # What the plan counts is memory in use on the device (the allocator's reserved peak, plus
-    # the CUDA context and NCCL outside it): read both sides, as check_plan.py does for extraction.
-    reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
-    in_use = None
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        in_use = total - free - torch.cuda.memory_reserved(device) + reserved  # outside the allocator + its peak
-
+    online_s = timed(lambda i: train_step(produce(i)))  # as the trainer: each forward in line before its step
     n = opt.steps * tokens_per_batch
     report = overlap_report(n, extract_s, n, train_s, n, online_s)
     plan = plan_online(cfg, world=1, args=args, quantized=True)
-    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "tokens_per_batch": tokens_per_batch,
-              "steps": opt.steps, "layers": args.num_hidden_layers, **report,
-              "peak_allocated_gib": peak / GIB if peak is not None else None,
-              "peak_reserved_gib": reserved / GIB if reserved is not None else None,
-              "peak_in_use_gib": in_use / GIB if in_use is not None else None, "plan_gib": plan.total_bytes() / GIB}
+    result = {"device": device_name(device), "tokens_per_batch": tokens_per_batch, "steps": opt.steps,
+              "layers": args.num_hidden_layers, **report, **device_peaks(device), "plan_gib": plan.total_bytes() / GIB}
     print(f"\nonline training, {result['device']}, {tokens_per_batch} tokens per batch, {opt.steps} batches, "
           f"{args.num_hidden_layers}-layer target")
     print(f"{'mode':<34}{'tokens/s':>12}")
@@ -218,15 +186,9 @@ def main(argv=None) -> dict:
     print(f"{'serial ideal 1/(1/ex + 1/tr)':<34}{report['serial_ideal_tokens_per_s']:>12.0f}")
     print(f"{'online (forwards in line)':<34}{report['online_tokens_per_s']:>12.0f}")
     print(f"{'online / serial ideal':<34}{report['ratio_to_serial']:>12.3f}")
-    if peak is not None:
-        print(f"peak allocated {peak / GIB:.2f} GiB, reserved {reserved / GIB:.2f} GiB, in use {in_use / GIB:.2f} GiB; "
-              f"plan {plan.total_bytes() / GIB:.2f} GiB "
-              f"(target {plan.target.total_bytes / GIB:.2f}, draft {plan.draft_bytes() / GIB:.2f}; the plan includes the runtime reserve)")
-    else:
-        print(f"plan {plan.total_bytes() / GIB:.2f} GiB (CPU run: no device peak to compare)")
-    if opt.json:
-        with open(opt.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1)
+    report_peaks(result, f"plan {plan.total_bytes() / GIB:.2f} GiB (target {plan.target.total_bytes / GIB:.2f}, draft "
+                         f"{plan.draft_bytes() / GIB:.2f}; the plan includes the runtime reserve)")
+    write_json(opt.json, result)
     return result
 
 
@@ -295,9 +257,7 @@ def stage_main(opt) -> dict:
     if opt.tiny:
         tc.ttt_steps, tc.bf16, tc.attention, tc.compile, mode = 3, False, "auto", False, "step"
     param_dtype = torch.bfloat16 if tc.bf16 else torch.float32
-    text = {**KIMI_K25_TEXT, **{key: getattr(args, key) for key in ("vocab_size", "hidden_size", "intermediate_size",
-                                                                    "num_attention_heads", "kv_lora_rank", "v_head_dim",
-                                                                    "qk_nope_head_dim")}}
+    text = text_config(args)
     vd = 256 if opt.tiny else cfg.vocab.draft_vocab_size
     torch.manual_seed(0)
     draft = Eagle3Draft(Eagle3Config.from_target_config(text, vd, aux))
@@ -368,12 +328,7 @@ def stage_main(opt) -> dict:
     batches.append(batch_of_slot())
     step_s = timed(lambda: step(batches[0]), opt.steps)
     online_s = timed(lambda: (slot_forwards(), step(batch_of_slot())), opt.steps)
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
-    in_use = None
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        in_use = total - free - torch.cuda.memory_reserved(device) + reserved
+    peaks = device_peaks(device)
 
     tokens = n_seq * opt.seq
     stage_rate = PILOT_GROUP * tokens / forward_s  # tokens/s through this stage
@@ -386,28 +341,19 @@ def stage_main(opt) -> dict:
     plan_stage = planner.stage(range(32, 32 + n), 4, mode)  # the online plan's line for this stage, world 1
     # one rank without FSDP2 steps its own weights: no gathered bf16 copy of them (2 bytes a parameter) at the step
     plan_total = plan_stage.total_bytes(opt.tokens) - 2 * planner.trainable
-    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "stage_moe_layers": n,
-              "tokens_per_batch": tokens, "forward_tokens": opt.forward_tokens, "checkpoint": mode, "steps": opt.steps,
-              "stage_tokens_per_s": stage_rate, "draft_tokens_per_s": draft_rate, "slot_s": online_s,
-              "serial_slot_s": forward_s + step_s, "matmul_tflops": measured_tflops, "recompute_share": recompute,
-              "pilot_projected_tokens_per_s": pilot,
-              "peak_allocated_gib": peak / GIB if peak is not None else None,
-              "peak_reserved_gib": reserved / GIB if reserved is not None else None,
-              "peak_in_use_gib": in_use / GIB if in_use is not None else None, "plan_gib": plan_total / GIB}
+    result = {"device": device_name(device), "stage_moe_layers": n, "tokens_per_batch": tokens,
+              "forward_tokens": opt.forward_tokens, "checkpoint": mode, "steps": opt.steps, "stage_tokens_per_s": stage_rate,
+              "draft_tokens_per_s": draft_rate, "slot_s": online_s, "serial_slot_s": forward_s + step_s, "matmul_tflops": measured_tflops,
+              "recompute_share": recompute, "pilot_projected_tokens_per_s": pilot, **peaks, "plan_gib": plan_total / GIB}
     print(f"\npipeline-online stage, {result['device']}: {n} MoE layers, {PILOT_GROUP} x {tokens} tokens a slot in forwards of "
           f"{opt.forward_tokens}, the draft's step on {tokens} tokens with {mode}")
     print(f"  stage forwards {stage_rate:,.0f} tokens/s, draft step {draft_rate:,.0f} tokens/s, a slot {online_s * 1e3:.0f} ms "
           f"(forwards + step timed apart: {(forward_s + step_s) * 1e3:.0f} ms)")
     print(f"  the pilot's training tokens/s a group, COMPUTED from these rates x {STATED_RATES.matmul_tflops:.0f} / "
           f"{measured_tflops:.0f} TFLOP/s: {pilot:,.0f}")
-    if peak is not None:
-        print(f"  peak allocated {peak / GIB:.2f} GiB, reserved {reserved / GIB:.2f}, in use {in_use / GIB:.2f}; the online "
-              f"plan's stage at a world of 1 (the draft's states unsharded, no FSDP2 gather): {plan_total / GIB:.2f} GiB")
-    else:
-        print(f"  the online plan's stage at a world of 1: {plan_total / GIB:.2f} GiB (CPU run: no device peak to compare)")
-    if opt.json:
-        with open(opt.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1)
+    report_peaks(result, f"the online plan's stage at a world of 1 (the draft's states unsharded, no FSDP2 gather): "
+                         f"{plan_total / GIB:.2f} GiB")
+    write_json(opt.json, result)
     return result
 
 

@@ -1,7 +1,6 @@
-"""Benchmark: pipeline stages of the native target on one GPU (`make bench-pipeline`).
-
-The Kimi-shaped model (benchmarks/kimi_shaped.py: real K2.5 dimensions, random INT4 experts,
-1 dense + 3 MoE layers by default) at tp 1, three parts:
+"""Benchmark: pipeline stages of the native target on one GPU (`make bench-pipeline`),
+BENCHMARKS.md "Pipeline stages": the Kimi-shaped model of benchmarks/kimi_shaped.py (real K2.5 dimensions,
+random INT4 experts, 1 dense + 3 MoE layers by default) at tp 1, three parts:
 
 1. The extraction loop at pp 1 against the plain forward it wraps: extract/driver.py
    `forward_batches` through the NativeTarget (what `python -m eagleforge.extract` runs) against
@@ -22,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import logging
 import os
 import statistics
@@ -32,10 +30,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench_common import import_eagleforge, matmul_tflops, median_ms, sync  # noqa: E402
-
-import_eagleforge()
-from kimi_shaped import KIMI_K25_TEXT, DraftShape, build_bench_model, kimi_args, random_rows, tiny_args  # noqa: E402
+from _bench_common import device_name, matmul_tflops, median_ms, sync, write_json  # noqa: E402
+from kimi_shaped import KIMI_K25_TEXT, DraftShape, build_bench_model, kimi_args, random_rows, tiny_args  # noqa: E402  (imports eagleforge from a bare checkout)
 
 from eagleforge.extract.driver import forward_batches  # noqa: E402
 from eagleforge.extract.native.model import DeepseekV3ForExtraction, LayerStack  # noqa: E402
@@ -207,7 +203,7 @@ def main(argv=None) -> dict:
     model = build_bench_model(args, device, dtype=torch.float32 if cpu else torch.bfloat16)
     rows = random_rows(args.vocab_size, a.tokens, a.seq, a.batches)
     tflops = matmul_tflops(device)
-    res = {"device": torch.cuda.get_device_name() if not cpu else "cpu", "torch": torch.__version__,
+    res = {"device": device_name(device), "torch": torch.__version__,
            "layers": args.num_hidden_layers, "tokens_per_forward": a.tokens, "seq": a.seq, "matmul_TFLOPs": round(tflops, 1)}
     res["pp1_loop"] = loop_overhead(model, aux, rows, a.tokens, device, a.rounds)
     log.info("pp 1 loop: %s", res["pp1_loop"])
@@ -229,9 +225,7 @@ def main(argv=None) -> dict:
     for name, rows_ in projections.items():
         print(f" {name}:")
         print(format_layouts(rows_))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(a.json, res)
     return res
 
 

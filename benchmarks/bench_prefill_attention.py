@@ -20,7 +20,6 @@ unpadded math), and the largest error against a float64 softmax at T = 1031 (odd
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -29,10 +28,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench_common import import_eagleforge, median_ms  # noqa: E402
-
-import_eagleforge()
-from kimi_shaped import KIMI_K25_TEXT  # noqa: E402
+from _bench_common import device_name, median_ms, write_json  # noqa: E402
+from kimi_shaped import KIMI_K25_TEXT  # noqa: E402  (imports eagleforge from a bare checkout)
 
 from eagleforge.extract.native.model import _cudnn_refused, prefill_attention  # noqa: E402
 
@@ -59,11 +56,9 @@ VARIANTS = {
 
 
 def inputs(tokens: int, heads: int, d_qk: int, d_v: int, device, dtype, seed: int):
+    """q, k [1, T, n, d_qk] and v [1, T, n, d_v], drawn in that order on the CPU."""
     g = torch.Generator(device="cpu").manual_seed(seed)
-    q = torch.randn(1, tokens, heads, d_qk, generator=g).to(device, dtype)
-    k = torch.randn(1, tokens, heads, d_qk, generator=g).to(device, dtype)
-    v = torch.randn(1, tokens, heads, d_v, generator=g).to(device, dtype)
-    return q, k, v
+    return [torch.randn(1, tokens, heads, d, generator=g).to(device, dtype) for d in (d_qk, d_qk, d_v)]
 
 
 def reference(q, k, v, scale):
@@ -126,10 +121,7 @@ def main(argv=None) -> list[dict]:
         err = r["max_rel_err_T_check"]
         err = f"{err:.1e}" if isinstance(err, float) else err
         print(f"| {r['tokens']} | {r['variant']} | {r.get('ms', r.get('error', ''))} | {r.get('TFLOPs', '')} | {err} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                       "torch": torch.__version__, "rows": rows}, f, indent=1)
+    write_json(args.json, {"device": device_name(device), "torch": torch.__version__, "rows": rows})
     return rows
 
 

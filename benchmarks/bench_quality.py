@@ -2,40 +2,35 @@
 the same shards with the same batches, steps, learning-rate schedule and TTT length
 (BENCHMARKS.md, "Trainer against SpecForge on the same shards").
 
-Inputs: a RUN holding data, hidden and vocab (the first stages of CONFIG, e.g.
-configs/smollm2_gpu.yaml), and CONFIG. RUN is not changed: each training writes under OUT
-(default RUN/bench_quality), in a run directory whose data, hidden and vocab link to RUN's.
+RUN holds data, hidden and vocab (the first stages of CONFIG, e.g. configs/smollm2_gpu.yaml) and
+is not changed: each training writes under OUT (default RUN/bench_quality), in a run directory
+whose data, hidden and vocab link to RUN's.
 
   ours       eagleforge.train.loop.train(cfg): the trainer as `make train` runs it.
-  specforge  SpecForge's own step: LlamaForCausalLMEagle3 in OnlineEagle3Model (flex_attention
-             on a GPU, sdpa on the CPU), its compact teacher from the target's last hidden states
-             and FULL lm_head, its loss (sum_j decay^j x step loss), its BF16Optimizer with the
-             trainer's lr, weight decay, clip and lr schedule (train.loop.lr_lambda). Batches: the
-             trainer's (`step_schedule`), read by the trainer's ShardSource on the same read-ahead
-             worker, fed as SpecForge's offline pipeline feeds its step (input ids and target
-             states shifted left by one). --specforge-mask aligned (the default) shifts the loss
-             mask left by two so SpecForge scores the trainer's rows (row t at TTT step j predicts
-             token t+2+j; SpecForge reads its mask at t+j); `own` passes it as SpecForge's
-             pipeline does. The trained weights are written in the export format (docs/export.md).
-  Both start from the trainer's initial draft for train.seed (train/build.py), so a seed pairs
-  the recipes, not two random draws; --seeds S... trains each once per seed, --summarize prints
-  per row the seeds, mean, sd and the paired difference to a --baseline row. draft.fc_norm=true
-  trains EAGLE-3.1 on both sides.
+  specforge  SpecForge's own step: LlamaForCausalLMEagle3 in OnlineEagle3Model (flex_attention on
+             a GPU, sdpa on the CPU), its compact teacher from the target's last hidden states and
+             FULL lm_head, its loss (sum_j decay^j x step loss), its BF16Optimizer with the
+             trainer's lr, weight decay, clip and lr schedule; the trainer's batches
+             (`step_schedule`, its ShardSource and read-ahead worker) fed as SpecForge's offline
+             pipeline feeds its step (input ids and target states shifted left by one).
+             --specforge-mask aligned (the default) shifts the loss mask left by two so SpecForge
+             scores the trainer's rows (row t at TTT step j predicts token t+2+j; SpecForge reads
+             its mask at t+j); `own` passes it as SpecForge's pipeline does. Exported in
+             docs/export.md's format.
+  Both start from the trainer's initial draft for train.seed (train/build.py): a seed pairs the
+  recipes. --seeds S... trains each once per seed; --summarize prints per row the seeds, mean, sd
+  and the paired difference to a --baseline row. draft.fc_norm=true trains EAGLE-3.1 on both sides.
 
-Both exports are measured alike: the simulated acceptance at k = eval.k from the trainer's
-held-out evaluation of the EXPORTED draft (Trainer.evaluate, as train/loop.py finish() does);
-the measured acceptance of `python -m eagleforge.eval` on it (unless --no-eval); the training
-loop's seconds and the whole call's wall time.
+Both exports are measured alike: the trainer's held-out simulated acceptance at k = eval.k of the
+EXPORTED draft (Trainer.evaluate, as train/loop.py finish() does), `python -m eagleforge.eval`'s
+measured acceptance (unless --no-eval), the loop's seconds and the call's wall time.
 
     make bench-quality RUN=runs/smollm2_gpu CONFIG=configs/smollm2_gpu.yaml
-    python benchmarks/bench_quality.py --config configs/smollm2_gpu.yaml --run runs/smollm2_gpu \
-        --seeds 0 1 2 --json runs/smollm2_gpu/bench_quality.json
     python benchmarks/bench_quality.py --summarize A.json B.json --baseline "specforge 0.2.0"
     python benchmarks/bench_quality.py --tiny      # the CPU check: embedded SmolLM2, a 16-prompt run, a few steps
 
-SpecForge is not a dependency: without it the SpecForge row says so and ours still runs. On the CPU
-(--tiny) SpecForge's Triton loss kernel cannot run: its loss is replaced by the same formula in
-plain torch (PlainLogSoftmaxLoss), everything else is SpecForge's.
+Without SpecForge its row says so and ours still runs. On the CPU (--tiny) SpecForge's Triton
+loss kernel cannot run: its loss is the same formula in plain torch (PlainLogSoftmaxLoss).
 """
 
 from __future__ import annotations
@@ -53,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import ROOT, import_eagleforge  # noqa: E402
+from _bench_common import ROOT, import_eagleforge, write_json  # noqa: E402
 
 import_eagleforge()  # a bare checkout runs without `pip install -e .`
 
@@ -449,11 +444,6 @@ def main(argv=None) -> dict:
     out = args.out or args.run / "bench_quality"
     report = {"run": str(args.run), "config": args.config, "overrides": overrides, "rows": []}
 
-    def save():
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(report, indent=1))
-
     for seed in args.seeds:
         for name in args.only:
             run = bench_run_dir(out / name / f"seed{seed}", args.run)
@@ -481,7 +471,7 @@ def main(argv=None) -> dict:
                 log.exception("%s failed", row["name"])
                 row["error"] = repr(err)[:300]
             report["rows"].append(row)
-            save()
+            write_json(args.json, report)
     print_table(report["rows"])
     return report
 

@@ -1,19 +1,17 @@
 """Memory check: the planner's bytes per GPU against what the extraction loop uses.
 
-Builds the Kimi-shaped bench model (real K2.5 dimensions, `--layers` layers, random weights) at
-this run's tensor-parallel size in each expert layout asked for, and runs the extraction loop of
-extract/driver.py on it as a NativeTarget: `forward_batch` (forward, capture of the aux layers and the final
-norm, the packed rows, the full-vocabulary argmax) and the overlapped writer (pinned copies on a
-side stream; a sink that drops them, so the disk plays no part). Per rank and batch size:
+BENCHMARKS.md, "Memory planner against the extraction loop": the Kimi-shaped bench model
+(`--layers` layers, random weights) at this run's tp in each expert layout asked for, running
+extract/driver.py's loop as a NativeTarget (`forward_batch`, the overlapped writer into a sink
+that drops the copies). Per rank and batch size:
 
   weights      memory allocated after the build            vs  plan.weights_bytes
   activations  peak allocated in the loop minus the weights  vs  plan.components["activations"]
   in use       device memory in use after the loop (CUDA context, NCCL, the allocator's cache,
                i.e. what nvidia-smi shows)                  vs  plan.total_bytes (with the reserve)
 
-The activations of a layer do not depend on the depth, so a few layers check the planner's
-activation model of the full 61-layer model; its weights per GPU are checked against the
-parameters each rank builds in tests/test_native_run.py.
+A layer's activations do not depend on the depth, so a few layers check the planner's model of
+the full 61 layers (its weights per GPU: tests/test_native_run.py).
 
     python3 benchmarks/check_plan.py --batch-tokens 8192 16384 32768 --json $OUT/plan_tp1.json
     torchrun --nproc-per-node 2 benchmarks/check_plan.py --layouts ep tp --batch-tokens 16384 32768
@@ -23,7 +21,6 @@ parameters each rank builds in tests/test_native_run.py.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -31,11 +28,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench_common import import_eagleforge  # noqa: E402
-from bench_extract import NullSink  # noqa: E402  (the writer's sink that drops the host copies)
-
-import_eagleforge()
-from kimi_shaped import bench_layout, build_bench_model, kimi_args, random_rows, tiny_args  # noqa: E402
+from _bench_common import null_sink, write_json  # noqa: E402
+from kimi_shaped import bench_layout, build_bench_model, kimi_args, random_rows, tiny_args  # noqa: E402  (imports eagleforge from a bare checkout)
 
 from eagleforge.extract.driver import forward_batches  # noqa: E402
 from eagleforge.extract.native.plan import GIB, plan_memory  # noqa: E402
@@ -47,7 +41,7 @@ from eagleforge.extract.writer import make_writer  # noqa: E402
 def run_loop(model, job, aux_layers: list[int], rows: list[dict], batch_tokens: int) -> None:
     """The extraction loop itself (driver.forward_batches over one chunk, batched by tokens as
     extraction batches it); the group leader submits each batch to the overlapped writer."""
-    writer = make_writer(NullSink(), overlap=True) if job.is_group_leader else None
+    writer = make_writer(null_sink, overlap=True) if job.is_group_leader else None
     target = NativeTarget(model, job, aux_layers, write_target_argmax=True)
     try:
         batches = [(0, positions) for positions in batch_by_tokens([len(r["input_ids"]) for r in rows], batch_tokens)]
@@ -130,9 +124,7 @@ def main(argv=None) -> list[dict]:
                 torch.cuda.empty_cache()
         if job.is_main:
             print(table(rows))
-            if a.json:
-                with open(a.json, "w") as f:
-                    json.dump(rows, f, indent=1)
+            write_json(a.json, rows)
     finally:
         job.shutdown()
     return rows

@@ -1,33 +1,22 @@
-"""The draft's training activations per token under each checkpoint mode, counted on the CPU.
+"""The draft's training activations per token under each checkpoint mode, counted on the CPU
+(BENCHMARKS.md, "Activations per checkpoint mode"); train/step_plan.py takes the modes' ratios from here.
 
-    python benchmarks/draft_activation_memory.py                          # 1/8 of Kimi-K2.5's draft widths
     python benchmarks/draft_activation_memory.py --div 8 --tokens 1024 1536 --json $OUT/act.json
 
 One training step of the draft (forward_ttt over 7 TTT steps, the trainer's TTT loss, backward),
-bf16 weights and inputs, eager elementwise work (no compile: dynamo refuses to trace under the
-counting mode), at 1/div of the Kimi-shaped draft's widths (hidden 7168/div, 64/div heads of 128,
-intermediate 18432/div, Vd 32000/div): every tensor of the step is [T, c x H] or per head, so
-its bytes per token scale by 1/div and the slope here times div is the Kimi draft's.
+bf16, eager (dynamo refuses to trace under the counting mode), at 1/div of the Kimi-shaped
+draft's widths: every tensor of the step is [T, c x H] or per head, so the slope between the two
+batch sizes times div is the Kimi draft's bytes per token. Counted: the bytes of every storage
+an aten op creates (a TorchDispatchMode sees each op's outputs) until it dies, the peak of their
+sum; storages made before (weights, batch) are not, so the weights' gradients drop out of the slope.
 
-What is counted: the bytes of every storage an aten op creates while the step runs (a
-TorchDispatchMode sees each op's outputs), released when the storage dies; the peak of their sum
-over the step. Storages that existed before (the weights, the batch) are not counted, so the
-slope between two batch sizes is the activations per token, the gradients of the weights (fixed
-in size) drop out of it. The step-only bf16 step measured on an H200 (bench-train, BENCHMARKS.md)
-gave 1724 KiB per token with selective_all; this count gives about 1.39x that (eager fp32
-temporaries of the norms, RoPE and the attention merge, which the compiled step fuses) and its
-ratio selective / selective_all predicts the GPU's measured saving of selective within 10%
-(416 against 379 KiB per token). train/step_plan.py takes the modes' ratios from here.
-
-Modes: the uniform ones (selective_all, selective, step, none) and the mixes step*m +
-selective_all*(7 - m) (the first m TTT steps recompute whole, the later ones keep their matmul
-outputs: the backward frees the later steps first, so the recomputed ones come last).
+Modes: selective_all, selective, step, none, and the mixes step*m + selective_all*(7 - m) (the
+first m TTT steps recompute whole; the backward frees the later steps first, so they come last).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -35,7 +24,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench_common import import_eagleforge  # noqa: E402
+from _bench_common import import_eagleforge, write_json  # noqa: E402
 
 import_eagleforge()
 
@@ -141,9 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
             row["ratio_to_selective_all"] = row["kib_per_token_full_width"] / base["kib_per_token_full_width"]
         print("  ratios to selective_all: " + ", ".join(f"{m} {r['ratio_to_selective_all']:.3f}" for m, r in rows.items()))
     result = {"div": args.div, "tokens": args.tokens, "ttt_steps": TTT_STEPS, "modes": rows}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.json, result)
     return result
 
 

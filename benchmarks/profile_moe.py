@@ -18,17 +18,16 @@ the same routing, each against the bf16 grouped_mm experts of the same run.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench_common import import_eagleforge  # noqa: E402
-from bench_moe import random_int4_experts  # noqa: E402
-
-import_eagleforge()
-from kimi_shaped import KIMI_MOE  # noqa: E402
+from _bench_common import median_ms  # noqa: E402
+from bench_moe import dequantized_slices, random_int4_experts  # noqa: E402
+from kimi_shaped import KIMI_MOE  # noqa: E402  (imports eagleforge from a bare checkout)
 
 from eagleforge.kernels import int4_moe  # noqa: E402
 
@@ -66,13 +65,13 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     device = torch.device("cuda")
     packs = random_int4_experts(H, I, E, torch.Generator(device=device).manual_seed(0))  # bench_moe's draw
-    pk = [packs[n] for n in ("gate_packed", "gate_scale", "up_packed", "up_scale", "down_packed", "down_scale")]
+    pk = [packs[f"{proj}_{part}"] for proj in ("gate", "up", "down") for part in ("packed", "scale")]
     int4_moe._pick_config = lambda name, configs, key, run: configs[0]  # pinned: no search
     for T in a.tokens:
         x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
         w, ids = random_routing(T, device)
         if a.time:
-            time_configs(T, x, w, ids, pk, a.gate_up, a.down)
+            time_configs(T, x, w, ids, packs, pk, a.gate_up, a.down)
             continue
         pin(a.gate_up[0], a.down[0])
         with torch.no_grad():
@@ -93,24 +92,17 @@ def dequantized_weights(packs: dict):
     """The same experts in bf16, grouped_mm's layout: gate+up [E, H, 2I], down [E, I, H]."""
     gu_t = torch.empty(E, H, 2 * I, dtype=torch.bfloat16, device=packs["gate_packed"].device)
     dn_t = torch.empty(E, I, H, dtype=torch.bfloat16, device=gu_t.device)
-    for e in range(0, E, 32):
-        sl = slice(e, e + 32)
-        gu_t[sl, :, :I] = int4_moe._dequantize(packs["gate_packed"][sl], packs["gate_scale"][sl], torch.bfloat16).transpose(1, 2)
-        gu_t[sl, :, I:] = int4_moe._dequantize(packs["up_packed"][sl], packs["up_scale"][sl], torch.bfloat16).transpose(1, 2)
-        dn_t[sl] = int4_moe._dequantize(packs["down_packed"][sl], packs["down_scale"][sl], torch.bfloat16).transpose(1, 2)
+    for sl, g, u, d in dequantized_slices(packs, E):
+        gu_t[sl, :, :I], gu_t[sl, :, I:], dn_t[sl] = g.transpose(1, 2), u.transpose(1, 2), d.transpose(1, 2)
     return gu_t, dn_t
 
 
-def time_configs(T, x, w, ids, pk, gate_ups, downs) -> None:
+def time_configs(T, x, w, ids, packs, pk, gate_ups, downs) -> None:
     """ms of the whole int4_moe per (gate+up, down) pair: first each gate+up with the first down,
     then each down with the first gate+up; the kernel's own share is the difference between rows."""
-    import triton.testing
-
-    def ms(fn):
-        return float(triton.testing.do_bench(fn, warmup=5, rep=100, return_mode="median"))
-
+    ms = functools.partial(median_ms, device=x.device)
     with torch.no_grad():
-        gu_t, dn_t = dequantized_weights(dict(zip(("gate_packed", "gate_scale", "up_packed", "up_scale", "down_packed", "down_scale"), pk)))
+        gu_t, dn_t = dequantized_weights(packs)
         ref = ms(lambda: int4_moe.bf16_grouped_mm_moe(x, w, ids, gu_t, dn_t))  # noqa: F821 (bound on the line above; deleted after the call)
         del gu_t, dn_t
         torch.cuda.empty_cache()

@@ -15,6 +15,7 @@ overlap or run past the file), so that a crafted or cut file is named in one lin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -30,17 +31,25 @@ SAFETENSORS_ITEMSIZE = {name: bits // 8 for name, bits in SAFETENSORS_DTYPE_BITS
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on the JSON header
 
 
+@contextlib.contextmanager
+def _read_errors(path: Path):
+    """An OSError while reading `path` as a UserInputError naming it; a missing file stays a
+    FileNotFoundError (its callers say what was expected there)."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise
+    except OSError as err:
+        raise UserInputError(f"{path}: cannot read ({(err.strerror or str(err)).lower()})") from None
+
+
 def read_json_object(path: str | os.PathLike, what: str = "") -> dict:
     """The JSON object in `path`, or a UserInputError naming the file: not readable, not UTF-8,
     not JSON, or JSON of another kind (a list, a string, a number) where an object is expected.
     `what` says what the file is in that last message ("a shard manifest", "a draft's config.json")."""
     path = Path(path)
-    try:
+    with _read_errors(path):
         raw = path.read_bytes()
-    except FileNotFoundError:
-        raise
-    except OSError as err:
-        raise UserInputError(f"{path}: cannot read ({(err.strerror or str(err)).lower()})") from None
     try:
         data = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as err:
@@ -64,7 +73,7 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, dict]:
     bytes alone: no tensor data is read. Anything the safetensors library would refuse (module
     docstring), or a file that cannot be read, is a UserInputError naming the file."""
     path = Path(path)
-    try:
+    with _read_errors(path):
         size = path.stat().st_size
         with open(path, "rb") as f:
             head = f.read(8)
@@ -72,10 +81,6 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, dict]:
             if not 0 < length <= min(size - 8, MAX_HEADER_BYTES):
                 raise UserInputError(f"{path}: not a safetensors file (header length {length}, file of {size} bytes)")
             raw = f.read(length)
-    except FileNotFoundError:
-        raise
-    except OSError as err:
-        raise UserInputError(f"{path}: cannot read ({(err.strerror or str(err)).lower()})") from None
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as err:

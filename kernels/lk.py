@@ -60,7 +60,6 @@ import functools
 from typing import Sequence
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from eagleforge.kernels import rows
 from eagleforge.kernels.optional_triton import HAS_TRITON, tl, triton
@@ -155,13 +154,7 @@ def _lk_rows_triton(logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_
 def _lk_rows_torch(logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_lse: torch.Tensor, weight: torch.Tensor,
                    teacher_index: torch.Tensor | None = None, teacher_psum: torch.Tensor | None = None, *, kind: int):
     """CPU path: the kernel's math in plain torch, fp32, same contract as `_lk_rows_triton`."""
-    if teacher_index is not None:  # row r's teacher is teacher row teacher_index[r]
-        index = teacher_index.long()
-        teacher_logits, teacher_lse = teacher_logits[index], teacher_lse[index]  # [c, Vd], [c]
-        teacher_psum = teacher_psum[index] if teacher_psum is not None else None
-    z = logits.float()  # a view when the logits are fp32: everything is read before G is written
-    p = torch.exp(teacher_logits.float() - teacher_lse[:, None])  # [c, Vd]
-    lse, argmax = torch.logsumexp(z, dim=-1), z.argmax(-1)  # [c], [c]
+    z, p, lse, argmax, p_sum = rows.torch_row_operands(logits, teacher_logits, teacher_lse, teacher_index, teacher_psum)
     q = torch.exp(z - lse[:, None])  # [c, Vd]
     c_ce, c_acc = weight[:, 0], weight[:, 1]  # [c], [c]
     keep = (c_ce != 0) | (c_acc != 0)  # rows whose two weights are 0: loss 0 and G = 0 (no 0 * inf = nan)
@@ -171,7 +164,6 @@ def _lk_rows_torch(logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_l
         return torch.where(keep, c_acc * alpha, zero), argmax
     below = torch.where(q < p, q, torch.zeros_like(q))  # [c, Vd]: min's draft branch
     a_sum = below.sum(-1)  # [c]
-    p_sum = p.sum(-1) if teacher_psum is None else teacher_psum  # S [c]
     ce = (p * (lse[:, None] - z)).sum(-1)  # [c]
     if kind == LINEAR:
         acc_loss, c_g = 1 - alpha, -c_acc
@@ -238,9 +230,8 @@ def _lk_forward(draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_
                                  lk_rows_fn(backend, LINEAR if variant == "lambda" else LOG))
 
 
-class LKLossFunction(torch.autograd.Function):
-    """fused_lk_loss with a gradient: the forward computes d loss / d draft_hidden and
-    d loss / d draft_head and saves them; the backward scales them by the upstream gradient."""
+class LKLossFunction(rows.GradsKeptFunction):
+    """fused_lk_loss with a gradient: d loss / d draft_hidden and d loss / d draft_head."""
 
     @staticmethod
     def forward(ctx, draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight, chunk, backend,
@@ -249,17 +240,8 @@ class LKLossFunction(torch.autograd.Function):
             draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight, ctx.needs_input_grad[0],
             ctx.needs_input_grad[1], chunk, backend, variant, kl_scale, kl_decay,
         )
-        ctx.save_for_backward(grad_hidden, grad_head)
-        ctx.mark_non_differentiable(argmax)
-        ctx.backend = backend
+        rows.keep_grads(ctx, backend, (grad_hidden, grad_head), (argmax,), lead=2)
         return loss, argmax
-
-    @staticmethod
-    @once_differentiable  # the saved gradients are constants: a create_graph backward must fail, not drop terms
-    def backward(ctx, grad_loss, grad_argmax):
-        grad_hidden, grad_head = ctx.saved_tensors
-        rows.scale_grads_((grad_hidden, grad_head), grad_loss, ctx.backend)
-        return grad_hidden, grad_head, None, None, None, None, None, None, None, None, None
 
 
 def fused_lk_loss(draft_hidden: torch.Tensor, draft_head: torch.Tensor, teacher_hidden: torch.Tensor,
@@ -307,10 +289,9 @@ def _lk_ttt_forward(draft_hiddens, draft_head, teacher_hidden, teacher_head, wei
                             lk_rows_fn(backend, LINEAR if variant == "lambda" else LOG), packed)
 
 
-class LKLossTTTFunction(torch.autograd.Function):
-    """fused_lk_loss_ttt with a gradient: the forward computes the gradients of the head and of
-    each step's hidden states and saves them; the backward scales them by the upstream gradient.
-    -> (loss = sum of the steps, step_losses [K], argmax [K, N])."""
+class LKLossTTTFunction(rows.GradsKeptFunction):
+    """fused_lk_loss_ttt with a gradient: the gradients of the head and of each step's hidden
+    states. -> (loss = sum of the steps, step_losses [K], argmax [K, N])."""
 
     @staticmethod
     def forward(ctx, draft_head, teacher_hidden, teacher_head, weight, shift, chunk, backend, packed, variant, kl_scale,
@@ -319,17 +300,8 @@ class LKLossTTTFunction(torch.autograd.Function):
             draft_hiddens, draft_head, teacher_hidden, teacher_head, weight, shift, ctx.needs_input_grad[11:],
             ctx.needs_input_grad[0], chunk, backend, packed, variant, kl_scale, kl_decay,
         )
-        ctx.save_for_backward(grad_head, *grads_hidden)
-        ctx.mark_non_differentiable(step_losses, argmax)
-        ctx.backend = backend
+        rows.keep_grads(ctx, backend, (grad_head, *grads_hidden), (step_losses, argmax), lead=1)
         return step_losses.sum(), step_losses, argmax
-
-    @staticmethod
-    @once_differentiable  # the saved gradients are constants: a create_graph backward must fail, not drop terms
-    def backward(ctx, grad_loss, grad_steps, grad_argmax):
-        grad_head, *grads_hidden = ctx.saved_tensors
-        rows.scale_grads_((grad_head, *grads_hidden), grad_loss, ctx.backend)
-        return (grad_head, *[None] * 10, *grads_hidden)
 
 
 def fused_lk_loss_ttt(draft_hiddens: Sequence[torch.Tensor], draft_head: torch.Tensor, teacher_hidden: torch.Tensor,

@@ -6,7 +6,7 @@ tests (the loss's is eagleforge.train.loss, which the trainer can also run):
   teacher's logsumexp; `soft_ce_ttt`: all TTT steps at once, the teacher shared.
 - `lk`: the acceptance-aware LK loss in the same two forms.
   Each loss file holds its row pass (the Triton kernel, its launcher, the CPU path) and, per op,
-  the autograd Function whose forward computes the gradients and whose backward scales them.
+  the autograd Function whose forward computes the gradients (rows' backward scales them).
 - `rows`: helpers those losses share: input checks, the chunk loops around a row pass, the
   row kernels' launcher, the teacher's lse, the backward's scaling.
 - `int4_moe`: the W4A16 routed experts of the native extraction (and its slot combine).

@@ -8,7 +8,8 @@ autograd Function and its entry point; this module holds what they would otherwi
 - the chunk loops that run the matmuls around an op's row pass and compute the gradients in the
   forward: one step (`row_loss_forward`), all TTT steps with the teacher shared (`ttt_forward`,
   per step or packed);
-- the backward's scaling of those gradients by the upstream (`scale_grads_`).
+- the ops' autograd backward, those gradients scaled by the upstream (`GradsKeptFunction`,
+  `keep_grads`, `scale_grads_`).
 
 A row pass (`RowsFn`) is one op's math on one chunk of logits:
 
@@ -27,6 +28,7 @@ import os
 from typing import Callable
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from eagleforge.kernels.optional_triton import HAS_TRITON, tl, triton
 
@@ -150,6 +152,21 @@ def prepare_ttt_loss(draft_hiddens, draft_head, teacher_hidden, teacher_head, we
     chunk = chunk_tokens or default_chunk_tokens(vocab, draft_head.dtype, teacher_hidden.device)
     check_chunk(chunk)
     return (draft_head, teacher_hidden.detach(), teacher_head.detach(), weight.detach()), chunk, backend
+
+
+def torch_row_operands(logits, teacher_logits, teacher_lse, teacher_index, teacher_psum):
+    """The opening of a CPU row pass (what `row_operands` and `row_pass1` are to a kernel): each
+    row's teacher, teacher_index's row or its own -> (z: the logits in fp32 [c, Vd], p: the
+    teacher's probabilities [c, Vd], the draft's lse [c] and argmax [c], S = sum_v p_v [c])."""
+    if teacher_index is not None:  # row r's teacher is teacher row teacher_index[r]
+        index = teacher_index.long()
+        teacher_logits, teacher_lse = teacher_logits[index], teacher_lse[index]  # [c, Vd], [c]
+        teacher_psum = teacher_psum[index] if teacher_psum is not None else None
+    z = logits.float()  # a view when the logits are fp32: everything is read before G is written
+    p = torch.exp(teacher_logits.float() - teacher_lse[:, None])  # [c, Vd]
+    lse, argmax = torch.logsumexp(z, dim=-1), z.argmax(-1)  # [c], [c]
+    p_sum = p.sum(-1) if teacher_psum is None else teacher_psum  # S [c]
+    return z, p, lse, argmax, p_sum
 
 
 def wants_grad(*tensors: torch.Tensor) -> bool:
@@ -584,6 +601,28 @@ if HAS_TRITON:
         g = tl.load(g_ptr + offs, mask=mask)
         # round to nearest even as torch does (the interpreter would truncate by default)
         tl.store(g_ptr + offs, (g.to(tl.float32) * up).to(g_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+
+
+def keep_grads(ctx, backend: str, grads, non_differentiable, lead: int) -> None:
+    """The end of an op's autograd forward: the input gradients it computed are kept for
+    `GradsKeptFunction.backward`, `lead` of them for the first inputs and the rest for the last."""
+    ctx.save_for_backward(*grads)
+    ctx.mark_non_differentiable(*non_differentiable)
+    ctx.backend, ctx.lead = backend, lead
+
+
+class GradsKeptFunction(torch.autograd.Function):
+    """The ops' autograd Functions: the forward computes the loss and its input gradients in one
+    pass and keeps them (`keep_grads`); the backward, this one for all, scales them by the upstream
+    gradient. The inputs between the first `lead` and the last ones are constants (None)."""
+
+    @staticmethod
+    @once_differentiable  # the saved gradients are constants: a create_graph backward must fail, not drop terms
+    def backward(ctx, grad_loss, *_):
+        grads = ctx.saved_tensors
+        scale_grads_(grads, grad_loss, ctx.backend)
+        constants = len(ctx.needs_input_grad) - len(grads)
+        return (*grads[:ctx.lead], *[None] * constants, *grads[ctx.lead:])
 
 
 def scale_grads_(grads, upstream: torch.Tensor, backend: str) -> None:

@@ -30,7 +30,6 @@ the autograd Function and the op `fused_soft_cross_entropy`.
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from eagleforge.kernels import rows
 from eagleforge.kernels.optional_triton import HAS_TRITON, tl, triton
@@ -89,14 +88,7 @@ def _rows_triton(logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_lse
 def _rows_torch(logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_lse: torch.Tensor, weight: torch.Tensor,
                 teacher_index: torch.Tensor | None = None, teacher_psum: torch.Tensor | None = None):
     """CPU path: the kernel's math in plain torch, fp32, same contract as `_rows_triton`."""
-    if teacher_index is not None:  # row r's teacher is teacher row teacher_index[r]
-        index = teacher_index.long()
-        teacher_logits, teacher_lse = teacher_logits[index], teacher_lse[index]  # [c, Vd], [c]
-        teacher_psum = teacher_psum[index] if teacher_psum is not None else None
-    z = logits.float()  # a view when the logits are fp32: everything is read before G is written
-    p = torch.exp(teacher_logits.float() - teacher_lse[:, None])  # [c, Vd]
-    lse, argmax = torch.logsumexp(z, dim=-1), z.argmax(-1)  # [c], [c]
-    p_sum = p.sum(-1) if teacher_psum is None else teacher_psum  # S [c]
+    z, p, lse, argmax, p_sum = rows.torch_row_operands(logits, teacher_logits, teacher_lse, teacher_index, teacher_psum)
     ce = -(p * (z - lse[:, None])).sum(-1)  # [c]
     grad = (torch.exp(z - lse[:, None]) * p_sum[:, None] - p) * weight[:, None]  # [c, Vd]
     keep = weight != 0  # rows of weight 0: loss 0 and G = 0 (no 0 * inf = nan)
@@ -151,26 +143,16 @@ def _forward(draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse
                                  need_grad_hidden, need_grad_head, chunk, row_pass(backend))
 
 
-class SoftCrossEntropyFunction(torch.autograd.Function):
-    """fused_soft_cross_entropy with a gradient: the forward computes d loss / d draft_hidden and
-    d loss / d draft_head and saves them; the backward scales them by the upstream gradient."""
+class SoftCrossEntropyFunction(rows.GradsKeptFunction):
+    """fused_soft_cross_entropy with a gradient: d loss / d draft_hidden and d loss / d draft_head."""
 
     @staticmethod
     def forward(ctx, draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight, chunk, backend):
         loss, argmax, grad_hidden, grad_head = _forward(draft_hidden, draft_head, teacher_hidden, teacher_head,
                                                         teacher_lse, weight, ctx.needs_input_grad[0],
                                                         ctx.needs_input_grad[1], chunk, backend)
-        ctx.save_for_backward(grad_hidden, grad_head)
-        ctx.mark_non_differentiable(argmax)
-        ctx.backend = backend
+        rows.keep_grads(ctx, backend, (grad_hidden, grad_head), (argmax,), lead=2)
         return loss, argmax
-
-    @staticmethod
-    @once_differentiable  # the saved gradients are constants: a create_graph backward must fail, not drop terms
-    def backward(ctx, grad_loss, grad_argmax):
-        grad_hidden, grad_head = ctx.saved_tensors
-        rows.scale_grads_((grad_hidden, grad_head), grad_loss, ctx.backend)
-        return grad_hidden, grad_head, None, None, None, None, None, None
 
 
 def fused_soft_cross_entropy(draft_hidden: torch.Tensor, draft_head: torch.Tensor, teacher_hidden: torch.Tensor,

@@ -14,16 +14,14 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from eagleforge.kernels import rows
 from eagleforge.kernels.soft_ce import row_pass
 
 
-class SoftCrossEntropyTTTFunction(torch.autograd.Function):
-    """fused_soft_cross_entropy_ttt with a gradient: the forward computes the gradients of the
-    head and of each step's hidden states and saves them; the backward scales them by the
-    upstream gradient. -> (loss = sum of the steps, step_losses [K], argmax [K, N])."""
+class SoftCrossEntropyTTTFunction(rows.GradsKeptFunction):
+    """fused_soft_cross_entropy_ttt with a gradient: the gradients of the head and of each step's
+    hidden states. -> (loss = sum of the steps, step_losses [K], argmax [K, N])."""
 
     @staticmethod
     def forward(ctx, draft_head, teacher_hidden, teacher_head, weight, shift, chunk, backend, packed, *draft_hiddens):
@@ -31,17 +29,8 @@ class SoftCrossEntropyTTTFunction(torch.autograd.Function):
             draft_hiddens, draft_head, teacher_hidden, teacher_head, weight, shift, ctx.needs_input_grad[8:],
             ctx.needs_input_grad[0], chunk, backend, row_pass(backend), packed,
         )
-        ctx.save_for_backward(grad_head, *grads_hidden)
-        ctx.mark_non_differentiable(step_losses, argmax)
-        ctx.backend = backend
+        rows.keep_grads(ctx, backend, (grad_head, *grads_hidden), (step_losses, argmax), lead=1)
         return step_losses.sum(), step_losses, argmax
-
-    @staticmethod
-    @once_differentiable  # the saved gradients are constants: a create_graph backward must fail, not drop terms
-    def backward(ctx, grad_loss, grad_steps, grad_argmax):
-        grad_head, *grads_hidden = ctx.saved_tensors
-        rows.scale_grads_((grad_head, *grads_hidden), grad_loss, ctx.backend)
-        return (grad_head, None, None, None, None, None, None, None, *grads_hidden)
 
 
 def fused_soft_cross_entropy_ttt(draft_hiddens: Sequence[torch.Tensor], draft_head: torch.Tensor, teacher_hidden: torch.Tensor,

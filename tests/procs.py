@@ -159,6 +159,23 @@ def spawn_ranks(fn: Callable, args: tuple = (), world: int = 2, timeout_s: float
             _kill_all(context)
 
 
+def run_jobs_in_group(stage: Callable, jobs: list) -> None:
+    """In a rank: one gloo process group for all `jobs` (lists of config overrides), `stage` run
+    on each job's config in turn, and the ranks leave together."""
+    import torch.distributed as dist
+
+    from eagleforge.config import load_config
+
+    dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
+    try:
+        for args in jobs:
+            stage(load_config(None, args))
+        dist.barrier()  # leave together: a gloo rank that tears its group down while another still
+        # reads from it makes that one abort at exit (SIGABRT, 'terminate called without an active exception')
+    finally:
+        dist.destroy_process_group()
+
+
 def listen_with_retry(start: Callable[[int], object], bound: Callable[[object], bool | None], tries: int = 5):
     """Start a process that listens on the port it is given: start(port) on a port the kernel just
     had free; bound(started) polls it: True once it listens, False when it exited because the port

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from procs import PROCESS_GROUP_TIMEOUT, spawn_ranks
+from procs import run_jobs_in_group, spawn_ranks
 
 from eagleforge.config import load_config
 from eagleforge.errors import UserInputError
@@ -135,17 +135,8 @@ def _overrides(ckpt, run, source, tp: int, pp: int, layout: str) -> list[str]:
 def _ranks_run(rank: int, world: int, jobs: list) -> None:
     """One rank as torchrun starts it (spawn_ranks sets its environment), running each job's
     extraction in one gloo process group."""
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
-    try:
-        for args in jobs:
-            extract(load_config(None, args))
-        dist.barrier()  # leave together: a gloo rank that tears its group down while another still
-        # reads from it makes that one abort at exit (SIGABRT, 'terminate called without an active exception')
-    finally:
-        dist.destroy_process_group()
+    run_jobs_in_group(extract, jobs)
 
 
 def _rows(run: Path) -> dict[int, dict]:

@@ -15,15 +15,13 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from test_train_online import _new_run, _samples, _train_overrides
-from tiny_runs import write_tiny_llama
+from tiny_runs import sigkill_at_checkpoint, write_tiny_llama
 
 from eagleforge.config import load_config
 
@@ -86,19 +84,8 @@ def runs(tmp_path_factory):
     _train_process(out["whole"], target)
     train(load_config(None, _overrides(out["again"], target)))  # in this process: equal to a fresh one's
     run = out["killed"] = _copy_inputs(base, root / "killed")
-    process = subprocess.Popen(_command(run, target), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    try:
-        while not (run / "checkpoints" / KILL_AFTER / "state.json").is_file():
-            assert process.poll() is None, process.stderr.read().decode()[-2000:]
-            assert time.monotonic() < deadline, f"no checkpoint {KILL_AFTER} written"
-            time.sleep(0.005)
-        process.send_signal(signal.SIGKILL)
-        process.wait(timeout=30)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert process.returncode == -signal.SIGKILL
+    process = subprocess.Popen(_command(run, target), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    sigkill_at_checkpoint(process, run, KILL_AFTER, SPAWN_TIMEOUT_S)
     out["at_kill"] = {"steps": len(_log(run)), "checkpoints": sorted(p.name for p in (run / "checkpoints").glob("step-*"))}
     out["rerun"] = _train_process(run, target).stderr.decode()
     return out

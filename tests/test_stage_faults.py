@@ -3,7 +3,7 @@
 safetensors files, a draft that does not fit its target, JSON of another kind where an object is
 expected. Each ends in exactly one `error:` line on stderr naming the file, no traceback, exit
 code 2; where the fault allows it, the rerun once it is fixed ends with the outputs of an
-uninterrupted run (compared as the soak compares them, benchmarks/soak.py).
+uninterrupted run (compared as the soak compares them, tests/soak/soak.py).
 
 The file systems are real: a tmpfs filled to a chosen point with a filler file, a read-only bind
 mount, a read-only tmpfs (root ignores chmod). Where mounting is refused (no CAP_SYS_ADMIN), a
@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "tests" / "soak"))
 import soak  # noqa: E402
 
 STAGES = ("data", "extract", "vocab", "train", "eval")

@@ -13,12 +13,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from procs import PROCESS_GROUP_TIMEOUT, spawn_ranks
+from procs import run_jobs_in_group, spawn_ranks
+from tiny_runs import sigkill_at_checkpoint, wait_for_checkpoint
 
 from eagleforge.config import load_config
 
@@ -84,18 +84,9 @@ def _rank_main(rank: int, world: int, jobs: list) -> None:
     job in one gloo process group."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    import torch.distributed as dist
-
     from eagleforge.train.loop import train
 
-    dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)  # one group for all jobs
-    try:
-        for args in jobs:
-            train(load_config(None, args))
-        dist.barrier()  # leave together: a gloo rank that tears its group down while another still
-        # reads from it makes that one abort at exit (SIGABRT, 'terminate called without an active exception')
-    finally:
-        dist.destroy_process_group()
+    run_jobs_in_group(train, jobs)
 
 
 def _spawn(world: int, jobs: list) -> None:
@@ -265,19 +256,8 @@ def test_online_resumes_after_sigkill_at_the_same_data_position(hf):
     run = _new_run(hf["root"], "killed", hf["rows"])
     command = [sys.executable, "-m", "eagleforge.train", *_train_overrides(run, hf["target"], *common, "train.save_every=2")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    try:
-        while not (run / "checkpoints" / "step-000002" / "state.json").is_file():
-            assert process.poll() is None, process.stderr.read().decode()[-2000:]
-            assert time.monotonic() < deadline, "no checkpoint written"
-            time.sleep(0.005)
-        process.send_signal(signal.SIGKILL)
-        process.wait(timeout=30)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert process.returncode == -signal.SIGKILL
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    sigkill_at_checkpoint(process, run, "step-000002", SPAWN_TIMEOUT_S)
     assert len(_losses(run)) < len(_losses(whole)), "the run finished before the kill: nothing was tested"
     done = subprocess.run(command, env=env, capture_output=True, timeout=SPAWN_TIMEOUT_S)
     assert done.returncode == 0, done.stderr.decode()[-3000:]
@@ -407,12 +387,8 @@ def test_online_pipeline_resumes_after_sigkill_at_the_same_data_position(native)
     command = [sys.executable, "-m", "eagleforge.train", *_native_overrides(run, native["ckpt"], *common, "train.save_every=2")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent)}
     launcher = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
     try:
-        while not (run / "checkpoints" / "step-000002" / "state.json").is_file():
-            assert launcher.poll() is None, launcher.stderr.read()[-3000:]
-            assert time.monotonic() < deadline, "no checkpoint written"
-            time.sleep(0.005)
+        wait_for_checkpoint(launcher, run, "step-000002", SPAWN_TIMEOUT_S)
         from test_pipeline import _rank_pids
 
         pids = _rank_pids(launcher.pid)

@@ -1,8 +1,11 @@
 """Tiny training runs for the tests: variants of the train options, each trained from a copy of
-the same base run (shards and vocab; build_tiny_run in test_vocab.py makes one)."""
+the same base run (shards and vocab; build_tiny_run in test_vocab.py makes one), and a training
+process killed at a checkpoint."""
 
 import csv
 import shutil
+import signal
+import time
 
 TINY_TRAINING = dict(ttt_steps=3, lr=3e-3, log_every=1)  # what every tiny training run shares
 
@@ -53,3 +56,25 @@ def train_variants(cfg, base, tmp_path, variants: dict) -> dict:
         with open(run / "train_log.csv", newline="") as f:
             losses[name] = [float(r["loss"]) for r in csv.DictReader(f)]
     return losses
+
+
+def wait_for_checkpoint(process, run, step: str, timeout_s: float) -> None:
+    """Wait while `process` (a training started with stderr=PIPE) runs until the checkpoint `step`
+    of `run` is published; fails with the end of its stderr if it exits first, or at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while not (run / "checkpoints" / step / "state.json").is_file():
+        assert process.poll() is None, process.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, f"no checkpoint {step} written"
+        time.sleep(0.005)
+
+
+def sigkill_at_checkpoint(process, run, step: str, timeout_s: float) -> None:
+    """SIGKILL `process` right after it publishes the checkpoint `step` (wherever it then is)."""
+    try:
+        wait_for_checkpoint(process, run, step, timeout_s)
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == -signal.SIGKILL

@@ -73,16 +73,16 @@ def check_metadata(metadata, checkpoint: Path) -> None:
     def refuse(why: str):
         raise UserInputError(f"{where}: {why}; this is not a checkpoint this project wrote (delete {checkpoint} to start over)")
 
-    entries = metadata.state_dict_metadata
-    if not isinstance(entries, dict):
-        refuse(f"state_dict_metadata is a {type(entries).__name__}, not a dict")
-    for name, entry in entries.items():
+    def table(what: str) -> dict:
+        value = getattr(metadata, what)
+        if not isinstance(value, dict):
+            refuse(f"{what} is a {type(value).__name__}, not a dict")
+        return value
+
+    for name, entry in table("state_dict_metadata").items():
         if not isinstance(name, str) or not isinstance(entry, TensorStorageMetadata):
             refuse(f"entry {name!r} is a {type(entry).__name__}, not a tensor (only tensors are ever saved)")
-    storage = metadata.storage_data
-    if not isinstance(storage, dict):
-        refuse(f"storage_data is a {type(storage).__name__}, not a dict")
-    for index, info in storage.items():
+    for index, info in table("storage_data").items():
         if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
             refuse(f"storage entry {index!r} is a {type(info).__name__}, not a file range")
         name = info.relative_path
