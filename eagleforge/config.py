@@ -137,8 +137,6 @@ class TargetConfig:
     # native backend, how the forward runs (same results to rounding; BENCHMARKS.md measures them):
     prefill_attention: str = "auto"  # causal attention kernel on CUDA: auto (cuDNN) | cudnn | flash | flash_attn
     moe_backend: str = "auto"  # routed experts: auto (Triton INT4 kernel on CUDA) | triton | grouped_mm | loop
-    split_rows_min_tokens: int = 1024  # tp > 1: from this many tokens, router and latents split over the ranks
-    overlap_min_rows: int = 4096  # tp > 1: from this many rows, all-reduces in two halves overlapping the GEMM
 
 
 @dataclass
@@ -378,6 +376,10 @@ REMOVED_KEYS: dict[str, tuple[Any, str, str]] = {
     "train.verify_checksums": (True, "training always checks every shard's sha256",
                                "delete it; train.skip_corrupt_shards=true leaves damaged shards out"),
     "train.prefetch": (0, "online forwards always run in line", "delete it"),
+    "target.split_rows_min_tokens": (1024, "tensor-parallel ranks always split the router and the attention latents "
+                                     "by rows from 1024 tokens", "delete it"),
+    "target.overlap_min_rows": (4096, "row-parallel all-reduces always overlap their GEMM in two halves from "
+                                "4096 rows", "delete it"),
 }
 
 
@@ -555,8 +557,6 @@ RANGES: dict[str, tuple] = {
     "target.tp": (1, UNBOUNDED),
     "target.pp": (1, UNBOUNDED),
     "target.gpu_memory_gib": (0.0, UNBOUNDED),  # 0 = the device's real size
-    "target.split_rows_min_tokens": (1, UNBOUNDED),  # a huge value turns the split off
-    "target.overlap_min_rows": (2, UNBOUNDED),  # two row halves need two rows
     "data.num_prompts": (1, UNBOUNDED),
     "data.max_new_tokens": (1, UNBOUNDED),
     "data.gen_batch_size": (1, UNBOUNDED),

@@ -17,13 +17,14 @@ from eagleforge.errors import ConfigError, UserInputError
 OLD_DEFAULTS = {"train.loss_chunk_tokens": 0, "train.loss_packed": False, "train.lk_variant": "lambda",
                 "train.lk_kl_scale": 1.0, "train.lk_kl_decay": 3.0, "train.max_nonfinite_steps": 3,
                 "train.step_weight_decay": 0.8, "train.min_lr_ratio": 0.1, "train.weight_decay": 0.0,
-                "train.verify_checksums": True, "train.prefetch": 0}
+                "train.verify_checksums": True, "train.prefetch": 0, "target.split_rows_min_tokens": 1024,
+                "target.overlap_min_rows": 4096}
 
 
 def test_train_config_has_fewer_than_30_keys():
     assert len(dataclasses.fields(TrainConfig)) < 30
     assert sorted(REMOVED_KEYS) == sorted(OLD_DEFAULTS)
-    assert not {key.split(".")[1] for key in REMOVED_KEYS} & {f.name for f in dataclasses.fields(TrainConfig)}
+    assert not {key.split(".")[1] for key in REMOVED_KEYS if key.startswith("train.")} & {f.name for f in dataclasses.fields(TrainConfig)}
 
 
 @pytest.mark.parametrize("key", sorted(OLD_DEFAULTS))
@@ -33,7 +34,8 @@ def test_a_removed_key_is_one_line_saying_what_to_do(key, tmp_path):
         load_config(None, [f"{key}={OLD_DEFAULTS[key]}"])
     assert str(err.value) == f"command line: unknown config key {key!r}: {key} was removed ({why}): {todo}"
     path = tmp_path / "old.yaml"
-    path.write_text(yaml.safe_dump({"train": {key.split(".")[1]: OLD_DEFAULTS[key]}}))
+    section, leaf = key.split(".")
+    path.write_text(yaml.safe_dump({section: {leaf: OLD_DEFAULTS[key]}}))
     with pytest.raises(ConfigError) as err:
         load_config(path, [])
     message = str(err.value)
@@ -47,6 +49,7 @@ def test_the_prefetch_message():
 
 
 def test_each_removed_value_is_the_constant_that_replaced_it():
+    from eagleforge.extract.native.parallel import OVERLAP_MIN_ROWS, SPLIT_ROWS_MIN_TOKENS
     from eagleforge.train import loop, sources, ttt_loss
     from eagleforge.train.loss import LK_OPTIONS
 
@@ -55,7 +58,8 @@ def test_each_removed_value_is_the_constant_that_replaced_it():
            "train.lk_kl_decay": LK_OPTIONS["kl_decay"], "train.max_nonfinite_steps": loop.MAX_NONFINITE_STEPS,
            "train.step_weight_decay": ttt_loss.STEP_WEIGHT_DECAY, "train.min_lr_ratio": loop.MIN_LR_RATIO,
            "train.weight_decay": loop.WEIGHT_DECAY, "train.verify_checksums": sources.VERIFY_CHECKSUMS,
-           "train.prefetch": loop.ONLINE_PREFETCH}
+           "train.prefetch": loop.ONLINE_PREFETCH, "target.split_rows_min_tokens": SPLIT_ROWS_MIN_TOKENS,
+           "target.overlap_min_rows": OVERLAP_MIN_ROWS}
     assert {key: value for key, (value, _, _) in REMOVED_KEYS.items()} == now == OLD_DEFAULTS
 
 

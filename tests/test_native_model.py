@@ -89,7 +89,7 @@ def _worker(rank: int, world: int, path: str, input_ids: torch.Tensor, out_dir: 
 
 def run_world(path, world: int, input_ids: torch.Tensor, out_dir, **tp_options) -> dict:
     """{(layout, rank): (tensors, names read)} from `world` spawned gloo processes; tp_options set
-    TensorParallel's thresholds (target.split_rows_min_tokens, target.overlap_min_rows)."""
+    TensorParallel's thresholds (split_rows_min_tokens, overlap_min_rows)."""
     spawn_ranks(_worker, (str(path), input_ids, str(out_dir), tp_options), world)
     results = {}
     for layout in ("ep", "tp"):

@@ -411,18 +411,18 @@ def test_online_pipeline_resumes_after_sigkill_at_the_same_data_position(native)
 
 def test_native_target_runs_with_the_configured_kernels_and_thresholds(native):
     """The native backend's runtime keys reach the online target as they reach extraction:
-    target.prefill_attention / moe_backend on the model, split_rows_min_tokens / overlap_min_rows
-    on its tensor-parallel view."""
+    target.prefill_attention / moe_backend on the model; its tensor-parallel view holds the
+    row thresholds every run uses (extract/native/parallel.py)."""
+    from eagleforge.extract.native.parallel import OVERLAP_MIN_ROWS, SPLIT_ROWS_MIN_TOKENS
     from eagleforge.target.protocol import open_target
     from eagleforge.train.loop import training_layout
 
     cfg = load_config(None, _native_overrides(native["offline"], native["ckpt"], "target.tp=1", "train.source=online",
-                                              "target.moe_backend=loop", "target.prefill_attention=flash",
-                                              "target.split_rows_min_tokens=7", "target.overlap_min_rows=9"))
+                                              "target.moe_backend=loop", "target.prefill_attention=flash"))
     layout = training_layout(cfg)
     target = open_target(cfg, layout, write_target_argmax=True)
     view = target.model.tp
-    assert layout.group_ranks == [0] and (view.split_rows_min_tokens, view.overlap_min_rows) == (7, 9)
+    assert layout.group_ranks == [0] and (view.split_rows_min_tokens, view.overlap_min_rows) == (SPLIT_ROWS_MIN_TOKENS, OVERLAP_MIN_ROWS) == (1024, 4096)
     try:
         args = target.model.args
         assert (args.moe_backend, args.prefill_attention) == ("loop", "flash")

@@ -449,7 +449,7 @@ RESUME_MAY_CHANGE = (
     "train.resume", "train.device", "train.parallel", "train.attention", "train.activation_checkpoint",
     "train.compile", "train.embed_device", "target.device", "target.tp", "target.pp", "target.gpu_memory_gib", "data.gen_batch_size",
     "extract.batch_tokens", "extract.overlap_writes", "target.prefill_attention", "target.moe_backend",
-    "target.split_rows_min_tokens", "target.overlap_min_rows", "eval.",
+    "eval.",
     "train.cache_gb",  # online: the resumed run keeps what its cache still holds (train/state_cache.py settle)
 )
 # Removed keys (eagleforge.config.REMOVED_KEYS) that shaped the training: a checkpoint written with

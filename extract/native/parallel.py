@@ -54,6 +54,15 @@ def even_range(n: int, rank: int, size: int, what: str, multiple: int = 1) -> tu
     return rank * (n // size), (rank + 1) * (n // size)
 
 
+# From this many tokens, per-token work every rank would repeat (the router, attention's latent
+# projections) is split over the ranks by rows and gathered (split_rows); fewer tokens run it whole
+# on every rank.
+SPLIT_ROWS_MIN_TOKENS = 1024
+# From this many rows, a row-parallel linear's all-reduce goes in two row halves, the first
+# overlapping the second half's GEMM; fewer rows reduce in one call.
+OVERLAP_MIN_ROWS = 4096
+
+
 @dataclass
 class TensorParallel:
     """One rank's view of its tensor-parallel group; size 1 = no communication at all."""
@@ -61,12 +70,9 @@ class TensorParallel:
     size: int = 1
     rank: int = 0
     group: object = None  # torch.distributed ProcessGroup when size > 1
-    # From this many tokens, per-token work every rank would repeat (the router, attention's latent
-    # projections) is split over the ranks by rows and gathered (split_rows; target.split_rows_min_tokens).
-    split_rows_min_tokens: int = 1024
-    # From this many rows, a row-parallel linear's all-reduce goes in two row halves, the first
-    # overlapping the second half's GEMM (target.overlap_min_rows).
-    overlap_min_rows: int = 4096
+    # the two thresholds above; tests and bench-extract's A/B switches set them per view
+    split_rows_min_tokens: int = SPLIT_ROWS_MIN_TOKENS
+    overlap_min_rows: int = OVERLAP_MIN_ROWS
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
@@ -298,7 +304,6 @@ class StageLink:
             self._sends.pop(0)[1].wait()
 
 
-def tensor_parallel(layout: Layout, split_rows_min_tokens: int = 1024, overlap_min_rows: int = 4096) -> TensorParallel:
+def tensor_parallel(layout: Layout) -> TensorParallel:
     """The model's view of this rank's tensor-parallel group in the job's Layout."""
-    return TensorParallel(size=layout.tp, rank=layout.tp_rank, group=layout.tp_group,
-                          split_rows_min_tokens=split_rows_min_tokens, overlap_min_rows=overlap_min_rows)
+    return TensorParallel(size=layout.tp, rank=layout.tp_rank, group=layout.tp_group)

@@ -32,7 +32,7 @@ from eagleforge.config import Config
 from eagleforge.errors import UserInputError
 from eagleforge.extract.native import int4
 from eagleforge.extract.native.model import ATTENTION_CHUNK_TOKENS, ModelArgs
-from eagleforge.extract.native.parallel import ARGMAX_CHUNK_TOKENS, split_range
+from eagleforge.extract.native.parallel import ARGMAX_CHUNK_TOKENS, SPLIT_ROWS_MIN_TOKENS, split_range
 from eagleforge.readers import read_json_object
 from eagleforge.target.loading import default_aux_layers
 
@@ -86,7 +86,7 @@ def flops_per_token(a: ModelArgs, tp: int, seq_len: int, split_replicated: bool)
     """Matmul FLOPs of one token's forward on one rank of a tp group (what the rank computes, the
     FLOP count benchmarks/bench_extract.py's MFU uses): per layer the latents q_a/kv_a and the
     router (replicated, or 1/tp of the tokens each when `split_replicated`: from
-    target.split_rows_min_tokens), this rank's heads of q_b/kv_b/o_proj, causal attention over
+    SPLIT_ROWS_MIN_TOKENS), this rank's heads of q_b/kv_b/o_proj, causal attention over
     seq_len / 2 keys on average, 1/tp of the dense MLP, shared expert and k routed slots (ep: k/tp
     slots on average; tp: every slot, 1/tp of its width); then 1/tp of the greedy head."""
     return sum(layer_flops_per_token(a, tp, seq_len, split_replicated)) + head_flops_per_token(a, tp)
@@ -436,7 +436,7 @@ def _aux_ids(cfg: Config, a: ModelArgs) -> list[int]:
 
 def _splits_rows(cfg: Config) -> bool:
     """Whether the router and the latents split over the tp ranks at the config's batch size."""
-    return cfg.target.tp > 1 and cfg.extract.batch_tokens >= cfg.target.split_rows_min_tokens
+    return cfg.target.tp > 1 and cfg.extract.batch_tokens >= SPLIT_ROWS_MIN_TOKENS
 
 
 def config_stage_layers(cfg: Config, a: ModelArgs) -> list[range]:

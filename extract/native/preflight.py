@@ -382,13 +382,14 @@ def default_sizes(cfg: Config, hidden_size: int | None, dtype_bytes: int) -> lis
 def projection_inputs(cfg: Config):
     """(model args, their source, tp, flops per token, collective bytes per token) of the config's
     native layout; sequences of data.max_length (the longest: shorter ones cost less attention)."""
+    from eagleforge.extract.native.parallel import SPLIT_ROWS_MIN_TOKENS
     from eagleforge.extract.native.plan import _dtype_bytes, collective_bytes_per_token, flops_per_token, target_args
 
     a, _, source = target_args(cfg)
     tp = cfg.target.tp
     if a.num_attention_heads % tp:
         raise UserInputError(f"target.tp = {tp} does not divide the {a.num_attention_heads} attention heads ({source})")
-    split = tp > 1 and cfg.extract.batch_tokens >= cfg.target.split_rows_min_tokens
+    split = tp > 1 and cfg.extract.batch_tokens >= SPLIT_ROWS_MIN_TOKENS
     seq = min(cfg.data.max_length, cfg.extract.batch_tokens)
     return a, source, tp, flops_per_token(a, tp, seq, split), collective_bytes_per_token(a, tp, _dtype_bytes(cfg), split)
 
@@ -467,6 +468,7 @@ def recommend_layout(cfg: Config, a, gpus: int, rates: Rates, device: torch.devi
     that fits (the planner's check for this GPU's memory) printed as the keys to set."""
     import dataclasses as dc
 
+    from eagleforge.extract.native.parallel import SPLIT_ROWS_MIN_TOKENS
     from eagleforge.extract.native.plan import GIB, _aux_ids, _dtype_bytes, config_stages, target_args
 
     gpu_gib = cfg.target.gpu_memory_gib
@@ -481,7 +483,7 @@ def recommend_layout(cfg: Config, a, gpus: int, rates: Rates, device: torch.devi
 
     seq = min(cfg.data.max_length, cfg.extract.batch_tokens)
     layouts = layout_projections(a, gpus, rates, _dtype_bytes(cfg), seq, _aux_ids(cfg, a), cfg.extract.write_target_argmax,
-                                 cfg.target.split_rows_min_tokens, cfg.extract.batch_tokens, fits)
+                                 SPLIT_ROWS_MIN_TOKENS, cfg.extract.batch_tokens, fits)
     print(f"layouts of {gpus} GPUs a group, projected from these rates ({rates.matmul_tflops:.0f} TFLOP/s at {rates.mfu:.0%}, "
           f"all-reduce {rates.busbw_gbs:.1f} GB/s busbw, send/recv {rates.p2p_gbs:.1f} GB/s):")
     print(format_layouts(layouts))

@@ -228,7 +228,7 @@ def load_native_target(cfg: Config, layout: Layout, write_target_argmax: bool, c
     header["has_target_argmax"] = bool(write_target_argmax)
     # the raw config.json (text_config inside for Kimi): the draft is sized from it
     hf_config = read_json_object(info.path / "config.json", "a model's config.json")
-    tp = tensor_parallel(layout, cfg.target.split_rows_min_tokens, cfg.target.overlap_min_rows)
+    tp = tensor_parallel(layout)
     stages = (stage_ranges() if stage_ranges is not None else None) or config_stage_layers(cfg, info.args)
     layers = stages[layout.stage]
     if layout.pp > 1 and layout.is_main:
