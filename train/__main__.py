@@ -13,7 +13,7 @@ With a config file and overrides (any key, section.key=value):
 
     python -m eagleforge.train --config configs/kimi_k25_pilot.yaml run_dir=runs/kimi train.lr=1e-4 train.epochs=2
 
-On one GPU (bf16 autocast, fp32 master weights, fused loss when eagleforge.kernels imports):
+On one GPU (bf16 weights whose optimizer keeps an exact fp32 master, the fused loss):
 
     python -m eagleforge.train run_dir=runs/x train.device=cuda
 
