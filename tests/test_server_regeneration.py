@@ -685,7 +685,9 @@ def test_refused_prompts_are_dropped_and_counted_other_errors_stop(tmp_path, ser
 
     with pytest.raises(UserInputError, match=r"HTTP 404 \(The model `other` does not exist.\); is data.server_model"):
         _run(_overrides(tmp_path, prompts, server, "data.server_model=other", run="other"))
-    server.faults[prompts[0]] = [("status", 401)]
+    # a real server refuses a bad key on every attempt: a retry after a transient error (a reset
+    # connection on a loaded machine) must meet the 401 again, not a normal answer
+    server.faults[prompts[0]] = [("status", 401)] * 10
     with pytest.raises(UserInputError, match=r"chat/completions: HTTP 401 \(injected 401\)$"):
         _run(_overrides(tmp_path, prompts, server, run="unauthorized"))
 
