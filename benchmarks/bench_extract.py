@@ -185,7 +185,7 @@ def project_full_model(r: dict, T: int, gpus: int, tp: int) -> dict:
 
 
 # Switches the interleaved A/B (--ab-off) may turn off: the TensorParallel thresholds every layer
-# reads at each call (target.split_rows_min_tokens, target.overlap_min_rows).
+# reads at each call (extract/native/parallel.py SPLIT_ROWS_MIN_TOKENS, OVERLAP_MIN_ROWS by default).
 AB_SWITCHES = {"split_rows": "split_rows_min_tokens", "overlap_halves": "overlap_min_rows"}
 
 
