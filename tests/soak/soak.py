@@ -1022,11 +1022,7 @@ class Soak:
             return self.refs[(name, overrides)]
         stage, label = STAGES[name], _label(name, overrides)
         run = self.out / "ref" / label
-        shutil.rmtree(run, ignore_errors=True)
-        if stage.base:
-            shutil.copytree(self.reference(stage.base).run, run, symlinks=True)
-        else:
-            run.mkdir(parents=True)
+        self._fresh_run(stage, run)
         cache = self.out / "ref" / f"cache-{label}"
         result = self.attempt(stage, run, cache, self.out / "ref" / f"{label}.log", None, self._tag(), overrides=overrides)
         if result["rc"] != 0:
@@ -1039,16 +1035,20 @@ class Soak:
         self.log(f"reference {label}: {ref.seconds:.1f} s, write phases seen {ref.appearances}, file-system calls {calls}")
         return ref
 
-    def check_reference(self, name: str, overrides: tuple[str, ...] = ()) -> None:
-        """A second uninterrupted run must equal the first, or no comparison means anything."""
-        overrides = tuple(overrides)
-        stage, ref, label = STAGES[name], self.reference(name, overrides), _label(name, overrides)
-        run = self.out / "ref" / f"{label}-again"
+    def _fresh_run(self, stage, run: Path) -> None:
+        """`run` emptied, then holding the stage's base reference run (or nothing) to start from."""
         shutil.rmtree(run, ignore_errors=True)
         if stage.base:
             shutil.copytree(self.reference(stage.base).run, run, symlinks=True)
         else:
             run.mkdir(parents=True)
+
+    def check_reference(self, name: str, overrides: tuple[str, ...] = ()) -> None:
+        """A second uninterrupted run must equal the first, or no comparison means anything."""
+        overrides = tuple(overrides)
+        stage, ref, label = STAGES[name], self.reference(name, overrides), _label(name, overrides)
+        run = self.out / "ref" / f"{label}-again"
+        self._fresh_run(stage, run)
         cache = self.out / "ref" / f"cache-{label}-again"
         result = self.attempt(stage, run, cache, self.out / "ref" / f"{label}-again.log", None, self._tag(), overrides=overrides)
         diffs, left = compare_runs(stage, run, ref.run, cache) if result["rc"] == 0 else ([f"rc {result['rc']}"], [])
