@@ -148,7 +148,9 @@ class DataConfig:
     num_prompts: int = 900
     regenerate: bool = True  # have the target answer the prompts (greedy)
     max_new_tokens: int = 160
-    gen_batch_size: int = 16
+    # prompts answered together in-process: on 2 CPU cores 64 gives 1.6x the new tokens/s of 16,
+    # 128 no more (BENCHMARKS.md, "Where the CPU default's time goes"); GPUs want hundreds
+    gen_batch_size: int = 64
     max_length: int = 2048
     overlong: str = "truncate"  # truncate | drop
     # Message text (an answer, a prompt, a system prompt) holding a special token's text, e.g.

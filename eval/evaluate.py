@@ -46,7 +46,7 @@ from eagleforge.eval.specdec import (
     teacher_forced_acceptance,
     teacher_forced_hits,
 )
-from eagleforge.target.loading import use_cpu_attention
+from eagleforge.target.loading import prepare_for_decoding
 
 log = logging.getLogger(__name__)
 
@@ -346,7 +346,7 @@ def evaluate(cfg: Config) -> dict:
         stop_ids = vllm_engine.stop_ids_of(target_path(cfg.target), load_tokenizer(cfg.target))
         vllm = vllm_engine.measure(cfg, target_path(cfg.target), draft_path, prompts, stop_ids, out_dir)
     target, tokenizer = load_target(cfg.target)
-    use_cpu_attention(target)  # batch-1 verify forwards run faster on the CPU (BENCHMARKS.md, "Smaller measurements")
+    prepare_for_decoding(target)  # batch-1 verify forwards run faster on the CPU (BENCHMARKS.md, "Smaller measurements")
     draft = load_eval_draft(draft_path, target)
     prompts = load_prompts(cfg.eval.prompts, cfg.eval.n_prompts, tokenizer)
     eos_ids = eos_token_ids(target, tokenizer)

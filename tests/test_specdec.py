@@ -343,7 +343,7 @@ def test_ngram_match_against_bruteforce(context, k, ngram_min, span):
 
 
 # --------------------------------------------------------------------------------------------
-# The CPU attention (use_cpu_attention): grouped-query attention without repeating K and V
+# The CPU attention (prepare_for_decoding): grouped-query attention without repeating K and V
 
 
 @pytest.mark.parametrize("q_len,k_len,kv_heads,groups", [(1, 37, 3, 3), (6, 41, 2, 5), (13, 13, 1, 4)])
@@ -370,14 +370,42 @@ def test_gqa_attention_matches_sdpa(q_len, k_len, kv_heads, groups):
     torch.testing.assert_close(out[seen], ref[seen], atol=1e-5, rtol=1e-5)
 
 
+def test_prepared_head_reads_contiguous_rows():
+    """With logits_to_keep, transformers hands the output head a strided view hidden[:, -k:],
+    which torch's matmul turns into a bmm against the head expanded per row (a copy of the
+    whole head per row). After prepare_for_decoding the head reads contiguous rows, and the
+    kept logits equal those of a full forward without it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from eagleforge.target.loading import prepare_for_decoding
+
+    torch.manual_seed(7)
+    config = LlamaConfig(vocab_size=211, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64)
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 211, (3, 11))
+    with torch.no_grad():
+        full = model(input_ids=ids).logits[:, -2:]  # [3, 2, V], the reference
+    seen = []
+    head = model.get_output_embeddings()
+    prepare_for_decoding(model)
+    prepare_for_decoding(model)  # idempotent: one hook
+    head.register_forward_pre_hook(lambda module, args: seen.append(args[0].is_contiguous()))
+    with torch.no_grad():
+        kept = model(input_ids=ids, logits_to_keep=2).logits  # [3, 2, V]
+    assert seen == [True]
+    assert len(head._forward_pre_hooks) == 2
+    torch.testing.assert_close(kept, full, atol=1e-5, rtol=1e-5)
+
+
 @pytest.fixture
 def cpu_attention(smollm2):
     """The shared SmolLM2 model switched to the CPU attention for one test, then restored."""
-    from eagleforge.target.loading import use_cpu_attention
+    from eagleforge.target.loading import prepare_for_decoding
 
     model, _ = smollm2
     before = model.config._attn_implementation
-    use_cpu_attention(model)
+    prepare_for_decoding(model)
     assert model.config._attn_implementation != before
     yield model
     model.set_attn_implementation(before)

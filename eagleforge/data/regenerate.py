@@ -92,16 +92,16 @@ def _generate_batch(model, prompt_ids: list[list[int]], max_new_tokens: int, sto
     stopped (a third of the answers stop early) and runs its logits processors every step.
     Here stopped rows leave the batch (their KV cache rows are dropped, a group at a time), the
     KV cache is preallocated (StaticCache: no per-step torch.cat of every layer's K and V), the
-    CPU attention groups query heads per KV head (eagleforge.target.use_cpu_attention), and one
+    CPU attention groups query heads per KV head (eagleforge.target.prepare_for_decoding), and one
     step costs one forward of the rows still in the batch plus one argmax and one host sync. Positions come from the attention
     mask (left padding), as in generate, so each row equals its own unbatched greedy decoding
     up to the numerics of batched matmuls.
     """
     import torch
 
-    from eagleforge.target.loading import use_cpu_attention
+    from eagleforge.target.loading import prepare_for_decoding
 
-    use_cpu_attention(model)
+    prepare_for_decoding(model)
     if max_new_tokens < 1:
         raise ValueError(f"data.max_new_tokens must be >= 1, got {max_new_tokens}")
     device = next(model.parameters()).device

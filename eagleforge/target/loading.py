@@ -297,14 +297,24 @@ def gqa_attention(module, query, key, value, attention_mask, scaling=None, dropo
     return out.transpose(1, 2).contiguous(), None
 
 
-def use_cpu_attention(model) -> None:
-    """On the CPU, switch the target to `gqa_attention` (faster bf16 decode steps than sdpa or
-    eager; measured: BENCHMARKS.md, "Smaller measurements the code's choices rest on"); a no-op
-    on GPUs, where sdpa is the fast path.
+def prepare_for_decoding(model) -> None:
+    """Ready a transformers target for cached decoding (data regeneration, speculative eval):
+
+    - its output head gets contiguous input. With logits_to_keep, transformers hands the head
+      hidden[:, -k:] [B, k, D], a strided view, and torch's matmul turns a strided 3-D input
+      into a bmm against the weight expanded to [B, D, V]: a copy of B whole heads (measured:
+      16 rows of SmolLM2's 576 x 49152 head, ~1 s per prefill on 2 CPU cores; a contiguous
+      input is one GEMM, ~7 ms). On any device.
+    - on the CPU, attention switches to `gqa_attention` (faster bf16 decode steps than sdpa or
+      eager; measured: BENCHMARKS.md, "Smaller measurements the code's choices rest on").
 
     Rows stay independent and exact up to matmul rounding, so greedy outputs are unchanged
-    (tests compare with transformers' own generate and with unbatched decoding).
+    (tests compare with transformers' own generate and with unbatched decoding). Idempotent.
     """
+    head = model.get_output_embeddings()
+    if head is not None and not getattr(head, "_eagleforge_contiguous_input", False):
+        head.register_forward_pre_hook(lambda module, args: (args[0].contiguous(), *args[1:]))
+        head._eagleforge_contiguous_input = True
     if next(model.parameters()).device.type != "cpu" or getattr(model.config, "_attn_implementation", None) == CPU_ATTENTION:
         return
     from transformers import AttentionInterface
