@@ -28,7 +28,8 @@ the draft's branch there; at a tie it takes the target's, which has no gradient)
 with c_ce = lam w, c_g = -(1 - lam) w (lambda) and c_ce = 0, c_g = -w / alpha (alpha; 0 below
 the floor, where the loss is the constant -log ALPHA_FLOOR). Each row's (c_ce, c_acc) pair is
 its weight [rows, 2]; the row pass reads nothing of other rows, so it runs inside the chunk loops
-the soft cross-entropy runs in (kernels/rows.py: row_loss_forward, ttt_forward per step or packed):
+the soft cross-entropy runs in (kernels/chunk_loops.py: row_loss_forward, ttt_forward per step
+or packed):
 same chunking, matmuls and buffers, gradients computed in the forward, which the backward only
 scales by the upstream gradient. Only lam needs the whole batch: the lambda variant first runs
 those loops WITHOUT gradients to get abar per step (one more draft-logits matmul per step, and the
@@ -61,11 +62,11 @@ from typing import Sequence
 
 import torch
 
-from eagleforge.kernels import rows
+from eagleforge.kernels import chunk_loops, grads_kept, row_triton, rows
 from eagleforge.kernels.optional_triton import HAS_TRITON, tl, triton
 
 if HAS_TRITON:
-    from eagleforge.kernels.rows import row_block, row_operands, row_pass1
+    from eagleforge.kernels.row_triton import row_block, row_operands, row_pass1
 
 VARIANTS = ("lambda", "alpha")  # SpecForge's lk_loss_type: the adaptive mix of CE and 1 - acceptance, -log acceptance
 # -log of an acceptance below this is this constant (no gradient): only an exact 0 (every q_v
@@ -146,8 +147,8 @@ def _lk_rows_triton(logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_
                     teacher_index: torch.Tensor | None = None, teacher_psum: torch.Tensor | None = None, *, kind: int):
     """Triton row pass (rows.RowsFn) with weight [c, 2] fp32 = (c_ce, c_acc): logits [c, Vd]
     (overwritten with G unless kind is ACCEPT) -> (loss_rows [c] fp32, argmax [c]).
-    rows.launch_rows checks the operands (the message names them) before the launch."""
-    return rows.launch_rows(_lk_rows_kernel, logits, teacher_logits, teacher_lse, weight, teacher_index, teacher_psum,
+    row_triton.launch_rows checks the operands (the message names them) before the launch."""
+    return row_triton.launch_rows(_lk_rows_kernel, logits, teacher_logits, teacher_lse, weight, teacher_index, teacher_psum,
                             ALPHA_FLOOR, weights_per_row=2, KIND=kind)
 
 
@@ -217,20 +218,20 @@ def _mean(weighted_sum: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def _lk_forward(draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight, need_grad_h,
                 need_grad_head, chunk, backend, variant, kl_scale, kl_decay):
-    """(loss fp32 scalar, argmax [N], grad_hidden | None, grad_head | None) through rows.py's chunk
+    """(loss fp32 scalar, argmax [N], grad_hidden | None, grad_head | None) through chunk_loops.py's
     loop with the LK row pass; lambda: a first pass without gradients for abar."""
     args = (draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse)
     mean_acc = None
     if variant == "lambda":
         accept = torch.stack([torch.zeros_like(weight), weight], -1)
-        acc_sum, _, _, _ = rows.row_loss_forward(*args, accept, False, False, chunk, lk_rows_fn(backend, ACCEPT))
+        acc_sum, _, _, _ = chunk_loops.row_loss_forward(*args, accept, False, False, chunk, lk_rows_fn(backend, ACCEPT))
         mean_acc = _mean(acc_sum, weight)
     pairs = _row_weights(weight, mean_acc, variant, kl_scale, kl_decay)
-    return rows.row_loss_forward(*args, pairs, need_grad_h, need_grad_head, chunk,
+    return chunk_loops.row_loss_forward(*args, pairs, need_grad_h, need_grad_head, chunk,
                                  lk_rows_fn(backend, LINEAR if variant == "lambda" else LOG))
 
 
-class LKLossFunction(rows.GradsKeptFunction):
+class LKLossFunction(grads_kept.GradsKeptFunction):
     """fused_lk_loss with a gradient: d loss / d draft_hidden and d loss / d draft_head."""
 
     @staticmethod
@@ -240,7 +241,7 @@ class LKLossFunction(rows.GradsKeptFunction):
             draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight, ctx.needs_input_grad[0],
             ctx.needs_input_grad[1], chunk, backend, variant, kl_scale, kl_decay,
         )
-        rows.keep_grads(ctx, backend, (grad_hidden, grad_head), (argmax,), lead=2)
+        grads_kept.keep_grads(ctx, backend, (grad_hidden, grad_head), (argmax,), lead=2)
         return loss, argmax
 
 
@@ -269,7 +270,7 @@ def fused_lk_loss(draft_hidden: torch.Tensor, draft_head: torch.Tensor, teacher_
 @torch.no_grad()
 def _lk_ttt_forward(draft_hiddens, draft_head, teacher_hidden, teacher_head, weight, shift, need_grad_h,
                     need_grad_head, chunk, backend, packed, variant, kl_scale, kl_decay):
-    """rows.py's TTT loops (per step or packed) with the LK row pass; lambda: a first pass
+    """chunk_loops.py's TTT loops (per step or packed) with the LK row pass; lambda: a first pass
     without gradients for each step's abar. -> (step_losses [K], argmax [K, N], grads_h, grad_head)."""
     k_steps, n_rows = weight.shape
     # Rows without a teacher are never scored: their weight must not count in abar's denominator
@@ -281,15 +282,15 @@ def _lk_ttt_forward(draft_hiddens, draft_head, teacher_hidden, teacher_head, wei
     mean_acc = None
     if variant == "lambda":
         accept = torch.stack([torch.zeros_like(weight), weight], -1)  # [K, N, 2]
-        acc_sums, _, _, _ = rows.ttt_forward(*args, accept, shift, [False] * k_steps, False, chunk, backend,
+        acc_sums, _, _, _ = chunk_loops.ttt_forward(*args, accept, shift, [False] * k_steps, False, chunk, backend,
                                              lk_rows_fn(backend, ACCEPT), packed)
         mean_acc = _mean(acc_sums, weight)  # [K]
     pairs = _row_weights(weight, mean_acc, variant, kl_scale, kl_decay)  # [K, N, 2]
-    return rows.ttt_forward(*args, pairs, shift, need_grad_h, need_grad_head, chunk, backend,
+    return chunk_loops.ttt_forward(*args, pairs, shift, need_grad_h, need_grad_head, chunk, backend,
                             lk_rows_fn(backend, LINEAR if variant == "lambda" else LOG), packed)
 
 
-class LKLossTTTFunction(rows.GradsKeptFunction):
+class LKLossTTTFunction(grads_kept.GradsKeptFunction):
     """fused_lk_loss_ttt with a gradient: the gradients of the head and of each step's hidden
     states. -> (loss = sum of the steps, step_losses [K], argmax [K, N])."""
 
@@ -300,7 +301,7 @@ class LKLossTTTFunction(rows.GradsKeptFunction):
             draft_hiddens, draft_head, teacher_hidden, teacher_head, weight, shift, ctx.needs_input_grad[11:],
             ctx.needs_input_grad[0], chunk, backend, packed, variant, kl_scale, kl_decay,
         )
-        rows.keep_grads(ctx, backend, (grad_head, *grads_hidden), (step_losses, argmax), lead=1)
+        grads_kept.keep_grads(ctx, backend, (grad_head, *grads_hidden), (step_losses, argmax), lead=1)
         return step_losses.sum(), step_losses, argmax
 
 

@@ -16,7 +16,7 @@ gradient is exactly that of the formula) and q_n = softmax(z_n):
     dloss/ddraft_hidden = G @ W        dloss/dW = G.T @ draft_hidden
 
 As in Liger-Kernel's fused linear losses, the gradients are computed during the forward and the
-backward only scales them by the upstream gradient. Per chunk of rows (kernels/rows.py's chunk
+backward only scales them by the upstream gradient. Per chunk of rows (kernels/chunk_loops.py's
 loop) the four matmuls are cuBLAS / torch.mm in the input dtype into preallocated [C, Vd]
 buffers, and the row pass below computes lse, argmax, CE and writes G over the logits: the
 Triton kernel (CUDA default) in one program per row over Vd blocks, or the same math in plain
@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import torch
 
-from eagleforge.kernels import rows
+from eagleforge.kernels import chunk_loops, grads_kept, row_triton, rows
 from eagleforge.kernels.optional_triton import HAS_TRITON, tl, triton
+from eagleforge.kernels.teacher_lse import teacher_lse_fns
 
 if HAS_TRITON:
-    from eagleforge.kernels.rows import row_block, row_operands, row_pass1
+    from eagleforge.kernels.row_triton import row_block, row_operands, row_pass1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -80,9 +81,9 @@ if HAS_TRITON:
 def _rows_triton(logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_lse: torch.Tensor, weight: torch.Tensor,
                  teacher_index: torch.Tensor | None = None, teacher_psum: torch.Tensor | None = None):
     """Triton row pass (rows.RowsFn): logits [c, Vd] (overwritten with G in its dtype), weight [c]
-    fp32 -> (weight * CE [c] fp32, argmax [c] int64). rows.launch_rows checks the operands
+    fp32 -> (weight * CE [c] fp32, argmax [c] int64). row_triton.launch_rows checks the operands
     (devices, shapes, dtypes, strides; the message names them) before the launch."""
-    return rows.launch_rows(_soft_ce_rows_kernel, logits, teacher_logits, teacher_lse, weight, teacher_index, teacher_psum)
+    return row_triton.launch_rows(_soft_ce_rows_kernel, logits, teacher_logits, teacher_lse, weight, teacher_index, teacher_psum)
 
 
 def _rows_torch(logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_lse: torch.Tensor, weight: torch.Tensor,
@@ -116,7 +117,7 @@ def teacher_logsumexp(teacher_hidden: torch.Tensor, teacher_head: torch.Tensor, 
     The logits are a matmul in the input dtype, the lse is fp32."""
     rows.check_pair(teacher_hidden, teacher_head, "teacher_hidden", "teacher_head")
     backend = rows.resolve_backend(backend, teacher_hidden.device)
-    lse_fn = rows.teacher_lse_fns(backend)[0]
+    lse_fn = teacher_lse_fns(backend)[0]
     n_rows, vocab = teacher_hidden.shape[0], teacher_head.shape[0]
     chunk = chunk_tokens or rows.default_chunk_tokens(vocab, teacher_head.dtype, teacher_hidden.device)
     rows.check_chunk(chunk)
@@ -137,13 +138,13 @@ def teacher_logsumexp(teacher_hidden: torch.Tensor, teacher_head: torch.Tensor, 
 
 def _forward(draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight, need_grad_hidden,
              need_grad_head, chunk, backend):
-    """-> (loss fp32 scalar, argmax [N], grad_hidden | None, grad_head | None): rows.py's chunk
+    """-> (loss fp32 scalar, argmax [N], grad_hidden | None, grad_head | None): chunk_loops.py's
     loop (draft and teacher logits, the row pass, the gradient matmuls) with this file's row pass."""
-    return rows.row_loss_forward(draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight,
+    return chunk_loops.row_loss_forward(draft_hidden, draft_head, teacher_hidden, teacher_head, teacher_lse, weight,
                                  need_grad_hidden, need_grad_head, chunk, row_pass(backend))
 
 
-class SoftCrossEntropyFunction(rows.GradsKeptFunction):
+class SoftCrossEntropyFunction(grads_kept.GradsKeptFunction):
     """fused_soft_cross_entropy with a gradient: d loss / d draft_hidden and d loss / d draft_head."""
 
     @staticmethod
@@ -151,7 +152,7 @@ class SoftCrossEntropyFunction(rows.GradsKeptFunction):
         loss, argmax, grad_hidden, grad_head = _forward(draft_hidden, draft_head, teacher_hidden, teacher_head,
                                                         teacher_lse, weight, ctx.needs_input_grad[0],
                                                         ctx.needs_input_grad[1], chunk, backend)
-        rows.keep_grads(ctx, backend, (grad_hidden, grad_head), (argmax,), lead=2)
+        grads_kept.keep_grads(ctx, backend, (grad_hidden, grad_head), (argmax,), lead=2)
         return loss, argmax
 
 

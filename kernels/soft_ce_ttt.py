@@ -5,7 +5,7 @@ matmuls, not four, and the teacher lse needs no separate pass. The packed form s
 without a teacher.
 
 The math, its gradient and the row pass (Triton kernel and CPU path) are soft_ce.py's; the chunk
-loops over teacher positions (per step or packed) are kernels/rows.py's `ttt_forward`, shared
+loops over teacher positions (per step or packed) are kernels/chunk_loops.py's `ttt_forward`, shared
 with the LK loss. This file holds the autograd Function and the op.
 """
 
@@ -15,21 +15,21 @@ from typing import Sequence
 
 import torch
 
-from eagleforge.kernels import rows
+from eagleforge.kernels import chunk_loops, grads_kept, rows
 from eagleforge.kernels.soft_ce import row_pass
 
 
-class SoftCrossEntropyTTTFunction(rows.GradsKeptFunction):
+class SoftCrossEntropyTTTFunction(grads_kept.GradsKeptFunction):
     """fused_soft_cross_entropy_ttt with a gradient: the gradients of the head and of each step's
     hidden states. -> (loss = sum of the steps, step_losses [K], argmax [K, N])."""
 
     @staticmethod
     def forward(ctx, draft_head, teacher_hidden, teacher_head, weight, shift, chunk, backend, packed, *draft_hiddens):
-        step_losses, argmax, grads_hidden, grad_head = rows.ttt_forward(
+        step_losses, argmax, grads_hidden, grad_head = chunk_loops.ttt_forward(
             draft_hiddens, draft_head, teacher_hidden, teacher_head, weight, shift, ctx.needs_input_grad[8:],
             ctx.needs_input_grad[0], chunk, backend, row_pass(backend), packed,
         )
-        rows.keep_grads(ctx, backend, (grad_head, *grads_hidden), (step_losses, argmax), lead=1)
+        grads_kept.keep_grads(ctx, backend, (grad_head, *grads_hidden), (step_losses, argmax), lead=1)
         return step_losses.sum(), step_losses, argmax
 
 
@@ -40,7 +40,7 @@ def fused_soft_cross_entropy_ttt(draft_hiddens: Sequence[torch.Tensor], draft_he
     """All K TTT steps in one call, the teacher logits computed once per position.
 
     packed: run the K steps of each teacher chunk as ONE set of matmuls over their packed rows
-    (rows.ttt_forward); chunk_tokens then bounds the packed rows per chunk, so the [C, Vd]
+    (chunk_loops.ttt_forward); chunk_tokens then bounds the packed rows per chunk, so the [C, Vd]
     buffers are the same size either way. Same numbers up to the order of the grad-head sum.
 
     draft_hiddens: K tensors [N, H] (step j's normed draft states, rows = flat positions);
@@ -60,7 +60,7 @@ def fused_soft_cross_entropy_ttt(draft_hiddens: Sequence[torch.Tensor], draft_he
     packed = bool(packed)
     if rows.wants_grad(draft_head, *draft_hiddens):
         return SoftCrossEntropyTTTFunction.apply(*args, teacher_shift, chunk, backend, packed, *draft_hiddens)
-    step_losses, argmax, _, _ = rows.ttt_forward(draft_hiddens, *args, teacher_shift, [False] * len(draft_hiddens),
+    step_losses, argmax, _, _ = chunk_loops.ttt_forward(draft_hiddens, *args, teacher_shift, [False] * len(draft_hiddens),
                                                  False, chunk, backend, row_pass(backend), packed)
     return step_losses.sum(), step_losses, argmax
 

@@ -15,8 +15,8 @@ import sys
 import pytest
 import torch
 
-from eagleforge.kernels import rows as row_kernels
-from eagleforge.kernels import soft_ce, soft_ce_ttt
+from eagleforge.kernels import grads_kept, row_triton, soft_ce, soft_ce_ttt
+from eagleforge.kernels import teacher_lse as teacher_lse_kernels
 
 INNER = os.environ.get("EAGLEFORGE_TRITON_INNER") == "1"  # set by test_triton_interpreter's subprocess
 BACKEND = "triton" if INNER else "torch"
@@ -533,10 +533,10 @@ def test_triton_kernels_build_for_sm90(has_tidx, has_psum):
     pytest.importorskip("triton")
     from triton_build import build_sm90
 
-    block, warps = row_kernels.launch_config(32000)
+    block, warps = row_triton.launch_config(32000)
     fp32 = {"tlse_ptr": "*fp32", "psum_ptr": "*fp32", "w_ptr": "*fp32", "loss_ptr": "*fp32", "out_ptr": "*fp32"}
     rows = build_sm90(soft_ce._soft_ce_rows_kernel, dict(BLOCK=block, HAS_TIDX=has_tidx, HAS_PSUM=has_psum),
                       {**fp32, "tidx_ptr": "*i32" if has_tidx else "*fp32", "argmax_ptr": "*i64"}, num_warps=warps)
-    lse = build_sm90(row_kernels._row_lse_kernel, dict(BLOCK=block, WITH_PSUM=has_psum), fp32, num_warps=warps)
-    scale = build_sm90(row_kernels._scale_kernel, dict(BLOCK=row_kernels._SCALE_BLOCK), {"up_ptr": "*fp32"}, num_warps=8)
+    lse = build_sm90(teacher_lse_kernels._row_lse_kernel, dict(BLOCK=block, WITH_PSUM=has_psum), fp32, num_warps=warps)
+    scale = build_sm90(grads_kept._scale_kernel, dict(BLOCK=grads_kept._SCALE_BLOCK), {"up_ptr": "*fp32"}, num_warps=8)
     assert rows.asm["cubin"] and lse.asm["cubin"] and scale.asm["cubin"]

@@ -23,8 +23,7 @@ from test_kernels import (  # noqa: F401 - poisoned_empty: a fixture
     run_interpreted,
 )
 
-from eagleforge.kernels import lk, soft_ce
-from eagleforge.kernels import rows as row_kernels
+from eagleforge.kernels import lk, row_triton, soft_ce
 from eagleforge.train.loss import lk_loss, lk_loss_ttt
 
 INNER = os.environ.get("EAGLEFORGE_TRITON_INNER") == "1"  # set by test_triton_interpreter's subprocess
@@ -253,7 +252,7 @@ def test_triton_kernel_builds_for_sm90(kind, has_tidx, has_psum):
     pytest.importorskip("triton")
     from triton_build import build_sm90
 
-    block, warps = row_kernels.launch_config(32000)
+    block, warps = row_triton.launch_config(32000)
     fp32 = {"tlse_ptr": "*fp32", "psum_ptr": "*fp32", "w_ptr": "*fp32", "loss_ptr": "*fp32"}
     rows = build_sm90(lk._lk_rows_kernel, dict(BLOCK=block, HAS_TIDX=has_tidx, HAS_PSUM=has_psum, KIND=kind),
                       {**fp32, "tidx_ptr": "*i32" if has_tidx else "*fp32", "argmax_ptr": "*i64"},
