@@ -60,12 +60,16 @@ def run_main(main: typing.Callable[[Config], Any], description: str, argv: list[
         failures.watch_other_ranks()  # and within seconds of another rank's failure
         _sweep_killed_writes(cfg)
         main(cfg)
-        failures.stop_watching()
     except (ConfigError, FileNotFoundError, UserInputError) as err:
         failures.exit_with_user_error(err)
     except Exception as err:
         failures.exit_if_another_rank_failed(err)  # a rank blocked by another rank's user error: silent
         raise
+    finally:
+        # Also on the way out with an error: a watcher thread still inside a store call (C++) while
+        # the interpreter shuts down aborts the process (SIGABRT, "terminate called without an
+        # active exception"), seen when a rank failed before the store was up.
+        failures.stop_watching()
 
 
 def check_run_dir(run: Path) -> None:

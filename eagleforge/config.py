@@ -149,7 +149,7 @@ class DataConfig:
     regenerate: bool = True  # have the target answer the prompts (greedy)
     max_new_tokens: int = 160
     # prompts answered together in-process: on 2 CPU cores 64 gives 1.6x the new tokens/s of 16,
-    # 128 no more (BENCHMARKS.md, "Where the CPU default's time goes"); GPUs want hundreds
+    # 128 no more (BENCHMARKS.md, "CPU: the embedded default end to end"); GPUs want hundreds
     gen_batch_size: int = 64
     max_length: int = 2048
     overlong: str = "truncate"  # truncate | drop
