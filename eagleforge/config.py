@@ -220,7 +220,7 @@ class DraftConfig:
 
 @dataclass
 class TrainConfig:
-    epochs: int = 6  # 3 measured 1.71 on HumanEval, 6: 1.87 (BENCHMARKS.md); ~7.5 more CPU minutes (make extract train: 26.7 min)
+    epochs: int = 6  # each epoch fewer cost 3-5% held-out acceptance (BENCHMARKS.md, "Training tokens against acceptance")
     max_steps: int = 0  # 0 = as many as the epochs take
     batch_tokens: int = 2048  # padded tokens per batch (whole samples, one per row)
     grad_accum: int = 1
