@@ -4,7 +4,7 @@
 # fewer tokens, take larger or smaller steps, another learning rate, fewer positions or a smaller
 # draft vocabulary, each with the choices the CPU resolves (fp32 parameters, no checkpointing,
 # eager), two seeds each; the held-out simulated acceptance at k = 5 per row, paired with the
-# default's recipe (BENCHMARKS.md, "CPU: the embedded default end to end"). Usage:
+# default's recipe (BENCHMARKS.md, "Training tokens against acceptance"). Usage:
 #   bash benchmarks/default_recipe.sh [RUN] [section.key=value ...]   # ~10 minutes on one H100, rows four at a time
 #   DEVICE=cpu bash benchmarks/default_recipe.sh runs/r data.num_prompts=160 data.max_new_tokens=8 train.max_steps=2   # a check of the script
 # A larger held-out set than the default's 32 samples (128) makes the figures steadier; every row
@@ -24,11 +24,11 @@ $PY -m eagleforge.vocab run_dir="$RUN-vd2048" target.device=$DEVICE vocab.draft_
 
 CPU_CHOICES="train.device=$DEVICE train.param_dtype=float32 train.activation_checkpoint=none train.compile=false
   train.save_every=0 train.holdout_samples=128"
-EXTRA="$*"
+EXTRA=("$@")  # the command line's overrides, for every row too
 row() {  # row LABEL RUN section.key=value...: one row of two seeds, its log and JSON under OUT
   local label=$1 run=$2; shift 2
   $PY benchmarks/bench_quality.py --run "$run" --no-eval --only ours --seeds 0 1 --label "$label" \
-    --out "$OUT/$label" --json "$OUT/$label.json" $CPU_CHOICES "$@" $EXTRA > "$OUT/$label.log" 2>&1
+    --out "$OUT/$label" --json "$OUT/$label.json" $CPU_CHOICES "$@" "${EXTRA[@]}" > "$OUT/$label.log" 2>&1
 }
 row "6 epochs (default)" "$RUN" &
 row "5 epochs" "$RUN" train.epochs=5 &
